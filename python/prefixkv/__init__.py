@@ -1,0 +1,1 @@
+"""prefixkv: exact, safe, fast prefix caching for LLM inference engines."""
