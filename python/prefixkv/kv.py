@@ -1,0 +1,504 @@
+"""Paged KV storage: where the keys and values of cached tokens live, and the copies between pages.
+
+Layout
+------
+The cache owns one tensor, ``storage``, shaped
+``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V, layer, block,
+token-in-block, KV head, head dim), contiguous. ``key_pages`` and ``value_pages`` are its two
+halves, so ``key_pages[layer]`` is a contiguous ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` tensor: one block of one layer is a single contiguous slab of
+``block_size * num_kv_heads * head_dim`` elements, and a tile of whole pages is one gather. This
+is the layout vLLM's paged attention reads (one layer's pages, indexed by block id) and the one
+`prefixkv.attention` expects.
+
+A token's *slot* is ``block_id * block_size + offset_in_block``: its row in the flattened
+``[num_blocks * block_size, num_kv_heads, head_dim]`` view of one layer's pages.
+
+Keeping K and V of every layer in one allocation means a whole-block copy (copy-on-write of a
+partial block, compaction, moving blocks to a host tier) is a single indexed copy for all layers
+at once, instead of ``2 * num_layers`` small ones.
+
+What is checked, and when it costs a device sync
+------------------------------------------------
+Shapes, dtypes and devices are tensor metadata: they are always checked, for free. Range checks
+on ids (slots, block ids) need their values. When the ids arrive as Python sequences or CPU
+tensors that is cheap and always done (``check_bounds=None``, the default). When they arrive as
+CUDA tensors, reading them back would stall the host on the GPU once per layer per step, so the
+default skips the check there; pass ``check_bounds=True`` to pay for it (one reduction and one
+sync), ``False`` to skip it everywhere. An unchecked out-of-range id on CUDA trips a device-side
+assertion in torch, which is unrecoverable for the process: check during development.
+
+Every failed check raises before any page is touched, so a rejected call leaves the cache as it
+was.
+
+Errors
+------
+All errors are subclasses of `PagedKVError`, itself an `prefixkv.errors.InvalidInputError`
+(so both a `prefixkv.PrefixKVError` and a `ValueError`). An out-of-range block id or slot is a
+`KVIndexError`; it is a `ValueError` rather than an `IndexError` because it is a bad argument
+value like the others, and one ``except ValueError`` then covers every bad input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+from torch import Tensor
+
+from prefixkv.errors import InvalidInputError
+
+__all__ = [
+    "BlockIds",
+    "KVDeviceError",
+    "KVDtypeError",
+    "KVIndexError",
+    "KVShapeError",
+    "PagedKVCache",
+    "PagedKVError",
+]
+
+#: Block ids or slots as engines hold them: a list of ints or an integer tensor (any device).
+BlockIds: TypeAlias = Sequence[int] | Tensor
+
+
+class PagedKVError(InvalidInputError):
+    """Base class for invalid arguments to paged KV storage or paged attention."""
+
+
+class KVShapeError(PagedKVError):
+    """A tensor has the wrong shape, or lengths that disagree with each other."""
+
+
+class KVDtypeError(PagedKVError):
+    """A tensor has the wrong dtype (values that differ from the pages, or non-integer ids)."""
+
+
+class KVDeviceError(PagedKVError):
+    """A tensor lives on a different device than the pages it is used with."""
+
+
+class KVIndexError(PagedKVError):
+    """A block id or slot is out of range, or a destination is repeated in one call."""
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _positive_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KVShapeError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _is_free_to_read(ids: BlockIds) -> bool:
+    """True when reading the id values back costs no device synchronisation."""
+    return not isinstance(ids, Tensor) or ids.device.type == "cpu"
+
+
+def as_index_tensor(
+    ids: BlockIds,
+    *,
+    name: str,
+    upper: int,
+    device: torch.device,
+    check_bounds: bool | None,
+    require_unique: bool = False,
+) -> Tensor:
+    """Validate ids (values in ``[0, upper)``) and return them as a 1-D int64 tensor on `device`.
+
+    Shared by every call that takes ids, so all of them follow the module's rule on when a range
+    check is done (see the module docstring). Uniqueness is only checked where the check is free:
+    a repeated destination makes an indexed copy nondeterministic, but proving there is none on
+    CUDA would cost a sync, and the callers that pass CUDA ids are engines that already own
+    distinct blocks.
+    """
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise KVDtypeError(f"{name} must hold integers, got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise KVShapeError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+        tensor = ids
+    else:
+        values = list(ids)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise KVDtypeError(f"{name} must hold ints, got {values!r}")
+        tensor = torch.tensor(values, dtype=torch.int64)
+    free = _is_free_to_read(tensor)
+    if tensor.numel() > 0 and (check_bounds or (check_bounds is None and free)):
+        low, high = (int(x) for x in torch.aminmax(tensor))
+        if low < 0 or high >= upper:
+            bad = low if low < 0 else high
+            raise KVIndexError(f"{name} contains {bad}, outside the valid range [0, {upper})")
+    if require_unique and free and tensor.numel() > 1 and tensor.unique().numel() != tensor.numel():
+        raise KVIndexError(f"{name} repeats an id; each destination may be written once per call")
+    return tensor.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+class PagedKVCache:
+    """K and V pages for every layer of one model, with batched copies in and out of them.
+
+    Parameters are the geometry of the cache; ``pin_memory=True`` allocates the storage in pinned
+    host memory (CPU only), which a host tier needs for asynchronous copies to and from a CUDA
+    cache.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        self.num_layers = _positive_int(num_layers, "num_layers")
+        self.num_blocks = _positive_int(num_blocks, "num_blocks")
+        self.block_size = _positive_int(block_size, "block_size")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        if dtype not in _FLOAT_DTYPES:
+            raise KVDtypeError(f"dtype must be a floating point dtype, got {dtype}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if pin_memory and self.device.type != "cpu":
+            raise KVDeviceError(f"pin_memory applies to host caches only, not {self.device}")
+        # Zeros, not empty: attention reads whole pages, and garbage past the last token of a
+        # partial block could be NaN, which a zero softmax weight does not cancel (0 * NaN = NaN).
+        self.storage = torch.zeros(
+            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+            pin_memory=pin_memory,
+        )
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> PagedKVCache:
+        """The largest cache whose pages fit in `budget_bytes` (K and V of all layers)."""
+        if dtype not in _FLOAT_DTYPES:
+            raise KVDtypeError(f"dtype must be a floating point dtype, got {dtype}")
+        per_block = cls._bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = int(budget_bytes) // per_block
+        if num_blocks < 1:
+            raise KVShapeError(
+                f"a budget of {budget_bytes} bytes holds no block; one block takes {per_block}"
+            )
+        return cls(
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
+            pin_memory=pin_memory,
+        )
+
+    @staticmethod
+    def _bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        for value, name in (
+            (num_layers, "num_layers"),
+            (block_size, "block_size"),
+            (num_kv_heads, "num_kv_heads"),
+            (head_dim, "head_dim"),
+        ):
+            _positive_int(value, name)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs: its K and V pages in every layer."""
+        return self._bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def key_pages(self) -> Tensor:
+        """``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; index by layer."""
+        return self.storage[0]
+
+    @property
+    def value_pages(self) -> Tensor:
+        """``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``; index by layer."""
+        return self.storage[1]
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.device.type == "cpu" and self.storage.is_pinned()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+        )
+
+    # -- validation helpers -------------------------------------------------------------------
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise KVIndexError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < self.num_layers:
+            raise KVIndexError(f"layer {layer} is outside [0, {self.num_layers})")
+
+    def _check_token_tensor(self, tensor: Tensor, name: str) -> int:
+        """Check a ``[num_tokens, num_kv_heads, head_dim]`` K or V tensor; return num_tokens."""
+        if not isinstance(tensor, Tensor):
+            raise KVDtypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        expected_tail = (self.num_kv_heads, self.head_dim)
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected_tail:
+            raise KVShapeError(
+                f"{name} must be [num_tokens, {self.num_kv_heads}, {self.head_dim}], "
+                f"got {tuple(tensor.shape)}"
+            )
+        if tensor.dtype != self.dtype:
+            raise KVDtypeError(f"{name} has dtype {tensor.dtype}, the cache holds {self.dtype}")
+        if tensor.device != self.device:
+            raise KVDeviceError(f"{name} is on {tensor.device}, the cache is on {self.device}")
+        return int(tensor.shape[0])
+
+    def _block_ids(
+        self, ids: BlockIds, name: str, check_bounds: bool | None, *, unique: bool = False
+    ) -> Tensor:
+        return as_index_tensor(
+            ids,
+            name=name,
+            upper=self.num_blocks,
+            device=self.device,
+            check_bounds=check_bounds,
+            require_unique=unique,
+        )
+
+    def _check_same_geometry(self, other: PagedKVCache) -> None:
+        mine = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        theirs = (other.num_layers, other.block_size, other.num_kv_heads, other.head_dim)
+        if mine != theirs:
+            raise KVShapeError(
+                "caches differ in (num_layers, block_size, num_kv_heads, head_dim): "
+                f"{mine} vs {theirs}"
+            )
+        if self.dtype != other.dtype:
+            raise KVDtypeError(f"caches differ in dtype: {self.dtype} vs {other.dtype}")
+
+    # -- page copies ------------------------------------------------------------------------
+
+    def write(
+        self,
+        layer: int,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: BlockIds,
+        *,
+        check_bounds: bool | None = None,
+    ) -> None:
+        """Store the K and V of `num_tokens` tokens of one layer at their slots.
+
+        `key` and `value` are ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype and
+        on its device; ``slot_mapping[i]`` is token i's slot (``block_id * block_size +
+        offset``). Slots must be distinct (checked when free, see the module docstring). One
+        indexed copy each for K and V, whatever the number of tokens.
+        """
+        self._check_layer(layer)
+        num_keys = self._check_token_tensor(key, "key")
+        num_values = self._check_token_tensor(value, "value")
+        slots = as_index_tensor(
+            slot_mapping,
+            name="slot_mapping",
+            upper=self.num_slots,
+            device=self.device,
+            check_bounds=check_bounds,
+            require_unique=True,
+        )
+        if not num_keys == num_values == slots.numel():
+            raise KVShapeError(
+                f"key has {num_keys} tokens, value {num_values}, slot_mapping {slots.numel()}"
+            )
+        flat_shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        self.storage[0, layer].view(flat_shape).index_copy_(0, slots, key)
+        self.storage[1, layer].view(flat_shape).index_copy_(0, slots, value)
+
+    def copy_blocks(
+        self,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        *,
+        check_bounds: bool | None = None,
+    ) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]``, K and V of every layer, in one indexed copy.
+
+        For copy-on-write of a shared partial block and for compaction. All sources are read
+        before any destination is written, so a chain like ``[a, b] -> [b, c]`` copies the old
+        contents of ``b`` to ``c``. Destinations must be distinct.
+        """
+        self.copy_blocks_to(
+            self, src_block_ids, dst_block_ids, non_blocking=False, check_bounds=check_bounds
+        )
+
+    def copy_blocks_to(
+        self,
+        other: PagedKVCache,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        *,
+        non_blocking: bool = True,
+        check_bounds: bool | None = None,
+    ) -> None:
+        """Copy blocks ``self[src[i]] -> other[dst[i]]``, all layers, possibly across devices.
+
+        `other` must have the same geometry and dtype; its device may differ, which is how
+        blocks move between a CUDA cache and a host tier. The blocks are gathered on the source
+        device into one contiguous buffer, moved in one transfer, and scattered on the
+        destination device, so the cost is three operations whatever the number of blocks.
+
+        With ``non_blocking=True``: host -> CUDA stages through pinned memory and returns
+        without waiting for the transfer (the copy is ordered on the current stream, so kernels
+        launched after it see the data). CUDA -> host cannot be fully asynchronous, because the
+        host must see the bytes before it scatters them into its pages: it waits for this
+        transfer (not for the whole device) before returning.
+        """
+        if not isinstance(other, PagedKVCache):
+            raise KVDtypeError(f"other must be a PagedKVCache, got {type(other).__name__}")
+        self._check_same_geometry(other)
+        src = self._block_ids(src_block_ids, "src_block_ids", check_bounds)
+        dst = other._block_ids(dst_block_ids, "dst_block_ids", check_bounds, unique=True)
+        if src.numel() != dst.numel():
+            raise KVShapeError(
+                f"src_block_ids has {src.numel()} ids but dst_block_ids has {dst.numel()}"
+            )
+        if src.numel() == 0:
+            return
+        block_axis = 2
+        to_cuda_async = non_blocking and self.device.type == "cpu" and other.device.type == "cuda"
+        if to_cuda_async and not self.is_pinned:
+            # Gather straight into pinned memory: the DMA engine can only read pinned pages
+            # without a hidden, synchronous staging copy. torch's caching host allocator keeps
+            # this buffer alive until the transfer that reads it has finished.
+            shape = list(self.storage.shape)
+            shape[block_axis] = src.numel()
+            gathered = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            torch.index_select(self.storage, block_axis, src, out=gathered)
+        else:
+            gathered = self.storage.index_select(block_axis, src)
+        if other.device != self.device:
+            gathered = _transfer(gathered, other.device, non_blocking=non_blocking)
+        other.storage.index_copy_(block_axis, dst, gathered)
+
+    def swap_out(
+        self,
+        block_ids: BlockIds,
+        host_cache: PagedKVCache,
+        host_block_ids: BlockIds,
+        *,
+        check_bounds: bool | None = None,
+    ) -> None:
+        """Copy device blocks ``block_ids[i]`` to ``host_cache`` blocks ``host_block_ids[i]``."""
+        self.copy_blocks_to(host_cache, block_ids, host_block_ids, check_bounds=check_bounds)
+
+    def swap_in(
+        self,
+        host_cache: PagedKVCache,
+        host_block_ids: BlockIds,
+        block_ids: BlockIds,
+        *,
+        check_bounds: bool | None = None,
+    ) -> None:
+        """Copy ``host_cache`` blocks ``host_block_ids[i]`` into device blocks ``block_ids[i]``."""
+        host_cache.copy_blocks_to(self, host_block_ids, block_ids, check_bounds=check_bounds)
+
+    def gather(
+        self,
+        layer: int,
+        block_table: BlockIds,
+        num_tokens: int,
+        *,
+        check_bounds: bool | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """K and V of one request's first `num_tokens` tokens, as contiguous copies.
+
+        ``block_table[j]`` is the block holding the request's tokens ``j * block_size`` to
+        ``(j + 1) * block_size - 1``; entries past the blocks that `num_tokens` needs are
+        ignored (engines pad tables). Returns two ``[num_tokens, num_kv_heads, head_dim]``
+        tensors.
+        """
+        self._check_layer(layer)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise KVShapeError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        return gather_pages(
+            self.storage[0, layer],
+            self.storage[1, layer],
+            block_table,
+            num_tokens,
+            check_bounds=check_bounds,
+        )
+
+
+def gather_pages(
+    key_pages: Tensor,
+    value_pages: Tensor,
+    block_table: BlockIds,
+    num_tokens: int,
+    *,
+    check_bounds: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Contiguous K and V of tokens ``0 .. num_tokens-1`` of one layer's pages via a block table.
+
+    The module-level form of `PagedKVCache.gather`, for callers (the attention reference path)
+    that hold a layer's page tensors rather than the cache object.
+    """
+    num_blocks, block_size = int(key_pages.shape[0]), int(key_pages.shape[1])
+    blocks_needed = -(-num_tokens // block_size)
+    table_length = len(block_table)
+    if blocks_needed > table_length:
+        raise KVShapeError(
+            f"{num_tokens} tokens need {blocks_needed} blocks of {block_size}, "
+            f"the block table has {table_length}"
+        )
+    ids = as_index_tensor(
+        block_table[:blocks_needed],
+        name="block_table",
+        upper=num_blocks,
+        device=key_pages.device,
+        check_bounds=check_bounds,
+    )
+    tail = tuple(key_pages.shape[2:])
+    keys = key_pages.index_select(0, ids).view(-1, *tail)[:num_tokens]
+    values = value_pages.index_select(0, ids).view(-1, *tail)[:num_tokens]
+    return keys, values
+
+
+def _transfer(tensor: Tensor, device: torch.device, *, non_blocking: bool) -> Tensor:
+    """Move a freshly gathered buffer to `device`, asynchronously where that is safe."""
+    if non_blocking and tensor.device.type == "cuda" and device.type == "cpu":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        # The caller scatters `host` with a CPU op next, which would otherwise race the DMA.
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensor.device))
+        done.synchronize()
+        return host
+    # Host -> CUDA from pinned memory (see copy_blocks_to) or CUDA -> CUDA: ordered on the
+    # current stream, so later kernels see the data without the host waiting.
+    return tensor.to(device, non_blocking=non_blocking)
