@@ -1,1 +1,25 @@
-pub fn x() {}
+//! prefixkv-core: the block manager of a prefix cache for LLM inference, in pure Rust.
+//!
+//! KV blocks computed for a prompt prefix are kept and handed to later requests that start
+//! with the same tokens under the same execution context. This crate decides *which* blocks a
+//! request may reuse; it never touches KV tensors.
+//!
+//! - [`key`]: what identifies a block, and the exact bytes hashed.
+//! - [`table`]: the lock-free lookup table and the verification that makes collisions harmless.
+//! - [`pool`]: refcounts, pins, the free list and the eviction order.
+//! - [`cache`]: [`PrefixCache`], the engine-facing API built from the three.
+//!
+//! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`].
+
+pub mod cache;
+pub mod error;
+pub mod key;
+pub mod pool;
+pub mod stats;
+pub mod table;
+
+pub use cache::{BeginResult, CacheConfig, PrefixCache, PrefixMatch};
+pub use error::{CacheError, Result};
+pub use key::{block_key, context_fingerprint, root_key, BlockKey, MultimodalItem, RequestExtras};
+pub use pool::BlockId;
+pub use stats::CacheStats;

@@ -1,1 +1,427 @@
+//! `prefixkv._core`: thin PyO3 wrappers over `prefixkv-core`.
+//!
+//! Only conversion lives here: Python values in, core calls (with the GIL released for the
+//! calls that hash or walk whole prompts), Python values out, and the one exhaustive mapping
+//! of `CacheError` onto the exception classes of `prefixkv._errors`.
 
+use prefixkv_core::{
+    BlockKey, CacheConfig, CacheError, CacheStats as CoreStats, MultimodalItem, PrefixCache,
+    RequestExtras,
+};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+
+pyo3::import_exception!(prefixkv._errors, InvalidInputError);
+pyo3::import_exception!(prefixkv._errors, UnknownRequestError);
+pyo3::import_exception!(prefixkv._errors, InvalidBlockError);
+pyo3::import_exception!(prefixkv._errors, BlockStateError);
+pyo3::import_exception!(prefixkv._errors, OutOfBlocksError);
+
+/// Maps each core error to its own Python class (each also a built-in: ValueError, KeyError,
+/// MemoryError), so callers can catch precisely or broadly.
+fn to_py_err(err: CacheError) -> PyErr {
+    let message = err.to_string();
+    match err {
+        CacheError::InvalidInput(_) => InvalidInputError::new_err(message),
+        CacheError::UnknownRequest(_) => UnknownRequestError::new_err(message),
+        CacheError::InvalidBlock { .. } => InvalidBlockError::new_err(message),
+        CacheError::BlockState { .. } => BlockStateError::new_err(message),
+        CacheError::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),
+    }
+}
+
+fn invalid(message: String) -> PyErr {
+    InvalidInputError::new_err(message)
+}
+
+/// Token ids from a list/tuple of ints, or from `bytes` of little-endian u32 (the form the
+/// Python layer gives numpy arrays and tensors, converted without a Python-level loop).
+fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(bytes) = obj.cast::<PyBytes>() {
+        let data = bytes.as_bytes();
+        if data.len() % 4 != 0 {
+            return Err(invalid(format!("token buffer of {} bytes is not a whole number of u32", data.len())));
+        }
+        return Ok(data.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
+    }
+    let convert = |index: usize, item: Bound<'_, PyAny>| -> PyResult<u32> {
+        let value: i64 = item.extract().map_err(|_| {
+            invalid(format!("token at position {index} is not an int (got {})", type_name(&item)))
+        })?;
+        u32::try_from(value).map_err(|_| {
+            invalid(format!("token id {value} at position {index} is out of range (0 ..= 4294967295)"))
+        })
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().enumerate().map(|(i, item)| convert(i, item)).collect();
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().enumerate().map(|(i, item)| convert(i, item)).collect();
+    }
+    Err(PyTypeError::new_err(format!(
+        "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
+        type_name(obj)
+    )))
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
+}
+
+/// `str` (UTF-8), `bytes` or `None` as raw bytes.
+fn bytes_from(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<u8>> {
+    match obj {
+        None => Ok(Vec::new()),
+        Some(o) if o.is_none() => Ok(Vec::new()),
+        Some(o) => {
+            if let Ok(s) = o.cast::<PyString>() {
+                Ok(s.to_str()?.as_bytes().to_vec())
+            } else if let Ok(b) = o.cast::<PyBytes>() {
+                Ok(b.as_bytes().to_vec())
+            } else {
+                Err(invalid(format!("{what} must be str or bytes, not {}", type_name(o))))
+            }
+        }
+    }
+}
+
+fn extras_from(
+    adapter: Option<&Bound<'_, PyAny>>,
+    multimodal: Option<&Bound<'_, PyAny>>,
+) -> PyResult<RequestExtras> {
+    let adapter = match adapter {
+        Some(a) if !a.is_none() => Some(bytes_from(Some(a), "adapter")?),
+        _ => None,
+    };
+    let mut items = Vec::new();
+    if let Some(list) = multimodal.filter(|m| !m.is_none()) {
+        for (index, item) in list.try_iter()?.enumerate() {
+            let item = item?;
+            let (start, length, hash): (i64, i64, Bound<'_, PyAny>) = item.extract().map_err(|_| {
+                invalid(format!("multimodal item {index} must be (start, length, hash)"))
+            })?;
+            if start < 0 || length <= 0 {
+                return Err(invalid(format!(
+                    "multimodal item {index} has start {start} and length {length}; need start >= 0, length > 0"
+                )));
+            }
+            let hash = bytes_from(Some(&hash), "multimodal item hash")?;
+            items.push(MultimodalItem { start: start as u64, length: length as u64, hash });
+        }
+    }
+    Ok(RequestExtras { adapter, multimodal: items })
+}
+
+fn key_from(bytes: &[u8]) -> PyResult<BlockKey> {
+    let key: [u8; 32] = bytes
+        .try_into()
+        .map_err(|_| invalid(format!("a context fingerprint is 32 bytes, got {}", bytes.len())))?;
+    Ok(BlockKey(key))
+}
+
+/// Counters since creation and block states now.
+#[pyclass(frozen, get_all, module = "prefixkv._core")]
+pub struct CacheStats {
+    lookups: u64,
+    lookup_tokens: u64,
+    hit_tokens: u64,
+    probes: u64,
+    evictions: u64,
+    committed_blocks: u64,
+    deduplicated_blocks: u64,
+    collisions: u64,
+    blocks_total: usize,
+    blocks_free: usize,
+    blocks_cached: usize,
+    blocks_in_use: usize,
+    blocks_pinned: usize,
+    blocks_evictable: usize,
+    requests_live: usize,
+}
+
+#[pymethods]
+impl CacheStats {
+    /// Fraction of looked-up tokens whose KV was reused.
+    #[getter]
+    fn hit_rate(&self) -> f64 {
+        if self.lookup_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.lookup_tokens as f64
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CacheStats(lookups={}, hit_rate={:.3}, hit_tokens={}, lookup_tokens={}, evictions={}, \
+             blocks_free={}, blocks_cached={}, blocks_in_use={}, blocks_pinned={})",
+            self.lookups,
+            self.hit_rate(),
+            self.hit_tokens,
+            self.lookup_tokens,
+            self.evictions,
+            self.blocks_free,
+            self.blocks_cached,
+            self.blocks_in_use,
+            self.blocks_pinned
+        )
+    }
+}
+
+impl From<CoreStats> for CacheStats {
+    fn from(s: CoreStats) -> Self {
+        Self {
+            lookups: s.lookups,
+            lookup_tokens: s.lookup_tokens,
+            hit_tokens: s.hit_tokens,
+            probes: s.probes,
+            evictions: s.evictions,
+            committed_blocks: s.committed_blocks,
+            deduplicated_blocks: s.deduplicated_blocks,
+            collisions: s.collisions,
+            blocks_total: s.blocks_total,
+            blocks_free: s.blocks_free,
+            blocks_cached: s.blocks_cached,
+            blocks_in_use: s.blocks_in_use,
+            blocks_pinned: s.blocks_pinned,
+            blocks_evictable: s.blocks_evictable,
+            requests_live: s.requests_live,
+        }
+    }
+}
+
+/// The Rust block manager. Use `prefixkv.PrefixCache`, which wraps this with typed results.
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct CoreCache(PrefixCache);
+
+type PrefixMatchTuple = (Vec<u32>, usize, bool);
+
+#[pymethods]
+impl CoreCache {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=256))]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        context_fingerprint: &[u8],
+        vocab_size: Option<i64>,
+        key_bits: i64,
+    ) -> PyResult<Self> {
+        let num_blocks = u32::try_from(num_blocks)
+            .map_err(|_| invalid(format!("num_blocks must be in 1 ..= 4294967295, got {num_blocks}")))?;
+        let block_size = u32::try_from(block_size)
+            .map_err(|_| invalid(format!("block_size must be a positive int, got {block_size}")))?;
+        let vocab_size = vocab_size
+            .map(|v| u32::try_from(v).map_err(|_| invalid(format!("vocab_size must be positive, got {v}"))))
+            .transpose()?;
+        let key_bits = u32::try_from(key_bits).map_err(|_| invalid(format!("key_bits {key_bits} out of range")))?;
+        let config = CacheConfig { num_blocks, block_size: block_size as usize, vocab_size, key_bits };
+        PrefixCache::new(config, key_from(context_fingerprint)?).map(Self).map_err(to_py_err)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.0.config().num_blocks
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.0.config().block_size
+    }
+
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PrefixMatchTuple> {
+        let tokens = tokens_from(tokens)?;
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        let m = py.detach(|| self.0.lookup(&tokens, &salt, &extras)).map_err(to_py_err)?;
+        Ok((m.blocks, m.num_cached_tokens, m.full_hit))
+    }
+
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<(u64, Vec<u32>, usize, bool, usize)> {
+        let tokens = tokens_from(tokens)?;
+        let num_tokens = tokens.len();
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        let r = py.detach(|| self.0.begin(tokens, &salt, extras, priority)).map_err(to_py_err)?;
+        Ok((r.request_id, r.block_table, r.num_cached_tokens, r.full_hit, num_tokens))
+    }
+
+    fn append(&self, py: Python<'_>, request_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let tokens = tokens_from(tokens)?;
+        py.detach(|| self.0.append(request_id, &tokens)).map_err(to_py_err)
+    }
+
+    fn commit(&self, py: Python<'_>, request_id: u64, num_computed_tokens: i64) -> PyResult<usize> {
+        let num = usize::try_from(num_computed_tokens)
+            .map_err(|_| invalid(format!("num_computed_tokens must be >= 0, got {num_computed_tokens}")))?;
+        py.detach(|| self.0.commit(request_id, num)).map_err(to_py_err)
+    }
+
+    fn finish(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        py.detach(|| self.0.finish(request_id)).map_err(to_py_err)
+    }
+
+    fn block_table(&self, request_id: u64) -> PyResult<Vec<u32>> {
+        self.0.block_table(request_id).map_err(to_py_err)
+    }
+
+    fn num_tokens(&self, request_id: u64) -> PyResult<usize> {
+        self.0.num_tokens(request_id).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
+    fn match_and_acquire(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<PrefixMatchTuple> {
+        let tokens = tokens_from(tokens)?;
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        let m = py.detach(|| self.0.match_and_acquire(&tokens, &salt, &extras, priority)).map_err(to_py_err)?;
+        Ok((m.blocks, m.num_cached_tokens, m.full_hit))
+    }
+
+    fn allocate(&self, count: i64) -> PyResult<Vec<u32>> {
+        let count = usize::try_from(count).map_err(|_| invalid(format!("count must be >= 0, got {count}")))?;
+        self.0.allocate(count).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (tokens, blocks, salt=None, adapter=None, multimodal=None, priority=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn commit_blocks(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        blocks: Vec<i64>,
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+        priority: i32,
+    ) -> PyResult<Vec<u32>> {
+        let tokens = tokens_from(tokens)?;
+        let blocks = block_ids(&blocks)?;
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        py.detach(|| self.0.commit_blocks(&tokens, &blocks, &salt, &extras, priority)).map_err(to_py_err)
+    }
+
+    fn release(&self, py: Python<'_>, blocks: Vec<i64>) -> PyResult<()> {
+        let blocks = block_ids(&blocks)?;
+        py.detach(|| self.0.release(&blocks)).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None))]
+    fn pin(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(u64, usize)> {
+        let tokens = tokens_from(tokens)?;
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        self.0.pin(&tokens, &salt, &extras).map_err(to_py_err)
+    }
+
+    fn unpin(&self, pin_id: u64) -> PyResult<()> {
+        self.0.unpin(pin_id).map_err(to_py_err)
+    }
+
+    fn clear(&self, py: Python<'_>) {
+        py.detach(|| self.0.clear());
+    }
+
+    fn set_context(&self, py: Python<'_>, context_fingerprint: &[u8]) -> PyResult<()> {
+        let key = key_from(context_fingerprint)?;
+        py.detach(|| self.0.set_context(key));
+        Ok(())
+    }
+
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None))]
+    fn block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        salt: Option<&Bound<'py, PyAny>>,
+        adapter: Option<&Bound<'py, PyAny>>,
+        multimodal: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let tokens = tokens_from(tokens)?;
+        let salt = bytes_from(salt, "salt")?;
+        let extras = extras_from(adapter, multimodal)?;
+        let keys = py.detach(|| self.0.block_keys(&tokens, &salt, &extras)).map_err(to_py_err)?;
+        Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
+    }
+
+    fn stats(&self) -> CacheStats {
+        self.0.stats().into()
+    }
+
+    fn ref_count(&self, block: i64) -> PyResult<u32> {
+        self.0.ref_count(block_id(block)?).map_err(to_py_err)
+    }
+
+    fn is_cached(&self, block: i64) -> PyResult<bool> {
+        self.0.is_cached(block_id(block)?).map_err(to_py_err)
+    }
+
+    /// Raises AssertionError-like RuntimeError if an internal invariant is broken (tests).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.check_invariants())))
+            .map_err(|e| {
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                    .unwrap_or_else(|| "invariant broken".into());
+                pyo3::exceptions::PyAssertionError::new_err(msg)
+            })
+    }
+}
+
+fn block_id(block: i64) -> PyResult<u32> {
+    u32::try_from(block).map_err(|_| InvalidBlockError::new_err(format!("invalid block id {block}: outside the pool")))
+}
+
+fn block_ids(blocks: &[i64]) -> PyResult<Vec<u32>> {
+    blocks.iter().map(|&b| block_id(b)).collect()
+}
+
+/// BLAKE3 fingerprint of a canonical context serialization (see `prefixkv.CacheContext`).
+#[pyfunction]
+fn context_fingerprint<'py>(py: Python<'py>, canonical: &[u8]) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &prefixkv_core::context_fingerprint(canonical).0)
+}
+
+#[pymodule(gil_used = false)]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<CoreCache>()?;
+    module.add_class::<CacheStats>()?;
+    module.add_function(wrap_pyfunction!(context_fingerprint, module)?)?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,123 @@
+"""What must match for reuse to be safe: the execution context of a block's KV.
+
+The token prefix is not enough. Two requests with the same tokens produce different KV if the
+weights, the tokenizer, the chat template, the position encoding, an adapter, the attention
+mask or the KV dtype differ, and reusing one's KV for the other is silent numerical corruption.
+`CacheContext` names every such setting as a typed field; its canonical serialization is hashed
+into the root of every block key, so changing any field makes every lookup miss.
+
+Canonical serialization (version 1): a JSON object with sorted keys, no whitespace, UTF-8,
+every float written as ``float.hex()`` (exact and language-independent), tuples as arrays.
+The fingerprint is ``BLAKE3(b"prefixkv.context.v1\\0" + canonical_bytes)`` (see the core's
+``key.rs`` for the rest of the key layout).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from prefixkv._errors import InvalidInputError
+
+__all__ = ["AttentionMask", "CacheContext", "PositionEncoding"]
+
+#: RoPE scaling types whose frequencies depend on the total sequence length. KV computed for a
+#: shorter sequence is then not what a full recompute would give, so prefix reuse is unsafe.
+LENGTH_DEPENDENT_ROPE_SCALING = frozenset({"dynamic", "dynamic_ntk"})
+
+
+@dataclass(frozen=True)
+class PositionEncoding:
+    """How positions enter the KV: a different convention gives different keys."""
+
+    kind: str = "rope"  # "rope", "alibi", "absolute", "none"
+    rope_theta: float = 10000.0
+    #: RoPE scaling type: None, "linear", "ntk" (static NTK-aware), "dynamic" (length-dependent),
+    #: "yarn", "llama3", ... with its parameters as sorted (name, value) pairs.
+    rope_scaling: str | None = None
+    rope_scaling_params: tuple[tuple[str, float], ...] = ()
+    #: Position of the first token (some engines start at 1, or offset a shared prefix).
+    position_offset: int = 0
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when a token's KV depends on the sequence's total length (reuse is unsafe)."""
+        return self.rope_scaling in LENGTH_DEPENDENT_ROPE_SCALING
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """The attention pattern the KV was computed under."""
+
+    kind: str = "causal"  # "causal", "sliding_window", "prefix_lm", ...
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    """Every prefix-affecting setting. Two requests share KV only under equal contexts."""
+
+    model_id: str = ""
+    #: Weights revision or content digest: a fine-tune or a weights update must miss.
+    weights_digest: str = ""
+    tokenizer_id: str = ""
+    #: Digest of the vocabulary and normalisation rules.
+    tokenizer_digest: str = ""
+    chat_template_version: str = ""
+    position_encoding: PositionEncoding = field(default_factory=PositionEncoding)
+    #: Adapters applied model-wide (per-request adapters go in each request's extra keys).
+    adapters: tuple[str, ...] = ()
+    attention_mask: AttentionMask = field(default_factory=AttentionMask)
+    kv_dtype: str = "float32"
+    kv_quantization: str = "none"
+    block_size: int = 16
+    #: Anything else that changes KV (e.g. {"sink_tokens": 4}); values must be JSON scalars.
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidInputError(f"block_size must be a positive int, got {self.block_size!r}")
+        for name, value in self.extra.items():
+            if not isinstance(name, str):
+                raise InvalidInputError(f"extra keys must be str, got {name!r}")
+            if not isinstance(value, (str, int, float, bool, type(None))):
+                raise InvalidInputError(
+                    f"extra[{name!r}] must be a str, int, float, bool or None, got {type(value).__name__}"
+                )
+        # Freeze the mapping so the context stays hashable and immutable.
+        object.__setattr__(self, "extra", dict(sorted(self.extra.items())))
+        object.__setattr__(self, "adapters", tuple(self.adapters))
+
+    def __hash__(self) -> int:
+        return hash(self.canonical_bytes())
+
+    def canonical_bytes(self) -> bytes:
+        """The canonical serialization whose hash is the fingerprint."""
+        data = {f.name: _canonical(asdict(self)[f.name]) for f in fields(self)}
+        data["version"] = 1
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def fingerprint(self) -> bytes:
+        """32-byte BLAKE3 fingerprint: the root of every block key under this context."""
+        from prefixkv._core import context_fingerprint
+
+        return context_fingerprint(self.canonical_bytes())
+
+    @property
+    def reuse_is_safe(self) -> bool:
+        """False when KV of a prefix is not what a full recompute would give (dynamic RoPE)."""
+        return not self.position_encoding.length_dependent
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    raise InvalidInputError(f"cannot serialize {type(value).__name__} in a CacheContext")

@@ -1,0 +1,720 @@
+//! `PrefixCache`: the engine-facing block manager.
+//!
+//! ## A request's life
+//! 1. `begin` looks up the longest chain of cached full blocks for the prompt, takes a
+//!    reference on each, and allocates private blocks for the rest. If every block of the
+//!    prompt is cached, the request is a *full hit*: only the final token is recomputed (to
+//!    get logits), reading its KV from the shared block, and nothing is written into it.
+//! 2. The engine writes KV into the request's private blocks.
+//! 3. `commit` publishes every block that has become full (prompt and generated tokens alike),
+//!    so the next turn of a chat hits the previous answer. If another request cached the same
+//!    block first, the existing copy stays canonical and this request's copy is freed when it
+//!    finishes (deduplication).
+//! 4. `append` adds generated tokens, allocating blocks as they are needed.
+//! 5. `finish` drops the request's references. Its cached blocks stay, evictable in LRU order.
+//!
+//! ## Threads
+//! `lookup` never takes a lock: it reads the lock-free table and the context through
+//! `arc-swap`. Every call that changes state takes one mutex, inside which it validates its
+//! whole input before changing anything: an `Err` means nothing changed. A lookup racing with
+//! a writer sees the table before or after each single insert or removal; its answer is a
+//! probe, made authoritative only by `begin` / `match_and_acquire`, which match and take
+//! references atomically under the mutex.
+//!
+//! ## Reset
+//! `clear` and `set_context` drop every cached block nobody references and detach the
+//! referenced ones (unreachable to new lookups, freed at their last release). Live requests are
+//! marked non-cacheable: their KV was computed under the old weights or context, and must never
+//! be published under the new one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+
+use crate::error::{CacheError, Result};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, KEY_BYTES};
+use crate::pool::{BlockId, BlockPool};
+use crate::stats::CacheStats;
+use crate::table::{new_table, Entry, Parent, Table};
+
+/// Fixed settings of a cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Token ids must be below this (when set).
+    pub vocab_size: Option<u32>,
+    /// Bits of each key kept in the table: 256 in production; tests lower it to force
+    /// collisions.
+    pub key_bits: u32,
+}
+
+impl CacheConfig {
+    /// A production configuration.
+    #[must_use]
+    pub fn new(num_blocks: u32, block_size: usize) -> Self {
+        Self { num_blocks, block_size, vocab_size: None, key_bits: 8 * KEY_BYTES as u32 }
+    }
+}
+
+/// The cached prefix of a prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Cached blocks, in prompt order.
+    pub blocks: Vec<BlockId>,
+    /// Tokens whose KV can be read from the cache: the engine computes from this position.
+    pub num_cached_tokens: usize,
+    /// Every block of the prompt is cached: compute only the final token, write nothing.
+    pub full_hit: bool,
+}
+
+/// What `begin` hands the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BeginResult {
+    /// Id for the other request calls.
+    pub request_id: u64,
+    /// Blocks covering every prompt token: the cached ones, then the request's own.
+    pub block_table: Vec<BlockId>,
+    /// Tokens whose KV is already in the cached blocks.
+    pub num_cached_tokens: usize,
+    /// See `PrefixMatch::full_hit`.
+    pub full_hit: bool,
+}
+
+struct Request {
+    tokens: Vec<u32>,
+    block_table: Vec<BlockId>,
+    root: BlockKey,
+    extras: RequestExtras,
+    priority: i32,
+    /// The canonical cached entry of each committed position, in order. Usually the request's
+    /// own block; another request's copy after deduplication.
+    anchors: Vec<Arc<Entry>>,
+    /// False once the request's KV may no longer be published (after `clear` or a collision).
+    cacheable: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    lookups: u64,
+    lookup_tokens: u64,
+    hit_tokens: u64,
+    evictions: u64,
+    committed_blocks: u64,
+    deduplicated_blocks: u64,
+    collisions: u64,
+}
+
+struct Inner {
+    pool: BlockPool,
+    /// The published entry of each cached block.
+    entries: Vec<Option<Arc<Entry>>>,
+    requests: HashMap<u64, Request>,
+    pins: HashMap<u64, Vec<BlockId>>,
+    next_request: u64,
+    next_pin: u64,
+    next_entry: u64,
+    tick: u64,
+    counters: Counters,
+    scratch: Vec<u8>,
+}
+
+/// The prefix cache's block manager. `Sync`: share it between threads by reference.
+pub struct PrefixCache {
+    config: CacheConfig,
+    table: Table,
+    context: ArcSwap<BlockKey>,
+    inner: Mutex<Inner>,
+    probes: AtomicU64,
+}
+
+impl PrefixCache {
+    /// A cache with every block free, under the given context fingerprint.
+    pub fn new(config: CacheConfig, context: BlockKey) -> Result<Self> {
+        if config.block_size == 0 {
+            return Err(CacheError::InvalidInput("block_size must be at least 1".into()));
+        }
+        if config.num_blocks == 0 {
+            return Err(CacheError::InvalidInput("num_blocks must be at least 1".into()));
+        }
+        if config.key_bits == 0 || config.key_bits > 8 * KEY_BYTES as u32 {
+            return Err(CacheError::InvalidInput("key_bits must be in 1..=256".into()));
+        }
+        let num_blocks = config.num_blocks;
+        Ok(Self {
+            table: new_table(num_blocks as usize),
+            context: ArcSwap::from_pointee(context),
+            inner: Mutex::new(Inner {
+                pool: BlockPool::new(num_blocks),
+                entries: vec![None; num_blocks as usize],
+                requests: HashMap::new(),
+                pins: HashMap::new(),
+                next_request: 1,
+                next_pin: 1,
+                next_entry: 1,
+                tick: 0,
+                counters: Counters::default(),
+                scratch: Vec::new(),
+            }),
+            probes: AtomicU64::new(0),
+            config,
+        })
+    }
+
+    /// The settings this cache was built with.
+    #[must_use]
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// The current context fingerprint.
+    #[must_use]
+    pub fn context(&self) -> BlockKey {
+        **self.context.load()
+    }
+
+    // ----- lookups ---------------------------------------------------------------------------
+
+    /// The cached prefix of `tokens`, without taking references. Lock-free; the answer is a
+    /// probe (blocks may be evicted right after), for routing and hit-length estimates.
+    pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<PrefixMatch> {
+        self.check_tokens(tokens)?;
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        let root = root_key(&self.context.load(), salt);
+        let mut blocks = Vec::new();
+        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry| blocks.push(entry.block));
+        Ok(self.prefix_match(blocks, tokens.len()))
+    }
+
+    /// Keys of every full block of `tokens` under the current context (for events, external
+    /// tiers and the hashing-cost baseline).
+    pub fn block_keys(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<Vec<BlockKey>> {
+        self.check_tokens(tokens)?;
+        let root = root_key(&self.context.load(), salt);
+        let mut parent = self.table_key(root);
+        let mut buffer = Vec::new();
+        let bs = self.config.block_size;
+        Ok(tokens
+            .chunks_exact(bs)
+            .enumerate()
+            .map(|(i, chunk)| {
+                let block_extras = block_extras(extras, i, bs);
+                parent = self.table_key(block_key_with(&mut buffer, &parent, chunk, &block_extras));
+                parent
+            })
+            .collect())
+    }
+
+    // ----- the request API -------------------------------------------------------------------
+
+    /// Starts a request: matches its cached prefix, references it, allocates the rest.
+    pub fn begin(
+        &self,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Result<BeginResult> {
+        self.check_tokens(&tokens)?;
+        if tokens.is_empty() {
+            return Err(CacheError::InvalidInput("a request needs at least one token".into()));
+        }
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let root = root_key(&self.context.load(), salt);
+        let mut anchors = Vec::new();
+        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e| anchors.push(Arc::clone(e)));
+        let hits: Vec<BlockId> = anchors.iter().map(|e| e.block).collect();
+        let total_blocks = tokens.len().div_ceil(self.config.block_size);
+        let fresh = self.acquire_and_allocate(inner, &hits, total_blocks - hits.len())?;
+
+        inner.tick += 1;
+        for &block in &hits {
+            inner.pool.touch(block, inner.tick, priority);
+        }
+        let matched = self.prefix_match(hits, tokens.len());
+        inner.counters.lookups += 1;
+        inner.counters.lookup_tokens += tokens.len() as u64;
+        inner.counters.hit_tokens += matched.num_cached_tokens as u64;
+
+        let mut block_table = matched.blocks;
+        block_table.extend_from_slice(&fresh);
+        let request_id = inner.next_request;
+        inner.next_request += 1;
+        inner.requests.insert(
+            request_id,
+            Request {
+                tokens,
+                block_table: block_table.clone(),
+                root,
+                extras,
+                priority,
+                anchors,
+                cacheable: true,
+            },
+        );
+        Ok(BeginResult {
+            request_id,
+            block_table,
+            num_cached_tokens: matched.num_cached_tokens,
+            full_hit: matched.full_hit,
+        })
+    }
+
+    /// Adds generated tokens to a request, allocating blocks for them. Returns the new blocks.
+    pub fn append(&self, request_id: u64, tokens: &[u32]) -> Result<Vec<BlockId>> {
+        self.check_tokens(tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let total = request.tokens.len() + tokens.len();
+        let needed = total.div_ceil(self.config.block_size).saturating_sub(request.block_table.len());
+        let fresh = self.acquire_and_allocate(inner, &[], needed)?;
+        let request = inner.requests.get_mut(&request_id).expect("checked above");
+        request.tokens.extend_from_slice(tokens);
+        request.block_table.extend_from_slice(&fresh);
+        Ok(fresh)
+    }
+
+    /// Publishes every full block among the first `num_computed_tokens` tokens of a request,
+    /// whose KV the engine has written. Returns how many positions are now committed.
+    pub fn commit(&self, request_id: u64, num_computed_tokens: usize) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let mut request =
+            inner.requests.remove(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        if num_computed_tokens > request.tokens.len() {
+            let len = request.tokens.len();
+            inner.requests.insert(request_id, request);
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
+        let target = num_computed_tokens / self.config.block_size;
+        if request.cacheable {
+            inner.tick += 1;
+            let own = request.block_table.clone();
+            self.extend_anchors(inner, &mut request, &own, target);
+        }
+        let committed = request.anchors.len();
+        inner.requests.insert(request_id, request);
+        Ok(committed)
+    }
+
+    /// Ends a request: drops its references. Cached blocks stay, now evictable.
+    pub fn finish(&self, request_id: u64) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let request =
+            inner.requests.remove(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        inner.tick += 1;
+        for &block in &request.block_table {
+            if inner.pool.is_cached(block) {
+                inner.pool.touch(block, inner.tick, request.priority);
+            }
+            inner.pool.release(block);
+        }
+        Ok(())
+    }
+
+    /// A live request's block table.
+    pub fn block_table(&self, request_id: u64) -> Result<Vec<BlockId>> {
+        let inner = self.inner.lock();
+        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        Ok(request.block_table.clone())
+    }
+
+    /// A live request's token count.
+    pub fn num_tokens(&self, request_id: u64) -> Result<usize> {
+        let inner = self.inner.lock();
+        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        Ok(request.tokens.len())
+    }
+
+    // ----- low-level calls, for engines that keep their own block tables ---------------------
+
+    /// Matches the cached prefix and takes a reference on each matched block, atomically.
+    pub fn match_and_acquire(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+        priority: i32,
+    ) -> Result<PrefixMatch> {
+        self.check_tokens(tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let root = root_key(&self.context.load(), salt);
+        let mut blocks = Vec::new();
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| blocks.push(e.block));
+        inner.tick += 1;
+        for &block in &blocks {
+            inner.pool.acquire(block);
+            inner.pool.touch(block, inner.tick, priority);
+        }
+        let matched = self.prefix_match(blocks, tokens.len());
+        inner.counters.lookups += 1;
+        inner.counters.lookup_tokens += tokens.len() as u64;
+        inner.counters.hit_tokens += matched.num_cached_tokens as u64;
+        Ok(matched)
+    }
+
+    /// Takes `count` free blocks (evicting if needed), each with one reference.
+    pub fn allocate(&self, count: usize) -> Result<Vec<BlockId>> {
+        let mut guard = self.inner.lock();
+        self.acquire_and_allocate(&mut guard, &[], count)
+    }
+
+    /// Publishes full blocks of a sequence the caller manages itself. `blocks[i]` holds the KV
+    /// of tokens `i*block_size .. (i+1)*block_size`; the caller must hold a reference on each.
+    /// Returns the canonical block of each position that is now cached: the caller's own, or an
+    /// existing identical one (then the caller's copy is a duplicate, freed at its release).
+    /// The result can be shorter than `blocks` if a key collision stops the chain.
+    pub fn commit_blocks(
+        &self,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        salt: &[u8],
+        extras: &RequestExtras,
+        priority: i32,
+    ) -> Result<Vec<BlockId>> {
+        self.check_tokens(tokens)?;
+        let bs = self.config.block_size;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        for (position, &block) in blocks.iter().enumerate() {
+            inner.pool.check_id(block)?;
+            if inner.pool.ref_count(block) == Some(0) {
+                return Err(CacheError::InvalidBlock { block, reason: "not held by the caller" });
+            }
+            if (position + 1) * bs > tokens.len() {
+                return Err(CacheError::BlockState { block, reason: "not full: too few tokens to commit it" });
+            }
+        }
+        let mut request = Request {
+            tokens: tokens[..blocks.len() * bs].to_vec(),
+            block_table: blocks.to_vec(),
+            root: root_key(&self.context.load(), salt),
+            extras: extras.clone(),
+            priority,
+            anchors: Vec::new(),
+            cacheable: true,
+        };
+        inner.tick += 1;
+        self.extend_anchors(inner, &mut request, blocks, blocks.len());
+        Ok(request.anchors.iter().map(|e| e.block).collect())
+    }
+
+    /// Drops one reference per listed block (a block may be listed as often as it is held).
+    pub fn release(&self, blocks: &[BlockId]) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let mut counts: HashMap<BlockId, u32> = HashMap::new();
+        for &block in blocks {
+            inner.pool.check_id(block)?;
+            let count = counts.entry(block).or_insert(0);
+            *count += 1;
+            if *count > inner.pool.ref_count(block).unwrap_or(0) {
+                return Err(CacheError::BlockState {
+                    block,
+                    reason: "released more often than it was acquired (double release)",
+                });
+            }
+        }
+        inner.tick += 1;
+        for &block in blocks {
+            if inner.pool.is_cached(block) {
+                inner.pool.touch(block, inner.tick, 0);
+            }
+            inner.pool.release(block);
+        }
+        Ok(())
+    }
+
+    // ----- retention -------------------------------------------------------------------------
+
+    /// Pins the cached prefix of `tokens` so eviction never takes it. Returns a pin id for
+    /// `unpin` and the number of blocks pinned.
+    pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
+        self.check_tokens(tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let root = root_key(&self.context.load(), salt);
+        let mut blocks = Vec::new();
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| blocks.push(e.block));
+        for &block in &blocks {
+            inner.pool.pin(block);
+        }
+        let pin_id = inner.next_pin;
+        inner.next_pin += 1;
+        let count = blocks.len();
+        inner.pins.insert(pin_id, blocks);
+        Ok((pin_id, count))
+    }
+
+    /// Releases a pin taken by `pin`.
+    pub fn unpin(&self, pin_id: u64) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let blocks = inner
+            .pins
+            .remove(&pin_id)
+            .ok_or_else(|| CacheError::InvalidInput(format!("unknown pin id {pin_id}")))?;
+        for block in blocks {
+            inner.pool.unpin(block);
+        }
+        Ok(())
+    }
+
+    // ----- reset -----------------------------------------------------------------------------
+
+    /// Drops every unreferenced cached block, detaches referenced ones, drops all pins.
+    pub fn clear(&self) {
+        let mut guard = self.inner.lock();
+        self.clear_locked(&mut guard);
+    }
+
+    /// Switches to a new context fingerprint; clears the cache as `clear` does.
+    pub fn set_context(&self, context: BlockKey) {
+        let mut guard = self.inner.lock();
+        // Store first: a lookup that sees the new context finds nothing of the old.
+        self.context.store(Arc::new(context));
+        self.clear_locked(&mut guard);
+    }
+
+    // ----- observation -----------------------------------------------------------------------
+
+    /// Counters and block states.
+    #[must_use]
+    pub fn stats(&self) -> CacheStats {
+        let inner = self.inner.lock();
+        let c = &inner.counters;
+        CacheStats {
+            lookups: c.lookups,
+            lookup_tokens: c.lookup_tokens,
+            hit_tokens: c.hit_tokens,
+            probes: self.probes.load(Ordering::Relaxed),
+            evictions: c.evictions,
+            committed_blocks: c.committed_blocks,
+            deduplicated_blocks: c.deduplicated_blocks,
+            collisions: c.collisions,
+            blocks_total: inner.pool.num_blocks(),
+            blocks_free: inner.pool.num_free(),
+            blocks_cached: inner.pool.num_cached(),
+            blocks_in_use: inner.pool.num_in_use(),
+            blocks_pinned: inner.pool.num_pinned(),
+            blocks_evictable: inner.pool.num_evictable_leaves(),
+            requests_live: inner.requests.len(),
+        }
+    }
+
+    /// Refcount of a block (tests and debugging).
+    pub fn ref_count(&self, block: BlockId) -> Result<u32> {
+        let inner = self.inner.lock();
+        inner.pool.check_id(block)?;
+        Ok(inner.pool.ref_count(block).unwrap_or(0))
+    }
+
+    /// Whether a block is cached (reachable by lookups).
+    pub fn is_cached(&self, block: BlockId) -> Result<bool> {
+        let inner = self.inner.lock();
+        inner.pool.check_id(block)?;
+        Ok(inner.pool.is_cached(block))
+    }
+
+    /// Asserts the pool's and the table's invariants (tests).
+    pub fn check_invariants(&self) {
+        let inner = self.inner.lock();
+        inner.pool.check_invariants();
+        let guard = self.table.guard();
+        assert_eq!(self.table.len(), inner.pool.num_cached(), "table size");
+        for (block, entry) in inner.entries.iter().enumerate() {
+            assert_eq!(entry.is_some(), inner.pool.is_cached(block as BlockId), "entry of {block}");
+            if let Some(entry) = entry {
+                let published = self.table.get(&entry.key, &guard).expect("cached entry in table");
+                assert_eq!(published.id, entry.id);
+            }
+        }
+    }
+
+    // ----- internals -------------------------------------------------------------------------
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(vocab) = self.config.vocab_size {
+            if let Some((index, token)) = tokens.iter().enumerate().find(|(_, &t)| t >= vocab) {
+                return Err(CacheError::InvalidInput(format!(
+                    "token id {token} at position {index} is outside the vocabulary (size {vocab})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn table_key(&self, key: BlockKey) -> BlockKey {
+        if self.config.key_bits >= 8 * KEY_BYTES as u32 {
+            key
+        } else {
+            key.truncated(self.config.key_bits)
+        }
+    }
+
+    /// Walks the cached chain of `tokens` from the root, verifying every entry, calling
+    /// `on_hit` for each matched block in order.
+    fn match_chain(
+        &self,
+        buffer: &mut Vec<u8>,
+        root: BlockKey,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        mut on_hit: impl FnMut(&Arc<Entry>),
+    ) {
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        let mut parent_key = self.table_key(root);
+        let mut parent = Parent::Root(root);
+        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
+            let block_extras = block_extras(extras, index, bs);
+            let key = self.table_key(block_key_with(buffer, &parent_key, chunk, &block_extras));
+            match self.table.get(&key, &guard) {
+                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
+                    on_hit(entry);
+                    parent = Parent::Entry(entry.id);
+                    parent_key = key;
+                }
+                _ => break,
+            }
+        }
+    }
+
+    fn prefix_match(&self, blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
+        let bs = self.config.block_size;
+        let cached = blocks.len() * bs;
+        // Every prompt token is cached: recompute only the last one (the engine needs its
+        // logits), reading its KV from the shared block.
+        let full_hit = cached == num_tokens && num_tokens > 0;
+        let num_cached_tokens = if full_hit { num_tokens - 1 } else { cached };
+        PrefixMatch { blocks, num_cached_tokens, full_hit }
+    }
+
+    /// References `hits` and allocates `count` fresh blocks, or changes nothing.
+    fn acquire_and_allocate(&self, inner: &mut Inner, hits: &[BlockId], count: usize) -> Result<Vec<BlockId>> {
+        // Reference the hits first so eviction cannot take them for the fresh blocks.
+        for &block in hits {
+            inner.pool.acquire(block);
+        }
+        match inner.pool.allocate(count) {
+            Ok((fresh, evicted)) => {
+                let guard = self.table.guard();
+                for block in evicted {
+                    let entry = inner.entries[block as usize].take().expect("evicted a cached block");
+                    self.table.remove(&entry.key, &guard);
+                    inner.counters.evictions += 1;
+                }
+                Ok(fresh)
+            }
+            Err(err) => {
+                // Releasing restores each hit's exact eviction position: nothing was touched.
+                for &block in hits {
+                    inner.pool.release(block);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
+    /// `own[position]`.
+    fn extend_anchors(&self, inner: &mut Inner, request: &mut Request, own: &[BlockId], target: usize) {
+        // A deduplicated anchor is another request's block, which this request does not hold:
+        // it may have been evicted since the last commit. Liveness is prefix-closed (a cached
+        // child keeps its parent), so drop dead anchors from the tip; their positions are
+        // committed again below from this request's own copies.
+        while let Some(last) = request.anchors.last() {
+            let live = inner.entries[last.block as usize].as_ref().is_some_and(|e| e.id == last.id);
+            if live {
+                break;
+            }
+            request.anchors.pop();
+        }
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        while request.anchors.len() < target {
+            let position = request.anchors.len();
+            let (parent, parent_key, parent_block) = match request.anchors.last() {
+                Some(e) => (Parent::Entry(e.id), e.key, Some(e.block)),
+                None => (Parent::Root(request.root), self.table_key(request.root), None),
+            };
+            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let block_extras = block_extras(&request.extras, position, bs);
+            let key = self.table_key(block_key_with(&mut inner.scratch, &parent_key, chunk, &block_extras));
+            let own_block = own[position];
+            let anchor = match self.table.get(&key, &guard) {
+                Some(existing) if existing.verifies(&parent, chunk, &block_extras) => {
+                    if existing.block != own_block {
+                        inner.counters.deduplicated_blocks += 1;
+                    }
+                    Arc::clone(existing)
+                }
+                Some(_) => {
+                    // A different block owns this key: a hash collision. Never publish under
+                    // it; this request's later blocks stay private.
+                    inner.counters.collisions += 1;
+                    request.cacheable = false;
+                    return;
+                }
+                None if inner.pool.is_cached(own_block) => {
+                    // The caller's block is already cached under another prefix (low-level
+                    // API misuse); it cannot also stand here.
+                    request.cacheable = false;
+                    return;
+                }
+                None => {
+                    let entry = Arc::new(Entry {
+                        id: inner.next_entry,
+                        block: own_block,
+                        key,
+                        parent,
+                        tokens: chunk.into(),
+                        extras: block_extras.into_boxed_slice(),
+                    });
+                    inner.next_entry += 1;
+                    inner.pool.mark_cached(own_block, parent_block);
+                    inner.entries[own_block as usize] = Some(Arc::clone(&entry));
+                    self.table.insert(key, Arc::clone(&entry), &guard);
+                    inner.counters.committed_blocks += 1;
+                    entry
+                }
+            };
+            inner.pool.touch(anchor.block, inner.tick, request.priority);
+            request.anchors.push(anchor);
+        }
+    }
+
+    fn clear_locked(&self, inner: &mut Inner) {
+        for request in inner.requests.values_mut() {
+            request.cacheable = false;
+            request.anchors.clear();
+        }
+        inner.pins.clear();
+        let guard = self.table.guard();
+        for block in inner.pool.cached_blocks() {
+            if let Some(entry) = inner.entries[block as usize].take() {
+                self.table.remove(&entry.key, &guard);
+            }
+            inner.pool.uncache(block);
+        }
+    }
+}
+
+fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
+    if extras.is_empty() {
+        return Vec::new();
+    }
+    let start = (index * block_size) as u64;
+    extras.for_block(start, start + block_size as u64)
+}

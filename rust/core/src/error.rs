@@ -1,0 +1,46 @@
+//! The core's one error type. Every fallible call checks its whole input before changing
+//! anything, so an `Err` always means "the cache is exactly as it was".
+
+use thiserror::Error;
+
+/// Everything a cache call can refuse.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CacheError {
+    /// An argument is malformed: a token id out of range, an empty prompt, a bad size.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    /// The request id is not live: never begun, or already finished.
+    #[error("unknown request id {0} (never begun, or already finished)")]
+    UnknownRequest(u64),
+
+    /// A block id outside the pool, or one the caller does not hold.
+    #[error("invalid block id {block}: {reason}")]
+    InvalidBlock {
+        /// The offending id.
+        block: u32,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+
+    /// The block exists but is in the wrong state: released twice, or not full when committed.
+    #[error("block {block} is in the wrong state: {reason}")]
+    BlockState {
+        /// The offending id.
+        block: u32,
+        /// What was wrong.
+        reason: &'static str,
+    },
+
+    /// Not enough free or evictable blocks; nothing was allocated or evicted.
+    #[error("out of KV blocks: needed {needed}, only {available} free or evictable")]
+    OutOfBlocks {
+        /// Blocks the call needed.
+        needed: usize,
+        /// Blocks that could have been made free.
+        available: usize,
+    },
+}
+
+/// Result alias for core calls.
+pub type Result<T> = std::result::Result<T, CacheError>;

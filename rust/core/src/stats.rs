@@ -1,0 +1,50 @@
+//! A snapshot of the cache's counters and block states.
+
+/// Counters since creation and block states now. Hit counters count `begin` and
+/// `match_and_acquire`; lock-free `lookup` probes are counted apart, so a router probing
+/// hit lengths does not inflate the hit rate.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Requests matched (`begin`, `match_and_acquire`).
+    pub lookups: u64,
+    /// Prompt tokens of those requests.
+    pub lookup_tokens: u64,
+    /// Tokens whose KV was reused.
+    pub hit_tokens: u64,
+    /// Lock-free `lookup` probes.
+    pub probes: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+    /// Blocks newly published by commits.
+    pub committed_blocks: u64,
+    /// Committed blocks that another copy already held (freed at release).
+    pub deduplicated_blocks: u64,
+    /// Commits refused because a different block held the key.
+    pub collisions: u64,
+    /// Blocks in the pool.
+    pub blocks_total: usize,
+    /// Blocks on the free list.
+    pub blocks_free: usize,
+    /// Blocks reachable by lookups.
+    pub blocks_cached: usize,
+    /// Blocks with a reference.
+    pub blocks_in_use: usize,
+    /// Pinned blocks.
+    pub blocks_pinned: usize,
+    /// Cached blocks that could be evicted right now.
+    pub blocks_evictable: usize,
+    /// Requests begun and not finished.
+    pub requests_live: usize,
+}
+
+impl CacheStats {
+    /// Fraction of looked-up tokens that were reused (0 when nothing was looked up).
+    #[must_use]
+    pub fn hit_rate(&self) -> f64 {
+        if self.lookup_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.lookup_tokens as f64
+        }
+    }
+}
