@@ -416,7 +416,7 @@ class DecodeRequest:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as HF Llama does."""
+    """Root-mean-square norm, computed in (at least) float32 as HF Llama does."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -425,9 +425,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden.dtype
-        hidden32 = hidden.float()
-        variance = hidden32.pow(2).mean(-1, keepdim=True)
-        normalized = hidden32 * torch.rsqrt(variance + self.eps)
+        wide = hidden.to(torch.promote_types(input_dtype, torch.float32))
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        normalized = wide * torch.rsqrt(variance + self.eps)
         return self.weight * normalized.to(input_dtype)
 
 
@@ -566,13 +566,12 @@ class LlamaModel(nn.Module):
         under another.
         """
         config = self.config.replace(**changes)
-        other = type(self)(config.replace(dtype=torch.float32))
+        other = type(self)(config)
         try:
-            other.load_state_dict(self.state_dict())
+            other.load_state_dict(self.state_dict())  # copies, casting to config.dtype
         except RuntimeError as exc:
             raise InvalidInputError(f"config change alters weight shapes: {exc}") from exc
-        other.config = config
-        other = other.to(dtype=config.dtype)
+        other = other.to(device=self.device)
         for name, adapter in self._adapters.items():
             other._adapters[name] = dict(adapter)
         other._active_adapter = self._active_adapter
@@ -771,13 +770,16 @@ class LlamaModel(nn.Module):
         return output
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        # Half-precision logits are returned in float32 (what sampling wants); float64 stays.
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ---------------------------------------------------------------- oracle: full recompute
 
     def forward_full(self, token_ids: TokenIds) -> torch.Tensor:
-        """Logits ``[n, vocab]`` (float32) for every position of one sequence, recomputed from
-        scratch: no cache, no pages. The oracle the paged path is tested against."""
+        """Logits ``[n, vocab]`` for every position of one sequence, recomputed from scratch: no
+        cache, no pages. The oracle the paged path is tested against. Float32 (float64 for a
+        float64 model)."""
         logits, _, _ = self.forward_full_with_kv(token_ids)
         return logits
 
@@ -804,6 +806,7 @@ class LlamaModel(nn.Module):
         if config.sliding_window is not None:
             allowed = allowed & (key_index > query_index - config.sliding_window)
         half = config.head_dim // 2
+        softmax_dtype = torch.promote_types(self.dtype, torch.float32)
 
         def rotate(x: torch.Tensor) -> torch.Tensor:  # x: [heads, n, dim]
             first, second = x[..., :half], x[..., half:]
@@ -827,7 +830,7 @@ class LlamaModel(nn.Module):
             value = value.repeat_interleave(config.num_query_groups, dim=0)
             # HF "eager" attention: matmuls in the model dtype, softmax in float32.
             scores = torch.matmul(query, key.transpose(1, 2)) * config.head_dim**-0.5
-            scores = scores.float().masked_fill(~allowed, float("-inf"))
+            scores = scores.to(softmax_dtype).masked_fill(~allowed, float("-inf"))
             weights = torch.softmax(scores, dim=-1).to(self.dtype)
             attended = torch.matmul(weights, value).transpose(0, 1).reshape(n, -1)
             hidden = hidden + self._project(index, "o_proj", attended)
@@ -884,9 +887,9 @@ class LlamaModel(nn.Module):
         keys ``0 .. end_b - 1`` from the pages.
 
         Every request is validated before any page is written, so a rejected call leaves the
-        cache as it was. Returns float32 logits ``[len(batch), vocab]`` of each request's last
-        computed position, or with ``return_all_logits=True`` a list of ``[end_b - m_b, vocab]``
-        tensors.
+        cache as it was. Returns the logits of each request's last computed position,
+        ``[len(batch), vocab]`` (float32, or float64 for a float64 model), or with
+        ``return_all_logits=True`` a list of ``[end_b - m_b, vocab]`` tensors.
         """
         packed = self._pack(kv_cache, batch)
         config = self.config

@@ -1,0 +1,323 @@
+"""The paged path with a cached prefix gives what a full recompute gives (property tests).
+
+For drawn model shapes, dtypes, block sizes, prompts and split points, the KV of each prompt's
+first m tokens is written by earlier, separate prefill calls (a cache hit: possibly in several
+chunks), then the remaining tokens of several requests are computed in one batched call. Its
+logits and the KV it leaves in the pages are compared with `LlamaModel.forward_full`, which
+recomputes everything with no cache.
+
+Tolerances:
+
+* float32: ``1e-5`` relative to the largest |logit| (or |K|, |V|). Both paths run the same
+  float32 arithmetic in a different order (tiled online softmax vs one softmax); the observed
+  difference is ~1e-6 relative.
+* float16 / bfloat16: no fixed bound is meaningful, since rounding of the weights and
+  activations dominates and grows with depth and attention sharpness. Instead both the cached
+  path and the plain full recompute in that dtype are compared with a float32 oracle (the same
+  rounded weights, computed in float32), and the cached path must be within
+  ``LOW_PRECISION_FACTOR`` times the full recompute's own rounding error, plus a floor of a few
+  units in the last place of the logits' scale (for the case where the full path happens to land
+  very close to the oracle). The paths differ only in the order and precision of the attention
+  arithmetic, so their errors are of the same size; a positional or masking bug gives an error
+  of the order of the logits themselves, far above this bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import given, note, settings, target
+from hypothesis import strategies as st
+
+from prefixkv.kv import PagedKVCache
+from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+
+FLOAT32_RTOL = 1e-5
+LOW_PRECISION_FACTOR = 3.0
+# Floor, in units of the dtype's machine epsilon times the logits' scale.
+LOW_PRECISION_FLOOR_ULPS = 4.0
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class RequestPlan:
+    """One request: its prompt, its blocks and how the prompt is split between calls."""
+
+    tokens: list[int]
+    block_table: list[int]
+    earlier_chunk_ends: list[int]  # prefills before the checked call, each a separate call
+    num_cached: int  # m of the checked call
+    full_hit: bool  # checked call recomputes only the last query and writes nothing
+    chunk_via_num_tokens: bool  # earlier chunks pass the whole prompt with num_tokens
+
+
+@dataclass
+class Scenario:
+    config: ModelConfig
+    block_size: int
+    seed: int
+    with_adapter: bool
+    requests: list[RequestPlan]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(r.block_table) for r in self.requests) + 2
+
+
+@st.composite
+def model_configs(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = DTYPES) -> ModelConfig:
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))
+    lora = draw(st.booleans())
+    return ModelConfig(
+        vocab_size=256,
+        hidden_size=draw(st.sampled_from([32, 64])),
+        num_layers=draw(st.integers(1, 3)),
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from([16, 32])),
+        intermediate_size=64,
+        rope_theta=draw(st.sampled_from([10000.0, 500000.0])),
+        rope_scaling=draw(
+            st.sampled_from(
+                [
+                    None,
+                    RopeScaling("linear", 2.0),
+                    RopeScaling("ntk", 4.0),
+                    # Dynamic NTK below its trained length: the base is fixed, reuse is exact.
+                    RopeScaling("dynamic_ntk", 2.0),
+                ]
+            )
+        ),
+        position_offset=draw(st.sampled_from([0, 0, 5, 1000])),
+        sliding_window=draw(st.sampled_from([None, None, 3, 8])),
+        lora_rank=4 if lora else None,
+        lora_alpha=8.0 if lora else None,
+        tie_word_embeddings=draw(st.booleans()),
+        dtype=draw(st.sampled_from(dtypes)),
+    )
+
+
+@st.composite
+def request_plans(draw: st.DrawFn, block_size: int, first_block: int) -> RequestPlan:
+    n = draw(st.integers(1, 40))
+    tokens = draw(st.lists(st.integers(0, 255), min_size=n, max_size=n))
+    num_blocks = -(-n // block_size)
+    kind = draw(st.sampled_from(["none", "block_boundary", "mid_block", "full_hit", "any"]))
+    if kind == "none" or n == 1:
+        num_cached = 0 if kind != "full_hit" or n == 1 else n - 1
+    elif kind == "block_boundary":
+        boundaries = list(range(block_size, n, block_size))
+        num_cached = draw(st.sampled_from(boundaries)) if boundaries else 0
+    elif kind == "mid_block":
+        inside = [m for m in range(1, n) if m % block_size]
+        num_cached = draw(st.sampled_from(inside)) if inside else 0
+    elif kind == "full_hit":
+        num_cached = n - 1
+    else:
+        num_cached = draw(st.integers(0, n - 1))
+    full_hit = kind == "full_hit" and n > 1
+    # The earlier prefills cover 0..m-1 (0..n-1 for a full hit), optionally in several chunks.
+    covered = n if full_hit else num_cached
+    inner = draw(st.lists(st.integers(1, max(covered - 1, 1)), max_size=3, unique=True))
+    earlier = sorted({e for e in inner if 0 < e < covered} | ({covered} if covered else set()))
+    spare = draw(st.integers(0, 2))  # engines pad block tables; extra entries are never read
+    return RequestPlan(
+        tokens=tokens,
+        block_table=list(range(first_block, first_block + num_blocks + spare)),
+        earlier_chunk_ends=earlier,
+        num_cached=num_cached,
+        full_hit=full_hit,
+        chunk_via_num_tokens=draw(st.booleans()),
+    )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    config = draw(model_configs())
+    block_size = draw(st.sampled_from([1, 3, 4, 16]))
+    requests: list[RequestPlan] = []
+    next_block = 0
+    for _ in range(draw(st.integers(1, 3))):
+        plan = draw(request_plans(block_size, next_block))
+        requests.append(plan)
+        next_block += len(plan.block_table)
+    # Blocks handed out in a shuffled order, as an allocator that has been running a while does.
+    permutation = draw(st.permutations(list(range(next_block + 2))))
+    for plan in requests:
+        plan.block_table = [permutation[b] for b in plan.block_table]
+    return Scenario(
+        config=config,
+        block_size=block_size,
+        seed=draw(st.integers(0, 3)),
+        with_adapter=config.lora_rank is not None,
+        requests=requests,
+    )
+
+
+def build_model(scenario: Scenario) -> LlamaModel:
+    model = LlamaModel.random(scenario.config, seed=scenario.seed)
+    if scenario.with_adapter:
+        model.load_adapter("drawn", LlamaModel.random_adapter(scenario.config, seed=scenario.seed))
+        model.set_adapter("drawn")
+    return model
+
+
+def new_cache(model: LlamaModel, num_blocks: int, block_size: int) -> PagedKVCache:
+    config = model.config
+    return PagedKVCache(
+        config.num_layers,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype=model.dtype,
+    )
+
+
+def run_earlier_prefills(model: LlamaModel, cache: PagedKVCache, plan: RequestPlan) -> None:
+    """What a cache hit relies on: the prefix's KV written by separate, earlier calls."""
+    start = 0
+    for end in plan.earlier_chunk_ends:
+        if plan.chunk_via_num_tokens:
+            request = PrefillRequest(plan.tokens, plan.block_table, start, num_tokens=end)
+        else:
+            request = PrefillRequest(plan.tokens[:end], plan.block_table, start)
+        model.prefill(cache, [request])
+        start = end
+
+
+def cached_run(
+    model: LlamaModel, scenario: Scenario
+) -> tuple[list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Logits of the checked call per request, and the KV each request's pages end up holding."""
+    cache = new_cache(model, scenario.num_blocks, scenario.block_size)
+    for plan in scenario.requests:
+        run_earlier_prefills(model, cache, plan)
+    shared_before = [
+        cache.storage[:, :, plan.block_table].clone() for plan in scenario.requests if plan.full_hit
+    ]
+    batch = [
+        PrefillRequest(plan.tokens, plan.block_table, plan.num_cached, write_kv=not plan.full_hit)
+        for plan in scenario.requests
+    ]
+    logits = model.prefill(cache, batch, return_all_logits=True)
+    shared_after = [
+        cache.storage[:, :, plan.block_table] for plan in scenario.requests if plan.full_hit
+    ]
+    for before, after in zip(shared_before, shared_after, strict=True):
+        assert torch.equal(before, after), "a full hit with write_kv=False modified its pages"
+    kv = [
+        [
+            cache.gather(layer, plan.block_table, len(plan.tokens))
+            for layer in range(model.config.num_layers)
+        ]
+        for plan in scenario.requests
+    ]
+    return logits, kv
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
+    return (actual.double() - expected.double()).abs().max().item() / scale
+
+
+def check_cached_matches_full(model: LlamaModel, scenario: Scenario) -> dict[str, float]:
+    """Assert the paged run of `scenario` matches full recompute; return the error figures."""
+    oracle_model = model if model.dtype == torch.float32 else model.with_config(dtype=torch.float32)
+    logits, kv = cached_run(model, scenario)
+    figures = {"logits": 0.0, "kv": 0.0, "logits_ratio": 0.0, "kv_ratio": 0.0}
+    for index, plan in enumerate(scenario.requests):
+        oracle_logits, oracle_keys, oracle_values = oracle_model.forward_full_with_kv(plan.tokens)
+        computed = slice(plan.num_cached, len(plan.tokens))
+        pairs: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if model.dtype == torch.float32:
+            pairs.append(("logits", logits[index], oracle_logits[computed], oracle_logits))
+            for layer, (keys, values) in enumerate(kv[index]):
+                pairs.append((f"K{layer}", keys, oracle_keys[layer], oracle_keys[layer]))
+                pairs.append((f"V{layer}", values, oracle_values[layer], oracle_values[layer]))
+            for what, actual, expected, reference in pairs:
+                scale = reference.abs().max().item()
+                error = max_relative_error(actual, expected, scale)
+                key = "logits" if what == "logits" else "kv"
+                figures[key] = max(figures[key], error)
+                figures[f"{key}_ratio"] = max(figures[f"{key}_ratio"], error / FLOAT32_RTOL)
+                assert error <= FLOAT32_RTOL, (
+                    f"request {index} {what}: relative error {error:.3g} > {FLOAT32_RTOL} "
+                    f"(m={plan.num_cached}, n={len(plan.tokens)}, full_hit={plan.full_hit})"
+                )
+            continue
+        full_logits, full_keys, full_values = model.forward_full_with_kv(plan.tokens)
+        pairs.append(("logits", logits[index], oracle_logits[computed], full_logits[computed]))
+        for layer, (keys, values) in enumerate(kv[index]):
+            pairs.append((f"K{layer}", keys, oracle_keys[layer], full_keys[layer]))
+            pairs.append((f"V{layer}", values, oracle_values[layer], full_values[layer]))
+        epsilon = torch.finfo(model.dtype).eps
+        for what, actual, oracle, full in pairs:
+            scale = oracle.abs().max().item()
+            cached_error = max_relative_error(actual, oracle, scale)
+            full_error = max_relative_error(full, oracle, scale)
+            bound = LOW_PRECISION_FACTOR * full_error + LOW_PRECISION_FLOOR_ULPS * epsilon
+            key = "logits" if what == "logits" else "kv"
+            figures[key] = max(figures[key], cached_error)
+            figures[f"{key}_ratio"] = max(figures[f"{key}_ratio"], cached_error / bound)
+            assert cached_error <= bound, (
+                f"request {index} {what} ({model.dtype}): cached path error {cached_error:.3g} vs "
+                f"the float32 oracle exceeds {bound:.3g} (full recompute's own error "
+                f"{full_error:.3g}; m={plan.num_cached}, n={len(plan.tokens)})"
+            )
+    return figures
+
+
+@given(scenario=scenarios())
+def test_cached_prefix_matches_full_recompute(scenario: Scenario) -> None:
+    note(f"config={scenario.config.describe()} block_size={scenario.block_size}")
+    figures = check_cached_matches_full(build_model(scenario), scenario)
+    note(f"figures={figures}")
+    # Steer hypothesis towards the splits and shapes closest to the bounds.
+    target(figures["logits_ratio"], label="logits error / bound")
+    target(figures["kv_ratio"], label="kv error / bound")
+
+
+@settings(max_examples=max(5, settings().max_examples // 3))
+@given(
+    config=model_configs(dtypes=(torch.float32,)),
+    prompt=st.lists(st.integers(0, 255), min_size=2, max_size=24),
+    split_fraction=st.floats(0, 1),
+    block_size=st.sampled_from([1, 3, 16]),
+)
+def test_greedy_decode_after_cached_prefill_matches_full_prefill(
+    config: ModelConfig, prompt: list[int], split_fraction: float, block_size: int
+) -> None:
+    max_new_tokens = 6
+    model = LlamaModel.random(config, seed=0)
+    if config.lora_rank is not None:
+        model.load_adapter("drawn", LlamaModel.random_adapter(config, seed=1))
+        model.set_adapter("drawn")
+    num_cached = min(int(split_fraction * len(prompt)), len(prompt) - 1)
+    num_blocks = math.ceil((len(prompt) + max_new_tokens) / block_size)
+    table = list(range(num_blocks))[::-1]
+
+    cold = new_cache(model, num_blocks, block_size)
+    from_scratch = model.generate_greedy(cold, prompt, table, max_new_tokens)
+
+    warm = new_cache(model, num_blocks, block_size)
+    if num_cached:
+        model.prefill(warm, [PrefillRequest(prompt[:num_cached], table)])
+    with_cache = model.generate_greedy(
+        warm, prompt, table, max_new_tokens, num_cached_tokens=num_cached
+    )
+    oracle = model.generate_greedy_full(prompt, max_new_tokens)
+    for name, tokens in (("cached prefill", with_cache), ("full prefill", from_scratch)):
+        if tokens != oracle:
+            # Tolerate only a genuine near-tie between the two best tokens at the divergence.
+            step = next(i for i, (a, b) in enumerate(zip(tokens, oracle, strict=True)) if a != b)
+            logits = model.forward_full(prompt + oracle[:step])[-1]
+            top = logits.topk(2).values
+            gap = (top[0] - top[1]).item()
+            assert gap <= 1e-4 * logits.abs().max().item(), (
+                f"{name} decoded {tokens}, full recompute {oracle} (diverged at {step}, "
+                f"top-2 gap {gap:.3g})"
+            )
