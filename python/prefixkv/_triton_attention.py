@@ -22,16 +22,15 @@ Under Triton's interpreter, bfloat16 operands of ``tl.dot`` are multiplied as ra
 mode bfloat16 matmuls run on float32 copies, with the weights still rounded to bfloat16 first so
 the numerics match the compiled kernel's.
 
-The kernel is built on first use, not at import: Triton decides at decoration time whether a
-kernel is compiled or interpreted (``TRITON_INTERPRET=1``), and building lazily, once per mode,
-lets the tests switch the interpreter on after something else has already imported triton.
+Triton's interpreter (``TRITON_INTERPRET=1``) must be switched on before triton is first
+imported in the process: triton.language's own helpers (``tl.max``, ``tl.sum``...) are jitted
+when it is imported, and an interpreted kernel cannot call compiled ones.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -41,6 +40,7 @@ from torch import Tensor
 _LOG2_E = 1.0 / math.log(2.0)
 
 
+@triton.jit
 def _paged_prefill_kernel(
     Query,  # [total_query_tokens, num_heads, head_dim]
     KeyPages,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -185,17 +185,6 @@ def _paged_prefill_kernel(
     )
 
 
-_kernels: dict[bool, Callable[..., Any]] = {}
-
-
-def _kernel() -> Any:
-    """The jitted kernel for the current mode (compiled, or interpreted under TRITON_INTERPRET)."""
-    interpreting = bool(triton.knobs.runtime.interpret)
-    if interpreting not in _kernels:
-        _kernels[interpreting] = triton.jit(_paged_prefill_kernel)
-    return _kernels[interpreting]
-
-
 def _tile_sizes(head_dim: int, dtype: torch.dtype, interpreting: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D): rows per program, keys per chunk, padded head dim."""
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every side >= 16
@@ -243,7 +232,7 @@ def paged_prefill(
         return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
     grid = (len(tile_request), num_heads)
-    _kernel()[grid](
+    _paged_prefill_kernel[grid](
         query,
         key_pages,
         value_pages,

@@ -32,8 +32,8 @@ Backends
   output is rounded. CPU or CUDA.
 - ``"triton"``: the same algorithm as a Triton kernel (`prefixkv._triton_attention`) that reads
   K and V through the block table in place, one program per (query tile, query head). CUDA
-  tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before the
-  kernel is first used), which is how it is tested without a GPU.
+  tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+  first imported), which is how it is tested without a GPU.
 - ``"reference"``: gathers each request's K and V into contiguous tensors and calls
   ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask. Simple
   and slow; the oracle in tests.
@@ -326,13 +326,29 @@ def _reference_attention(
         values = values.repeat_interleave(group, dim=1).to(compute_dtype).transpose(0, 1)
         start = batch.query_starts[b]
         queries = query[start : start + q_len].to(compute_dtype).transpose(0, 1)
-        positions = torch.arange(n, device=query.device)
-        mask = _allowed_keys(positions[n - q_len :], positions, sliding_window)
+        mask = _reference_mask(q_len, n, sliding_window, query.device)
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale
         )
         output[start : start + q_len] = attended.transpose(0, 1).to(query.dtype)
     return output
+
+
+def _reference_mask(
+    query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> Tensor:
+    """The mask of the module docstring, built independently of `_allowed_keys` on purpose.
+
+    Row i is the query at position ``p = m + i`` (``m = seq_len - query_len``); ``tril`` with
+    diagonal ``m`` keeps keys ``<= p``, and removing ``tril`` with diagonal ``m - w`` drops keys
+    ``<= p - w``. A mistake shared with the fast backends' mask could not show in a comparison.
+    """
+    cached = seq_len - query_len
+    ones = torch.ones(query_len, seq_len, dtype=torch.bool, device=device)
+    mask = ones.tril(diagonal=cached)
+    if sliding_window is not None:
+        mask &= ~ones.tril(diagonal=cached - sliding_window)
+    return mask
 
 
 # -- torch backend ---------------------------------------------------------------------------
@@ -443,6 +459,8 @@ def _triton_attention(
     scale: float,
     sliding_window: int | None,
 ) -> Tensor:
+    if query.dtype not in _TRITON_DTYPES:
+        raise KVDtypeError(f"backend='triton' supports {_TRITON_DTYPES}, got {query.dtype}")
     if not triton_available():
         raise BackendUnavailableError("backend='triton' needs the triton package")
     if query.device.type != "cuda" and not _triton_interpreting():
@@ -450,8 +468,6 @@ def _triton_attention(
             f"backend='triton' runs on CUDA tensors (got {query.device}); on the CPU only under "
             "Triton's interpreter, TRITON_INTERPRET=1"
         )
-    if query.dtype not in _TRITON_DTYPES:
-        raise KVDtypeError(f"backend='triton' supports {_TRITON_DTYPES}, got {query.dtype}")
     from prefixkv import _triton_attention as kernel
 
     return kernel.paged_prefill(
