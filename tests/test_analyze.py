@@ -516,3 +516,27 @@ def test_every_bad_layout_what_if_beats_the_original(bad: Builder) -> None:
     fixable = [f for f in report.findings if f.what_if is not None]
     assert fixable
     assert max(f.what_if.hit_rate for f in fixable if f.what_if) > report.hit_rate + 0.2
+
+
+def test_shipped_sample_trace_is_diagnosed(capsys: pytest.CaptureFixture[str]) -> None:
+    # tests/data/agent_timestamp_first.jsonl is the first 8 requests of timestamp_first(), kept
+    # as a file so the CLI can be tried on it.
+    sample = DATA / "agent_timestamp_first.jsonl"
+    assert sample.read_text().splitlines() == lines(timestamp_first()[:8])
+    assert main([str(sample), "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "[timestamp]" in out and "at token 31 (block 1), in message 0 (system)" in out
+
+
+def test_a_message_that_ends_early_is_not_blamed_on_the_template() -> None:
+    # Every other request drops the system prompt's last sentence: in the shorter prompt the
+    # divergence falls on the template's "<|end|>", in the longer one inside the message.
+    trace = stable_first()
+    for i, request in enumerate(trace):
+        if i % 2:
+            request["messages"][0]["content"] = SYSTEM + f"Today's focus is ticket {i}."
+    report = analyze_trace(lines(trace))
+    assert "template" not in report.causes
+    f = report.findings[0]
+    assert f.divergence is not None
+    assert "message 0 (system)" in (f.divergence.this_segment, f.divergence.other_segment)

@@ -104,7 +104,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixkv.cache import PrefixCache
 from prefixkv.context import CacheContext
@@ -664,10 +664,15 @@ def _classify(d: _Diagnosis, this: _Prepared, other: _Prepared, block_size: int)
     if other.text is not None and other_start is not None and other_end is not None:
         other_region = other.text[other_start:other_end]
 
-    segment = this.segment(d.prefix)
-    other_segment = other.segment(d.prefix)
-    in_tools = segment is None or segment.source in ("tool", "unknown")
-    if _same_tools_other_order(request, other_request) and in_tools:
+    this_segment, other_segment = this.segment(d.prefix), other.segment(d.prefix)
+    # Where one prompt's message ends and the other's goes on, the divergence is in a message
+    # on one side and in template text on the other: the message side names the place.
+    segment = this_segment
+    if (segment is None or segment.source != "message") and other_segment is not None \
+            and other_segment.source == "message":
+        segment = other_segment
+    in_message = segment is not None and segment.source == "message"
+    if _same_tools_other_order(request, other_request) and not in_message:
         d.cause = "tool_order"
         return
     if (
@@ -681,27 +686,28 @@ def _classify(d: _Diagnosis, this: _Prepared, other: _Prepared, block_size: int)
     if this.text is not None and this_start is not None and this_end is not None:
         volatile = _volatile_kind(this.text, this_start, this_end)
     if volatile is None and other.text is not None and other_start is not None:
-        volatile = _volatile_kind(other.text, other_start, other_end or other_start)
+        volatile = _volatile_kind(
+            other.text, other_start, other_start if other_end is None else other_end
+        )
     if segment is not None and segment.source == "template":
         d.cause = "template"
         d.detail = f"inserts a {volatile}" if volatile else "differs around the role markers"
         return
-    if volatile is not None and not (volatile == "number" and segment is not None
-                                     and segment.role == "user"):
+    role = segment.role if segment is not None else None
+    if volatile is not None and not (volatile == "number" and role == "user"):
         d.cause, d.detail = "variable_before_stable", volatile
         return
     if (
         segment is not None
-        and other_segment is not None
-        and segment.role == "system"
-        and other_segment.role == "system"
         and segment.index is not None
-        and other_segment.index is not None
+        and role == "system"
         and request.messages is not None
         and other_request.messages is not None
+        and segment.index < min(len(request.messages), len(other_request.messages))
+        and other_request.messages[segment.index].get("role") == "system"
     ):
         this_system = message_text(request.messages[segment.index])
-        other_system = message_text(other_request.messages[other_segment.index])
+        other_system = message_text(other_request.messages[segment.index])
         if SequenceMatcher(None, this_system, other_system, autojunk=False).ratio() >= 0.8:
             d.cause = "system_prompt"
             return
@@ -727,6 +733,7 @@ def _classify(d: _Diagnosis, this: _Prepared, other: _Prepared, block_size: int)
 # What-if rewrites
 # --------------------------------------------------------------------------------------------
 
+_Seq = TypeVar("_Seq", str, list[int])
 _UNIT_SPLIT = re.compile(r"(?<=\n)|(?<=[.!?][ \t])")
 
 
@@ -814,15 +821,15 @@ def _merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _move_to_end(seq: Any, spans: list[tuple[int, int]]) -> Any:
-    """seq with the given (merged) spans cut out and appended, in order, at the end."""
+def _cut(seq: _Seq, spans: list[tuple[int, int]]) -> tuple[_Seq, _Seq]:
+    """(seq without the given merged spans, the spans' contents in order)."""
     kept, moved = seq[:0], seq[:0]
     pos = 0
     for start, end in spans:
         kept += seq[pos:start]
         moved += seq[start:end]
         pos = end
-    return kept + seq[pos:] + moved
+    return kept + seq[pos:], moved
 
 
 _LAYOUT_CAUSES = ("variable_before_stable", "system_prompt")
@@ -852,8 +859,8 @@ def _apply_span_moves(
         if not token_spans:
             out.append(request)
         elif request.kind == "tokens":
-            tokens = _move_to_end(list(item.tokens), _merge_spans(token_spans))
-            out.append(dataclasses.replace(request, tokens=tuple(tokens)))
+            kept_tokens, moved_tokens = _cut(list(item.tokens), _merge_spans(token_spans))
+            out.append(dataclasses.replace(request, tokens=tuple(kept_tokens + moved_tokens)))
         else:
             assert item.text is not None
             text = item.text
@@ -862,11 +869,9 @@ def _apply_span_moves(
                 char_start, char_end = item.char_at(start), item.char_at(end)
                 assert char_start is not None and char_end is not None
                 char_spans.append(_expand_to_units(text, char_start, char_end))
-            merged = _merge_spans(char_spans)
-            kept = _move_to_end(text, merged)[: len(text) - sum(e - s for s, e in merged)]
-            tail = "".join(text[s:e] for s, e in merged)
+            kept, moved = _cut(text, _merge_spans(char_spans))
             joiner = "" if kept.endswith("\n") or not kept else "\n"
-            out.append(dataclasses.replace(request, text=kept + joiner + tail))
+            out.append(dataclasses.replace(request, text=kept + joiner + moved))
     return out
 
 
@@ -1216,7 +1221,14 @@ def _findings(
     def reusable(d: _Diagnosis) -> int:
         return min((d.prefix // block_size) * block_size, len(prepared[d.index].tokens) - 1)
 
-    evicted = [d for d in diagnoses if d.partner >= 0 and replay.cached[d.index] < reusable(d)]
+    # Requests the cache could not admit at all, or whose best match was never admitted, are
+    # counted under cost.out_of_blocks_requests, not here.
+    refused = set(replay.out_of_blocks)
+    evicted = [
+        d for d in diagnoses
+        if d.partner >= 0 and d.index not in refused and d.partner not in refused
+        and replay.cached[d.index] < reusable(d)
+    ]
     if evicted:
         lost = sum(reusable(d) - replay.cached[d.index] for d in evicted)
         what_if = None
