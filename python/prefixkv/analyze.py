@@ -59,7 +59,11 @@ Two more causes need no layout analysis:
   different_prompt         no long shared stretch at all: genuinely different prompts (no fix)
 Each finding carries a WHAT-IF: the trace rewritten as the fix says (variable units moved after
 the stable ones, tools sorted, whitespace normalised, or an unbounded cache) and replayed through
-the same cache.
+the same cache. The layout rewrite is one rewrite for the whole trace: findings of causes
+variable_before_stable and system_prompt share its what-if. For message traces it keeps units
+(lines, sentences) found in at least half of a tenant's requests in place and moves the rest
+after them; for text and token traces it moves each divergent region to the end of its request
+and re-diagnoses, for up to three rounds.
 
 JSON output (`--json`, `AnalysisReport.to_dict()`)
 ---------------------------------------------------
