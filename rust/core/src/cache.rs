@@ -58,7 +58,12 @@ impl CacheConfig {
     /// A production configuration.
     #[must_use]
     pub fn new(num_blocks: u32, block_size: usize) -> Self {
-        Self { num_blocks, block_size, vocab_size: None, key_bits: 8 * KEY_BYTES as u32 }
+        Self {
+            num_blocks,
+            block_size,
+            vocab_size: None,
+            key_bits: 8 * KEY_BYTES as u32,
+        }
     }
 }
 
@@ -137,13 +142,19 @@ impl PrefixCache {
     /// A cache with every block free, under the given context fingerprint.
     pub fn new(config: CacheConfig, context: BlockKey) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(CacheError::InvalidInput("block_size must be at least 1".into()));
+            return Err(CacheError::InvalidInput(
+                "block_size must be at least 1".into(),
+            ));
         }
         if config.num_blocks == 0 {
-            return Err(CacheError::InvalidInput("num_blocks must be at least 1".into()));
+            return Err(CacheError::InvalidInput(
+                "num_blocks must be at least 1".into(),
+            ));
         }
         if config.key_bits == 0 || config.key_bits > 8 * KEY_BYTES as u32 {
-            return Err(CacheError::InvalidInput("key_bits must be in 1..=256".into()));
+            return Err(CacheError::InvalidInput(
+                "key_bits must be in 1..=256".into(),
+            ));
         }
         let num_blocks = config.num_blocks;
         Ok(Self {
@@ -182,18 +193,30 @@ impl PrefixCache {
 
     /// The cached prefix of `tokens`, without taking references. Lock-free; the answer is a
     /// probe (blocks may be evicted right after), for routing and hit-length estimates.
-    pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<PrefixMatch> {
+    pub fn lookup(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<PrefixMatch> {
         self.check_tokens(tokens)?;
         self.probes.fetch_add(1, Ordering::Relaxed);
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry| blocks.push(entry.block));
+        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry| {
+            blocks.push(entry.block)
+        });
         Ok(self.prefix_match(blocks, tokens.len()))
     }
 
     /// Keys of every full block of `tokens` under the current context (for events, external
     /// tiers and the hashing-cost baseline).
-    pub fn block_keys(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<Vec<BlockKey>> {
+    pub fn block_keys(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
         let root = root_key(&self.context.load(), salt);
         let mut parent = self.table_key(root);
@@ -222,13 +245,17 @@ impl PrefixCache {
     ) -> Result<BeginResult> {
         self.check_tokens(&tokens)?;
         if tokens.is_empty() {
-            return Err(CacheError::InvalidInput("a request needs at least one token".into()));
+            return Err(CacheError::InvalidInput(
+                "a request needs at least one token".into(),
+            ));
         }
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut anchors = Vec::new();
-        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e| anchors.push(Arc::clone(e)));
+        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e| {
+            anchors.push(Arc::clone(e))
+        });
         let hits: Vec<BlockId> = anchors.iter().map(|e| e.block).collect();
         let total_blocks = tokens.len().div_ceil(self.config.block_size);
         let fresh = self.acquire_and_allocate(inner, &hits, total_blocks - hits.len())?;
@@ -271,9 +298,14 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let request = inner
+            .requests
+            .get(&request_id)
+            .ok_or(CacheError::UnknownRequest(request_id))?;
         let total = request.tokens.len() + tokens.len();
-        let needed = total.div_ceil(self.config.block_size).saturating_sub(request.block_table.len());
+        let needed = total
+            .div_ceil(self.config.block_size)
+            .saturating_sub(request.block_table.len());
         let fresh = self.acquire_and_allocate(inner, &[], needed)?;
         let request = inner.requests.get_mut(&request_id).expect("checked above");
         request.tokens.extend_from_slice(tokens);
@@ -286,8 +318,10 @@ impl PrefixCache {
     pub fn commit(&self, request_id: u64, num_computed_tokens: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let mut request =
-            inner.requests.remove(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let mut request = inner
+            .requests
+            .remove(&request_id)
+            .ok_or(CacheError::UnknownRequest(request_id))?;
         if num_computed_tokens > request.tokens.len() {
             let len = request.tokens.len();
             inner.requests.insert(request_id, request);
@@ -310,8 +344,10 @@ impl PrefixCache {
     pub fn finish(&self, request_id: u64) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let request =
-            inner.requests.remove(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let request = inner
+            .requests
+            .remove(&request_id)
+            .ok_or(CacheError::UnknownRequest(request_id))?;
         inner.tick += 1;
         for &block in &request.block_table {
             if inner.pool.is_cached(block) {
@@ -325,14 +361,20 @@ impl PrefixCache {
     /// A live request's block table.
     pub fn block_table(&self, request_id: u64) -> Result<Vec<BlockId>> {
         let inner = self.inner.lock();
-        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let request = inner
+            .requests
+            .get(&request_id)
+            .ok_or(CacheError::UnknownRequest(request_id))?;
         Ok(request.block_table.clone())
     }
 
     /// A live request's token count.
     pub fn num_tokens(&self, request_id: u64) -> Result<usize> {
         let inner = self.inner.lock();
-        let request = inner.requests.get(&request_id).ok_or(CacheError::UnknownRequest(request_id))?;
+        let request = inner
+            .requests
+            .get(&request_id)
+            .ok_or(CacheError::UnknownRequest(request_id))?;
         Ok(request.tokens.len())
     }
 
@@ -351,7 +393,9 @@ impl PrefixCache {
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| blocks.push(e.block));
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| {
+            blocks.push(e.block)
+        });
         inner.tick += 1;
         for &block in &blocks {
             inner.pool.acquire(block);
@@ -390,10 +434,16 @@ impl PrefixCache {
         for (position, &block) in blocks.iter().enumerate() {
             inner.pool.check_id(block)?;
             if inner.pool.ref_count(block) == Some(0) {
-                return Err(CacheError::InvalidBlock { block, reason: "not held by the caller" });
+                return Err(CacheError::InvalidBlock {
+                    block,
+                    reason: "not held by the caller",
+                });
             }
             if (position + 1) * bs > tokens.len() {
-                return Err(CacheError::BlockState { block, reason: "not full: too few tokens to commit it" });
+                return Err(CacheError::BlockState {
+                    block,
+                    reason: "not full: too few tokens to commit it",
+                });
             }
         }
         let mut request = Request {
@@ -446,7 +496,9 @@ impl PrefixCache {
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| blocks.push(e.block));
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| {
+            blocks.push(e.block)
+        });
         for &block in &blocks {
             inner.pool.pin(block);
         }
@@ -534,9 +586,16 @@ impl PrefixCache {
         let guard = self.table.guard();
         assert_eq!(self.table.len(), inner.pool.num_cached(), "table size");
         for (block, entry) in inner.entries.iter().enumerate() {
-            assert_eq!(entry.is_some(), inner.pool.is_cached(block as BlockId), "entry of {block}");
+            assert_eq!(
+                entry.is_some(),
+                inner.pool.is_cached(block as BlockId),
+                "entry of {block}"
+            );
             if let Some(entry) = entry {
-                let published = self.table.get(&entry.key, &guard).expect("cached entry in table");
+                let published = self
+                    .table
+                    .get(&entry.key, &guard)
+                    .expect("cached entry in table");
                 assert_eq!(published.id, entry.id);
             }
         }
@@ -598,11 +657,20 @@ impl PrefixCache {
         // logits), reading its KV from the shared block.
         let full_hit = cached == num_tokens && num_tokens > 0;
         let num_cached_tokens = if full_hit { num_tokens - 1 } else { cached };
-        PrefixMatch { blocks, num_cached_tokens, full_hit }
+        PrefixMatch {
+            blocks,
+            num_cached_tokens,
+            full_hit,
+        }
     }
 
     /// References `hits` and allocates `count` fresh blocks, or changes nothing.
-    fn acquire_and_allocate(&self, inner: &mut Inner, hits: &[BlockId], count: usize) -> Result<Vec<BlockId>> {
+    fn acquire_and_allocate(
+        &self,
+        inner: &mut Inner,
+        hits: &[BlockId],
+        count: usize,
+    ) -> Result<Vec<BlockId>> {
         // Reference the hits first so eviction cannot take them for the fresh blocks.
         for &block in hits {
             inner.pool.acquire(block);
@@ -611,7 +679,9 @@ impl PrefixCache {
             Ok((fresh, evicted)) => {
                 let guard = self.table.guard();
                 for block in evicted {
-                    let entry = inner.entries[block as usize].take().expect("evicted a cached block");
+                    let entry = inner.entries[block as usize]
+                        .take()
+                        .expect("evicted a cached block");
                     self.table.remove(&entry.key, &guard);
                     inner.counters.evictions += 1;
                 }
@@ -629,13 +699,21 @@ impl PrefixCache {
 
     /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
     /// `own[position]`.
-    fn extend_anchors(&self, inner: &mut Inner, request: &mut Request, own: &[BlockId], target: usize) {
+    fn extend_anchors(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        own: &[BlockId],
+        target: usize,
+    ) {
         // A deduplicated anchor is another request's block, which this request does not hold:
         // it may have been evicted since the last commit. Liveness is prefix-closed (a cached
         // child keeps its parent), so drop dead anchors from the tip; their positions are
         // committed again below from this request's own copies.
         while let Some(last) = request.anchors.last() {
-            let live = inner.entries[last.block as usize].as_ref().is_some_and(|e| e.id == last.id);
+            let live = inner.entries[last.block as usize]
+                .as_ref()
+                .is_some_and(|e| e.id == last.id);
             if live {
                 break;
             }
@@ -647,11 +725,20 @@ impl PrefixCache {
             let position = request.anchors.len();
             let (parent, parent_key, parent_block) = match request.anchors.last() {
                 Some(e) => (Parent::Entry(e.id), e.key, Some(e.block)),
-                None => (Parent::Root(request.root), self.table_key(request.root), None),
+                None => (
+                    Parent::Root(request.root),
+                    self.table_key(request.root),
+                    None,
+                ),
             };
             let chunk = &request.tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = self.table_key(block_key_with(&mut inner.scratch, &parent_key, chunk, &block_extras));
+            let key = self.table_key(block_key_with(
+                &mut inner.scratch,
+                &parent_key,
+                chunk,
+                &block_extras,
+            ));
             let own_block = own[position];
             let anchor = match self.table.get(&key, &guard) {
                 Some(existing) if existing.verifies(&parent, chunk, &block_extras) => {

@@ -209,7 +209,11 @@ mod tests {
     fn multimodal_extras_only_touch_overlapping_blocks() {
         let extras = RequestExtras {
             adapter: None,
-            multimodal: vec![MultimodalItem { start: 20, length: 8, hash: vec![7; 4] }],
+            multimodal: vec![MultimodalItem {
+                start: 20,
+                length: 8,
+                hash: vec![7; 4],
+            }],
         };
         assert!(extras.for_block(0, 16).is_empty());
         assert!(!extras.for_block(16, 32).is_empty());

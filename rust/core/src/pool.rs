@@ -116,7 +116,9 @@ impl BlockPool {
     /// Whether the block is pinned.
     #[must_use]
     pub fn is_pinned(&self, block: BlockId) -> bool {
-        self.blocks.get(block as usize).is_some_and(|m| m.pin_count > 0)
+        self.blocks
+            .get(block as usize)
+            .is_some_and(|m| m.pin_count > 0)
     }
 
     /// Checks an id is inside the pool.
@@ -124,7 +126,10 @@ impl BlockPool {
         if (block as usize) < self.blocks.len() {
             Ok(())
         } else {
-            Err(CacheError::InvalidBlock { block, reason: "outside the pool" })
+            Err(CacheError::InvalidBlock {
+                block,
+                reason: "outside the pool",
+            })
         }
     }
 
@@ -144,7 +149,10 @@ impl BlockPool {
     /// Callers validate first (`ref_count > 0`); a double release here is a core bug.
     pub fn release(&mut self, block: BlockId) -> bool {
         let meta = &mut self.blocks[block as usize];
-        assert!(meta.ref_count > 0, "release of block {block} with refcount 0");
+        assert!(
+            meta.ref_count > 0,
+            "release of block {block} with refcount 0"
+        );
         meta.ref_count -= 1;
         if meta.ref_count > 0 {
             return false;
@@ -311,16 +319,16 @@ impl BlockPool {
     /// Every cached block, parents before children (for `clear`).
     #[must_use]
     pub fn cached_blocks(&self) -> Vec<BlockId> {
-        (0..self.blocks.len() as BlockId).filter(|&b| self.blocks[b as usize].cached).collect()
+        (0..self.blocks.len() as BlockId)
+            .filter(|&b| self.blocks[b as usize].cached)
+            .collect()
     }
 
     /// Keeps the evictable set in step with one block's state.
     fn refresh(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
-        let should = meta.cached
-            && meta.ref_count == 0
-            && meta.pin_count == 0
-            && meta.cached_children == 0;
+        let should =
+            meta.cached && meta.ref_count == 0 && meta.pin_count == 0 && meta.cached_children == 0;
         let key = (meta.priority, meta.last_access, block);
         if meta.evictable_as == Some(key) && should {
             return;
@@ -338,7 +346,10 @@ impl BlockPool {
     pub fn check_invariants(&self) {
         let mut on_free = vec![false; self.blocks.len()];
         for &block in &self.free {
-            assert!(!on_free[block as usize], "block {block} on the free list twice");
+            assert!(
+                !on_free[block as usize],
+                "block {block} on the free list twice"
+            );
             on_free[block as usize] = true;
         }
         let mut children = vec![0u32; self.blocks.len()];
@@ -352,12 +363,19 @@ impl BlockPool {
         let (mut cached, mut in_use, mut pinned) = (0, 0, 0);
         for (id, meta) in self.blocks.iter().enumerate() {
             let free = on_free[id];
-            assert_eq!(free, meta.ref_count == 0 && !meta.cached, "block {id} free-list state");
+            assert_eq!(
+                free,
+                meta.ref_count == 0 && !meta.cached,
+                "block {id} free-list state"
+            );
             if meta.cached {
                 cached += 1;
                 assert_eq!(meta.cached_children, children[id], "block {id} child count");
                 if let Some(parent) = meta.parent {
-                    assert!(self.blocks[parent as usize].cached, "block {id} has uncached parent");
+                    assert!(
+                        self.blocks[parent as usize].cached,
+                        "block {id} has uncached parent"
+                    );
                 }
             }
             in_use += usize::from(meta.ref_count > 0);
@@ -366,12 +384,22 @@ impl BlockPool {
                 && meta.ref_count == 0
                 && meta.pin_count == 0
                 && meta.cached_children == 0;
-            assert_eq!(meta.evictable_as.is_some(), should, "block {id} evictable state");
+            assert_eq!(
+                meta.evictable_as.is_some(),
+                should,
+                "block {id} evictable state"
+            );
         }
         assert_eq!(cached, self.num_cached);
         assert_eq!(in_use, self.num_in_use);
         assert_eq!(pinned, self.num_pinned);
-        assert_eq!(self.evictable.len(), self.blocks.iter().filter(|m| m.evictable_as.is_some()).count());
+        assert_eq!(
+            self.evictable.len(),
+            self.blocks
+                .iter()
+                .filter(|m| m.evictable_as.is_some())
+                .count()
+        );
     }
 }
 
@@ -409,7 +437,13 @@ mod tests {
         pool.pin(blocks[0]);
         pool.release(blocks[0]);
         let err = pool.allocate(2).unwrap_err();
-        assert_eq!(err, CacheError::OutOfBlocks { needed: 2, available: 1 });
+        assert_eq!(
+            err,
+            CacheError::OutOfBlocks {
+                needed: 2,
+                available: 1
+            }
+        );
         assert!(pool.is_cached(blocks[0]));
         assert_eq!(pool.num_free(), 1);
         pool.check_invariants();

@@ -92,5 +92,8 @@ pub type Table = papaya::HashMap<BlockKey, Arc<Entry>, BuildKeyHasher>;
 /// A table sized for `capacity` entries.
 #[must_use]
 pub fn new_table(capacity: usize) -> Table {
-    papaya::HashMap::builder().capacity(capacity).hasher(BuildKeyHasher).build()
+    papaya::HashMap::builder()
+        .capacity(capacity)
+        .hasher(BuildKeyHasher)
+        .build()
 }

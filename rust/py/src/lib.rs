@@ -41,23 +41,42 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(bytes) = obj.cast::<PyBytes>() {
         let data = bytes.as_bytes();
         if data.len() % 4 != 0 {
-            return Err(invalid(format!("token buffer of {} bytes is not a whole number of u32", data.len())));
+            return Err(invalid(format!(
+                "token buffer of {} bytes is not a whole number of u32",
+                data.len()
+            )));
         }
-        return Ok(data.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
+        return Ok(data
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect());
     }
     let convert = |index: usize, item: Bound<'_, PyAny>| -> PyResult<u32> {
         let value: i64 = item.extract().map_err(|_| {
-            invalid(format!("token at position {index} is not an int (got {})", type_name(&item)))
+            invalid(format!(
+                "token at position {index} is not an int (got {})",
+                type_name(&item)
+            ))
         })?;
         u32::try_from(value).map_err(|_| {
-            invalid(format!("token id {value} at position {index} is out of range (0 ..= 4294967295)"))
+            invalid(format!(
+                "token id {value} at position {index} is out of range (0 ..= 4294967295)"
+            ))
         })
     };
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().enumerate().map(|(i, item)| convert(i, item)).collect();
+        return list
+            .iter()
+            .enumerate()
+            .map(|(i, item)| convert(i, item))
+            .collect();
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return tuple.iter().enumerate().map(|(i, item)| convert(i, item)).collect();
+        return tuple
+            .iter()
+            .enumerate()
+            .map(|(i, item)| convert(i, item))
+            .collect();
     }
     Err(PyTypeError::new_err(format!(
         "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
@@ -66,7 +85,9 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string())
 }
 
 /// `str` (UTF-8), `bytes` or `None` as raw bytes.
@@ -80,7 +101,10 @@ fn bytes_from(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<u8>> {
             } else if let Ok(b) = o.cast::<PyBytes>() {
                 Ok(b.as_bytes().to_vec())
             } else {
-                Err(invalid(format!("{what} must be str or bytes, not {}", type_name(o))))
+                Err(invalid(format!(
+                    "{what} must be str or bytes, not {}",
+                    type_name(o)
+                )))
             }
         }
     }
@@ -98,25 +122,38 @@ fn extras_from(
     if let Some(list) = multimodal.filter(|m| !m.is_none()) {
         for (index, item) in list.try_iter()?.enumerate() {
             let item = item?;
-            let (start, length, hash): (i64, i64, Bound<'_, PyAny>) = item.extract().map_err(|_| {
-                invalid(format!("multimodal item {index} must be (start, length, hash)"))
-            })?;
+            let (start, length, hash): (i64, i64, Bound<'_, PyAny>) =
+                item.extract().map_err(|_| {
+                    invalid(format!(
+                        "multimodal item {index} must be (start, length, hash)"
+                    ))
+                })?;
             if start < 0 || length <= 0 {
                 return Err(invalid(format!(
                     "multimodal item {index} has start {start} and length {length}; need start >= 0, length > 0"
                 )));
             }
             let hash = bytes_from(Some(&hash), "multimodal item hash")?;
-            items.push(MultimodalItem { start: start as u64, length: length as u64, hash });
+            items.push(MultimodalItem {
+                start: start as u64,
+                length: length as u64,
+                hash,
+            });
         }
     }
-    Ok(RequestExtras { adapter, multimodal: items })
+    Ok(RequestExtras {
+        adapter,
+        multimodal: items,
+    })
 }
 
 fn key_from(bytes: &[u8]) -> PyResult<BlockKey> {
-    let key: [u8; 32] = bytes
-        .try_into()
-        .map_err(|_| invalid(format!("a context fingerprint is 32 bytes, got {}", bytes.len())))?;
+    let key: [u8; 32] = bytes.try_into().map_err(|_| {
+        invalid(format!(
+            "a context fingerprint is 32 bytes, got {}",
+            bytes.len()
+        ))
+    })?;
     Ok(BlockKey(key))
 }
 
@@ -208,16 +245,33 @@ impl CoreCache {
         vocab_size: Option<i64>,
         key_bits: i64,
     ) -> PyResult<Self> {
-        let num_blocks = u32::try_from(num_blocks)
-            .map_err(|_| invalid(format!("num_blocks must be in 1 ..= 4294967295, got {num_blocks}")))?;
-        let block_size = u32::try_from(block_size)
-            .map_err(|_| invalid(format!("block_size must be a positive int, got {block_size}")))?;
+        let num_blocks = u32::try_from(num_blocks).map_err(|_| {
+            invalid(format!(
+                "num_blocks must be in 1 ..= 4294967295, got {num_blocks}"
+            ))
+        })?;
+        let block_size = u32::try_from(block_size).map_err(|_| {
+            invalid(format!(
+                "block_size must be a positive int, got {block_size}"
+            ))
+        })?;
         let vocab_size = vocab_size
-            .map(|v| u32::try_from(v).map_err(|_| invalid(format!("vocab_size must be positive, got {v}"))))
+            .map(|v| {
+                u32::try_from(v)
+                    .map_err(|_| invalid(format!("vocab_size must be positive, got {v}")))
+            })
             .transpose()?;
-        let key_bits = u32::try_from(key_bits).map_err(|_| invalid(format!("key_bits {key_bits} out of range")))?;
-        let config = CacheConfig { num_blocks, block_size: block_size as usize, vocab_size, key_bits };
-        PrefixCache::new(config, key_from(context_fingerprint)?).map(Self).map_err(to_py_err)
+        let key_bits = u32::try_from(key_bits)
+            .map_err(|_| invalid(format!("key_bits {key_bits} out of range")))?;
+        let config = CacheConfig {
+            num_blocks,
+            block_size: block_size as usize,
+            vocab_size,
+            key_bits,
+        };
+        PrefixCache::new(config, key_from(context_fingerprint)?)
+            .map(Self)
+            .map_err(to_py_err)
     }
 
     #[getter]
@@ -242,7 +296,9 @@ impl CoreCache {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        let m = py.detach(|| self.0.lookup(&tokens, &salt, &extras)).map_err(to_py_err)?;
+        let m = py
+            .detach(|| self.0.lookup(&tokens, &salt, &extras))
+            .map_err(to_py_err)?;
         Ok((m.blocks, m.num_cached_tokens, m.full_hit))
     }
 
@@ -260,19 +316,37 @@ impl CoreCache {
         let num_tokens = tokens.len();
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        let r = py.detach(|| self.0.begin(tokens, &salt, extras, priority)).map_err(to_py_err)?;
-        Ok((r.request_id, r.block_table, r.num_cached_tokens, r.full_hit, num_tokens))
+        let r = py
+            .detach(|| self.0.begin(tokens, &salt, extras, priority))
+            .map_err(to_py_err)?;
+        Ok((
+            r.request_id,
+            r.block_table,
+            r.num_cached_tokens,
+            r.full_hit,
+            num_tokens,
+        ))
     }
 
-    fn append(&self, py: Python<'_>, request_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    fn append(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
         let tokens = tokens_from(tokens)?;
-        py.detach(|| self.0.append(request_id, &tokens)).map_err(to_py_err)
+        py.detach(|| self.0.append(request_id, &tokens))
+            .map_err(to_py_err)
     }
 
     fn commit(&self, py: Python<'_>, request_id: u64, num_computed_tokens: i64) -> PyResult<usize> {
-        let num = usize::try_from(num_computed_tokens)
-            .map_err(|_| invalid(format!("num_computed_tokens must be >= 0, got {num_computed_tokens}")))?;
-        py.detach(|| self.0.commit(request_id, num)).map_err(to_py_err)
+        let num = usize::try_from(num_computed_tokens).map_err(|_| {
+            invalid(format!(
+                "num_computed_tokens must be >= 0, got {num_computed_tokens}"
+            ))
+        })?;
+        py.detach(|| self.0.commit(request_id, num))
+            .map_err(to_py_err)
     }
 
     fn finish(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
@@ -300,12 +374,15 @@ impl CoreCache {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        let m = py.detach(|| self.0.match_and_acquire(&tokens, &salt, &extras, priority)).map_err(to_py_err)?;
+        let m = py
+            .detach(|| self.0.match_and_acquire(&tokens, &salt, &extras, priority))
+            .map_err(to_py_err)?;
         Ok((m.blocks, m.num_cached_tokens, m.full_hit))
     }
 
     fn allocate(&self, count: i64) -> PyResult<Vec<u32>> {
-        let count = usize::try_from(count).map_err(|_| invalid(format!("count must be >= 0, got {count}")))?;
+        let count = usize::try_from(count)
+            .map_err(|_| invalid(format!("count must be >= 0, got {count}")))?;
         self.0.allocate(count).map_err(to_py_err)
     }
 
@@ -325,7 +402,11 @@ impl CoreCache {
         let blocks = block_ids(&blocks)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        py.detach(|| self.0.commit_blocks(&tokens, &blocks, &salt, &extras, priority)).map_err(to_py_err)
+        py.detach(|| {
+            self.0
+                .commit_blocks(&tokens, &blocks, &salt, &extras, priority)
+        })
+        .map_err(to_py_err)
     }
 
     fn release(&self, py: Python<'_>, blocks: Vec<i64>) -> PyResult<()> {
@@ -373,7 +454,9 @@ impl CoreCache {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        let keys = py.detach(|| self.0.block_keys(&tokens, &salt, &extras)).map_err(to_py_err)?;
+        let keys = py
+            .detach(|| self.0.block_keys(&tokens, &salt, &extras))
+            .map_err(to_py_err)?;
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
 
@@ -391,20 +474,24 @@ impl CoreCache {
 
     /// Raises AssertionError-like RuntimeError if an internal invariant is broken (tests).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.check_invariants())))
-            .map_err(|e| {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_string()))
-                    .unwrap_or_else(|| "invariant broken".into());
-                pyo3::exceptions::PyAssertionError::new_err(msg)
-            })
+        py.detach(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.check_invariants()))
+        })
+        .map_err(|e| {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_else(|| "invariant broken".into());
+            pyo3::exceptions::PyAssertionError::new_err(msg)
+        })
     }
 }
 
 fn block_id(block: i64) -> PyResult<u32> {
-    u32::try_from(block).map_err(|_| InvalidBlockError::new_err(format!("invalid block id {block}: outside the pool")))
+    u32::try_from(block).map_err(|_| {
+        InvalidBlockError::new_err(format!("invalid block id {block}: outside the pool"))
+    })
 }
 
 fn block_ids(blocks: &[i64]) -> PyResult<Vec<u32>> {

@@ -1,0 +1,261 @@
+"""A small pure-Python model of `PrefixCache`, written for clarity, not speed.
+
+The state-machine test drives it side by side with the real cache and demands identical
+answers: hit lengths, block tables (the free list and the eviction order are mirrored exactly,
+including tie-breaks), refcounts, cached/pinned states and counters. Keys here are the full
+token contents, so the model has no hash at all: it is what the verified table must behave like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Entry:
+    id: int
+    block: int
+    key: tuple
+
+
+@dataclass
+class Meta:
+    ref: int = 0
+    pins: int = 0
+    children: int = 0
+    cached: bool = False
+    parent: int | None = None
+    tick: int = 0
+    priority: int = 0
+    entry: Entry | None = None
+
+
+@dataclass
+class ModelRequest:
+    tokens: list[int]
+    table: list[int]
+    root: tuple
+    priority: int
+    anchors: list[Entry] = field(default_factory=list)
+    cacheable: bool = True
+
+
+class ReferenceCache:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.blocks = [Meta() for _ in range(num_blocks)]
+        self.free = list(range(num_blocks))[::-1]
+        self.table: dict[tuple, Entry] = {}
+        self.requests: dict[int, ModelRequest] = {}
+        self.pins: dict[int, list[int]] = {}
+        self.context = 0
+        self.next_request = self.next_pin = self.next_entry = 1
+        self.tick = 0
+        self.lookups = self.lookup_tokens = self.hit_tokens = self.evictions = 0
+
+    # -- helpers -------------------------------------------------------------------------
+    def _key(self, root: tuple, tokens: list[int], n_blocks: int) -> tuple:
+        return (root, tuple(tokens[: n_blocks * self.bs]))
+
+    def _match(self, tokens: list[int], root: tuple) -> list[Entry]:
+        out = []
+        for i in range(len(tokens) // self.bs):
+            entry = self.table.get(self._key(root, tokens, i + 1))
+            if entry is None:
+                break
+            out.append(entry)
+        return out
+
+    def _result(self, blocks: list[int], n: int) -> tuple[list[int], int, bool]:
+        cached = len(blocks) * self.bs
+        full = cached == n and n > 0
+        return blocks, (n - 1 if full else cached), full
+
+    def _evictable(self, b: int) -> bool:
+        m = self.blocks[b]
+        return m.cached and m.ref == 0 and m.pins == 0 and m.children == 0
+
+    def _uncache(self, b: int) -> None:
+        m = self.blocks[b]
+        m.cached = False
+        if m.entry is not None:
+            del self.table[m.entry.key]
+            m.entry = None
+        m.pins = 0
+        parent, m.parent = m.parent, None
+        if m.ref == 0:
+            self.free.append(b)
+        if parent is not None:
+            self.blocks[parent].children = max(0, self.blocks[parent].children - 1)
+
+    def _allocate(self, count: int) -> list[int] | None:
+        if len(self.free) < count:
+            # Plan: repeatedly take the smallest (priority, tick, id) evictable leaf.
+            plan: list[int] = []
+            children = {i: m.children for i, m in enumerate(self.blocks)}
+            planned: set[int] = set()
+            while len(self.free) + len(plan) < count:
+                candidates = [
+                    (m.priority, m.tick, i)
+                    for i, m in enumerate(self.blocks)
+                    if i not in planned
+                    and m.cached
+                    and m.ref == 0
+                    and m.pins == 0
+                    and children[i] == 0
+                ]
+                if not candidates:
+                    return None
+                _, _, b = min(candidates)
+                plan.append(b)
+                planned.add(b)
+                if self.blocks[b].parent is not None:
+                    children[self.blocks[b].parent] -= 1
+            for b in plan:
+                self._uncache(b)
+                self.evictions += 1
+        taken = self.free[len(self.free) - count :][::-1]
+        del self.free[len(self.free) - count :]
+        for b in taken:
+            self.blocks[b].ref = 1
+            self.blocks[b].priority = 0
+        return taken
+
+    def _release(self, b: int) -> None:
+        m = self.blocks[b]
+        assert m.ref > 0
+        m.ref -= 1
+        if m.ref == 0 and not m.cached:
+            self.free.append(b)
+
+    def _touch(self, b: int, priority: int) -> None:
+        self.blocks[b].tick = self.tick
+        self.blocks[b].priority = priority
+
+    def _extend(self, req: ModelRequest, target: int) -> None:
+        while req.anchors and self.blocks[req.anchors[-1].block].entry is not req.anchors[-1]:
+            req.anchors.pop()
+        while len(req.anchors) < target:
+            pos = len(req.anchors)
+            key = self._key(req.root, req.tokens, pos + 1)
+            own = req.table[pos]
+            existing = self.table.get(key)
+            if existing is not None:
+                anchor = existing
+            else:
+                anchor = Entry(self.next_entry, own, key)
+                self.next_entry += 1
+                m = self.blocks[own]
+                m.cached, m.entry = True, anchor
+                m.parent = req.anchors[-1].block if req.anchors else None
+                if m.parent is not None:
+                    self.blocks[m.parent].children += 1
+                self.table[key] = anchor
+            self._touch(anchor.block, req.priority)
+            req.anchors.append(anchor)
+
+    # -- the API -------------------------------------------------------------------------
+    def root(self, salt: str | None) -> tuple:
+        return (self.context, salt or "")
+
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], int, bool]:
+        return self._result([e.block for e in self._match(tokens, self.root(salt))], len(tokens))
+
+    def begin(self, tokens: list[int], salt: str | None = None, priority: int = 0):
+        root = self.root(salt)
+        hits = self._match(tokens, root)
+        total = -(-len(tokens) // self.bs)
+        for e in hits:
+            self.blocks[e.block].ref += 1
+        fresh = self._allocate(total - len(hits))
+        if fresh is None:
+            for e in hits:
+                self.blocks[e.block].ref -= 1
+            return None
+        self.tick += 1
+        for e in hits:
+            self._touch(e.block, priority)
+        blocks, cached, full = self._result([e.block for e in hits], len(tokens))
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += cached
+        rid = self.next_request
+        self.next_request += 1
+        self.requests[rid] = ModelRequest(list(tokens), blocks + fresh, root, priority, list(hits))
+        return rid, blocks + fresh, cached, full
+
+    def append(self, rid: int, tokens: list[int]) -> list[int] | None:
+        req = self.requests[rid]
+        need = max(0, -(-(len(req.tokens) + len(tokens)) // self.bs) - len(req.table))
+        fresh = self._allocate(need)
+        if fresh is None:
+            return None
+        req.tokens += tokens
+        req.table += fresh
+        return fresh
+
+    def commit(self, rid: int, n: int) -> int:
+        req = self.requests[rid]
+        if req.cacheable:
+            self.tick += 1
+            self._extend(req, n // self.bs)
+        return len(req.anchors)
+
+    def finish(self, rid: int) -> None:
+        req = self.requests.pop(rid)
+        self.tick += 1
+        for b in req.table:
+            if self.blocks[b].cached:
+                self._touch(b, req.priority)
+            self._release(b)
+
+    def allocate(self, count: int) -> list[int] | None:
+        return self._allocate(count)
+
+    def release(self, blocks: list[int]) -> None:
+        self.tick += 1
+        for b in blocks:
+            if self.blocks[b].cached:
+                self._touch(b, 0)
+            self._release(b)
+
+    def pin(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
+        blocks = [e.block for e in self._match(tokens, self.root(salt))]
+        for b in blocks:
+            self.blocks[b].pins += 1
+        pid = self.next_pin
+        self.next_pin += 1
+        self.pins[pid] = blocks
+        return pid, len(blocks)
+
+    def unpin(self, pid: int) -> None:
+        for b in self.pins.pop(pid):
+            if self.blocks[b].pins > 0:
+                self.blocks[b].pins -= 1
+
+    def clear(self) -> None:
+        for req in self.requests.values():
+            req.cacheable = False
+            req.anchors.clear()
+        self.pins.clear()
+        for b, m in enumerate(self.blocks):
+            if m.cached:
+                self._uncache(b)
+
+    def set_context(self, context: int) -> None:
+        self.context = context
+        self.clear()
+
+    # -- observation ---------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        return {
+            "blocks_free": len(self.free),
+            "blocks_cached": sum(m.cached for m in self.blocks),
+            "blocks_in_use": sum(m.ref > 0 for m in self.blocks),
+            "blocks_pinned": sum(m.pins > 0 for m in self.blocks),
+            "evictions": self.evictions,
+            "lookups": self.lookups,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "requests_live": len(self.requests),
+        }

@@ -1,0 +1,465 @@
+"""Behaviour of `PrefixCache` one capability at a time (the state machine covers mixtures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import prefixkv
+from prefixkv import (
+    AttentionMask,
+    BlockStateError,
+    CacheContext,
+    InvalidBlockError,
+    InvalidInputError,
+    OutOfBlocksError,
+    PositionEncoding,
+    PrefixCache,
+    PrefixKVError,
+    UnknownRequestError,
+)
+
+BS = 4
+
+
+def serve(cache: PrefixCache, tokens, generated=(), **kwargs) -> prefixkv.Request:
+    """One whole request life: begin, commit the prompt, decode, commit, finish."""
+    request = cache.begin(tokens, **kwargs)
+    cache.commit(request, len(tokens))
+    if generated:
+        cache.append(request, list(generated))
+        cache.commit(request, len(tokens) + len(generated))
+    cache.finish(request)
+    return request
+
+
+def snapshot(cache: PrefixCache) -> tuple:
+    stats = cache.stats()
+    fields = (
+        "lookups",
+        "hit_tokens",
+        "evictions",
+        "blocks_free",
+        "blocks_cached",
+        "blocks_in_use",
+        "blocks_pinned",
+    )
+    refs = tuple(cache.ref_count(b) for b in range(cache.num_blocks))
+    cached = tuple(cache.is_cached(b) for b in range(cache.num_blocks))
+    return tuple(getattr(stats, f) for f in fields), refs, cached
+
+
+def test_second_request_reuses_full_blocks_only():
+    cache = PrefixCache(16, block_size=BS)
+    first = serve(cache, list(range(10)))
+    assert first.num_cached_tokens == 0
+    second = cache.begin(list(range(10)))
+    # Two full blocks (8 tokens) are shared; the 2-token tail belongs to each request alone.
+    assert second.num_cached_tokens == 8
+    assert second.block_table[:2] == first.block_table[:2]
+    assert cache.ref_count(second.block_table[0]) == 1
+    cache.finish(second)
+    assert cache.stats().hit_tokens == 8
+
+
+def test_full_hit_recomputes_only_the_last_token_and_allocates_nothing():
+    cache = PrefixCache(16, block_size=BS)
+    serve(cache, list(range(8)))
+    free_before = cache.stats().blocks_free
+    again = cache.begin(list(range(8)))
+    assert again.full_hit
+    assert again.num_cached_tokens == 7
+    assert again.num_tokens_to_compute == 1
+    assert len(again.block_table) == 2
+    assert all(cache.is_cached(b) for b in again.block_table)
+    assert cache.stats().blocks_free == free_before, "a full hit needs no private block"
+    cache.finish(again)
+
+
+def test_next_chat_turn_hits_the_previous_answer():
+    cache = PrefixCache(16, block_size=BS)
+    turn1 = [1, 2, 3, 4, 5, 6]
+    answer = [7, 8, 9, 10, 11]
+    serve(cache, turn1, generated=answer)
+    turn2 = turn1 + answer + [12, 13, 14]
+    request = cache.begin(turn2)
+    assert request.num_cached_tokens == 8, "blocks holding the generated answer are reused"
+    cache.finish(request)
+
+
+def test_duplicate_blocks_are_deduplicated_and_freed_on_release():
+    cache = PrefixCache(16, block_size=BS)
+    tokens = list(range(9))
+    a = cache.begin(tokens)
+    b = cache.begin(tokens)  # both miss: computed concurrently
+    assert set(a.block_table).isdisjoint(b.block_table)
+    cache.commit(a, 9)
+    cache.commit(b, 9)
+    assert cache.stats().deduplicated_blocks == 2
+    assert all(cache.is_cached(x) for x in a.block_table[:2])
+    assert not any(cache.is_cached(x) for x in b.block_table)
+    cache.finish(b)
+    assert all(cache.ref_count(x) == 0 for x in b.block_table)
+    cache.finish(a)
+    assert cache.stats().blocks_cached == 2
+    assert cache.stats().blocks_free == 14
+    cache.check_invariants()
+
+
+def test_eviction_takes_lru_leaves_before_their_parents():
+    cache = PrefixCache(4, block_size=BS)
+    serve(cache, [*list(range(8)), 99])  # caches A0 <- A1
+    serve(cache, [50] * 4 + [99])  # caches B0, newer
+    stats = cache.stats()
+    assert stats.blocks_cached == 3
+    # Needs 2 blocks, 1 free: evicts the LRU leaf A1, never A0 before A1.
+    request = cache.begin([70] * 5)
+    assert cache.stats().evictions == 1
+    assert cache.lookup([*list(range(8)), 0]).num_cached_tokens == 4, "A0 stays; A1 went"
+    assert cache.lookup([50] * 4 + [0]).num_cached_tokens == 4
+    cache.finish(request)
+    cache.check_invariants()
+
+
+def test_pinned_prefix_survives_pressure_and_unpin_releases_it():
+    cache = PrefixCache(4, block_size=BS)
+    system = list(range(8))
+    serve(cache, [*system, 1])
+    pin = cache.pin(system)
+    assert pin.num_blocks == 2
+    with pytest.raises(OutOfBlocksError):
+        cache.begin([9] * 13)  # needs 4 blocks; only 2 can be freed
+    big = cache.begin([9] * 8)
+    assert cache.lookup([*system, 0]).num_cached_tokens == 8
+    cache.finish(big)
+    cache.unpin(pin)
+    serve(cache, [5] * 16)
+    assert cache.lookup([*system, 0]).num_cached_tokens == 0
+
+
+def test_low_priority_blocks_are_evicted_first():
+    cache = PrefixCache(3, block_size=BS)
+    serve(cache, [1] * 5, priority=10)  # older but important
+    serve(cache, [2] * 5, priority=-1)  # newer but disposable
+    request = cache.begin([3] * 5)
+    assert cache.lookup([1] * 5).num_cached_tokens == 4
+    assert cache.lookup([2] * 5).num_cached_tokens == 0
+    cache.finish(request)
+
+
+def test_out_of_blocks_changes_nothing():
+    cache = PrefixCache(4, block_size=BS)
+    serve(cache, list(range(8)))
+    held = cache.begin([*list(range(8)), 1])
+    before = snapshot(cache)
+    with pytest.raises(OutOfBlocksError, match="out of KV blocks"):
+        cache.begin(list(range(100, 117)))
+    with pytest.raises(MemoryError):
+        cache.append(held, [1] * 12)
+    assert snapshot(cache) == before
+    cache.finish(held)
+
+
+def test_clear_detaches_referenced_blocks_and_stops_publishing():
+    cache = PrefixCache(16, block_size=BS)
+    serve(cache, list(range(8)))
+    live = cache.begin([*list(range(8)), 1, 2, 3, 4, 5])
+    cache.clear()
+    assert cache.lookup(list(range(9))).num_cached_tokens == 0
+    assert cache.stats().blocks_cached == 0
+    assert cache.ref_count(live.block_table[0]) == 1, "a live request keeps reading its blocks"
+    cache.commit(live, 13)  # computed under the old weights: must not be published
+    assert cache.stats().blocks_cached == 0
+    cache.finish(live)
+    stats = cache.stats()
+    assert (stats.blocks_free, stats.blocks_in_use) == (16, 0)
+
+
+# ----- what must match -------------------------------------------------------------------------
+
+CONTEXT_CHANGES = {
+    "model_id": "other-model",
+    "weights_digest": "sha256:abc",
+    "tokenizer_id": "other-tokenizer",
+    "tokenizer_digest": "d1",
+    "chat_template_version": "v2",
+    "position_encoding": PositionEncoding(rope_theta=500000.0),
+    "adapters": ("lora-a",),
+    "attention_mask": AttentionMask(kind="sliding_window", sliding_window=4096),
+    "kv_dtype": "bfloat16",
+    "kv_quantization": "fp8",
+    "extra": {"sink_tokens": 4},
+}
+POSITION_CHANGES = {
+    "kind": "alibi",
+    "rope_theta": 10000.5,
+    "rope_scaling": "linear",
+    "rope_scaling_params": (("factor", 2.0),),
+    "position_offset": 1,
+}
+
+
+def test_every_context_field_is_covered():
+    names = {f.name for f in dataclasses.fields(CacheContext)} - {"block_size"}
+    assert names == set(CONTEXT_CHANGES)
+    assert {f.name for f in dataclasses.fields(PositionEncoding)} == set(POSITION_CHANGES)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [dataclasses.replace(CacheContext(block_size=BS), **{k: v}) for k, v in CONTEXT_CHANGES.items()]
+    + [
+        CacheContext(
+            block_size=BS, position_encoding=dataclasses.replace(PositionEncoding(), **{k: v})
+        )
+        for k, v in POSITION_CHANGES.items()
+    ],
+)
+def test_changing_any_context_field_misses_everything(changed):
+    base = CacheContext(block_size=BS)
+    assert changed.fingerprint() != base.fingerprint()
+    tokens = list(range(12))
+    cache = PrefixCache(16, context=base)
+    serve(cache, tokens)
+    assert cache.lookup(tokens).num_cached_tokens > 0
+    cache.set_context(changed)
+    assert cache.lookup(tokens).num_cached_tokens == 0
+    # Even blocks published under the new context are not found under the old one.
+    serve(cache, tokens)
+    other = PrefixCache(16, context=base)
+    assert other.lookup(tokens).num_cached_tokens == 0
+
+
+def test_context_fingerprint_is_deterministic_across_processes():
+    code = (
+        "from prefixkv import CacheContext, PositionEncoding;"
+        "print(CacheContext(model_id='m', position_encoding=PositionEncoding(rope_theta=1e6),"
+        " extra={'b': 1, 'a': 2.5}).fingerprint().hex())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    here = CacheContext(
+        model_id="m", position_encoding=PositionEncoding(rope_theta=1e6), extra={"a": 2.5, "b": 1}
+    )
+    assert out.stdout.strip() == here.fingerprint().hex()
+
+
+def test_length_dependent_rope_is_refused():
+    dynamic = CacheContext(position_encoding=PositionEncoding(rope_scaling="dynamic"))
+    with pytest.raises(InvalidInputError, match="depends on the total sequence length"):
+        PrefixCache(8, context=dynamic)
+
+
+def test_salt_adapter_and_multimodal_items_isolate():
+    cache = PrefixCache(32, block_size=BS)
+    tokens = list(range(12))
+    serve(cache, tokens, salt="tenant-a", adapter="lora-1", multimodal=[(4, 4, b"img-1")])
+    assert (
+        cache.lookup(
+            tokens, salt="tenant-a", adapter="lora-1", multimodal=[(4, 4, b"img-1")]
+        ).num_cached_tokens
+        == 11
+    )
+    assert (
+        cache.lookup(tokens, adapter="lora-1", multimodal=[(4, 4, b"img-1")]).num_cached_tokens == 0
+    )
+    assert (
+        cache.lookup(
+            tokens, salt="tenant-b", adapter="lora-1", multimodal=[(4, 4, b"img-1")]
+        ).num_cached_tokens
+        == 0
+    )
+    assert (
+        cache.lookup(tokens, salt="tenant-a", multimodal=[(4, 4, b"img-1")]).num_cached_tokens == 0
+    )
+    assert (
+        cache.lookup(
+            tokens, salt="tenant-a", adapter="lora-2", multimodal=[(4, 4, b"img-1")]
+        ).num_cached_tokens
+        == 0
+    )
+    # A different image: the block before it still hits, the blocks from the image on do not.
+    assert (
+        cache.lookup(
+            tokens, salt="tenant-a", adapter="lora-1", multimodal=[(4, 4, b"img-2")]
+        ).num_cached_tokens
+        == 4
+    )
+    # Same image, shifted by one token within the block: a different alignment, a miss.
+    assert (
+        cache.lookup(
+            tokens, salt="tenant-a", adapter="lora-1", multimodal=[(5, 4, b"img-1")]
+        ).num_cached_tokens
+        == 4
+    )
+
+
+# ----- keys ------------------------------------------------------------------------------------
+
+
+def test_block_keys_follow_the_documented_layout():
+    blake3 = pytest.importorskip("blake3").blake3
+    context = CacheContext(block_size=BS, model_id="m")
+    cache = PrefixCache(4, context=context)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    fingerprint = blake3(b"prefixkv.context.v1\0" + context.canonical_bytes()).digest()
+    assert fingerprint == context.fingerprint()
+    salt = b"t"
+    parent = blake3(
+        b"prefixkv.root.v1\0" + fingerprint + len(salt).to_bytes(4, "little") + salt
+    ).digest()
+    expected = []
+    for i in range(2):
+        block = tokens[i * BS : (i + 1) * BS]
+        data = b"prefixkv.block.v1\0" + parent + len(block).to_bytes(4, "little")
+        data += b"".join(t.to_bytes(4, "little") for t in block) + (0).to_bytes(4, "little")
+        parent = blake3(data).digest()
+        expected.append(parent)
+    assert cache.block_keys(tokens, salt=salt) == expected
+
+
+def test_forced_collisions_never_give_a_wrong_hit():
+    """With 4-bit keys most distinct blocks collide; every hit must still be the right KV."""
+    rng = np.random.default_rng(0)
+    cache = PrefixCache(64, block_size=2, _key_bits=4)
+    content: dict[int, tuple] = {}  # block id -> (salt, token prefix) its KV was computed for
+    for _ in range(400):
+        stem = [int(x) for x in rng.integers(0, 3, size=int(rng.integers(1, 9)))]
+        salt = str(int(rng.integers(0, 2)))
+        request = cache.begin(stem, salt=salt)
+        for i, block in enumerate(
+            request.block_table[: request.num_cached_tokens // 2 + request.full_hit]
+        ):
+            if i * 2 < request.num_cached_tokens or request.full_hit:
+                assert content[block] == (salt, tuple(stem[: (i + 1) * 2])), "wrong KV returned"
+        for i, block in enumerate(request.block_table):
+            if not cache.is_cached(block):
+                content[block] = (salt, tuple(stem[: (i + 1) * 2]))
+        cache.commit(request, len(stem))
+        cache.finish(request)
+        cache.check_invariants()
+    stats = cache.stats()
+    assert stats.collisions > 0, "the test must actually produce collisions"
+    assert stats.hit_tokens > 0
+
+
+# ----- token id formats and bad input -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        list,
+        tuple,
+        lambda t: np.array(t, dtype=np.int32),
+        lambda t: np.array(t, dtype=np.int64),
+        lambda t: np.array(t, dtype=np.uint32),
+        lambda t: np.array(t, dtype=np.int64)[::1],
+        lambda t: np.repeat(np.array(t, dtype=np.int64), 2)[::2],  # strided view
+        lambda t: torch.tensor(t, dtype=torch.int64),
+        lambda t: torch.tensor(t, dtype=torch.int32),
+    ],
+)
+def test_token_id_formats_agree(convert):
+    cache = PrefixCache(16, block_size=BS)
+    tokens = [5, 1, 2, 3, 4, 4000000000 % 2**31, 7, 8, 9]
+    serve(cache, tokens)
+    assert cache.lookup(convert(tokens)).num_cached_tokens == 8
+
+
+BAD_TOKENS = [
+    ([1, -2, 3], InvalidInputError, "position 1"),
+    ([1, 2**32], InvalidInputError, "out of range"),
+    ([1, "a"], InvalidInputError, "not an int"),
+    (np.array([1, -5], dtype=np.int64), InvalidInputError, "negative"),
+    (np.array([1, 2**40], dtype=np.int64), InvalidInputError, "out of range"),
+    (np.array([1.0, 2.0]), InvalidInputError, "integer dtype"),
+    (np.zeros((2, 2), dtype=np.int32), InvalidInputError, "one-dimensional"),
+    (torch.tensor([1, -1]), InvalidInputError, "negative"),
+    ({1, 2}, InvalidInputError, "list, tuple"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "error", "message"), BAD_TOKENS)
+def test_bad_token_ids_are_refused_and_change_nothing(tokens, error, message):
+    cache = PrefixCache(8, block_size=BS)
+    serve(cache, list(range(8)))
+    before = snapshot(cache)
+    for call in (cache.begin, cache.lookup):
+        with pytest.raises(error, match=message):
+            call(tokens)
+    assert snapshot(cache) == before
+
+
+def test_vocab_size_is_enforced():
+    cache = PrefixCache(8, block_size=BS, vocab_size=100)
+    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+        cache.begin([1, 2, 100])
+
+
+def test_bad_calls_raise_typed_errors_and_change_nothing():
+    cache = PrefixCache(8, block_size=BS)
+    request = cache.begin(list(range(6)))
+    raw = cache.allocate(1)
+    before = snapshot(cache)
+    cases = [
+        (lambda: cache.finish(12345), UnknownRequestError, KeyError),
+        (lambda: cache.commit(request, 7), InvalidInputError, ValueError),
+        (lambda: cache.commit(request, -1), InvalidInputError, ValueError),
+        (lambda: cache.append(999, [1]), UnknownRequestError, KeyError),
+        (lambda: cache.release([raw[0], raw[0]]), BlockStateError, ValueError),
+        (lambda: cache.release([100]), InvalidBlockError, KeyError),
+        (lambda: cache.release([-1]), InvalidBlockError, KeyError),
+        (lambda: cache.commit_blocks([1, 2, 3], raw), BlockStateError, ValueError),
+        (lambda: cache.commit_blocks(list(range(8)), [5, raw[0]]), InvalidBlockError, KeyError),
+        (lambda: cache.allocate(-1), InvalidInputError, ValueError),
+        (lambda: cache.allocate(100), OutOfBlocksError, MemoryError),
+        (lambda: cache.unpin(42), InvalidInputError, ValueError),
+        (lambda: cache.begin([]), InvalidInputError, ValueError),
+        (lambda: cache.begin([1], salt=3), InvalidInputError, ValueError),
+        (lambda: cache.begin([1], multimodal=[(0, -1, b"x")]), InvalidInputError, ValueError),
+        (lambda: cache.set_context(CacheContext(block_size=8)), InvalidInputError, ValueError),
+    ]
+    for call, error, builtin in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert isinstance(info.value, (PrefixKVError, builtin))
+        assert isinstance(info.value, builtin)
+        assert str(info.value), "the message names the problem"
+        assert snapshot(cache) == before, f"{call} changed the cache"
+    cache.finish(request)
+    with pytest.raises(UnknownRequestError, match="already finished"):
+        cache.finish(request)
+    cache.release(raw)
+    with pytest.raises(BlockStateError, match="double release"):
+        cache.release(raw)
+
+
+def test_low_level_calls_compose_like_a_request():
+    cache = PrefixCache(8, block_size=BS)
+    tokens = list(range(10))
+    blocks = cache.allocate(3)
+    assert cache.commit_blocks(tokens, blocks[:2]) == blocks[:2]
+    cache.release(blocks)
+    matched = cache.match_and_acquire(tokens)
+    assert matched.block_ids == blocks[:2] and matched.num_cached_tokens == 8
+    assert cache.ref_count(blocks[0]) == 1
+    # Someone else computed the same blocks: they dedupe to the cached copies.
+    other = cache.allocate(2)
+    assert cache.commit_blocks(tokens, other) == blocks[:2]
+    cache.release(other + matched.block_ids)
+    assert cache.stats().blocks_in_use == 0
+    cache.check_invariants()
+
+
+def test_constructor_validation():
+    with pytest.raises(InvalidInputError):
+        PrefixCache(0)
+    with pytest.raises(InvalidInputError):
+        PrefixCache(8, block_size=0)
+    with pytest.raises(InvalidInputError, match="differs"):
+        PrefixCache(8, block_size=8, context=CacheContext(block_size=16))
