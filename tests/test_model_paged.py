@@ -25,14 +25,27 @@ Tolerances:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, note, settings, target
 from hypothesis import strategies as st
 
+from prefixkv import model as model_module
+from prefixkv.attention import paged_prefill_attention
 from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+from prefixkv.model import (
+    LlamaModel,
+    ModelConfig,
+    PrefillRequest,
+    RopeScaling,
+    _PackedBatch,
+    rope_inverse_frequencies,
+)
 
 FLOAT32_RTOL = 1e-5
 LOW_PRECISION_FACTOR = 3.0
@@ -321,3 +334,99 @@ def test_greedy_decode_after_cached_prefill_matches_full_prefill(
                 f"{name} decoded {tokens}, full recompute {oracle} (diverged at {step}, "
                 f"top-2 gap {gap:.3g})"
             )
+
+
+# --------------------------------------------------------------------------------------------
+# The check above must be able to fail: planted bugs in the paged path, each caught.
+# --------------------------------------------------------------------------------------------
+
+
+class SuffixPositionsFromZero(LlamaModel):
+    """Planted bug: the computed tokens get RoPE positions 0, 1, ... instead of m, m+1, ..."""
+
+    def _pack(self, kv_cache: PagedKVCache, batch: Sequence[PrefillRequest]) -> _PackedBatch:
+        packed = super()._pack(kv_cache, batch)
+        frequencies = rope_inverse_frequencies(self.config, 1)
+        positions = torch.cat([torch.arange(q, dtype=torch.float64) for q in packed.query_lens])
+        angles = torch.outer(positions + self.config.position_offset, frequencies)
+        return replace(packed, cos=angles.cos().to(self.dtype), sin=angles.sin().to(self.dtype))
+
+
+class RopeScalingDropped(LlamaModel):
+    """Planted bug: the paged path computes RoPE as if there were no scaling."""
+
+    def _pack(self, kv_cache: PagedKVCache, batch: Sequence[PrefillRequest]) -> _PackedBatch:
+        def unscaled(config: ModelConfig, length: int) -> torch.Tensor:
+            return rope_inverse_frequencies(config.replace(rope_scaling=None), length)
+
+        with mock.patch.object(model_module, "rope_inverse_frequencies", unscaled):
+            return super()._pack(kv_cache, batch)
+
+
+class CausalMaskOffByOne(LlamaModel):
+    """Planted bug: each query also sees the key one position after it."""
+
+    def prefill(self, *args: Any, **kwargs: Any) -> Any:
+        def leaky(
+            query: torch.Tensor,
+            key_pages: torch.Tensor,
+            value_pages: torch.Tensor,
+            block_tables: torch.Tensor,
+            query_lens: list[int],
+            seq_lens: list[int],
+            **options: Any,
+        ) -> torch.Tensor:
+            # One more key per request, with the queries keeping their rows: query i now sits
+            # at position i + 1 of the attention's view and sees key i + 1.
+            widened = torch.cat([block_tables, torch.zeros_like(block_tables[:, :1])], dim=1)
+            return paged_prefill_attention(
+                query,
+                key_pages,
+                value_pages,
+                widened,
+                query_lens,
+                [n + 1 for n in seq_lens],
+                **options,
+            )
+
+        with mock.patch.object(model_module, "paged_prefill_attention", leaky):
+            return super().prefill(*args, **kwargs)
+
+
+def fixed_scenario(config: ModelConfig) -> Scenario:
+    block_size = 3
+    first = RequestPlan(
+        tokens=[(11 * i + 5) % 256 for i in range(20)],
+        block_table=list(range(7)),
+        earlier_chunk_ends=[4, 10],
+        num_cached=10,  # mid-block
+        full_hit=False,
+        chunk_via_num_tokens=True,
+    )
+    second = RequestPlan(
+        tokens=[(7 * i + 1) % 256 for i in range(13)],
+        block_table=list(range(7, 12)),
+        earlier_chunk_ends=[7],
+        num_cached=7,  # mid-block
+        full_hit=False,
+        chunk_via_num_tokens=False,
+    )
+    return Scenario(config, block_size, seed=0, with_adapter=False, requests=[first, second])
+
+
+PLANTED_BUGS = {
+    "suffix positions start at 0": SuffixPositionsFromZero,
+    "rope scaling dropped": RopeScalingDropped,
+    "causal mask off by one": CausalMaskOffByOne,
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_check_catches_planted_bugs(bug: str, dtype: torch.dtype) -> None:
+    config = ModelConfig(dtype=dtype, rope_scaling=RopeScaling("linear", 2.0))
+    scenario = fixed_scenario(config)
+    check_cached_matches_full(LlamaModel.random(config, seed=0), scenario)  # control
+    buggy = PLANTED_BUGS[bug].random(config, seed=0)
+    with pytest.raises(AssertionError):
+        check_cached_matches_full(buggy, scenario)

@@ -87,9 +87,10 @@ def test_rotate_half_matches_complex_rotation_of_paired_halves() -> None:
     angles = torch.rand((tokens, head_dim // 2), generator=generator, dtype=torch.float64) * 50
     got = _apply_rotate_half_rope(x, torch.cos(angles), torch.sin(angles))
     half = head_dim // 2
-    as_complex = torch.complex(x[..., :half], x[..., half:]) * torch.polar(
-        torch.ones_like(angles), angles
-    )[:, None, :]
+    as_complex = (
+        torch.complex(x[..., :half], x[..., half:])
+        * torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    )
     expected = torch.cat((as_complex.real, as_complex.imag), dim=-1)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
