@@ -1,0 +1,527 @@
+"""A small serving engine over the prefix cache: `Engine`.
+
+It ties the pieces together the way an inference engine does, and is what `prefixkv demo` runs:
+
+* `PrefixCache` decides which KV blocks a request may reuse; `PagedKVCache` holds them;
+  `LlamaModel.prefill` computes only the uncached suffix of every prompt over those pages.
+* The `CacheContext` is built from everything that changes KV: a digest of the weights (and of
+  the model config), the tokenizer and chat template digests, RoPE theta / scaling / offset,
+  the sliding window, the KV dtype and the block size. The active LoRA adapter is part of every
+  block key (named by a digest of its weights), so switching adapters never reuses KV.
+
+Scheduling, one `LlamaModel.prefill` call per step (prefill and decode mixed, varlen):
+
+* Admit waiting requests in order while the pool can hold them *and* every admitted request's
+  remaining generation (so decode never runs out of blocks mid-flight). A request that would
+  compute a block another request admitted in the same step is also computing waits one step:
+  the other's commit then turns that block into a hit, so requests running together compute a
+  shared prefix once.
+* A new request computes positions ``num_cached_tokens .. n-1``; a full hit computes only the
+  last position and writes nothing (its KV is in a shared, read-only block). A decoding request
+  computes its newest token. Full blocks are committed after every step, generated ones too, so
+  a conversation's next turn reuses the previous answer.
+* Greedy decoding; a request ends after `max_new_tokens` or a stop token, then `finish` hands its
+  blocks back (they stay cached, evictable).
+
+Time to first token is measured from the `generate` call to the step that produced the token,
+so it includes queueing behind other requests of the same call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixkv.cache import PrefixCache, Request
+from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
+from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.kv import PagedKVCache
+from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
+
+__all__ = ["Engine", "RequestResult", "model_context", "weights_digest"]
+
+#: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
+EngineInput = Any
+
+_DEFAULT_NUM_BLOCKS = 1024
+
+
+@dataclass
+class RequestResult:
+    """What serving one request produced, and what it cost."""
+
+    prompt_token_ids: list[int]
+    #: Prompt tokens whose KV was read from the cache (for a full hit: all but the last).
+    cached_tokens: int
+    #: Prompt positions the model computed (``prompt_tokens - cached_tokens``, at least 1).
+    computed_tokens: int
+    #: Seconds from the `generate` call to this request's first output token.
+    time_to_first_token: float
+    output_token_ids: list[int]
+    #: The output decoded by the engine's tokenizer (None without one).
+    output_text: str | None
+    #: Every prompt block was cached: only the last token was recomputed, nothing written.
+    full_hit: bool
+    #: With ``check_exactness=True``: the largest |logit difference| between what the engine
+    #: computed (prefill and every decode step) and a full recompute without cache.
+    max_logit_diff: float | None = None
+    #: With ``check_exactness=True``: the greedy tokens of the full recompute's logits equal ours.
+    tokens_match: bool | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Sequence:
+    """A request being served."""
+
+    index: int
+    prompt: list[int]
+    request: Request
+    block_table: list[int]
+    tokens: list[int]
+    cached_tokens: int
+    full_hit: bool
+    prefilled: bool = False
+    generated: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    first_token_time: float = 0.0
+
+
+def weights_digest(model: LlamaModel) -> str:
+    """SHA-256 over every parameter's name, dtype, shape and bytes, plus the model config.
+
+    Hashing the loaded tensors (not the files) covers random weights, checkpoints and in-memory
+    edits alike; a config field that changes KV without changing a weight (RMSNorm eps, head
+    layout) changes the digest too.
+    """
+    digest = hashlib.sha256()
+    config = model.config.describe()
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _adapter_key(model: LlamaModel) -> str | None:
+    """The active adapter as a per-block key: its name and a digest of its weights, so that
+    reloading a name with other weights misses."""
+    name = model.active_adapter
+    if name is None:
+        return None
+    # LlamaModel keeps adapter weights privately; hashing them here (rather than trusting the
+    # name) is what makes a reloaded adapter miss.
+    adapters = getattr(model, "_adapters", {})
+    digest = hashlib.sha256()
+    for (layer, projection), pair in sorted(adapters.get(name, {}).items()):
+        digest.update(f"{layer}.{projection}".encode())
+        for tensor in (pair.down, pair.up):
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().data)
+    return f"{name}@{digest.hexdigest()[:32]}"
+
+
+def model_context(
+    config: ModelConfig,
+    *,
+    weights: str,
+    block_size: int,
+    model_id: str = "",
+    tokenizer: Tokenizer | None = None,
+    chat_template: ChatTemplate | None = None,
+) -> CacheContext:
+    """The `CacheContext` of a model: every setting that changes the KV it writes."""
+    scaling = config.rope_scaling
+    params: tuple[tuple[str, float], ...] = ()
+    if scaling is not None:
+        params = (("factor", float(scaling.factor)),)
+        if scaling.kind == "dynamic_ntk":
+            params += (("max_position_embeddings", float(config.max_position_embeddings)),)
+    window = config.sliding_window
+    return CacheContext(
+        model_id=model_id,
+        weights_digest=weights,
+        tokenizer_id="" if tokenizer is None else tokenizer.name,
+        tokenizer_digest="" if tokenizer is None else tokenizer.digest(),
+        chat_template_version="" if chat_template is None else chat_template.digest(),
+        position_encoding=PositionEncoding(
+            kind="rope",
+            rope_theta=float(config.rope_theta),
+            rope_scaling=None if scaling is None else scaling.kind,
+            rope_scaling_params=params,
+            position_offset=config.position_offset,
+        ),
+        attention_mask=AttentionMask(
+            kind="causal" if window is None else "sliding_window", sliding_window=window
+        ),
+        kv_dtype=str(config.dtype).removeprefix("torch."),
+        block_size=block_size,
+    )
+
+
+class Engine:
+    """Batched greedy generation with exact prefix caching over paged KV.
+
+    Args:
+        model: a `LlamaModel`; None builds a small seeded random one over the byte vocabulary.
+        tokenizer: turns text requests into ids and outputs back into text; default the
+            `ByteTokenizer` when it fits the model's vocabulary.
+        chat_template: renders chat requests; default `SimpleChatTemplate`.
+        num_blocks / kv_memory_bytes: size of the KV pool (give at most one; default
+            1024 blocks).
+        block_size: tokens per block.
+        device / dtype: where and in what precision to run (the model is moved or converted).
+        model_id: a human-readable name that goes into the cache context.
+        max_batch_size: most requests in flight at once.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        chat_template: ChatTemplate | None = None,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        model_id: str = "",
+        max_batch_size: int = 64,
+    ) -> None:
+        if model is None:
+            byte_vocab = ByteTokenizer().vocab_size
+            model = LlamaModel.random(ModelConfig(vocab_size=byte_vocab), seed=0)
+            model_id = model_id or "prefixkv-random-tiny"
+        if not isinstance(model, LlamaModel):
+            raise InvalidInputError(f"model must be a LlamaModel, got {type(model).__name__}")
+        if dtype is not None and dtype != model.dtype:
+            model = model.with_config(dtype=dtype)
+        self.model = model.to(device=torch.device(device))
+        config = self.model.config
+        if tokenizer is None:
+            byte_tokenizer = ByteTokenizer()
+            if byte_tokenizer.vocab_size <= config.vocab_size:
+                tokenizer = byte_tokenizer
+        elif tokenizer.vocab_size > config.vocab_size:
+            raise InvalidInputError(
+                f"the tokenizer has {tokenizer.vocab_size} ids, the model only {config.vocab_size}"
+            )
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template if chat_template is not None else SimpleChatTemplate()
+        if num_blocks is not None and kv_memory_bytes is not None:
+            raise InvalidInputError("give num_blocks or kv_memory_bytes, not both")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+            raise InvalidInputError(f"max_batch_size must be an int, got {max_batch_size!r}")
+        if max_batch_size < 1:
+            raise InvalidInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        geometry = (config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+        if kv_memory_bytes is not None:
+            self.kv_cache = PagedKVCache.from_memory_budget(
+                kv_memory_bytes, *geometry, dtype=self.model.dtype, device=self.model.device
+            )
+        else:
+            self.kv_cache = PagedKVCache(
+                config.num_layers,
+                _DEFAULT_NUM_BLOCKS if num_blocks is None else num_blocks,
+                block_size,
+                config.num_kv_heads,
+                config.head_dim,
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
+        self.context = model_context(
+            config,
+            weights=weights_digest(self.model),
+            block_size=block_size,
+            model_id=model_id,
+            tokenizer=tokenizer,
+            chat_template=self.chat_template,
+        )
+        # Refuses a length-dependent position encoding (dynamic NTK) with a clear message.
+        self.cache = PrefixCache(
+            self.kv_cache.num_blocks, context=self.context, vocab_size=config.vocab_size
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        tokenizer: Tokenizer | None = None,
+        chat_template: ChatTemplate | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        **engine_options: Any,
+    ) -> Engine:
+        """An engine over a local Hugging Face Llama checkpoint (``config.json`` plus
+        ``*.safetensors``). A ``tokenizer.json`` in the directory is used when no tokenizer is
+        given (needs ``prefixkv[hf]``); a ``tokenizer_config.json`` with a ``chat_template`` is
+        used when no template is given."""
+        from prefixkv.text import HFTokenizer, JinjaChatTemplate
+
+        directory = Path(directory)
+        model = LlamaModel.from_pretrained(directory, dtype=dtype, device=device)
+        if tokenizer is None and (directory / "tokenizer.json").is_file():
+            tokenizer = HFTokenizer(directory / "tokenizer.json")
+        config_file = directory / "tokenizer_config.json"
+        if chat_template is None and config_file.is_file():
+            raw = json.loads(config_file.read_text(encoding="utf-8"))
+            if isinstance(raw, dict) and raw.get("chat_template"):
+                chat_template = JinjaChatTemplate.from_file(config_file)
+        engine_options.setdefault("model_id", directory.name)
+        return cls(
+            model,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            device=device,
+            **engine_options,
+        )
+
+    # ---------------------------------------------------------------- inputs
+
+    def encode(self, request: EngineInput) -> list[int]:
+        """The prompt token ids of a request: ids as given, text tokenized, chat rendered."""
+        if isinstance(request, str):
+            return self._encode_text(request)
+        if isinstance(request, Mapping):
+            if "messages" not in request:
+                raise InvalidInputError("a chat request mapping needs a 'messages' list")
+            text = self.chat_template.render(
+                request["messages"], add_generation_prompt=True, tools=request.get("tools")
+            )
+            return self._encode_text(text)
+        if isinstance(request, torch.Tensor):
+            request = request.detach().cpu().numpy()
+        if isinstance(request, np.ndarray):
+            if request.ndim != 1 or request.dtype.kind not in "iu":
+                raise InvalidInputError(
+                    f"token ids must be a 1-D integer array, got {request.dtype} {request.shape}"
+                )
+            ids = [int(token) for token in request.tolist()]
+        elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
+            if request and all(isinstance(item, Mapping) for item in request):
+                text = self.chat_template.render(request, add_generation_prompt=True)
+                return self._encode_text(text)
+            if not all(
+                isinstance(item, (int, np.integer)) and not isinstance(item, bool)
+                for item in request
+            ):
+                raise InvalidInputError(
+                    "a request must be token ids, text, chat messages or {'messages': ...}"
+                )
+            ids = [int(token) for token in request]
+        else:
+            raise InvalidInputError(
+                f"a request must be token ids, text, chat messages or {{'messages': ...}}, "
+                f"not {type(request).__name__}"
+            )
+        if not ids:
+            raise InvalidInputError("a request needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [token for token in ids if not 0 <= token < vocab]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer: pass token ids")
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise InvalidInputError("the request's text encodes to no tokens")
+        return ids
+
+    # ---------------------------------------------------------------- serving
+
+    def generate(
+        self,
+        requests: Sequence[EngineInput],
+        max_new_tokens: int = 16,
+        *,
+        check_exactness: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        on_finish: Callable[[int, RequestResult], None] | None = None,
+    ) -> list[RequestResult]:
+        """Serve a batch of requests; results in request order.
+
+        `on_finish(index, result)` is called as each request completes (for progress bars).
+        Raises `OutOfBlocksError` when one request alone cannot fit the pool.
+        """
+        if isinstance(requests, (str, Mapping)) or not isinstance(requests, Sequence):
+            raise InvalidInputError("requests must be a list of requests")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise InvalidInputError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        start = time.perf_counter()
+        prompts = [self.encode(request) for request in requests]
+        for index, prompt in enumerate(prompts):
+            needed = self._blocks_for(len(prompt) + max_new_tokens - 1)
+            if needed > self.kv_cache.num_blocks:
+                raise OutOfBlocksError(
+                    f"request {index}: {len(prompt)} prompt tokens plus {max_new_tokens} new "
+                    f"need {needed} blocks of {self.kv_cache.block_size} tokens; the KV pool has "
+                    f"{self.kv_cache.num_blocks} (raise num_blocks or kv_memory_bytes)"
+                )
+        stops = {int(token) for token in stop_token_ids}
+        adapter = _adapter_key(self.model)
+        waiting = list(range(len(prompts)))
+        running: list[_Sequence] = []
+        results: list[RequestResult | None] = [None] * len(prompts)
+        try:
+            while waiting or running:
+                admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter)
+                if not admitted and not running:
+                    raise OutOfBlocksError(  # unreachable unless blocks leak or are pinned
+                        f"cannot admit request {waiting[0]}: the KV pool is full"
+                    )
+                running.extend(admitted)
+                self._step(running, start, check_exactness)
+                still_running = []
+                for sequence in running:
+                    last = sequence.generated[-1]
+                    if len(sequence.generated) < max_new_tokens and last not in stops:
+                        sequence.block_table.extend(self.cache.append(sequence.request, [last]))
+                        sequence.tokens.append(last)
+                        still_running.append(sequence)
+                        continue
+                    self.cache.finish(sequence.request)
+                    result = self._result(sequence, check_exactness)
+                    results[sequence.index] = result
+                    if on_finish is not None:
+                        on_finish(sequence.index, result)
+                running = still_running
+        except BaseException:
+            for sequence in running:
+                self.cache.finish(sequence.request)
+            raise
+        return [result for result in results if result is not None]
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv_cache.block_size)
+
+    def _admit(
+        self,
+        waiting: list[int],
+        prompts: list[list[int]],
+        running: list[_Sequence],
+        max_new_tokens: int,
+        adapter: str | None,
+    ) -> list[_Sequence]:
+        """Begin as many waiting requests as fit; removes them from `waiting`."""
+        # Blocks the running requests will still allocate while they decode.
+        reserved = sum(
+            self._blocks_for(len(s.prompt) + max_new_tokens - 1) - len(s.block_table)
+            for s in running
+        )
+        in_flight: set[bytes] = set()  # keys of blocks that requests admitted now will compute
+        admitted: list[_Sequence] = []
+        for index in list(waiting):
+            if len(running) + len(admitted) >= self.max_batch_size:
+                break
+            prompt = prompts[index]
+            keys = self.cache.block_keys(prompt, adapter=adapter)
+            cached_blocks = len(self.cache.lookup(prompt, adapter=adapter).block_ids)
+            if cached_blocks < len(keys) and keys[cached_blocks] in in_flight:
+                continue  # an earlier request computes this block now: reuse it next step
+            try:
+                request = self.cache.begin(prompt, adapter=adapter)
+            except OutOfBlocksError:
+                break
+            growth = self._blocks_for(len(prompt) + max_new_tokens - 1) - len(request.block_table)
+            stats = self.cache.stats()
+            if stats.blocks_free + stats.blocks_evictable < reserved + growth:
+                self.cache.finish(request)  # would starve a decode later: wait for blocks
+                break
+            reserved += growth
+            in_flight.update(keys[request.num_cached_tokens // self.kv_cache.block_size :])
+            waiting.remove(index)
+            admitted.append(
+                _Sequence(
+                    index=index,
+                    prompt=prompt,
+                    request=request,
+                    block_table=list(request.block_table),
+                    tokens=list(prompt),
+                    cached_tokens=request.num_cached_tokens,
+                    full_hit=request.full_hit,
+                )
+            )
+        return admitted
+
+    def _step(self, running: list[_Sequence], start: float, check_exactness: bool) -> None:
+        """One model call: prefill the new requests, decode one token for the others."""
+        batch = []
+        for sequence in running:
+            if sequence.prefilled:
+                cached = len(sequence.tokens) - 1
+                write_kv = True
+            else:
+                cached = sequence.cached_tokens
+                write_kv = not sequence.full_hit
+            batch.append(
+                PrefillRequest(
+                    sequence.tokens,
+                    sequence.block_table,
+                    num_cached_tokens=cached,
+                    write_kv=write_kv,
+                )
+            )
+        logits = self.model.prefill(self.kv_cache, batch)
+        now = time.perf_counter()
+        next_tokens = logits.argmax(dim=-1).tolist()
+        for sequence, row, token in zip(running, logits, next_tokens, strict=True):
+            if not sequence.prefilled:
+                sequence.prefilled = True
+                sequence.first_token_time = now - start
+            if check_exactness:
+                sequence.logits.append(row.detach().to("cpu", torch.float64))
+            sequence.generated.append(int(token))
+            # Every position now has KV in the pages: publish the blocks that are full.
+            self.cache.commit(sequence.request, len(sequence.tokens))
+
+    def _result(self, sequence: _Sequence, check_exactness: bool) -> RequestResult:
+        result = RequestResult(
+            prompt_token_ids=sequence.prompt,
+            cached_tokens=sequence.cached_tokens,
+            computed_tokens=len(sequence.prompt) - sequence.cached_tokens,
+            time_to_first_token=sequence.first_token_time,
+            output_token_ids=list(sequence.generated),
+            output_text=(
+                None if self.tokenizer is None else self.tokenizer.decode(sequence.generated)
+            ),
+            full_hit=sequence.full_hit,
+        )
+        if check_exactness:
+            # One full recompute over prompt + output[:-1] gives the logits of every step.
+            full = self.model.forward_full(sequence.tokens).to("cpu", torch.float64)
+            ours = torch.stack(sequence.logits)
+            reference = full[len(sequence.prompt) - 1 :]
+            result.max_logit_diff = float((ours - reference).abs().max())
+            result.tokens_match = reference.argmax(dim=-1).tolist() == sequence.generated
+        return result
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(model={self.context.model_id or 'LlamaModel'}, "
+            f"num_blocks={self.kv_cache.num_blocks}, block_size={self.kv_cache.block_size})"
+        )
