@@ -1,0 +1,132 @@
+"""Helpers shared by the benchmark sections: timing, the machine's description, the build check.
+
+Every figure a section reports is a ratio against a baseline timed in the same run, because
+absolute times on a shared machine drift by tens of percent between runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+REPO_ROOT = BENCH_DIR.parent
+
+
+def median_ns(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 2, number: int = 1) -> float:
+    """Median over `repeats` of the time of `number` calls of `fn`, per call, in ns."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter_ns() - start) / number)
+    return statistics.median(samples)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic GC pauses inside a timed region (every implementation gets the same)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def core_build() -> str:
+    """Which Cargo profile built the imported `prefixkv._core` (benchmarks need release)."""
+    import prefixkv._core as core
+
+    loaded = Path(core.__file__)
+    digest = hashlib.sha256(loaded.read_bytes()).hexdigest()
+    for profile in ("release", "debug"):
+        candidate = REPO_ROOT / "target" / profile / "lib_core.so"
+        if candidate.exists() and hashlib.sha256(candidate.read_bytes()).hexdigest() == digest:
+            return profile
+    return "unknown (no byte-identical target/*/lib_core.so; check it is a release build)"
+
+
+def machine() -> dict[str, Any]:
+    import numpy
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "sha_extensions": "sha_ni" in cpu_flags(),
+        "avx512": "avx512f" in cpu_flags(),
+        "python": sys.version.split()[0],
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "prefixkv_core_build": core_build(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def fmt_us(ns: float) -> str:
+    us = ns / 1000
+    if us >= 100:
+        return f"{us:,.0f}"
+    if us >= 10:
+        return f"{us:.1f}"
+    return f"{us:.2f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×" if x < 10 else f"{x:.1f}×"
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
