@@ -1,0 +1,190 @@
+"""Section 2: lookup throughput from 1 and 2 Python threads, with and without a writer thread.
+
+`PrefixCache.lookup` converts the token ids with the GIL held (a numpy cast and one buffer
+copy), then releases the GIL for the hashing and the lock-free table walk. Two reader threads
+therefore overlap almost entirely, if two cores are free for them.
+
+The machine has 2 cores, so a writer thread competing for CPU would cap any two-reader figure
+below 2 by construction. The design keeps that honest:
+
+- *no writer*: readers alone, 1 then 2 threads: the GIL-release question on its own;
+- *writer at a fixed modest rate*: another thread begins, commits and finishes 4k-token
+  requests at `WRITER_RATE` per second (a few % of one core), sleeping between them, so the
+  readers see a live, changing table (inserts and evictions) without the writer eating a core;
+- *control*: the same harness on a call that holds the GIL throughout (the plain-Python
+  baseline's hash loop: hashlib keeps the GIL for inputs under 2 KiB), whose ratio should be
+  ~1.0. It shows the harness can tell released from held.
+
+Each configuration runs for a fixed wall time; lookups are counted per thread. The load average
+of the machine is recorded, because other processes take cores from the readers too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import md_table  # noqa: E402
+from python_baseline import PyPrefixCache  # noqa: E402
+
+from prefixkv import PrefixCache  # noqa: E402
+
+PROMPT_TOKENS = 8192
+WRITER_RATE = 100.0  # requests per second
+BLOCK_SIZE = 16
+
+
+def _throughput(call: Any, prompts: list[np.ndarray], threads: int, seconds: float,
+                writer: Any | None) -> dict[str, float]:
+    stop = threading.Event()
+    counts = [0] * threads
+    barrier = threading.Barrier(threads + 1 + (writer is not None))
+
+    def reader(index: int) -> None:
+        prompt = prompts[index % len(prompts)]
+        barrier.wait()
+        n = 0
+        while not stop.is_set():
+            call(prompt)
+            n += 1
+        counts[index] = n
+
+    written = [0]
+
+    def write_loop() -> None:
+        barrier.wait()
+        period = 1.0 / WRITER_RATE
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            writer()
+            written[0] += 1
+            next_at += period
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                stop.wait(delay)
+
+    workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+    if writer is not None:
+        workers.append(threading.Thread(target=write_loop))
+    for w in workers:
+        w.start()
+    barrier.wait()
+    start = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    return {"per_second": sum(counts) / elapsed, "writer_per_second": written[0] / elapsed}
+
+
+def _gil_held_share(cache: PrefixCache, prompt: np.ndarray, rng: np.random.Generator) -> dict[str, float]:
+    """Estimate of the part of one lookup that holds the GIL, and the 2-thread bound it implies.
+
+    If every held section had to wait for the other thread's, two threads would reach
+    2 / (1 + share) of one thread's rate: the bound reported.
+
+    Held: the numpy cast to u32 bytes (`as_token_ids`), the bytes -> Vec copy and the call
+    itself (timed as a lookup whose first block misses: one hash, GIL released briefly), and
+    turning the 512 matched block ids into a Python list (timed as building such a list).
+    """
+    from prefixkv.cache import as_token_ids
+
+    from common import median_ns
+
+    miss = as_token_ids(rng.integers(0, 128_000, len(prompt), dtype=np.int64))
+    ids = list(range(len(prompt) // BLOCK_SIZE))
+    held = (median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
+            + median_ns(lambda: cache._core.lookup(miss), repeats=21, number=10)
+            + median_ns(lambda: np.array(ids, dtype=np.uint32).tolist(), repeats=21, number=10))
+    total = median_ns(lambda: cache.lookup(prompt), repeats=21, number=3)
+    share = held / total
+    return {"held_us": held / 1000, "lookup_us": total / 1000, "share": share,
+            "two_thread_bound": 2.0 / (1.0 + share)}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    seconds = 0.8 if quick else 3.0
+    rng = np.random.default_rng(3)
+    num_blocks = 40_000
+    cache = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    # Readers probe prompts that are fully cached: the longest walk a lookup does.
+    prompts = [rng.integers(0, 128_000, PROMPT_TOKENS, dtype=np.int64) for _ in range(2)]
+    for prompt in prompts:
+        request = cache.begin(prompt)
+        cache.commit(request, len(prompt))
+        cache.finish(request)
+    pin = cache.pin(prompts[0]), cache.pin(prompts[1])  # the writer's evictions must not take them
+    shared = rng.integers(0, 128_000, 3800, dtype=np.int64)
+
+    def writer() -> None:
+        tokens = np.concatenate([shared, rng.integers(0, 128_000, 296, dtype=np.int64)])
+        request = cache.begin(tokens)
+        cache.commit(request, len(tokens))
+        cache.finish(request)
+
+    baseline = PyPrefixCache(16, BLOCK_SIZE)
+    load_before = os.getloadavg()[0]
+    configs: dict[str, Any] = {}
+    for name, call, with_writer in [
+        ("lookup, no writer", cache.lookup, False),
+        ("lookup, writer at 100 req/s", cache.lookup, True),
+        ("control: plain-Python hash loop (holds the GIL)", baseline.block_keys, False),
+    ]:
+        one = _throughput(call, prompts, 1, seconds, writer if with_writer else None)
+        two = _throughput(call, prompts, 2, seconds, writer if with_writer else None)
+        configs[name] = {
+            "one_thread_per_second": one["per_second"],
+            "two_threads_per_second": two["per_second"],
+            "ratio": two["per_second"] / one["per_second"],
+            "writer_per_second": (one["writer_per_second"] + two["writer_per_second"]) / 2
+            if with_writer else None,
+        }
+        print(f"  threads {name}: {configs[name]['ratio']:.2f}×", flush=True)
+    gil = _gil_held_share(cache, prompts[0], rng)
+    for p in pin:
+        cache.unpin(p)
+    return {
+        "gil_held": gil,
+        "prompt_tokens": PROMPT_TOKENS,
+        "seconds_per_config": seconds,
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "configs": configs,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = []
+    for name, c in result["configs"].items():
+        rows.append([name, f"{c['one_thread_per_second']:,.0f}", f"{c['two_threads_per_second']:,.0f}",
+                     f"{c['ratio']:.2f}×", "–" if c["writer_per_second"] is None else f"{c['writer_per_second']:.0f}"])
+    note = (f"{result['prompt_tokens']:,}-token numpy prompts, fully cached; {result['seconds_per_config']} s per "
+            f"measurement; {result['cpus']} CPUs; load average {result['load_average_before']:.1f} before, "
+            f"{result['load_average_after']:.1f} after (other processes compete for the same 2 cores).\n")
+    gil = result["gil_held"]
+    note += (f"\nGIL-held share of one lookup (estimate: conversion in, call, list out): "
+             f"{gil['held_us']:.1f} of {gil['lookup_us']:.0f} µs = {gil['share']:.1%}, so two threads "
+             f"should reach about {gil['two_thread_bound']:.2f}× when two cores are free.\n")
+    return note + "\n" + md_table(["calls", "1 thread /s", "2 threads /s", "2 ÷ 1", "writer req/s"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    print(markdown(run(args.quick)))
+
+
+if __name__ == "__main__":
+    main()
