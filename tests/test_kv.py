@@ -265,6 +265,15 @@ def test_write_puts_a_token_at_its_slot() -> None:
     assert cache.key_pages[0].abs().sum() == 0  # other layers untouched
 
 
+def test_writes_do_not_attach_autograd_history_to_the_cache() -> None:
+    cache = PagedKVCache(1, 2, 2, 1, 3)
+    source = torch.randn(1, 1, 3, requires_grad=True)
+    cache.write(0, source * 2, source * 3, [1])
+    cache.copy_blocks([0], [1])
+    assert not cache.storage.requires_grad and cache.storage.grad_fn is None
+    assert torch.equal(cache.key_pages[0][0, 1], (source * 2)[0].detach())
+
+
 # -- errors: right class, nothing changed -------------------------------------------------
 
 

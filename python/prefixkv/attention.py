@@ -130,6 +130,8 @@ def paged_prefill_attention(
     head_dim]``; `block_tables` int32/int64 ``[batch, max_blocks_per_request]``, padded;
     `query_lens` and `seq_lens` one int per request. Returns ``[total_query_tokens, num_heads,
     head_dim]`` in the query's dtype. See the module docstring for the exact semantics.
+    `check_bounds` chooses whether used block table entries are range-checked (``None``: only
+    when that costs no device sync, see `prefixkv.kv`).
     """
     if backend not in _BACKENDS:
         raise InvalidInputError(f"backend must be one of {_BACKENDS}, got {backend!r}")

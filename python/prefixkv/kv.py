@@ -57,6 +57,7 @@ __all__ = [
     "KVShapeError",
     "PagedKVCache",
     "PagedKVError",
+    "gather_pages",
 ]
 
 #: Block ids or slots as engines hold them: a list of ints or an integer tensor (any device).
@@ -97,7 +98,7 @@ def _is_free_to_read(ids: BlockIds) -> bool:
     return not isinstance(ids, Tensor) or ids.device.type == "cpu"
 
 
-def as_index_tensor(
+def _as_index_tensor(
     ids: BlockIds,
     *,
     name: str,
@@ -283,7 +284,7 @@ class PagedKVCache:
     def _block_ids(
         self, ids: BlockIds, name: str, check_bounds: bool | None, *, unique: bool = False
     ) -> Tensor:
-        return as_index_tensor(
+        return _as_index_tensor(
             ids,
             name=name,
             upper=self.num_blocks,
@@ -305,6 +306,11 @@ class PagedKVCache:
 
     # -- page copies ------------------------------------------------------------------------
 
+    # Page copies run without autograd: cached K and V are never differentiated through, and a
+    # source that requires grad would otherwise hang its whole graph on the cache's storage,
+    # keeping every step's activations alive for as long as the cache lives.
+
+    @torch.no_grad()
     def write(
         self,
         layer: int,
@@ -324,7 +330,7 @@ class PagedKVCache:
         self._check_layer(layer)
         num_keys = self._check_token_tensor(key, "key")
         num_values = self._check_token_tensor(value, "value")
-        slots = as_index_tensor(
+        slots = _as_index_tensor(
             slot_mapping,
             name="slot_mapping",
             upper=self.num_slots,
@@ -357,6 +363,7 @@ class PagedKVCache:
             self, src_block_ids, dst_block_ids, non_blocking=False, check_bounds=check_bounds
         )
 
+    @torch.no_grad()
     def copy_blocks_to(
         self,
         other: PagedKVCache,
@@ -476,7 +483,7 @@ def gather_pages(
             f"{num_tokens} tokens need {blocks_needed} blocks of {block_size}, "
             f"the block table has {table_length}"
         )
-    ids = as_index_tensor(
+    ids = _as_index_tensor(
         block_table[:blocks_needed],
         name="block_table",
         upper=num_blocks,
