@@ -144,9 +144,24 @@ def test_from_hf_config_reads_rope_scaling(
     assert config.rope_scaling == expected
 
 
+def test_from_hf_config_reads_transformers_5_rope_parameters() -> None:
+    # transformers 5 moved rope_theta into rope_parameters; missing it would mean theta 10000.
+    raw = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    config = ModelConfig.from_hf_config(raw)
+    assert config.rope_theta == 500000.0 and config.rope_scaling is None
+    raw["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}
+    config = ModelConfig.from_hf_config(raw)
+    assert config.rope_theta == 1e6
+    assert config.rope_scaling == RopeScaling("dynamic_ntk", 2.0)
+
+
 @pytest.mark.parametrize(
     "changes",
     [
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+        {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+        {"rope_scaling": "linear"},
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
         {"rope_scaling": {"rope_type": "linear"}},

@@ -260,6 +260,7 @@ class ModelConfig:
             raise InvalidInputError(
                 f"unsupported model_type {hf.get('model_type')!r}: expected 'llama' or 'mistral'"
             )
+        rope_theta, rope_scaling = _rope_from_hf(hf)
         num_heads = int(require("num_attention_heads"))
         hidden_size = int(require("hidden_size"))
         head_dim = hf.get("head_dim") or hidden_size // num_heads
@@ -276,8 +277,8 @@ class ModelConfig:
             "head_dim": int(head_dim),
             "intermediate_size": int(require("intermediate_size")),
             "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(hf.get("rope_theta", 10000.0)),
-            "rope_scaling": _rope_scaling_from_hf(hf.get("rope_scaling")),
+            "rope_theta": rope_theta,
+            "rope_scaling": rope_scaling,
             "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
             "position_offset": int(hf.get("prefixkv_position_offset", 0)),
             "sliding_window": hf.get("sliding_window"),
@@ -341,11 +342,34 @@ class ModelConfig:
         return data
 
 
-def _rope_scaling_from_hf(raw: Any) -> RopeScaling | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise InvalidInputError(f"rope_scaling must be an object or null, got {raw!r}")
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either config style.
+
+    transformers 5 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}``; earlier
+    versions wrote ``rope_theta`` and ``rope_scaling`` at the top level. Reading only the old
+    keys from a new config would silently fall back to theta 10000, so both are understood.
+    """
+    parameters = hf.get("rope_parameters")
+    if parameters is None:
+        scaling = hf.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise InvalidInputError(f"rope_scaling must be an object or null, got {scaling!r}")
+        parameters = dict(scaling or {})
+        if "rope_theta" in hf:
+            parameters["rope_theta"] = hf["rope_theta"]
+    if not isinstance(parameters, Mapping):
+        raise InvalidInputError(f"rope parameters must be an object, got {parameters!r}")
+    if parameters and all(isinstance(value, Mapping) for value in parameters.values()):
+        raise InvalidInputError("per-layer-type RoPE parameters are unsupported")
+    rotary_fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if rotary_fraction != 1.0:
+        raise InvalidInputError(f"partial_rotary_factor {rotary_fraction} is unsupported")
+    theta = float(parameters.get("rope_theta", 10000.0))
+    has_scaling = "rope_type" in parameters or "type" in parameters
+    return theta, _rope_scaling_from_hf(parameters) if has_scaling else None
+
+
+def _rope_scaling_from_hf(raw: Mapping[str, Any]) -> RopeScaling | None:
     kind = raw.get("rope_type", raw.get("type"))
     kinds = {"linear": "linear", "ntk": "ntk", "dynamic": "dynamic_ntk", "default": None}
     if kind not in kinds:

@@ -1,0 +1,86 @@
+"""Cross-check against Hugging Face transformers, when it is installed (it is not a dependency).
+
+`forward_full` is the oracle of every other model test; here it is checked in turn against
+transformers' own Llama and Mistral implementations on the same checkpoint, in both directions:
+a checkpoint we write, loaded by transformers, and one transformers writes, loaded by us.
+Skipped without transformers; runs offline (local directories only).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=rtol * scale)
+
+
+def load_with_transformers(directory: Path) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"num_heads": 8, "num_kv_heads": 1, "head_dim": 8, "rope_theta": 500000.0},
+        {"rope_scaling": RopeScaling("linear", 4.0)},
+        # Beyond the trained length, so the length-dependent base is exercised.
+        {"rope_scaling": RopeScaling("dynamic_ntk", 2.0), "max_position_embeddings": 16},
+        {"tie_word_embeddings": True},
+        {"dtype": torch.bfloat16},
+        {"sliding_window": 5},
+    ],
+    ids=["plain", "gqa8to1", "linear", "dynamic_ntk", "tied", "bf16", "mistral_window"],
+)
+def test_our_checkpoint_in_transformers_gives_our_logits(
+    tmp_path: Path, changes: dict[str, Any]
+) -> None:
+    ours = LlamaModel.random(ModelConfig(**changes), seed=4)
+    ours.save_pretrained(tmp_path)
+    if ours.config.sliding_window is not None:
+        # HF Llama ignores sliding_window; Mistral is the same architecture and honours it.
+        path = tmp_path / "config.json"
+        raw = json.loads(path.read_text())
+        raw.update(model_type="mistral", architectures=["MistralForCausalLM"])
+        path.write_text(json.dumps(raw))
+    theirs = load_with_transformers(tmp_path)
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    assert_close_to_scale(ours.with_config(dtype=torch.float32).forward_full(TOKENS), expected)
+
+
+def test_transformers_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_scaling == RopeScaling("linear", 2.0)
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    assert_close_to_scale(ours.forward_full(TOKENS), expected)
