@@ -1,0 +1,108 @@
+//! Per-request and per-block costs of the core alone (no Python), printed as JSON lines:
+//! the same shapes as section 1's 4,000-token issue cases.
+
+use std::time::Instant;
+
+use prefixkv_core::{block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras};
+
+const BLOCK_SIZE: usize = 16;
+
+/// A deterministic xorshift stream of token ids below 128,000.
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 128_000) as u32
+        })
+        .collect()
+}
+
+/// Median ns of `f` over `repeats` timed calls after a warmup.
+fn median_ns(repeats: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..repeats / 4 + 1 {
+        f();
+    }
+    let mut samples: Vec<u128> = (0..repeats)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_nanos()
+        })
+        .collect();
+    samples.sort_unstable();
+    samples[samples.len() / 2] as f64
+}
+
+fn main() {
+    let context = context_fingerprint(b"bench");
+    let extras = RequestExtras::default();
+    let n = 4000;
+    let blocks = n / BLOCK_SIZE;
+    let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+    let shared = tokens(1, 238 * BLOCK_SIZE);
+
+    let root = root_key(&context, b"");
+    let prompt = tokens(2, n);
+    let hash = median_ns(201, || {
+        let mut parent = root;
+        for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+            parent = block_key(&parent, chunk, b"");
+        }
+        std::hint::black_box(parent);
+    }) / blocks as f64;
+    println!("{{\"what\": \"blake3 block_key\", \"ns_per_block\": {hash:.1}}}");
+    let raw = median_ns(201, || {
+        let mut parent = [0u8; 32];
+        let mut buffer = [0u8; 96];
+        for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+            buffer[..32].copy_from_slice(&parent);
+            for (i, t) in chunk.iter().enumerate() {
+                buffer[32 + 4 * i..36 + 4 * i].copy_from_slice(&t.to_le_bytes());
+            }
+            parent = *blake3::hash(&buffer).as_bytes();
+        }
+        std::hint::black_box(parent);
+    }) / blocks as f64;
+    println!("{{\"what\": \"blake3 of 96 bytes (parent + 64 token bytes, no domain/lengths)\", \"ns_per_block\": {raw:.1}}}");
+    let keys = median_ns(201, || {
+        std::hint::black_box(cache.block_keys(&prompt, b"", &extras).expect("keys"));
+    });
+    println!("{{\"what\": \"PrefixCache::block_keys, 4000 tokens\", \"ns\": {keys:.0}}}");
+
+    let mut seed = 100;
+    let request = |tokens: Vec<u32>| -> [u128; 3] {
+        let t0 = Instant::now();
+        let r = cache.begin(tokens, b"", RequestExtras::default(), 0).expect("begin");
+        let t1 = Instant::now();
+        cache.commit(r.request_id, n).expect("commit");
+        let t2 = Instant::now();
+        cache.finish(r.request_id).expect("finish");
+        [t1.duration_since(t0).as_nanos(), t2.duration_since(t1).as_nanos(), t2.elapsed().as_nanos()]
+    };
+    for (name, shared_blocks) in [("shares 95% of its blocks", 238usize), ("shares nothing", 0)] {
+        let mut samples = Vec::new();
+        for i in 0..120 {
+            seed += 1;
+            let mut prompt = shared[..shared_blocks * BLOCK_SIZE].to_vec();
+            prompt.extend(tokens(seed, n - prompt.len()));
+            let t = request(prompt);
+            if i >= 20 {
+                samples.push(t);
+            }
+        }
+        let median = |k: usize| {
+            let mut v: Vec<u128> = samples.iter().map(|s| s[k]).collect();
+            v.sort_unstable();
+            v[v.len() / 2] as f64
+        };
+        let mut totals: Vec<u128> = samples.iter().map(|s| s.iter().sum()).collect();
+        totals.sort_unstable();
+        println!(
+            "{{\"what\": \"begin+commit+finish, 4000 tokens, {name}\", \"ns\": {}, \"begin_ns\": {:.0}, \"commit_ns\": {:.0}, \"finish_ns\": {:.0}}}",
+            totals[totals.len() / 2], median(0), median(1), median(2)
+        );
+    }
+}
