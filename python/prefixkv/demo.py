@@ -1,0 +1,511 @@
+"""`prefixkv demo`: what prompt layout does to a prefix cache, measured on a real engine.
+
+The workload is an agent: every request carries the same long system prompt, the same tool
+schemas and the same few-shot examples, then a varying user query and a timestamp line. It is
+served twice by `prefixkv.Engine` over a seeded random Llama-style model, with a fresh cache
+each time:
+
+* **stable-first**: shared content first, query and timestamp last (what a cache-friendly agent
+  framework does). After the first request, only the tail of each prompt is computed.
+* **query-first**: the very same content, with the timestamp and the query at the top of the
+  system prompt. Every prompt diverges within its first blocks, so nearly everything is
+  recomputed.
+
+Requests arrive one at a time (as turns of independent agent sessions), so a request's time to
+first token is the latency of its own prefill. Every figure is measured, none is modelled: hit
+rate and prefill tokens come from the cache's answers, times from the wall clock, and the logit
+difference from a full recompute of each request without any cache (`LlamaModel.forward_full`).
+
+The result also shows why the cache context matters: the logit error of reusing KV that was
+computed under a different RoPE theta (the `CacheContext` of such a model has another
+fingerprint, so the cache refuses the reuse).
+
+JSON output (``--json``), one object:
+
+``workload``: requests, max_new_tokens, seed, mean prompt tokens, shared prefix tokens.
+``model``: name, parameters, layers, hidden size, heads, KV heads, head dim, dtype, device,
+block size, torch threads.
+``layouts.stable_first`` / ``layouts.query_first``: ``hit_rate`` (cached / total prompt tokens),
+``prefill_tokens_computed``, ``prefill_tokens_total``, ``ttft_median_s``, ``ttft_s`` (per
+request, in order), ``max_logit_diff`` (largest |logit difference| against full recompute over
+every request and generated token, null with ``--no-check``), ``tokens_match`` (greedy outputs
+equal the full recompute's), ``wall_s``.
+``speedup``: query-first median TTFT / stable-first median TTFT.
+``max_logit_diff``: the larger of the two layouts'.
+``wrong_context``: ``rope_theta`` and ``other_rope_theta``, ``max_logit_diff`` of reusing KV
+across them, ``fingerprints_differ`` (the cache would refuse the reuse).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixkv.engine import Engine, RequestResult
+from prefixkv.kv import PagedKVCache
+from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.text import ByteTokenizer
+
+__all__ = ["MODEL_SIZES", "DemoResult", "build_workload", "format_table", "run_demo", "save_plot"]
+
+_BYTE_VOCAB = ByteTokenizer().vocab_size
+
+#: Reference model sizes. "small" (the default) is big enough that prefill dominates the
+#: engine's per-step overhead on a CPU, so the measured speedup is the cache's, not Python's.
+MODEL_SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=_BYTE_VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    ),
+    "small": ModelConfig(
+        vocab_size=_BYTE_VOCAB,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        intermediate_size=768,
+    ),
+    "base": ModelConfig(
+        vocab_size=_BYTE_VOCAB,
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
+}
+
+_SYSTEM_PROMPT = """\
+You are Atlas, the operations agent of Northwind Logistics. You help dispatchers, warehouse \
+leads and customer-support staff resolve shipment problems quickly and safely.
+
+Principles:
+1. Ground every answer in tool results. Never invent tracking numbers, addresses, prices or \
+delivery dates; if a tool cannot tell you, say so and propose the next step.
+2. Prefer the least invasive action. Look things up before changing them; ask for confirmation \
+before rerouting a shipment, issuing a refund above 200 EUR or cancelling an order.
+3. Be brief. Dispatchers read your answers on a handheld scanner: lead with the answer, then \
+at most three short bullet points of supporting facts.
+4. Escalate to a human supervisor when a shipment contains hazardous goods, when a customer \
+mentions a safety incident, or when two tools disagree about a shipment's location.
+
+Style: plain English, metric units, 24-hour times, amounts in EUR.
+"""
+
+_TOOLS: list[dict[str, Any]] = [
+    {
+        "name": "track_shipment",
+        "description": "Status, location and events of a shipment.",
+        "parameters": {"tracking_number": "string, NW + 10 digits", "history": "boolean"},
+    },
+    {
+        "name": "reroute_shipment",
+        "description": "Send a shipment to another address or pickup point.",
+        "parameters": {"tracking_number": "string", "destination": "string", "reason": "string"},
+    },
+    {
+        "name": "issue_refund",
+        "description": "Refund part or all of an order's shipping fee.",
+        "parameters": {"order_id": "string", "amount_eur": "number", "reason": "string"},
+    },
+    {
+        "name": "escalate",
+        "description": "Hand the case to a human supervisor with a short summary.",
+        "parameters": {"summary": "string", "severity": "low | medium | high"},
+    },
+]
+
+_FEW_SHOT: list[dict[str, str]] = [
+    {"role": "user", "content": "Where is NW0048213377? The customer says it is two days late."},
+    {
+        "role": "assistant",
+        "content": '{"tool": "track_shipment", "arguments": {"tracking_number": "NW0048213377", '
+        '"history": true}}\nIt left RTM-2 yesterday at 18:40 and is at the Antwerp hub; '
+        "new estimate tomorrow before 12:00.\n- Delay: missed linehaul on Monday\n"
+        "- No action needed yet; offer a goodwill refund if it slips again",
+    },
+]
+
+_QUERIES = [
+    "Customer for NW{n} wants the parcel sent to pickup point AMS-PP-{k} instead.",
+    "Is NW{n} still on schedule for delivery today?",
+    "Order ORD-{k}{n4} arrived damaged; the customer asks for the shipping fee back.",
+    "How many units of SKU CX-{k}0 are left across all warehouses?",
+    "The driver reports a leaking drum in shipment NW{n}. What now?",
+    "NW{n} shows delivered but the customer has nothing. Please check.",
+    "Can you move NW{n} to the customer's office at Keizersgracht {k}?",
+    "Refund the express surcharge on ORD-{k}{n4}, it came a day late.",
+    "Which shipments for customer C-{n4} are due before 14:00?",
+    "Two tools disagree on where NW{n} is. Which one should I trust?",
+    "Stock check: SKU BX-{k}5 in Rotterdam and Antwerp.",
+    "A customer asks why NW{n} went through Hamburg. Explain briefly.",
+]
+
+
+def build_workload(num_requests: int, seed: int, *, stable_first: bool) -> list[dict[str, Any]]:
+    """The agent requests as chat requests (``{"messages": ..., "tools": ...}``).
+
+    Both layouts carry exactly the same text; only its order differs.
+    """
+    rng = random.Random(seed)
+    start = dt.datetime(2025, 3, 14, 9, 0, 0, tzinfo=dt.timezone.utc)
+    requests = []
+    for i in range(num_requests):
+        query = rng.choice(_QUERIES).format(
+            n=rng.randrange(10**9, 10**10), n4=rng.randrange(1000, 10000), k=rng.randrange(10, 99)
+        )
+        stamp = start + dt.timedelta(seconds=37 * i + rng.randrange(30))
+        timestamp = f"Current time: {stamp.isoformat(timespec='seconds')}"
+        if stable_first:
+            system = _SYSTEM_PROMPT
+            user = f"{query}\n{timestamp}"
+        else:
+            system = f"{timestamp}\nUser request: {query}\n\n{_SYSTEM_PROMPT}"
+            user = "Please handle the user request above."
+        messages = [{"role": "system", "content": system}, *_FEW_SHOT]
+        messages.append({"role": "user", "content": user})
+        requests.append({"messages": messages, "tools": _TOOLS})
+    return requests
+
+
+@dataclass
+class LayoutResult:
+    """One layout's measurements."""
+
+    results: list[RequestResult]
+    wall_s: float
+
+    @property
+    def prefill_tokens_total(self) -> int:
+        return sum(r.prompt_tokens for r in self.results)
+
+    @property
+    def prefill_tokens_computed(self) -> int:
+        return sum(r.computed_tokens for r in self.results)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(r.cached_tokens for r in self.results) / max(1, self.prefill_tokens_total)
+
+    @property
+    def ttft_s(self) -> list[float]:
+        return [r.time_to_first_token for r in self.results]
+
+    @property
+    def ttft_median_s(self) -> float:
+        return statistics.median(self.ttft_s)
+
+    @property
+    def max_logit_diff(self) -> float | None:
+        diffs = [r.max_logit_diff for r in self.results if r.max_logit_diff is not None]
+        return max(diffs) if diffs else None
+
+    @property
+    def tokens_match(self) -> bool | None:
+        matches = [r.tokens_match for r in self.results if r.tokens_match is not None]
+        return all(matches) if matches else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hit_rate": self.hit_rate,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "prefill_tokens_total": self.prefill_tokens_total,
+            "ttft_median_s": self.ttft_median_s,
+            "ttft_s": self.ttft_s,
+            "max_logit_diff": self.max_logit_diff,
+            "tokens_match": self.tokens_match,
+            "wall_s": self.wall_s,
+        }
+
+
+@dataclass
+class DemoResult:
+    """Everything `prefixkv demo` reports (see the module docstring for the JSON fields)."""
+
+    workload: dict[str, Any]
+    model: dict[str, Any]
+    stable_first: LayoutResult
+    query_first: LayoutResult
+    wrong_context: dict[str, Any] | None
+
+    @property
+    def speedup(self) -> float:
+        return self.query_first.ttft_median_s / self.stable_first.ttft_median_s
+
+    @property
+    def max_logit_diff(self) -> float | None:
+        diffs = [
+            d
+            for d in (self.stable_first.max_logit_diff, self.query_first.max_logit_diff)
+            if d is not None
+        ]
+        return max(diffs) if diffs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "model": self.model,
+            "layouts": {
+                "stable_first": self.stable_first.to_dict(),
+                "query_first": self.query_first.to_dict(),
+            },
+            "speedup": self.speedup,
+            "max_logit_diff": self.max_logit_diff,
+            "wrong_context": self.wrong_context,
+        }
+
+
+def _serve(
+    engine: Engine,
+    requests: Sequence[dict[str, Any]],
+    max_new_tokens: int,
+    check_exactness: bool,
+    advance: Callable[[], None],
+) -> LayoutResult:
+    start = time.perf_counter()
+    results = []
+    for request in requests:  # one arrival at a time: TTFT is the request's own latency
+        results.extend(engine.generate([request], max_new_tokens, check_exactness=check_exactness))
+        advance()
+    return LayoutResult(results, time.perf_counter() - start)
+
+
+def _wrong_theta_error(model: LlamaModel, prompt: list[int], block_size: int) -> dict[str, Any]:
+    """Logit error of reusing KV computed under one RoPE theta by a model using another."""
+    theta = model.config.rope_theta
+    other_theta = theta * 50.0
+    other = model.with_config(rope_theta=other_theta)
+    config = model.config
+    prompt = prompt[: 8 * block_size]
+    cached = len(prompt) - block_size
+    kv = PagedKVCache(
+        config.num_layers,
+        -(-len(prompt) // block_size),
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+    )
+    table = list(range(kv.num_blocks))
+    model.prefill(kv, [PrefillRequest(prompt[:cached], table)])  # KV under theta
+    reused = other.prefill(
+        kv, [PrefillRequest(prompt, table, num_cached_tokens=cached)], return_all_logits=True
+    )[0]
+    reference = other.forward_full(prompt)[cached:]
+    fingerprints = [
+        Engine(m, num_blocks=1, block_size=block_size).context.fingerprint() for m in (model, other)
+    ]
+    return {
+        "rope_theta": theta,
+        "other_rope_theta": other_theta,
+        "max_logit_diff": float((reused - reference).abs().max()),
+        "fingerprints_differ": fingerprints[0] != fingerprints[1],
+    }
+
+
+def run_demo(
+    *,
+    num_requests: int = 12,
+    max_new_tokens: int = 4,
+    seed: int = 0,
+    model_size: str = "small",
+    block_size: int = 16,
+    check_exactness: bool = True,
+    wrong_context: bool = True,
+    progress: bool = True,
+) -> DemoResult:
+    """Serve the agent workload in both layouts and measure it."""
+    from tqdm import tqdm
+
+    if model_size not in MODEL_SIZES:
+        raise ValueError(f"model size must be one of {sorted(MODEL_SIZES)}, got {model_size!r}")
+    config = MODEL_SIZES[model_size]
+    model = LlamaModel.random(config, seed=seed)
+    layouts = {
+        name: build_workload(num_requests, seed, stable_first=name == "stable-first")
+        for name in ("stable-first", "query-first")
+    }
+    # Room for every prompt of a layout plus its output, so no layout is measured with eviction.
+    tokens_per_layout = sum(
+        len(ByteTokenizer().encode(_render(req))) + max_new_tokens for req in layouts["query-first"]
+    )
+    num_blocks = tokens_per_layout // block_size + 2 * num_requests + 8
+
+    # Warm up torch (first-call allocations, thread pools) outside any measurement.
+    Engine(model, num_blocks=64, block_size=block_size).generate([list(range(200))], 2)
+
+    measured: dict[str, LayoutResult] = {}
+    with tqdm(
+        total=2 * num_requests, desc="serving", unit="req", file=sys.stderr, disable=not progress
+    ) as bar:
+        for name, requests in layouts.items():
+            bar.set_postfix_str(name)
+            engine = Engine(
+                model,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                model_id=f"prefixkv-demo-{model_size}",
+            )
+            measured[name] = _serve(
+                engine, requests, max_new_tokens, check_exactness, lambda: bar.update(1)
+            )
+
+    prompts = [r.prompt_token_ids for r in measured["stable-first"].results]
+    shared = _common_prefix(prompts) if len(prompts) > 1 else len(prompts[0])
+    return DemoResult(
+        workload={
+            "requests": num_requests,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            "mean_prompt_tokens": statistics.mean(len(p) for p in prompts),
+            "shared_prefix_tokens": shared,
+        },
+        model={
+            "name": f"random Llama ({model_size})",
+            "size": model_size,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "layers": config.num_layers,
+            "hidden_size": config.hidden_size,
+            "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
+            "block_size": block_size,
+            "torch_threads": torch.get_num_threads(),
+        },
+        stable_first=measured["stable-first"],
+        query_first=measured["query-first"],
+        wrong_context=_wrong_theta_error(model, prompts[0], block_size) if wrong_context else None,
+    )
+
+
+def _render(request: dict[str, Any]) -> str:
+    from prefixkv.text import SimpleChatTemplate
+
+    return SimpleChatTemplate().render(request["messages"], tools=request["tools"])
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    first = prompts[0]
+    length = min(len(p) for p in prompts)
+    for i in range(length):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return length
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _diff(value: float | None) -> str:
+    return "not checked" if value is None else f"{value:.1e}"
+
+
+def format_table(result: DemoResult) -> str:
+    """The human-readable report."""
+    stable, query = result.stable_first, result.query_first
+    workload, model = result.workload, result.model
+    rows = [
+        ("prefix cache hit rate", f"{stable.hit_rate:.1%}", f"{query.hit_rate:.1%}"),
+        (
+            "prefill tokens computed",
+            f"{stable.prefill_tokens_computed:,} / {stable.prefill_tokens_total:,}",
+            f"{query.prefill_tokens_computed:,} / {query.prefill_tokens_total:,}",
+        ),
+        ("median time to first token", _ms(stable.ttft_median_s), _ms(query.ttft_median_s)),
+        (
+            "max |logit diff| vs recompute",
+            _diff(stable.max_logit_diff),
+            _diff(query.max_logit_diff),
+        ),
+        ("wall time", f"{stable.wall_s:.1f} s", f"{query.wall_s:.1f} s"),
+    ]
+    label_width = max(len(r[0]) for r in rows)
+    widths = [max(len(r[i]) for r in [*rows, ("", "stable-first", "query-first")]) for i in (1, 2)]
+    lines = [
+        f"prefixkv demo: {workload['requests']} agent requests, "
+        f"{workload['mean_prompt_tokens']:.0f} prompt tokens each on average "
+        f"({workload['shared_prefix_tokens']} shared: system prompt, "
+        f"{len(_TOOLS)} tool schemas, {len(_FEW_SHOT) // 2} few-shot examples), "
+        f"{workload['max_new_tokens']} new tokens each",
+        f"model: {model['name']}, {model['parameters'] / 1e6:.1f}M parameters, "
+        f"{model['layers']} layers, hidden {model['hidden_size']}, "
+        f"{model['heads']}/{model['kv_heads']} heads, {model['dtype']} on {model['device']} "
+        f"({model['torch_threads']} threads); block size {model['block_size']}",
+        "",
+        f"{'':<{label_width}}  {'stable-first':>{widths[0]}}  {'query-first':>{widths[1]}}",
+    ]
+    lines += [f"{a:<{label_width}}  {b:>{widths[0]}}  {c:>{widths[1]}}" for a, b, c in rows]
+    lines += ["", f"time-to-first-token speedup of the stable-first layout: {result.speedup:.1f}x"]
+    match = [m for m in (stable.tokens_match, query.tokens_match) if m is not None]
+    if match:
+        verdict = "identical to" if all(match) else "DIFFERENT from"
+        lines.append(f"greedy outputs: {verdict} a full recompute without cache")
+    wrong = result.wrong_context
+    if wrong is not None:
+        refused = "refuses it" if wrong["fingerprints_differ"] else "would NOT refuse it"
+        lines.append(
+            f"reusing KV computed under rope_theta={wrong['rope_theta']:g} in a model using "
+            f"{wrong['other_rope_theta']:g} would shift logits by up to "
+            f"{wrong['max_logit_diff']:.2f}; the cache context {refused}"
+        )
+    return "\n".join(lines)
+
+
+def save_plot(result: DemoResult, path: str | Path) -> None:
+    """A chart of time to first token per request, both layouts (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("--plot needs matplotlib: pip install 'prefixkv[plot]'") from exc
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for name, layout, marker in (
+        ("stable-first", result.stable_first, "o"),
+        ("query-first", result.query_first, "s"),
+    ):
+        ttft_ms = [t * 1000 for t in layout.ttft_s]
+        axis.plot(
+            range(1, len(ttft_ms) + 1),
+            ttft_ms,
+            marker=marker,
+            label=f"{name} (hit rate {layout.hit_rate:.0%}, median {_ms(layout.ttft_median_s)})",
+        )
+    axis.set_yscale("log")
+    axis.set_xlabel("request")
+    axis.set_ylabel("time to first token (ms, log scale)")
+    axis.set_title(
+        f"prefixkv demo: stable-first layout is {result.speedup:.1f}x faster to first token"
+    )
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(str(path), dpi=120)
+    plt.close(figure)
+
+
+def to_json(result: DemoResult) -> str:
+    """The result as one JSON object (the fields are listed in the module docstring)."""
+    return json.dumps(result.to_dict(), indent=2)
