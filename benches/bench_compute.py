@@ -33,14 +33,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table  # noqa: E402
+from common import md_table
 
-from prefixkv.kv import PagedKVCache  # noqa: E402
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest  # noqa: E402
+from prefixkv.kv import PagedKVCache
+from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 
 BLOCK_SIZE = 16
-CONFIG = dict(vocab_size=32_000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-              head_dim=64, intermediate_size=768, max_position_embeddings=65_536)
+CONFIG = dict(
+    vocab_size=32_000,
+    hidden_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    max_position_embeddings=65_536,
+)
 FRACTIONS = [0.0, 0.25, 0.5, 0.75, 0.9, 0.99]
 
 
@@ -59,8 +67,14 @@ def fit_costs(calls: list[tuple[int, float]]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def _timed_prefill(model: LlamaModel, kv: PagedKVCache, tokens: list[int], table: list[int],
-                   cached: int, repeats: int) -> float:
+def _timed_prefill(
+    model: LlamaModel,
+    kv: PagedKVCache,
+    tokens: list[int],
+    table: list[int],
+    cached: int,
+    repeats: int,
+) -> float:
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -81,8 +95,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         for length in lengths:
             repeats = 1 if quick or length > 4096 else 3
             num_blocks = length // BLOCK_SIZE + 1
-            kv = PagedKVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads,
-                              config.head_dim)
+            kv = PagedKVCache(
+                config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
+            )
             generator = torch.Generator().manual_seed(length)
             tokens = torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()
             table = list(range(num_blocks))
@@ -91,40 +106,90 @@ def run(quick: bool = False) -> dict[str, Any]:
             full = _timed_prefill(model, kv, tokens, table, 0, repeats)
             for f in fractions:
                 cached = int(f * length) // BLOCK_SIZE * BLOCK_SIZE
-                measured = full if cached == 0 else _timed_prefill(model, kv, tokens, table, cached, repeats)
-                suffix = full if cached == 0 else _timed_prefill(model, kv, tokens[: length - cached], table, 0, repeats)
-                rows.append({
-                    "prompt_tokens": length, "fraction_cached": f, "cached_tokens": cached,
-                    "measured_s": measured, "full_s": full, "suffix_call_s": suffix,
-                    "ideal_linear_s": full * (length - cached) / length,
-                    "vs_linear": measured / (full * (length - cached) / length),
-                    "vs_suffix_call": measured / suffix,
-                })
-                print(f"  compute {length:6d} f={f:.2f}: {measured:7.3f} s, "
-                      f"÷suffix call {rows[-1]['vs_suffix_call']:.2f}", flush=True)
+                measured = (
+                    full
+                    if cached == 0
+                    else _timed_prefill(model, kv, tokens, table, cached, repeats)
+                )
+                suffix = (
+                    full
+                    if cached == 0
+                    else _timed_prefill(model, kv, tokens[: length - cached], table, 0, repeats)
+                )
+                rows.append(
+                    {
+                        "prompt_tokens": length,
+                        "fraction_cached": f,
+                        "cached_tokens": cached,
+                        "measured_s": measured,
+                        "full_s": full,
+                        "suffix_call_s": suffix,
+                        "ideal_linear_s": full * (length - cached) / length,
+                        "vs_linear": measured / (full * (length - cached) / length),
+                        "vs_suffix_call": measured / suffix,
+                    }
+                )
+                print(
+                    f"  compute {length:6d} f={f:.2f}: {measured:7.3f} s, "
+                    f"÷suffix call {rows[-1]['vs_suffix_call']:.2f}",
+                    flush=True,
+                )
         # Price tokens and attention pairs from the uncached calls, then the ideal of each row.
-        a, b = fit_costs([(r["prompt_tokens"] - r["cached_tokens"], r["suffix_call_s"]) for r in rows])
+        a, b = fit_costs(
+            [(r["prompt_tokens"] - r["cached_tokens"], r["suffix_call_s"]) for r in rows]
+        )
         for r in rows:
-            r["ideal_work_s"] = a * (r["prompt_tokens"] - r["cached_tokens"]) + b * pairs(r["cached_tokens"], r["prompt_tokens"])
+            r["ideal_work_s"] = a * (r["prompt_tokens"] - r["cached_tokens"]) + b * pairs(
+                r["cached_tokens"], r["prompt_tokens"]
+            )
             r["vs_work"] = r["measured_s"] / r["ideal_work_s"]
-        return {"config": dict(CONFIG), "torch_threads": 1,
-                "fitted_s_per_token": a, "fitted_s_per_pair": b,
-                "attention_backend": "torch", "rows": rows}
+        return {
+            "config": dict(CONFIG),
+            "torch_threads": 1,
+            "fitted_s_per_token": a,
+            "fitted_s_per_pair": b,
+            "attention_backend": "torch",
+            "rows": rows,
+        }
     finally:
         torch.set_num_threads(threads)
 
 
 def markdown(result: dict[str, Any]) -> str:
     c = result["config"]
-    head = (f"Reference decoder: hidden {c['hidden_size']}, {c['num_layers']} layers, {c['num_heads']} "
-            f"heads × {c['head_dim']} ({c['num_kv_heads']} KV heads), MLP {c['intermediate_size']}, float32, "
-            f"torch attention backend, 1 torch thread.\n\n")
-    rows = [[f"{r['prompt_tokens']:,}", f"{r['fraction_cached']:.0%}", f"{r['measured_s']:.3f}",
-             f"{r['ideal_linear_s']:.3f}", f"{r['suffix_call_s']:.3f}", f"{r['ideal_work_s']:.3f}",
-             f"{r['vs_linear']:.2f}×", f"{r['vs_suffix_call']:.2f}×", f"{r['vs_work']:.2f}×"]
-            for r in result["rows"]]
-    return head + md_table(["prompt", "cached", "measured s", "(1-f)·full s", "suffix call s",
-                            "work ideal s", "÷(1-f)·full", "÷suffix call", "÷work"], rows)
+    head = (
+        f"Reference decoder: hidden {c['hidden_size']}, {c['num_layers']} layers, {c['num_heads']} "
+        f"heads × {c['head_dim']} ({c['num_kv_heads']} KV heads), MLP {c['intermediate_size']}, float32, "
+        f"torch attention backend, 1 torch thread.\n\n"
+    )
+    rows = [
+        [
+            f"{r['prompt_tokens']:,}",
+            f"{r['fraction_cached']:.0%}",
+            f"{r['measured_s']:.3f}",
+            f"{r['ideal_linear_s']:.3f}",
+            f"{r['suffix_call_s']:.3f}",
+            f"{r['ideal_work_s']:.3f}",
+            f"{r['vs_linear']:.2f}×",
+            f"{r['vs_suffix_call']:.2f}×",
+            f"{r['vs_work']:.2f}×",
+        ]
+        for r in result["rows"]
+    ]
+    return head + md_table(
+        [
+            "prompt",
+            "cached",
+            "measured s",
+            "(1-f)·full s",
+            "suffix call s",
+            "work ideal s",
+            "÷(1-f)·full",
+            "÷suffix call",
+            "÷work",
+        ],
+        rows,
+    )
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -134,8 +199,10 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["prompt_tokens"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.2), dpi=80, squeeze=False)
-    for ax, length in zip(axes[0], lengths):
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(4.5 * len(lengths), 3.2), dpi=80, squeeze=False
+    )
+    for ax, length in zip(axes[0], lengths, strict=True):
         rows = [r for r in result["rows"] if r["prompt_tokens"] == length]
         x = [100 * r["fraction_cached"] for r in rows]
         ax.plot(x, [r["measured_s"] for r in rows], marker="o", label="measured")

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table  # noqa: E402
+from common import md_table
 
-from prefixkv.kv import PagedKVCache  # noqa: E402
+from prefixkv.kv import PagedKVCache
 
 GEOMETRY = dict(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128)
 
@@ -52,8 +52,9 @@ def _pair(ours: Any, reference: Any, device: torch.device, repeats: int) -> tupl
     return statistics.median(a), statistics.median(b)
 
 
-def run(quick: bool = False, device: str | None = None,
-        host_device: str | None = None) -> dict[str, Any]:
+def run(
+    quick: bool = False, device: str | None = None, host_device: str | None = None
+) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = torch.get_num_threads()
     if dev.type == "cpu":
@@ -63,55 +64,98 @@ def run(quick: bool = False, device: str | None = None,
         repeats = 5 if quick else 15
         num_blocks = 256 if quick else 512
         g = GEOMETRY
-        cache = PagedKVCache(g["num_layers"], num_blocks, g["block_size"], g["num_kv_heads"],
-                             g["head_dim"], dtype=dtype, device=dev)
+        cache = PagedKVCache(
+            g["num_layers"],
+            num_blocks,
+            g["block_size"],
+            g["num_kv_heads"],
+            g["head_dim"],
+            dtype=dtype,
+            device=dev,
+        )
         generator = torch.Generator().manual_seed(0)
         rows = []
 
         # write: 4,096 tokens of one layer to shuffled slots.
         tokens = 4096
-        key = torch.randn(tokens, g["num_kv_heads"], g["head_dim"], generator=generator).to(dev, dtype)
+        key = torch.randn(tokens, g["num_kv_heads"], g["head_dim"], generator=generator).to(
+            dev, dtype
+        )
         value = torch.randn_like(key)
         slots = torch.randperm(cache.num_slots, generator=generator)[:tokens].to(dev)
         src = torch.cat([key.flatten(), value.flatten()])
         dst = torch.empty_like(src)
-        t_ours, t_ref = _pair(lambda: cache.write(0, key, value, slots), lambda: dst.copy_(src), dev, repeats)
-        rows.append(_row("write (4,096 tokens, one layer, shuffled slots)", src.numel() * src.element_size(), t_ours, t_ref))
+        t_ours, t_ref = _pair(
+            lambda: cache.write(0, key, value, slots), lambda: dst.copy_(src), dev, repeats
+        )
+        rows.append(
+            _row(
+                "write (4,096 tokens, one layer, shuffled slots)",
+                src.numel() * src.element_size(),
+                t_ours,
+                t_ref,
+            )
+        )
 
         # copy_blocks: 64 blocks, all layers, K and V.
         count = 64
         perm = torch.randperm(num_blocks, generator=generator)
-        src_ids, dst_ids = perm[:count].tolist(), perm[count:2 * count].tolist()
+        src_ids, dst_ids = perm[:count].tolist(), perm[count : 2 * count].tolist()
         nbytes = count * cache.bytes_per_block
         a = torch.empty(nbytes // 2, dtype=dtype, device=dev)
         b = torch.empty_like(a)
-        t_ours, t_ref = _pair(lambda: cache.copy_blocks(src_ids, dst_ids), lambda: b.copy_(a), dev, repeats)
+        t_ours, t_ref = _pair(
+            lambda: cache.copy_blocks(src_ids, dst_ids), lambda: b.copy_(a), dev, repeats
+        )
         rows.append(_row("copy_blocks (64 blocks, all layers)", nbytes, t_ours, t_ref))
 
         # Moves to another cache: device <-> host (host <-> host without CUDA).
         host = torch.device(host_device or "cpu")
         pinned = dev.type == "cuda"
-        other = PagedKVCache(g["num_layers"], num_blocks, g["block_size"], g["num_kv_heads"],
-                             g["head_dim"], dtype=dtype, device=host, pin_memory=pinned)
+        other = PagedKVCache(
+            g["num_layers"],
+            num_blocks,
+            g["block_size"],
+            g["num_kv_heads"],
+            g["head_dim"],
+            dtype=dtype,
+            device=host,
+            pin_memory=pinned,
+        )
         host_buffer = torch.empty(nbytes // 2, dtype=dtype, device=host, pin_memory=pinned)
         where = f"{dev.type} -> {host.type}{' pinned' if pinned else ''}"
-        t_ours, t_ref = _pair(lambda: cache.swap_out(src_ids, other, dst_ids),
-                              lambda: host_buffer.copy_(a), dev, repeats)
+        t_ours, t_ref = _pair(
+            lambda: cache.swap_out(src_ids, other, dst_ids),
+            lambda: host_buffer.copy_(a),
+            dev,
+            repeats,
+        )
         rows.append(_row(f"swap_out (64 blocks, {where})", nbytes, t_ours, t_ref))
-        t_ours, t_ref = _pair(lambda: cache.swap_in(other, dst_ids, src_ids),
-                              lambda: a.copy_(host_buffer), dev, repeats)
+        t_ours, t_ref = _pair(
+            lambda: cache.swap_in(other, dst_ids, src_ids),
+            lambda: a.copy_(host_buffer),
+            dev,
+            repeats,
+        )
         rows.append(_row(f"swap_in (64 blocks, {host.type} -> {dev.type})", nbytes, t_ours, t_ref))
         diagnosis = _diagnose(cache, src_ids, dev, repeats)
         for r in rows:
             print(f"  copies {r['operation']}: {r['ratio']:.0%} of a contiguous copy", flush=True)
-        return {"device": str(dev), "dtype": str(dtype), "geometry": g, "rows": rows,
-                "diagnosis_ms": diagnosis,
-                "torch_threads": torch.get_num_threads()}
+        return {
+            "device": str(dev),
+            "dtype": str(dtype),
+            "geometry": g,
+            "rows": rows,
+            "diagnosis_ms": diagnosis,
+            "torch_threads": torch.get_num_threads(),
+        }
     finally:
         torch.set_num_threads(threads)
 
 
-def _diagnose(cache: PagedKVCache, ids: list[int], dev: torch.device, repeats: int) -> dict[str, float]:
+def _diagnose(
+    cache: PagedKVCache, ids: list[int], dev: torch.device, repeats: int
+) -> dict[str, float]:
     """Where a whole-block copy's time goes: the block-axis gather `copy_blocks_to` does vs the
     same bytes gathered per (K/V, layer) slab along the leading axis, vs a contiguous copy."""
     index = torch.tensor(ids, device=dev)
@@ -127,27 +171,50 @@ def _diagnose(cache: PagedKVCache, ids: list[int], dev: torch.device, repeats: i
     copy_target = torch.empty_like(flat)
     gather, slab = _pair(lambda: storage.index_select(2, index), per_slab, dev, repeats)
     contiguous, _ = _pair(lambda: copy_target.copy_(flat), lambda: None, dev, repeats)
-    return {"index_select(block axis) of the 6-D storage": gather * 1e3,
-            "index_select(dim 0) per (K/V, layer) slab": slab * 1e3,
-            "contiguous copy_ of the same bytes": contiguous * 1e3}
+    return {
+        "index_select(block axis) of the 6-D storage": gather * 1e3,
+        "index_select(dim 0) per (K/V, layer) slab": slab * 1e3,
+        "contiguous copy_ of the same bytes": contiguous * 1e3,
+    }
 
 
 def _row(operation: str, nbytes: int, t_ours: float, t_ref: float) -> dict[str, Any]:
-    return {"operation": operation, "bytes": nbytes, "ours_gb_s": nbytes / t_ours / 1e9,
-            "contiguous_gb_s": nbytes / t_ref / 1e9, "ratio": t_ref / t_ours}
+    return {
+        "operation": operation,
+        "bytes": nbytes,
+        "ours_gb_s": nbytes / t_ours / 1e9,
+        "contiguous_gb_s": nbytes / t_ref / 1e9,
+        "ratio": t_ref / t_ours,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     g = result["geometry"]
-    head = (f"Device {result['device']}, {result['dtype']}, {g['num_layers']} layers, block {g['block_size']}, "
-            f"{g['num_kv_heads']} KV heads × {g['head_dim']}; {result['torch_threads']} torch thread(s). "
-            "Bandwidth counts the bytes moved once (read + write of them).\n\n")
-    rows = [[r["operation"], f"{r['bytes'] / 2**20:.0f} MiB", f"{r['ours_gb_s']:.2f}",
-             f"{r['contiguous_gb_s']:.2f}", f"{r['ratio']:.0%}"] for r in result["rows"]]
-    table = md_table(["operation", "bytes", "ours GB/s", "contiguous copy_ GB/s", "ours ÷ copy_"], rows)
-    probe = md_table(["gather of the 64 blocks' bytes", "ms"],
-                     [[k, f"{v:.2f}"] for k, v in result["diagnosis_ms"].items()])
-    return head + table + "\n\nWhere the time goes (the gather half of `copy_blocks_to`):\n\n" + probe
+    head = (
+        f"Device {result['device']}, {result['dtype']}, {g['num_layers']} layers, block {g['block_size']}, "
+        f"{g['num_kv_heads']} KV heads × {g['head_dim']}; {result['torch_threads']} torch thread(s). "
+        "Bandwidth counts the bytes moved once (read + write of them).\n\n"
+    )
+    rows = [
+        [
+            r["operation"],
+            f"{r['bytes'] / 2**20:.0f} MiB",
+            f"{r['ours_gb_s']:.2f}",
+            f"{r['contiguous_gb_s']:.2f}",
+            f"{r['ratio']:.0%}",
+        ]
+        for r in result["rows"]
+    ]
+    table = md_table(
+        ["operation", "bytes", "ours GB/s", "contiguous copy_ GB/s", "ours ÷ copy_"], rows
+    )
+    probe = md_table(
+        ["gather of the 64 blocks' bytes", "ms"],
+        [[k, f"{v:.2f}"] for k, v in result["diagnosis_ms"].items()],
+    )
+    return (
+        head + table + "\n\nWhere the time goes (the gather half of `copy_blocks_to`):\n\n" + probe
+    )
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table  # noqa: E402
+from common import md_table
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 16_384
@@ -58,33 +58,66 @@ def _child(kind: str, num_blocks: int) -> dict[str, Any]:
     full = _rss()
     if kind == "prefixkv":
         assert cache.stats().blocks_cached == filled_blocks
-    return {"kind": kind, "num_blocks": num_blocks, "cached_blocks": filled_blocks,
-            "empty_bytes_per_block": (empty - base) / num_blocks,
-            "cached_bytes_per_block": (full - base) / filled_blocks}
+    return {
+        "kind": kind,
+        "num_blocks": num_blocks,
+        "cached_blocks": filled_blocks,
+        "empty_bytes_per_block": (empty - base) / num_blocks,
+        "cached_bytes_per_block": (full - base) / filled_blocks,
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     num_blocks = 262_144 if quick else 1_048_576
     results = {}
     for kind in ("prefixkv", "python"):
-        out = subprocess.run([sys.executable, __file__, "--child", kind, str(num_blocks)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", kind, str(num_blocks)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"  memory {kind}: {results[kind]['cached_bytes_per_block']:.0f} B per cached block", flush=True)
+        print(
+            f"  memory {kind}: {results[kind]['cached_bytes_per_block']:.0f} B per cached block",
+            flush=True,
+        )
     per_block = results["prefixkv"]["cached_bytes_per_block"]
-    return {"block_size": BLOCK_SIZE, "num_blocks": num_blocks, "results": results,
-            "blocks_per_gib": 2**30 / per_block, "tokens_per_gib": 2**30 / per_block * BLOCK_SIZE}
+    return {
+        "block_size": BLOCK_SIZE,
+        "num_blocks": num_blocks,
+        "results": results,
+        "blocks_per_gib": 2**30 / per_block,
+        "tokens_per_gib": 2**30 / per_block * BLOCK_SIZE,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = []
     for kind, r in result["results"].items():
-        rows.append([kind, f"{r['cached_blocks']:,}", f"{r['empty_bytes_per_block']:.0f}",
-                     f"{r['cached_bytes_per_block']:.0f}", f"{2**30 / r['cached_bytes_per_block'] / 1e6:.2f} M"])
-    return (md_table(["block manager", "cached blocks", "bytes/block, empty pool", "bytes/block, all cached",
-                      "blocks per GiB"], rows)
-            + f"\n\nprefixkv indexes about {result['blocks_per_gib'] / 1e6:.1f} M blocks "
-              f"({result['tokens_per_gib'] / 1e6:.0f} M tokens at block size {result['block_size']}) per GiB of host RAM.")
+        rows.append(
+            [
+                kind,
+                f"{r['cached_blocks']:,}",
+                f"{r['empty_bytes_per_block']:.0f}",
+                f"{r['cached_bytes_per_block']:.0f}",
+                f"{2**30 / r['cached_bytes_per_block'] / 1e6:.2f} M",
+            ]
+        )
+    return (
+        md_table(
+            [
+                "block manager",
+                "cached blocks",
+                "bytes/block, empty pool",
+                "bytes/block, all cached",
+                "blocks per GiB",
+            ],
+            rows,
+        )
+        + f"\n\nprefixkv indexes about {result['blocks_per_gib'] / 1e6:.1f} M blocks "
+        f"({result['tokens_per_gib'] / 1e6:.0f} M tokens at block size {result['block_size']}) per GiB of host RAM."
+    )
 
 
 def main() -> None:

@@ -26,14 +26,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt_ratio, fmt_us, gc_paused, md_table, median_ns  # noqa: E402
-from python_baseline import PyPrefixCache  # noqa: E402
-from workloads import BLOCK_SIZE, GENERATORS, Workload, agent, unrelated  # noqa: E402
+from common import fmt_ratio, fmt_us, gc_paused, md_table, median_ns
+from python_baseline import PyPrefixCache
+from workloads import BLOCK_SIZE, GENERATORS, Workload, agent, unrelated
 
-from prefixkv import PrefixCache  # noqa: E402
+from prefixkv import PrefixCache
 
-VARIANTS = ["prefixkv_list", "prefixkv_numpy", "python_list", "python_numpy",
-            "floor_list", "floor_numpy", "python_hash_numpy"]
+VARIANTS = [
+    "prefixkv_list",
+    "prefixkv_numpy",
+    "python_list",
+    "python_numpy",
+    "floor_list",
+    "floor_numpy",
+    "python_hash_numpy",
+]
 
 # Aims from the foundation issue (µs per 4,000-token request).
 SGLANG_RUST_RADIX_US = 650.0
@@ -43,10 +50,14 @@ VLLM_US = 2000.0
 def _replay(workload: Workload) -> dict[str, Any]:
     """Times every request of `workload` through every variant; returns per-variant medians."""
     bs = BLOCK_SIZE
-    ours = {"list": PrefixCache(workload.num_blocks, block_size=bs),
-            "numpy": PrefixCache(workload.num_blocks, block_size=bs)}
-    theirs = {"list": PyPrefixCache(workload.num_blocks, bs),
-              "numpy": PyPrefixCache(workload.num_blocks, bs)}
+    ours = {
+        "list": PrefixCache(workload.num_blocks, block_size=bs),
+        "numpy": PrefixCache(workload.num_blocks, block_size=bs),
+    }
+    theirs = {
+        "list": PyPrefixCache(workload.num_blocks, bs),
+        "numpy": PyPrefixCache(workload.num_blocks, bs),
+    }
     floor_cache = PrefixCache(16, block_size=bs)
     hash_only = PyPrefixCache(16, bs)
     forms = {"list": [p.tolist() for p in workload.prompts], "numpy": workload.prompts}
@@ -120,7 +131,9 @@ def _replay(workload: Workload) -> dict[str, Any]:
         "workload": workload.name,
         "description": workload.description,
         "prompt_tokens": workload.prompt_tokens,
-        "mean_prompt_tokens": round(float(np.mean([len(p) for p in workload.prompts[workload.warmup:]]))),
+        "mean_prompt_tokens": round(
+            float(np.mean([len(p) for p in workload.prompts[workload.warmup :]]))
+        ),
         "requests_timed": timed,
         "num_blocks": workload.num_blocks,
         "hit_fraction": float(np.mean(hits)),
@@ -141,7 +154,7 @@ def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 128_000, num_tokens, dtype=np.int64)
     data = prompt.astype("<u4").tobytes()
-    blocks = [data[i:i + 4 * BLOCK_SIZE] for i in range(0, len(data), 4 * BLOCK_SIZE)]
+    blocks = [data[i : i + 4 * BLOCK_SIZE] for i in range(0, len(data), 4 * BLOCK_SIZE)]
     parent = bytes(32)
 
     def loop(make: Any) -> None:
@@ -154,10 +167,22 @@ def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
     n = len(blocks)
     with gc_paused():
         rows = {
-            "hashlib.sha256 (Python loop)": median_ns(lambda: loop(lambda b: hashlib.sha256(b).digest()), repeats=15) / n,
-            "hashlib.blake2b-256 (Python loop)": median_ns(lambda: loop(lambda b: hashlib.blake2b(b, digest_size=32).digest()), repeats=15) / n,
-            "prefixkv block_keys, BLAKE3 (numpy input)": median_ns(lambda: cache.block_keys(prompt), repeats=15) / n,
-            "prefixkv _core.block_keys, BLAKE3 (u32 bytes input)": median_ns(lambda: cache._core.block_keys(as_bytes), repeats=15) / n,
+            "hashlib.sha256 (Python loop)": median_ns(
+                lambda: loop(lambda b: hashlib.sha256(b).digest()), repeats=15
+            )
+            / n,
+            "hashlib.blake2b-256 (Python loop)": median_ns(
+                lambda: loop(lambda b: hashlib.blake2b(b, digest_size=32).digest()), repeats=15
+            )
+            / n,
+            "prefixkv block_keys, BLAKE3 (numpy input)": median_ns(
+                lambda: cache.block_keys(prompt), repeats=15
+            )
+            / n,
+            "prefixkv _core.block_keys, BLAKE3 (u32 bytes input)": median_ns(
+                lambda: cache._core.block_keys(as_bytes), repeats=15
+            )
+            / n,
         }
     return {"prompt_tokens": num_tokens, "ns_per_block": rows}
 
@@ -178,11 +203,21 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
     core = cache._core
     with gc_paused():
         rows = {
-            "as_token_ids(numpy int64) -> bytes": median_ns(lambda: as_token_ids(prompt), repeats=21, number=20),
-            "_core.lookup(list), first block misses (list->Vec conversion + 1 hash)": median_ns(lambda: core.lookup(miss.tolist()), repeats=21, number=5),
-            "_core.lookup(bytes), first block misses (call + 1 hash)": median_ns(lambda: core.lookup(as_token_ids(miss)), repeats=21, number=20),
-            "_core.block_keys(bytes): 250 BLAKE3 + 250 PyBytes": median_ns(lambda: core.block_keys(as_bytes), repeats=21, number=5),
-            "_core.lookup(bytes), all cached: 250 BLAKE3 + table walk + verify": median_ns(lambda: core.lookup(as_bytes), repeats=21, number=5),
+            "as_token_ids(numpy int64) -> bytes": median_ns(
+                lambda: as_token_ids(prompt), repeats=21, number=20
+            ),
+            "_core.lookup(list), first block misses (list->Vec conversion + 1 hash)": median_ns(
+                lambda: core.lookup(miss.tolist()), repeats=21, number=5
+            ),
+            "_core.lookup(bytes), first block misses (call + 1 hash)": median_ns(
+                lambda: core.lookup(as_token_ids(miss)), repeats=21, number=20
+            ),
+            "_core.block_keys(bytes): 250 BLAKE3 + 250 PyBytes": median_ns(
+                lambda: core.block_keys(as_bytes), repeats=21, number=5
+            ),
+            "_core.lookup(bytes), all cached: 250 BLAKE3 + table walk + verify": median_ns(
+                lambda: core.lookup(as_bytes), repeats=21, number=5
+            ),
             "PrefixCache.begin+commit+finish (numpy), all but the last block hit": 0.0,
             "PrefixCache.begin+commit+finish (list)": 0.0,
         }
@@ -192,8 +227,12 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
             cache.commit(r, num_tokens)
             cache.finish(r)
 
-        rows["PrefixCache.begin+commit+finish (numpy), all but the last block hit"] = median_ns(lambda: full(prompt), repeats=21, number=5)
-        rows["PrefixCache.begin+commit+finish (list)"] = median_ns(lambda: full(as_list), repeats=21, number=5)
+        rows["PrefixCache.begin+commit+finish (numpy), all but the last block hit"] = median_ns(
+            lambda: full(prompt), repeats=21, number=5
+        )
+        rows["PrefixCache.begin+commit+finish (list)"] = median_ns(
+            lambda: full(as_list), repeats=21, number=5
+        )
     return {"prompt_tokens": num_tokens, "ns": rows}
 
 
@@ -206,9 +245,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             if name == "chat":
                 requests = 16 if quick else (32 if length <= 4096 else 16)
             rows.append(_replay(generator(length, requests)))
-            print(f"  overhead {name:12s} {length:6d}: prefixkv {rows[-1]['us']['prefixkv_numpy']:9.1f} µs (numpy), "
-                  f"{rows[-1]['speedup_vs_python_numpy']:.1f}× python, {rows[-1]['vs_floor_numpy']:.2f}× floor",
-                  flush=True)
+            print(
+                f"  overhead {name:12s} {length:6d}: prefixkv {rows[-1]['us']['prefixkv_numpy']:9.1f} µs (numpy), "
+                f"{rows[-1]['speedup_vs_python_numpy']:.1f}× python, {rows[-1]['vs_floor_numpy']:.2f}× floor",
+                flush=True,
+            )
     issue_requests = 30 if quick else 80
     issue = {
         "shared_95": _replay(agent(4000, issue_requests, seed=7)),
@@ -218,48 +259,122 @@ def run(quick: bool = False) -> dict[str, Any]:
         case["aim_us"] = SGLANG_RUST_RADIX_US / 20
         case["vs_sglang_rust_radix_numpy"] = SGLANG_RUST_RADIX_US / case["us"]["prefixkv_numpy"]
         case["vs_sglang_rust_radix_list"] = SGLANG_RUST_RADIX_US / case["us"]["prefixkv_list"]
-    return {"rows": rows, "issue_cases": issue, "hash_costs": hash_costs(), "breakdown": breakdown()}
+    return {
+        "rows": rows,
+        "issue_cases": issue,
+        "hash_costs": hash_costs(),
+        "breakdown": breakdown(),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     out = []
-    headers = ["workload", "prompt", "hit", "evict/req", "prefixkv list", "prefixkv numpy",
-               "Python list", "Python numpy", "floor list", "floor numpy",
-               "speedup list", "speedup numpy", "÷floor list", "÷floor numpy"]
+    headers = [
+        "workload",
+        "prompt",
+        "hit",
+        "evict/req",
+        "prefixkv list",
+        "prefixkv numpy",
+        "Python list",
+        "Python numpy",
+        "floor list",
+        "floor numpy",
+        "speedup list",
+        "speedup numpy",
+        "÷floor list",
+        "÷floor numpy",
+    ]
     rows = []
     for r in result["rows"]:
         us = r["us"]
-        prompt = f"{r['prompt_tokens']:,}" if r["mean_prompt_tokens"] == r["prompt_tokens"] else \
-            f"≤{r['prompt_tokens']:,} (mean {r['mean_prompt_tokens']:,})"
-        rows.append([r["workload"], prompt, f"{r['hit_fraction']:.0%}", f"{r['evictions_per_request']:.0f}",
-                     fmt_us(us["prefixkv_list"] * 1000), fmt_us(us["prefixkv_numpy"] * 1000),
-                     fmt_us(us["python_list"] * 1000), fmt_us(us["python_numpy"] * 1000),
-                     fmt_us(us["floor_list"] * 1000), fmt_us(us["floor_numpy"] * 1000),
-                     fmt_ratio(r["speedup_vs_python_list"]), fmt_ratio(r["speedup_vs_python_numpy"]),
-                     fmt_ratio(r["vs_floor_list"]), fmt_ratio(r["vs_floor_numpy"])])
-    out.append("Median µs per request (begin + commit + finish). *speedup*: plain-Python time ÷ prefixkv "
-               "time; *÷floor*: prefixkv time ÷ `block_keys` time on the same prompt (1.0 would be "
-               "hashing alone).\n")
+        prompt = (
+            f"{r['prompt_tokens']:,}"
+            if r["mean_prompt_tokens"] == r["prompt_tokens"]
+            else f"≤{r['prompt_tokens']:,} (mean {r['mean_prompt_tokens']:,})"
+        )
+        rows.append(
+            [
+                r["workload"],
+                prompt,
+                f"{r['hit_fraction']:.0%}",
+                f"{r['evictions_per_request']:.0f}",
+                fmt_us(us["prefixkv_list"] * 1000),
+                fmt_us(us["prefixkv_numpy"] * 1000),
+                fmt_us(us["python_list"] * 1000),
+                fmt_us(us["python_numpy"] * 1000),
+                fmt_us(us["floor_list"] * 1000),
+                fmt_us(us["floor_numpy"] * 1000),
+                fmt_ratio(r["speedup_vs_python_list"]),
+                fmt_ratio(r["speedup_vs_python_numpy"]),
+                fmt_ratio(r["vs_floor_list"]),
+                fmt_ratio(r["vs_floor_numpy"]),
+            ]
+        )
+    out.append(
+        "Median µs per request (begin + commit + finish). *speedup*: plain-Python time ÷ prefixkv "
+        "time; *÷floor*: prefixkv time ÷ `block_keys` time on the same prompt (1.0 would be "
+        "hashing alone).\n"
+    )
     out.append(md_table(headers, rows))
-    out.append("\n**The foundation issue's cases** (4,000-token prompts; aim ≤ 32.5 µs = 0.65 ms ÷ 20):\n")
+    out.append(
+        "\n**The foundation issue's cases** (4,000-token prompts; aim ≤ 32.5 µs = 0.65 ms ÷ 20):\n"
+    )
     rows = []
-    for key, label in [("shared_95", "shares 95% of its blocks"), ("shared_none", "shares nothing")]:
+    for key, label in [
+        ("shared_95", "shares 95% of its blocks"),
+        ("shared_none", "shares nothing"),
+    ]:
         r = result["issue_cases"][key]
         us = r["us"]
-        rows.append([label, f"{r['hit_fraction']:.1%}", fmt_us(us["prefixkv_list"] * 1000),
-                     fmt_us(us["prefixkv_numpy"] * 1000), fmt_us(us["python_list"] * 1000),
-                     fmt_us(us["python_numpy"] * 1000), fmt_us(us["floor_numpy"] * 1000),
-                     fmt_ratio(r["vs_sglang_rust_radix_numpy"]), fmt_ratio(r["vs_floor_numpy"]),
-                     fmt_ratio(r["speedup_vs_python_numpy"])])
-    out.append(md_table(["4,000-token prompt", "hit", "prefixkv list µs", "prefixkv numpy µs",
-                         "Python list µs", "Python numpy µs", "floor numpy µs",
-                         "× faster than 650 µs", "÷floor", "× faster than Python"], rows))
-    out.append("\n**Hash cost per 16-token block** (chained key over parent key + 64 token bytes):\n")
-    out.append(md_table(["hash", "ns per block"],
-                        [[k, f"{v:.0f}"] for k, v in result["hash_costs"]["ns_per_block"].items()]))
-    out.append("\n**Where the µs of a 4,000-token request go** (each layer timed alone, warm cache):\n")
-    out.append(md_table(["measured call", "µs"],
-                        [[k, fmt_us(v)] for k, v in result["breakdown"]["ns"].items()]))
+        rows.append(
+            [
+                label,
+                f"{r['hit_fraction']:.1%}",
+                fmt_us(us["prefixkv_list"] * 1000),
+                fmt_us(us["prefixkv_numpy"] * 1000),
+                fmt_us(us["python_list"] * 1000),
+                fmt_us(us["python_numpy"] * 1000),
+                fmt_us(us["floor_numpy"] * 1000),
+                fmt_ratio(r["vs_sglang_rust_radix_numpy"]),
+                fmt_ratio(r["vs_floor_numpy"]),
+                fmt_ratio(r["speedup_vs_python_numpy"]),
+            ]
+        )
+    out.append(
+        md_table(
+            [
+                "4,000-token prompt",
+                "hit",
+                "prefixkv list µs",
+                "prefixkv numpy µs",
+                "Python list µs",
+                "Python numpy µs",
+                "floor numpy µs",
+                "× faster than 650 µs",
+                "÷floor",
+                "× faster than Python",
+            ],
+            rows,
+        )
+    )
+    out.append(
+        "\n**Hash cost per 16-token block** (chained key over parent key + 64 token bytes):\n"
+    )
+    out.append(
+        md_table(
+            ["hash", "ns per block"],
+            [[k, f"{v:.0f}"] for k, v in result["hash_costs"]["ns_per_block"].items()],
+        )
+    )
+    out.append(
+        "\n**Where the µs of a 4,000-token request go** (each layer timed alone, warm cache):\n"
+    )
+    out.append(
+        md_table(
+            ["measured call", "µs"], [[k, fmt_us(v)] for k, v in result["breakdown"]["ns"].items()]
+        )
+    )
     return "\n".join(out)
 
 

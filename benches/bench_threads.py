@@ -33,18 +33,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table  # noqa: E402
-from python_baseline import PyPrefixCache  # noqa: E402
+from common import md_table
+from python_baseline import PyPrefixCache
 
-from prefixkv import PrefixCache  # noqa: E402
+from prefixkv import PrefixCache
 
 PROMPT_TOKENS = 8192
 WRITER_RATE = 100.0  # requests per second
 BLOCK_SIZE = 16
 
 
-def _throughput(call: Any, prompts: list[np.ndarray], threads: int, seconds: float,
-                writer: Any | None) -> dict[str, float]:
+def _throughput(
+    call: Any, prompts: list[np.ndarray], threads: int, seconds: float, writer: Any | None
+) -> dict[str, float]:
     stop = threading.Event()
     counts = [0] * threads
     barrier = threading.Barrier(threads + 1 + (writer is not None))
@@ -87,7 +88,9 @@ def _throughput(call: Any, prompts: list[np.ndarray], threads: int, seconds: flo
     return {"per_second": sum(counts) / elapsed, "writer_per_second": written[0] / elapsed}
 
 
-def _gil_held_share(cache: PrefixCache, prompt: np.ndarray, rng: np.random.Generator) -> dict[str, float]:
+def _gil_held_share(
+    cache: PrefixCache, prompt: np.ndarray, rng: np.random.Generator
+) -> dict[str, float]:
     """Estimate of the part of one lookup that holds the GIL, and the 2-thread bound it implies.
 
     If every held section had to wait for the other thread's, two threads would reach
@@ -97,19 +100,25 @@ def _gil_held_share(cache: PrefixCache, prompt: np.ndarray, rng: np.random.Gener
     itself (timed as a lookup whose first block misses: one hash, GIL released briefly), and
     turning the 512 matched block ids into a Python list (timed as building such a list).
     """
-    from prefixkv.cache import as_token_ids
-
     from common import median_ns
+
+    from prefixkv.cache import as_token_ids
 
     miss = as_token_ids(rng.integers(0, 128_000, len(prompt), dtype=np.int64))
     ids = list(range(len(prompt) // BLOCK_SIZE))
-    held = (median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
-            + median_ns(lambda: cache._core.lookup(miss), repeats=21, number=10)
-            + median_ns(lambda: np.array(ids, dtype=np.uint32).tolist(), repeats=21, number=10))
+    held = (
+        median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
+        + median_ns(lambda: cache._core.lookup(miss), repeats=21, number=10)
+        + median_ns(lambda: np.array(ids, dtype=np.uint32).tolist(), repeats=21, number=10)
+    )
     total = median_ns(lambda: cache.lookup(prompt), repeats=21, number=3)
     share = held / total
-    return {"held_us": held / 1000, "lookup_us": total / 1000, "share": share,
-            "two_thread_bound": 2.0 / (1.0 + share)}
+    return {
+        "held_us": held / 1000,
+        "lookup_us": total / 1000,
+        "share": share,
+        "two_thread_bound": 2.0 / (1.0 + share),
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -147,7 +156,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "two_threads_per_second": two["per_second"],
             "ratio": two["per_second"] / one["per_second"],
             "writer_per_second": (one["writer_per_second"] + two["writer_per_second"]) / 2
-            if with_writer else None,
+            if with_writer
+            else None,
         }
         print(f"  threads {name}: {configs[name]['ratio']:.2f}×", flush=True)
     gil = _gil_held_share(cache, prompts[0], rng)
@@ -167,16 +177,31 @@ def run(quick: bool = False) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     rows = []
     for name, c in result["configs"].items():
-        rows.append([name, f"{c['one_thread_per_second']:,.0f}", f"{c['two_threads_per_second']:,.0f}",
-                     f"{c['ratio']:.2f}×", "–" if c["writer_per_second"] is None else f"{c['writer_per_second']:.0f}"])
-    note = (f"{result['prompt_tokens']:,}-token numpy prompts, fully cached; {result['seconds_per_config']} s per "
-            f"measurement; {result['cpus']} CPUs; load average {result['load_average_before']:.1f} before, "
-            f"{result['load_average_after']:.1f} after (other processes compete for the same 2 cores).\n")
+        rows.append(
+            [
+                name,
+                f"{c['one_thread_per_second']:,.0f}",
+                f"{c['two_threads_per_second']:,.0f}",
+                f"{c['ratio']:.2f}×",
+                "–" if c["writer_per_second"] is None else f"{c['writer_per_second']:.0f}",
+            ]
+        )
+    note = (
+        f"{result['prompt_tokens']:,}-token numpy prompts, fully cached; {result['seconds_per_config']} s per "
+        f"measurement; {result['cpus']} CPUs; load average {result['load_average_before']:.1f} before, "
+        f"{result['load_average_after']:.1f} after (other processes compete for the same 2 cores).\n"
+    )
     gil = result["gil_held"]
-    note += (f"\nGIL-held share of one lookup (estimate: conversion in, call, list out): "
-             f"{gil['held_us']:.1f} of {gil['lookup_us']:.0f} µs = {gil['share']:.1%}, so two threads "
-             f"should reach about {gil['two_thread_bound']:.2f}× when two cores are free.\n")
-    return note + "\n" + md_table(["calls", "1 thread /s", "2 threads /s", "2 ÷ 1", "writer req/s"], rows)
+    note += (
+        f"\nGIL-held share of one lookup (estimate: conversion in, call, list out): "
+        f"{gil['held_us']:.1f} of {gil['lookup_us']:.0f} µs = {gil['share']:.1%}, so two threads "
+        f"should reach about {gil['two_thread_bound']:.2f}× when two cores are free.\n"
+    )
+    return (
+        note
+        + "\n"
+        + md_table(["calls", "1 thread /s", "2 threads /s", "2 ÷ 1", "writer req/s"], rows)
+    )
 
 
 def main() -> None:

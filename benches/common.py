@@ -24,7 +24,9 @@ RESULTS_DIR = BENCH_DIR / "results"
 REPO_ROOT = BENCH_DIR.parent
 
 
-def median_ns(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 2, number: int = 1) -> float:
+def median_ns(
+    fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 2, number: int = 1
+) -> float:
     """Median over `repeats` of the time of `number` calls of `fn`, per call, in ns."""
     for _ in range(warmup):
         fn()

@@ -46,11 +46,27 @@ def token_bytes(tokens: Any) -> bytes:
 
 
 class PyRequest:
-    __slots__ = ("block_table", "data", "full_hit", "id", "last_key", "num_anchored",
-                 "num_cached_tokens", "num_prompt_tokens")
+    __slots__ = (
+        "block_table",
+        "data",
+        "full_hit",
+        "id",
+        "last_key",
+        "num_anchored",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+    )
 
-    def __init__(self, request_id: int, data: bytes, block_table: list[int], num_anchored: int,
-                 last_key: bytes, num_cached_tokens: int, full_hit: bool) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        data: bytes,
+        block_table: list[int],
+        num_anchored: int,
+        last_key: bytes,
+        num_cached_tokens: int,
+        full_hit: bool,
+    ) -> None:
         self.id = request_id
         self.data = data
         self.block_table = block_table
@@ -98,7 +114,7 @@ class PyPrefixCache:
         hits: list[int] = []
         parent = _ROOT
         for start in range(0, len(data) - bb + 1, bb):
-            chunk = data[start:start + bb]
+            chunk = data[start : start + bb]
             key = h(parent + chunk)
             block = table.get(key)
             if block is None or stored_tokens[block] != chunk or stored_parent[block] != parent:
@@ -121,25 +137,32 @@ class PyPrefixCache:
 
         cached = len(hits) * self.block_size
         full_hit = cached == num_tokens
-        request = PyRequest(self._next_request, data, hits + fresh, len(hits), parent,
-                            num_tokens - 1 if full_hit else cached, full_hit)
+        request = PyRequest(
+            self._next_request,
+            data,
+            hits + fresh,
+            len(hits),
+            parent,
+            num_tokens - 1 if full_hit else cached,
+            full_hit,
+        )
         self._next_request += 1
         self._requests[request.id] = request
         return request
 
     def commit(self, request: PyRequest, num_computed_tokens: int) -> int:
         target = num_computed_tokens // self.block_size
-        position = request.num_anchored
-        if position >= target:
-            return position
+        first = request.num_anchored
+        if first >= target:
+            return first
         bb = self._block_bytes
         h = self._hash
         table = self._table
         data = request.data
         own = request.block_table
         parent = request.last_key
-        for position in range(position, target):
-            chunk = data[position * bb:(position + 1) * bb]
+        for position in range(first, target):
+            chunk = data[position * bb : (position + 1) * bb]
             key = h(parent + chunk)
             existing = table.get(key)
             if existing is None:
@@ -198,6 +221,6 @@ class PyPrefixCache:
         keys = []
         parent = _ROOT
         for start in range(0, len(data) - bb + 1, bb):
-            parent = h(parent + data[start:start + bb])
+            parent = h(parent + data[start : start + bb])
             keys.append(parent)
         return keys

@@ -22,12 +22,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_compute  # noqa: E402
-import bench_copies  # noqa: E402
-import bench_memory  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_threads  # noqa: E402
-from common import BENCH_DIR, RESULTS_DIR, machine, md_table, write_json  # noqa: E402
+import bench_compute
+import bench_copies
+import bench_memory
+import bench_overhead
+import bench_threads
+from common import BENCH_DIR, RESULTS_DIR, machine, md_table, write_json
 
 SECTIONS = ["overhead", "threads", "compute", "copies", "memory", "core"]
 PROFILE_DIR = BENCH_DIR / "core_profile"
@@ -38,8 +38,12 @@ def run_core_profile(quick: bool) -> dict[str, Any] | None:
     if shutil.which("cargo") is None:
         return None
     built = PROFILE_DIR / "target" / "release" / "prefixkv-core-profile"
-    build = subprocess.run(["cargo", "build", "--release", "--offline", "-q"], cwd=PROFILE_DIR,
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        ["cargo", "build", "--release", "--offline", "-q"],
+        cwd=PROFILE_DIR,
+        capture_output=True,
+        text=True,
+    )
     if build.returncode != 0 or not built.exists():
         return {"error": build.stderr[-2000:]}
     out = subprocess.run([str(built)], capture_output=True, text=True, check=True)
@@ -57,7 +61,11 @@ def core_markdown(result: dict[str, Any] | None) -> str:
             rows.append([line["what"], f"{line['ns_per_block']:.0f} ns per block"])
         else:
             parts = [f"{line['ns'] / 1000:.1f} µs"]
-            parts += [f"{k[:-3]} {line[k] / 1000:.1f}" for k in ("begin_ns", "commit_ns", "finish_ns") if k in line]
+            parts += [
+                f"{k[:-3]} {line[k] / 1000:.1f}"
+                for k in ("begin_ns", "commit_ns", "finish_ns")
+                if k in line
+            ]
             rows.append([line["what"], ", ".join(parts)])
     return md_table(["pure Rust (no binding)", "median"], rows)
 
@@ -111,40 +119,67 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
 
     if "overhead" in results:
         o = results["overhead"]
-        for key, label in [("shared_95", "4k prompt sharing 95%"), ("shared_none", "4k prompt sharing nothing")]:
+        for key, label in [
+            ("shared_95", "4k prompt sharing 95%"),
+            ("shared_none", "4k prompt sharing nothing"),
+        ]:
             c = o["issue_cases"][key]
             best = min(c["us"]["prefixkv_numpy"], c["us"]["prefixkv_list"])
-            add(f"{label}: ≥20× faster than 650 µs (≤32.5 µs)",
+            add(
+                f"{label}: ≥20× faster than 650 µs (≤32.5 µs)",
                 f"{c['us']['prefixkv_numpy']:.0f} µs numpy / {c['us']['prefixkv_list']:.0f} µs list "
-                f"({650 / best:.1f}× faster)", best <= 32.5)
+                f"({650 / best:.1f}× faster)",
+                best <= 32.5,
+            )
         worst_floor = max(max(r["vs_floor_numpy"], r["vs_floor_list"]) for r in o["rows"])
-        add("within 2× of the hash-only floor (every workload)",
+        add(
+            "within 2× of the hash-only floor (every workload)",
             f"worst {worst_floor:.2f}× (numpy {min(r['vs_floor_numpy'] for r in o['rows']):.2f}–"
-            f"{max(r['vs_floor_numpy'] for r in o['rows']):.2f}×)", worst_floor <= 2.0)
-        worst_py = min(min(r["speedup_vs_python_numpy"], r["speedup_vs_python_list"]) for r in o["rows"])
-        add("≥15× faster than plain Python (every workload)",
+            f"{max(r['vs_floor_numpy'] for r in o['rows']):.2f}×)",
+            worst_floor <= 2.0,
+        )
+        worst_py = min(
+            min(r["speedup_vs_python_numpy"], r["speedup_vs_python_list"]) for r in o["rows"]
+        )
+        add(
+            "≥15× faster than plain Python (every workload)",
             f"worst {worst_py:.2f}×, best {max(max(r['speedup_vs_python_numpy'], r['speedup_vs_python_list']) for r in o['rows']):.2f}×",
-            worst_py >= 15)
+            worst_py >= 15,
+        )
     if "threads" in results:
         t = results["threads"]["configs"]
         for name, c in t.items():
             if name.startswith("lookup"):
-                add(f"2-thread ÷ 1-thread lookups ≥1.6 ({name})", f"{c['ratio']:.2f}×", c["ratio"] >= 1.6)
+                add(
+                    f"2-thread ÷ 1-thread lookups ≥1.6 ({name})",
+                    f"{c['ratio']:.2f}×",
+                    c["ratio"] >= 1.6,
+                )
     if "compute" in results:
         rows_c = [r for r in results["compute"]["rows"] if 0 < r["fraction_cached"] <= 0.9]
         if rows_c:
             worst = max(r["vs_work"] for r in rows_c)
             worst_suffix = max(r["vs_suffix_call"] for r in rows_c)
-            add("prefill measured ÷ ideal ≤1.2 for f ≤ 90% (work ideal)", f"worst {worst:.2f}×", worst <= 1.2)
-            add("… against a suffix-only call (excludes attention to the prefix)", f"worst {worst_suffix:.2f}×",
-                worst_suffix <= 1.2)
+            add(
+                "prefill measured ÷ ideal ≤1.2 for f ≤ 90% (work ideal)",
+                f"worst {worst:.2f}×",
+                worst <= 1.2,
+            )
+            add(
+                "… against a suffix-only call (excludes attention to the prefix)",
+                f"worst {worst_suffix:.2f}×",
+                worst_suffix <= 1.2,
+            )
     if "copies" in results:
         for r in results["copies"]["rows"]:
             add(f"{r['operation']} ≥70% of copy_", f"{r['ratio']:.0%}", r["ratio"] >= 0.7)
     if "memory" in results:
         m = results["memory"]
-        add("metadata bytes per cached block (no aim set)",
-            f"{m['results']['prefixkv']['cached_bytes_per_block']:.0f} B → {m['blocks_per_gib'] / 1e6:.1f} M blocks/GiB", None)
+        add(
+            "metadata bytes per cached block (no aim set)",
+            f"{m['results']['prefixkv']['cached_bytes_per_block']:.0f} B → {m['blocks_per_gib'] / 1e6:.1f} M blocks/GiB",
+            None,
+        )
     return rows
 
 
@@ -157,21 +192,35 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         f"Generated by `python benches/run.py{' --quick' if data['quick'] else ''}` on {data['date']} "
         f"in {data['seconds']:.0f} s. Every figure is a ratio against a baseline timed in the same run.",
         "",
-        md_table(["machine", ""], [
-            ["CPU", f"{m['cpu']} ({m['logical_cpus']} logical CPUs, {m['usable_cpus']} usable; "
-                    f"SHA extensions: {'yes' if m['sha_extensions'] else 'no'}, AVX-512: {'yes' if m['avx512'] else 'no'})"],
-            ["load average at start / end", f"{data['load_start']:.1f} / {data['load_end']:.1f} (shared machine)"],
-            ["Python / numpy / torch", f"{m['python']} / {m['numpy']} / {m.get('torch')}"],
-            ["prefixkv._core build", m["prefixkv_core_build"]],
-            ["CUDA", m.get("cuda") or "none"],
-        ]),
+        md_table(
+            ["machine", ""],
+            [
+                [
+                    "CPU",
+                    f"{m['cpu']} ({m['logical_cpus']} logical CPUs, {m['usable_cpus']} usable; "
+                    f"SHA extensions: {'yes' if m['sha_extensions'] else 'no'}, AVX-512: {'yes' if m['avx512'] else 'no'})",
+                ],
+                [
+                    "load average at start / end",
+                    f"{data['load_start']:.1f} / {data['load_end']:.1f} (shared machine)",
+                ],
+                ["Python / numpy / torch", f"{m['python']} / {m['numpy']} / {m.get('torch')}"],
+                ["prefixkv._core build", m["prefixkv_core_build"]],
+                ["CUDA", m.get("cuda") or "none"],
+            ],
+        ),
         "",
         "## Targets",
         "",
         md_table(["aim", "measured", ""], targets(results)),
     ]
     sections = [
-        ("overhead", "1. Block-manager overhead per request", bench_overhead.markdown, "overhead.png"),
+        (
+            "overhead",
+            "1. Block-manager overhead per request",
+            bench_overhead.markdown,
+            "overhead.png",
+        ),
         ("core", "1b. The core alone, without Python (cargo)", core_markdown, None),
         ("threads", "2. Lookup throughput from threads", bench_threads.markdown, "threads.png"),
         ("compute", "3. Prefill compute saved", bench_compute.markdown, "compute.png"),
@@ -196,14 +245,20 @@ def main() -> None:
     sections = args.only or SECTIONS
     info = machine()
     if info["prefixkv_core_build"] != "release":
-        print(f"warning: prefixkv._core build is {info['prefixkv_core_build']!r}; timings need a release build",
-              file=sys.stderr)
+        print(
+            f"warning: prefixkv._core build is {info['prefixkv_core_build']!r}; timings need a release build",
+            file=sys.stderr,
+        )
     started = time.time()
     load_start = os.getloadavg()[0]
     results: dict[str, Any] = {}
     runners = {
-        "overhead": bench_overhead.run, "threads": bench_threads.run, "compute": bench_compute.run,
-        "copies": bench_copies.run, "memory": bench_memory.run, "core": run_core_profile,
+        "overhead": bench_overhead.run,
+        "threads": bench_threads.run,
+        "compute": bench_compute.run,
+        "copies": bench_copies.run,
+        "memory": bench_memory.run,
+        "core": run_core_profile,
     }
     for section in SECTIONS:
         if section in sections:
@@ -222,8 +277,12 @@ def main() -> None:
     }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
-        plotters = {"overhead": bench_overhead.plot, "threads": plot_threads,
-                    "compute": bench_compute.plot, "copies": plot_copies}
+        plotters = {
+            "overhead": bench_overhead.plot,
+            "threads": plot_threads,
+            "compute": bench_compute.plot,
+            "copies": plot_copies,
+        }
         for key, plotter in plotters.items():
             if key in results:
                 plotter(results[key], RESULTS_DIR)
@@ -231,7 +290,9 @@ def main() -> None:
     if args.quick:
         name = name.replace("latest", "quick")
     write_json(RESULTS_DIR / name, data)
-    markdown_path = BENCH_DIR / ("RESULTS.md" if sections == SECTIONS and not args.quick else "RESULTS-partial.md")
+    markdown_path = BENCH_DIR / (
+        "RESULTS.md" if sections == SECTIONS and not args.quick else "RESULTS-partial.md"
+    )
     write_markdown(markdown_path, data)
     print(f"wrote {RESULTS_DIR / name} and {markdown_path}")
     print()

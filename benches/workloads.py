@@ -44,19 +44,33 @@ def agent(length: int, requests: int, seed: int = 0, shared_fraction: float = 0.
     shared = _shared_tokens(length, shared_fraction)
     prefix = _tokens(rng, shared)
     prompts = [np.concatenate([prefix, _tokens(rng, length - shared)]) for _ in range(requests + 1)]
-    return Workload("agent", f"shared prefix of {shared_fraction:.0%} of the blocks, then a fresh query",
-                    length, prompts, _blocks(length) * (requests + 2), warmup=1)
+    return Workload(
+        "agent",
+        f"shared prefix of {shared_fraction:.0%} of the blocks, then a fresh query",
+        length,
+        prompts,
+        _blocks(length) * (requests + 2),
+        warmup=1,
+    )
 
 
-def query_first(length: int, requests: int, seed: int = 0, shared_fraction: float = 0.95) -> Workload:
+def query_first(
+    length: int, requests: int, seed: int = 0, shared_fraction: float = 0.95
+) -> Workload:
     """The agent prompt with the query placed first: the shared text follows a unique block, so
     nothing is reusable (every request is a miss; the layout mistake prefix caches punish)."""
     rng = np.random.default_rng(seed)
     shared = _shared_tokens(length, shared_fraction)
     suffix = _tokens(rng, shared)
     prompts = [np.concatenate([_tokens(rng, length - shared), suffix]) for _ in range(requests + 1)]
-    return Workload("query_first", "the same prompt with the query first: every request misses",
-                    length, prompts, _blocks(length) * (requests + 2), warmup=1)
+    return Workload(
+        "query_first",
+        "the same prompt with the query first: every request misses",
+        length,
+        prompts,
+        _blocks(length) * (requests + 2),
+        warmup=1,
+    )
 
 
 def chat(length: int, requests: int, seed: int = 0, turns: int = 8) -> Workload:
@@ -70,20 +84,38 @@ def chat(length: int, requests: int, seed: int = 0, turns: int = 8) -> Workload:
     histories = [_tokens(rng, length) for _ in range(conversations)]
     step = length // turns
     prompts = [histories[c][: step * t] for t in range(1, turns + 1) for c in range(conversations)]
-    return Workload("chat", f"{turns}-turn chats resending their history (prompts {step} to {length})",
-                    length, prompts, _blocks(length) * turns * conversations + _blocks(length), warmup=0)
+    return Workload(
+        "chat",
+        f"{turns}-turn chats resending their history (prompts {step} to {length})",
+        length,
+        prompts,
+        _blocks(length) * turns * conversations + _blocks(length),
+        warmup=0,
+    )
 
 
 def unrelated(length: int, requests: int, seed: int = 0) -> Workload:
     """Independent prompts: every block is a miss, hashed, allocated and published."""
     rng = np.random.default_rng(seed)
     prompts = [_tokens(rng, length) for _ in range(requests + 1)]
-    return Workload("unrelated", "independent prompts: every request misses",
-                    length, prompts, _blocks(length) * (requests + 2), warmup=1)
+    return Workload(
+        "unrelated",
+        "independent prompts: every request misses",
+        length,
+        prompts,
+        _blocks(length) * (requests + 2),
+        warmup=1,
+    )
 
 
-def pressure(length: int, requests: int, seed: int = 0, prefixes: int = 16,
-             resident: int = 4, shared_fraction: float = 0.9) -> Workload:
+def pressure(
+    length: int,
+    requests: int,
+    seed: int = 0,
+    prefixes: int = 16,
+    resident: int = 4,
+    shared_fraction: float = 0.9,
+) -> Workload:
     """More distinct prefixes than the cache holds: `prefixes` shared prompts drawn uniformly,
     a pool with room for about `resident` of them, so most requests evict to make room."""
     rng = np.random.default_rng(seed)
@@ -91,8 +123,14 @@ def pressure(length: int, requests: int, seed: int = 0, prefixes: int = 16,
     heads = [_tokens(rng, shared) for _ in range(prefixes)]
     picks = rng.integers(0, prefixes, requests + resident)
     prompts = [np.concatenate([heads[p], _tokens(rng, length - shared)]) for p in picks]
-    return Workload("pressure", f"{prefixes} prefixes drawn uniformly, room for ~{resident}: eviction",
-                    length, prompts, _blocks(length) * (resident + 1), warmup=resident)
+    return Workload(
+        "pressure",
+        f"{prefixes} prefixes drawn uniformly, room for ~{resident}: eviction",
+        length,
+        prompts,
+        _blocks(length) * (resident + 1),
+        warmup=resident,
+    )
 
 
 GENERATORS = {
