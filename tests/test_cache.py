@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from hashlib import sha256
 
 import numpy as np
 import pytest
@@ -302,24 +303,38 @@ def test_salt_adapter_and_multimodal_items_isolate():
 
 
 def test_block_keys_follow_the_documented_layout():
-    blake3 = pytest.importorskip("blake3").blake3
+    """Recompute keys from the README's byte layout with hashlib: another component can too."""
     context = CacheContext(block_size=BS, model_id="m")
     cache = PrefixCache(4, context=context)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    fingerprint = blake3(b"prefixkv.context.v1\0" + context.canonical_bytes()).digest()
+    fingerprint = sha256(b"prefixkv.context.v1\0" + context.canonical_bytes()).digest()
     assert fingerprint == context.fingerprint()
-    salt = b"t"
-    parent = blake3(
-        b"prefixkv.root.v1\0" + fingerprint + len(salt).to_bytes(4, "little") + salt
-    ).digest()
-    expected = []
+
+    def root(salt: bytes) -> bytes:
+        return sha256(
+            b"prefixkv.root.v1\0" + fingerprint + len(salt).to_bytes(4, "little") + salt
+        ).digest()
+
+    def little_endian(block: list[int]) -> bytes:
+        return b"".join(t.to_bytes(4, "little") for t in block)
+
+    parent, expected = root(b"t"), []
     for i in range(2):
         block = tokens[i * BS : (i + 1) * BS]
-        data = b"prefixkv.block.v1\0" + parent + len(block).to_bytes(4, "little")
-        data += b"".join(t.to_bytes(4, "little") for t in block) + (0).to_bytes(4, "little")
-        parent = blake3(data).digest()
+        parent = sha256(b"\x00" + parent + little_endian(block)).digest()
         expected.append(parent)
-    assert cache.block_keys(tokens, salt=salt) == expected
+    assert cache.block_keys(tokens, salt=b"t") == expected
+
+    # With an adapter, the block's extras come between the parent and the tokens.
+    extras = b"\x01" + (4).to_bytes(4, "little") + b"lora"
+    first = sha256(
+        b"\x01"
+        + root(b"")
+        + len(extras).to_bytes(4, "little")
+        + extras
+        + little_endian(tokens[:BS])
+    ).digest()
+    assert cache.block_keys(tokens, adapter="lora")[0] == first
 
 
 def test_forced_collisions_never_give_a_wrong_hit():

@@ -8,7 +8,7 @@ into the root of every block key, so changing any field makes every lookup miss.
 
 Canonical serialization (version 1): a JSON object with sorted keys, no whitespace, UTF-8,
 every float written as ``float.hex()`` (exact and language-independent), tuples as arrays.
-The fingerprint is ``BLAKE3(b"prefixkv.context.v1\\0" + canonical_bytes)`` (see the core's
+The fingerprint is ``SHA-256(b"prefixkv.context.v1\\0" + canonical_bytes)`` (see the core's
 ``key.rs`` for the rest of the key layout).
 """
 
@@ -100,7 +100,7 @@ class CacheContext:
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     def fingerprint(self) -> bytes:
-        """32-byte BLAKE3 fingerprint: the root of every block key under this context."""
+        """32-byte SHA-256 fingerprint: the root of every block key under this context."""
         from prefixkv._core import context_fingerprint
 
         return context_fingerprint(self.canonical_bytes())

@@ -38,7 +38,7 @@ use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, KEY_BYTES};
 use crate::pool::{BlockId, BlockPool};
 use crate::stats::CacheStats;
-use crate::table::{new_table, Entry, Parent, Table};
+use crate::table::{new_table, Anchor, Entry, Parent, Table};
 
 /// Fixed settings of a cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,7 +99,7 @@ struct Request {
     priority: i32,
     /// The canonical cached entry of each committed position, in order. Usually the request's
     /// own block; another request's copy after deduplication.
-    anchors: Vec<Arc<Entry>>,
+    anchors: Vec<Anchor>,
     /// False once the request's KV may no longer be published (after `clear` or a collision).
     cacheable: bool,
 }
@@ -118,7 +118,7 @@ struct Counters {
 struct Inner {
     pool: BlockPool,
     /// The published entry of each cached block.
-    entries: Vec<Option<Arc<Entry>>>,
+    entries: Vec<Option<Anchor>>,
     requests: HashMap<u64, Request>,
     pins: HashMap<u64, Vec<BlockId>>,
     next_request: u64,
@@ -203,7 +203,7 @@ impl PrefixCache {
         self.probes.fetch_add(1, Ordering::Relaxed);
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry| {
+        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry, _| {
             blocks.push(entry.block)
         });
         Ok(self.prefix_match(blocks, tokens.len()))
@@ -253,8 +253,8 @@ impl PrefixCache {
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut anchors = Vec::new();
-        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e| {
-            anchors.push(Arc::clone(e))
+        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e, key| {
+            anchors.push(e.anchor(key));
         });
         let hits: Vec<BlockId> = anchors.iter().map(|e| e.block).collect();
         let total_blocks = tokens.len().div_ceil(self.config.block_size);
@@ -393,7 +393,7 @@ impl PrefixCache {
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| {
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e, _| {
             blocks.push(e.block)
         });
         inner.tick += 1;
@@ -496,7 +496,7 @@ impl PrefixCache {
         let inner = &mut *guard;
         let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e| {
+        self.match_chain(&mut inner.scratch, root, tokens, extras, |e, _| {
             blocks.push(e.block)
         });
         for &block in &blocks {
@@ -630,7 +630,7 @@ impl PrefixCache {
         root: BlockKey,
         tokens: &[u32],
         extras: &RequestExtras,
-        mut on_hit: impl FnMut(&Arc<Entry>),
+        mut on_hit: impl FnMut(&Entry, BlockKey),
     ) {
         let bs = self.config.block_size;
         let guard = self.table.guard();
@@ -641,7 +641,7 @@ impl PrefixCache {
             let key = self.table_key(block_key_with(buffer, &parent_key, chunk, &block_extras));
             match self.table.get(&key, &guard) {
                 Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    on_hit(entry);
+                    on_hit(entry, key);
                     parent = Parent::Entry(entry.id);
                     parent_key = key;
                 }
@@ -745,7 +745,7 @@ impl PrefixCache {
                     if existing.block != own_block {
                         inner.counters.deduplicated_blocks += 1;
                     }
-                    Arc::clone(existing)
+                    existing.anchor(key)
                 }
                 Some(_) => {
                     // A different block owns this key: a hash collision. Never publish under
@@ -761,20 +761,20 @@ impl PrefixCache {
                     return;
                 }
                 None => {
-                    let entry = Arc::new(Entry {
+                    let entry = Entry {
                         id: inner.next_entry,
                         block: own_block,
-                        key,
                         parent,
                         tokens: chunk.into(),
                         extras: block_extras.into_boxed_slice(),
-                    });
+                    };
+                    let anchor = entry.anchor(key);
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, parent_block);
-                    inner.entries[own_block as usize] = Some(Arc::clone(&entry));
-                    self.table.insert(key, Arc::clone(&entry), &guard);
+                    inner.entries[own_block as usize] = Some(anchor);
+                    self.table.insert(key, entry, &guard);
                     inner.counters.committed_blocks += 1;
-                    entry
+                    anchor
                 }
             };
             inner.pool.touch(anchor.block, inner.tick, request.priority);

@@ -1,8 +1,12 @@
 //! The lookup table: block key → the cached block's entry, readable without locks.
 //!
 //! Readers (`lookup` on any thread) never block: the table is a `papaya` lock-free map and
-//! entries are immutable once published (`Arc<Entry>`), so a reader holds either a complete
-//! entry or none. Only the cache's writer side, under its mutex, inserts and removes.
+//! entries are immutable once published (papaya keeps a removed entry alive until every reader
+//! that could see it has moved on), so a reader holds either a complete entry or none. Only the
+//! cache's writer side, under its mutex, inserts and removes.
+//!
+//! An entry lives inline in the map's slot, its tokens inline in the entry (up to 16 tokens, the
+//! default block size): verifying a hit touches one allocation, not three.
 //!
 //! ## Verification: a hash collision can only cause a miss
 //! A key is a hash; the table never trusts it alone. Each entry stores what it was computed
@@ -16,7 +20,8 @@
 //! simply not cached (see `PrefixCache::commit`): correctness never depends on the hash.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
+
+use smallvec::SmallVec;
 
 use crate::key::BlockKey;
 use crate::pool::BlockId;
@@ -37,21 +42,44 @@ pub struct Entry {
     pub id: u64,
     /// The block holding this entry's KV.
     pub block: BlockId,
-    /// The table key (possibly truncated in collision tests).
-    pub key: BlockKey,
     /// What the block's KV was computed after.
     pub parent: Parent,
     /// The block's exact token ids.
-    pub tokens: Box<[u32]>,
+    pub tokens: SmallVec<[u32; 16]>,
     /// The block's encoded extra keys (see `key.rs`).
     pub extras: Box<[u8]>,
 }
 
+/// A reference to a published entry, kept by requests and by the cache: enough to find it again
+/// and to tell whether it is still the one published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Anchor {
+    /// The entry's unique id.
+    pub id: u64,
+    /// The block holding its KV.
+    pub block: BlockId,
+    /// Its table key.
+    pub key: BlockKey,
+}
+
 impl Entry {
+    /// The anchor of this entry, published under `key`.
+    #[must_use]
+    pub fn anchor(&self, key: BlockKey) -> Anchor {
+        Anchor {
+            id: self.id,
+            block: self.block,
+            key,
+        }
+    }
+
     /// True when this entry is exactly the block the caller is looking for.
     #[must_use]
     pub fn verifies(&self, parent: &Parent, tokens: &[u32], extras: &[u8]) -> bool {
-        self.parent == *parent && *self.tokens == *tokens && *self.extras == *extras
+        // Compare the cheap, most discriminating field first; extras are usually both empty.
+        self.parent == *parent
+            && *self.tokens == *tokens
+            && (self.extras.is_empty() && extras.is_empty() || *self.extras == *extras)
     }
 }
 
@@ -87,7 +115,7 @@ impl BuildHasher for BuildKeyHasher {
 }
 
 /// The concurrent map behind lookups.
-pub type Table = papaya::HashMap<BlockKey, Arc<Entry>, BuildKeyHasher>;
+pub type Table = papaya::HashMap<BlockKey, Entry, BuildKeyHasher>;
 
 /// A table sized for `capacity` entries.
 #[must_use]

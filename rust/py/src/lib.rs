@@ -498,7 +498,7 @@ fn block_ids(blocks: &[i64]) -> PyResult<Vec<u32>> {
     blocks.iter().map(|&b| block_id(b)).collect()
 }
 
-/// BLAKE3 fingerprint of a canonical context serialization (see `prefixkv.CacheContext`).
+/// SHA-256 fingerprint of a canonical context serialization (see `prefixkv.CacheContext`).
 #[pyfunction]
 fn context_fingerprint<'py>(py: Python<'py>, canonical: &[u8]) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &prefixkv_core::context_fingerprint(canonical).0)
