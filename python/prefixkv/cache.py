@@ -18,6 +18,8 @@ A request's life::
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,8 @@ TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is 
 MultimodalItem = tuple[int, int, "bytes | str"]
 
 _U32_MAX = 2**32 - 1
+# array("I") is 32 bits wide on every platform CPython supports today; checked, not assumed.
+_PACK_LISTS = array.array("I").itemsize == 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,7 @@ def as_token_ids(tokens: TokenIds) -> list[int] | tuple[int, ...] | bytes:
     a C-contiguous uint32 array is not converted at all before that buffer copy.
     """
     if isinstance(tokens, (list, tuple)):
-        return tokens
+        return _list_tokens(tokens)
     if isinstance(tokens, np.ndarray):
         return _array_tokens(tokens)
     if type(tokens).__module__.startswith("torch"):
@@ -100,19 +104,34 @@ def as_token_ids(tokens: TokenIds) -> list[int] | tuple[int, ...] | bytes:
     )
 
 
-def _array_tokens(array: np.ndarray) -> bytes:
-    if array.ndim != 1:
-        raise InvalidInputError(f"token ids must be one-dimensional, got shape {array.shape}")
-    if array.dtype.kind not in "iu":
-        raise InvalidInputError(f"token ids must have an integer dtype, got {array.dtype}")
-    if array.size:
-        if array.dtype.kind == "i" and (low := int(array.min())) < 0:
-            position = int(np.argmin(array))
+def _list_tokens(tokens: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...] | bytes:
+    # array('I') converts a list of ints in C, about three times faster than extracting each
+    # int through the binding. Anything it refuses (a negative id, one above 2**32 - 1, a
+    # non-int) goes to the core as is, whose error names the value and its position.
+    if not _PACK_LISTS:
+        return tokens
+    try:
+        packed = array.array("I", tokens)
+    except (OverflowError, TypeError):
+        return tokens
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _values_tokens(values: np.ndvalues) -> bytes:
+    if values.ndim != 1:
+        raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
+    if values.dtype.kind not in "iu":
+        raise InvalidInputError(f"token ids must have an integer dtype, got {values.dtype}")
+    if values.size:
+        if values.dtype.kind == "i" and (low := int(values.min())) < 0:
+            position = int(np.argmin(values))
             raise InvalidInputError(f"token id {low} at position {position} is negative")
-        if array.dtype.itemsize > 4 and (high := int(array.max())) > _U32_MAX:
-            position = int(np.argmax(array))
+        if values.dtype.itemsize > 4 and (high := int(values.max())) > _U32_MAX:
+            position = int(np.argmax(values))
             raise InvalidInputError(f"token id {high} at position {position} is out of range")
-    return np.ascontiguousarray(array, dtype="<u4").tobytes()
+    return np.ascontiguousvalues(values, dtype="<u4").tobytes()
 
 
 def _request_id(request: Request | int) -> int:
