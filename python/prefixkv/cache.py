@@ -119,7 +119,7 @@ def _list_tokens(tokens: list[int] | tuple[int, ...]) -> list[int] | tuple[int, 
     return packed.tobytes()
 
 
-def _values_tokens(values: np.ndvalues) -> bytes:
+def _array_tokens(values: np.ndarray) -> bytes:
     if values.ndim != 1:
         raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
     if values.dtype.kind not in "iu":
