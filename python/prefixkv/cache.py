@@ -131,7 +131,7 @@ def _array_tokens(values: np.ndarray) -> bytes:
         if values.dtype.itemsize > 4 and (high := int(values.max())) > _U32_MAX:
             position = int(np.argmax(values))
             raise InvalidInputError(f"token id {high} at position {position} is out of range")
-    return np.ascontiguousvalues(values, dtype="<u4").tobytes()
+    return np.ascontiguousarray(values, dtype="<u4").tobytes()
 
 
 def _request_id(request: Request | int) -> int:
