@@ -26,6 +26,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_count(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'all', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or 'all', got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from prefixkv.demo import MODEL_SIZES
 
@@ -55,9 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--block-size", type=_positive_int, default=16)
     demo.add_argument(
-        "--no-check",
-        action="store_true",
-        help="skip the full-recompute comparison (faster; no logit difference reported)",
+        "--check",
+        type=_check_count,
+        default=2,
+        metavar="K|all",
+        help="compare K requests of each layout (spread from first to last) with a full "
+        "recompute without cache; 0 skips it (default: 2)",
+    )
+    demo.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)",
     )
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object")
     demo.add_argument("--plot", metavar="FILE.png", help="save a chart of TTFT per request")
@@ -117,13 +137,17 @@ def _demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     result = run_demo(
         num_requests=args.requests,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         model_size=args.model_size,
         block_size=args.block_size,
-        check_exactness=not args.no_check,
+        checked_requests=args.check,
         progress=not args.quiet,
     )
     print(to_json(result) if args.json else format_table(result))
