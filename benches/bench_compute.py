@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table
+from common import clock_name, md_table, now
 
 from prefixkv.kv import PagedKVCache
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
@@ -68,19 +67,11 @@ def fit_costs(calls: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _timed_prefill(
-    model: LlamaModel,
-    kv: PagedKVCache,
-    tokens: list[int],
-    table: list[int],
-    cached: int,
-    repeats: int,
+    model: LlamaModel, kv: PagedKVCache, tokens: list[int], table: list[int], cached: int
 ) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.prefill(kv, [PrefillRequest(tokens, table, cached)], attention_backend="torch")
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    start = now()
+    model.prefill(kv, [PrefillRequest(tokens, table, cached)], attention_backend="torch")
+    return (now() - start) / 1e9
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -93,7 +84,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         fractions = [0.0, 0.5, 0.9] if quick else FRACTIONS
         rows = []
         for length in lengths:
-            repeats = 1 if quick or length > 4096 else 3
+            rounds = 1 if length > 4096 else (2 if quick else 3)
             num_blocks = length // BLOCK_SIZE + 1
             kv = PagedKVCache(
                 config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim
@@ -101,26 +92,32 @@ def run(quick: bool = False) -> dict[str, Any]:
             generator = torch.Generator().manual_seed(length)
             tokens = torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()
             table = list(range(num_blocks))
-            # Warm up and fill every page with the prompt's KV (what a cached prefix holds).
             model.prefill(kv, [PrefillRequest(tokens[:512], table, 0)], attention_backend="torch")
-            full = _timed_prefill(model, kv, tokens, table, 0, repeats)
-            for f in fractions:
-                cached = int(f * length) // BLOCK_SIZE * BLOCK_SIZE
-                measured = (
-                    full
-                    if cached == 0
-                    else _timed_prefill(model, kv, tokens, table, cached, repeats)
-                )
-                suffix = (
-                    full
-                    if cached == 0
-                    else _timed_prefill(model, kv, tokens[: length - cached], table, 0, repeats)
-                )
+            cached_of = {f: int(f * length) // BLOCK_SIZE * BLOCK_SIZE for f in fractions}
+            # Rounds: the full prompt first (it also writes every page, so the cached calls read
+            # the prefix's true KV), then each fraction's cached call and its suffix-only call.
+            samples: dict[str, list[float]] = {"full": []}
+            for _ in range(rounds):
+                samples["full"].append(_timed_prefill(model, kv, tokens, table, 0))
+                for f, cached in cached_of.items():
+                    if cached == 0:
+                        continue
+                    samples.setdefault(f"measured {f}", []).append(
+                        _timed_prefill(model, kv, tokens, table, cached)
+                    )
+                    samples.setdefault(f"suffix {f}", []).append(
+                        _timed_prefill(model, kv, tokens[: length - cached], table, 0)
+                    )
+            full = statistics.median(samples["full"])
+            for f, cached in cached_of.items():
+                measured = full if cached == 0 else statistics.median(samples[f"measured {f}"])
+                suffix = full if cached == 0 else statistics.median(samples[f"suffix {f}"])
                 rows.append(
                     {
                         "prompt_tokens": length,
                         "fraction_cached": f,
                         "cached_tokens": cached,
+                        "rounds": rounds,
                         "measured_s": measured,
                         "full_s": full,
                         "suffix_call_s": suffix,
@@ -149,6 +146,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "fitted_s_per_token": a,
             "fitted_s_per_pair": b,
             "attention_backend": "torch",
+            "clock": clock_name(),
             "rows": rows,
         }
     finally:
@@ -160,7 +158,7 @@ def markdown(result: dict[str, Any]) -> str:
     head = (
         f"Reference decoder: hidden {c['hidden_size']}, {c['num_layers']} layers, {c['num_heads']} "
         f"heads × {c['head_dim']} ({c['num_kv_heads']} KV heads), MLP {c['intermediate_size']}, float32, "
-        f"torch attention backend, 1 torch thread.\n\n"
+        f"torch attention backend, 1 torch thread; seconds of {result.get('clock', 'wall')} time.\n\n"
     )
     rows = [
         [

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table
+from common import clock_name, md_table, now
 
 from prefixkv.kv import PagedKVCache
 
@@ -39,16 +39,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _pair(ours: Any, reference: Any, device: torch.device, repeats: int) -> tuple[float, float]:
-    """Median seconds of `ours` and `reference`, interleaved."""
+    """Median seconds of `ours` and `reference`, interleaved (wall time on CUDA, where the host
+    thread only launches; the selected clock on the CPU, see common.py)."""
+    clock = time.perf_counter_ns if device.type == "cuda" else now
     ours(), reference()
     a, b = [], []
     for _ in range(repeats):
         for fn, out in ((ours, a), (reference, b)):
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             _sync(device)
-            out.append(time.perf_counter() - start)
+            out.append((clock() - start) / 1e9)
     return statistics.median(a), statistics.median(b)
 
 
@@ -148,6 +150,7 @@ def run(
             "rows": rows,
             "diagnosis_ms": diagnosis,
             "torch_threads": torch.get_num_threads(),
+            "clock": "wall" if dev.type == "cuda" else clock_name(),
         }
     finally:
         torch.set_num_threads(threads)
@@ -192,7 +195,7 @@ def markdown(result: dict[str, Any]) -> str:
     g = result["geometry"]
     head = (
         f"Device {result['device']}, {result['dtype']}, {g['num_layers']} layers, block {g['block_size']}, "
-        f"{g['num_kv_heads']} KV heads × {g['head_dim']}; {result['torch_threads']} torch thread(s). "
+        f"{g['num_kv_heads']} KV heads × {g['head_dim']}; {result['torch_threads']} torch thread(s); {result.get('clock', 'wall')} time. "
         "Bandwidth counts the bytes moved once (read + write of them).\n\n"
     )
     rows = [

@@ -27,7 +27,7 @@ import bench_copies
 import bench_memory
 import bench_overhead
 import bench_threads
-from common import BENCH_DIR, RESULTS_DIR, machine, md_table, write_json
+from common import BENCH_DIR, RESULTS_DIR, machine, md_table, set_clock, write_json
 
 SECTIONS = ["overhead", "threads", "compute", "copies", "memory", "core"]
 PROFILE_DIR = BENCH_DIR / "core_profile"
@@ -206,6 +206,10 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
                 ],
                 ["Python / numpy / torch", f"{m['python']} / {m['numpy']} / {m.get('torch')}"],
                 ["prefixkv._core build", m["prefixkv_core_build"]],
+                [
+                    "clock (sections 1, 3, 4)",
+                    f"{data['clock']} time of the calling thread (see common.py)",
+                ],
                 ["CUDA", m.get("cuda") or "none"],
             ],
         ),
@@ -241,8 +245,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="clock of single-thread timings: CPU time of the calling thread (default; robust on "
+        "a loaded machine) or wall time",
+    )
     args = parser.parse_args()
     sections = args.only or SECTIONS
+    set_clock(args.clock)
     info = machine()
     if info["prefixkv_core_build"] != "release":
         print(
@@ -269,6 +281,7 @@ def main() -> None:
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "quick": args.quick,
+        "clock": args.clock,
         "seconds": time.time() - started,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
