@@ -1,0 +1,242 @@
+"""Engine tests: cached serving gives exactly what a full recompute gives.
+
+Every comparison is against `LlamaModel.generate_greedy_full` / `forward_full`, the cache-free
+oracle, on a tiny random model whose attention is sharp (`LlamaModel.random`), so a position,
+page or mask mistake moves the logits. `test_exactness_check_detects_a_corrupted_page` plants
+such a bug and checks that the comparison notices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv import InvalidInputError, OutOfBlocksError
+from prefixkv.engine import Engine, RequestResult
+from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.text import ByteTokenizer
+
+BLOCK = 4
+VOCAB = ByteTokenizer().vocab_size
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=3)
+
+
+def _engine(model: LlamaModel, num_blocks: int = 64, **options: object) -> Engine:
+    return Engine(model, num_blocks=num_blocks, block_size=BLOCK, **options)  # type: ignore[arg-type]
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (length,), generator=generator).tolist()
+
+
+def _assert_exact(model: LlamaModel, result: RequestResult, max_new_tokens: int) -> None:
+    assert result.output_token_ids == model.generate_greedy_full(
+        result.prompt_token_ids, max_new_tokens
+    )
+    assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
+    assert result.tokens_match
+
+
+def test_batch_with_shared_prefix_matches_full_recompute(model: LlamaModel) -> None:
+    engine = _engine(model)
+    system = _prompt(21, seed=1)
+    prompts = [system + _prompt(5 + i, seed=10 + i) for i in range(3)] + [_prompt(9, seed=20)]
+    results = engine.generate(prompts, max_new_tokens=5, check_exactness=True)
+    assert [r.prompt_token_ids for r in results] == prompts
+    for result in results:
+        _assert_exact(model, result, 5)
+    # Requests running together compute the shared prefix once: the first computes it, the
+    # other two wait one step and read its 5 full blocks.
+    assert results[0].cached_tokens == 0
+    assert [r.cached_tokens for r in results[1:3]] == [20, 20]
+    assert results[3].cached_tokens == 0
+    assert all(r.computed_tokens == r.prompt_tokens - r.cached_tokens for r in results)
+    assert all(r.time_to_first_token > 0 for r in results)
+    engine.cache.check_invariants()
+    assert engine.cache.stats().requests_live == 0
+
+
+def test_full_hit_computes_one_token_and_writes_nothing(model: LlamaModel) -> None:
+    engine = _engine(model)
+    prompt = _prompt(4 * BLOCK, seed=2)
+    (first,) = engine.generate([prompt], max_new_tokens=3)
+    before = engine.kv_cache.storage.clone()
+    (hit,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
+    assert hit.full_hit
+    assert (hit.cached_tokens, hit.computed_tokens) == (len(prompt) - 1, 1)
+    _assert_exact(model, hit, 3)
+    assert hit.output_token_ids == first.output_token_ids
+    # The prompt's blocks are shared and read-only: not one element of them changed.
+    prompt_blocks = engine.cache.lookup(prompt).block_ids
+    assert len(prompt_blocks) == 4
+    after = engine.kv_cache.storage
+    assert torch.equal(before[:, :, prompt_blocks], after[:, :, prompt_blocks])
+
+
+def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:
+    engine = _engine(model)
+    turn_one = _prompt(10, seed=3)
+    (first,) = engine.generate([turn_one], max_new_tokens=7, check_exactness=True)
+    # What a chat engine sends next: the whole conversation, the answer included.
+    turn_two = turn_one + first.output_token_ids + _prompt(6, seed=4)
+    (second,) = engine.generate([turn_two], max_new_tokens=4, check_exactness=True)
+    _assert_exact(model, second, 4)
+    # KV exists for prompt + answer[:-1] (16 tokens): four full blocks, the generated ones too.
+    written = len(turn_one) + len(first.output_token_ids) - 1
+    assert second.cached_tokens == written // BLOCK * BLOCK == 16
+
+
+def test_chat_and_text_requests(model: LlamaModel) -> None:
+    engine = _engine(model)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    tools = [{"name": "lookup", "parameters": {"q": "string"}}]
+    chat, with_tools, text = engine.generate(
+        [messages, {"messages": messages, "tools": tools}, "plain text prompt"],
+        max_new_tokens=3,
+        check_exactness=True,
+    )
+    rendered = engine.chat_template.render(messages)
+    assert chat.prompt_token_ids == ByteTokenizer().encode(rendered)
+    assert len(with_tools.prompt_token_ids) > len(chat.prompt_token_ids)
+    # Both chat requests start with the same system message: the second reuses its blocks.
+    assert with_tools.cached_tokens > 0
+    assert text.prompt_token_ids == list(b"plain text prompt")
+    for result in (chat, with_tools, text):
+        _assert_exact(model, result, 3)
+        assert result.output_text == ByteTokenizer().decode(result.output_token_ids)
+
+
+def test_inputs_as_arrays_and_tensors(model: LlamaModel) -> None:
+    import numpy as np
+
+    engine = _engine(model)
+    prompt = _prompt(9, seed=5)
+    results = engine.generate(
+        [np.array(prompt, dtype=np.int32), torch.tensor(prompt), tuple(prompt)], max_new_tokens=2
+    )
+    assert {tuple(r.output_token_ids) for r in results} == {
+        tuple(model.generate_greedy_full(prompt, 2))
+    }
+
+
+def test_small_pool_serves_in_waves(model: LlamaModel) -> None:
+    # 12 blocks hold about two requests (3-4 blocks each with their output) at a time.
+    engine = _engine(model, num_blocks=12)
+    prompts = [_prompt(11, seed=30 + i) for i in range(6)]
+    results = engine.generate(prompts, max_new_tokens=4, check_exactness=True)
+    for result in results:
+        _assert_exact(model, result, 4)
+    engine.cache.check_invariants()
+    assert engine.cache.stats().requests_live == 0
+
+
+def test_request_larger_than_the_pool_is_refused_clearly(model: LlamaModel) -> None:
+    engine = _engine(model, num_blocks=4)
+    with pytest.raises(OutOfBlocksError, match=r"need 5 blocks .* the KV pool has 4"):
+        engine.generate([_prompt(17, seed=6)], max_new_tokens=2)
+    assert engine.cache.stats().requests_live == 0
+
+
+def test_stop_tokens(model: LlamaModel) -> None:
+    engine = _engine(model)
+    prompt = _prompt(7, seed=7)
+    expected = model.generate_greedy_full(prompt, 6)
+    (result,) = engine.generate([prompt], max_new_tokens=6, stop_token_ids=[expected[2]])
+    assert result.output_token_ids == expected[: expected.index(expected[2]) + 1]
+
+
+def test_exactness_check_detects_a_corrupted_page(model: LlamaModel) -> None:
+    """A planted bug (one cached page overwritten) must show up in max_logit_diff."""
+    engine = _engine(model)
+    prompt = _prompt(13, seed=8)
+    engine.generate([prompt], max_new_tokens=2)
+    block = engine.cache.lookup(prompt).block_ids[1]
+    engine.kv_cache.storage[:, :, block] += 1.0
+    (result,) = engine.generate([prompt], max_new_tokens=2, check_exactness=True)
+    assert result.cached_tokens == 12
+    assert result.max_logit_diff is not None and result.max_logit_diff > 1e-2
+
+
+def test_context_covers_what_changes_kv(model: LlamaModel) -> None:
+    base = _engine(model).context
+    variants = [
+        model.with_config(rope_theta=50_000.0),
+        model.with_config(position_offset=3),
+        model.with_config(sliding_window=8),
+        model.with_config(rope_scaling=RopeScaling("linear", 2.0)),
+        model.with_config(dtype=torch.float64),
+        LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=4),  # other weights
+    ]
+    fingerprints = {base.fingerprint()}
+    for variant in variants:
+        fingerprints.add(_engine(variant).context.fingerprint())
+    fingerprints.add(Engine(model, num_blocks=8, block_size=8).context.fingerprint())
+    assert len(fingerprints) == len(variants) + 2
+    assert base.weights_digest and base.tokenizer_digest and base.chat_template_version
+
+
+def test_length_dependent_rope_is_refused(model: LlamaModel) -> None:
+    dynamic = model.with_config(rope_scaling=RopeScaling("dynamic_ntk", 2.0))
+    with pytest.raises(InvalidInputError, match="depends on the total sequence length"):
+        _engine(dynamic)
+
+
+def test_switching_adapters_never_reuses_kv() -> None:
+    config = ModelConfig(vocab_size=VOCAB, lora_rank=4, lora_alpha=8.0)
+    model = LlamaModel.random(config, seed=5)
+    model.load_adapter("a", LlamaModel.random_adapter(config, seed=1))
+    model.load_adapter("b", LlamaModel.random_adapter(config, seed=2))
+    engine = _engine(model)
+    prompt = _prompt(12, seed=9)
+    model.set_adapter("a")
+    engine.generate([prompt], max_new_tokens=2)
+    model.set_adapter("b")
+    (other,) = engine.generate([prompt], max_new_tokens=2, check_exactness=True)
+    assert other.cached_tokens == 0
+    _assert_exact(model, other, 2)
+    # Reloading "b" with other weights must miss too: the key holds a digest of the weights.
+    model.load_adapter("b", LlamaModel.random_adapter(config, seed=3))
+    (reloaded,) = engine.generate([prompt], max_new_tokens=2, check_exactness=True)
+    assert reloaded.cached_tokens == 0
+    _assert_exact(model, reloaded, 2)
+
+
+def test_from_pretrained(model: LlamaModel, tmp_path: object) -> None:
+    from pathlib import Path
+
+    directory = Path(str(tmp_path)) / "tiny-llama"
+    model.save_pretrained(directory)
+    engine = Engine.from_pretrained(directory, num_blocks=16, block_size=BLOCK)
+    assert engine.context.model_id == "tiny-llama"
+    assert engine.context.weights_digest == _engine(model).context.weights_digest
+    prompt = _prompt(9, seed=10)
+    (result,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
+    _assert_exact(model, result, 3)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        ([], "at least one token"),
+        ([1, 2, VOCAB], "outside the vocabulary"),
+        ([1.5, 2.0], "token ids, text, chat messages"),
+        ({"text": "no messages"}, "needs a 'messages' list"),
+        (42, "not int"),
+    ],
+)
+def test_bad_requests_are_refused(model: LlamaModel, request_: object, message: str) -> None:
+    engine = _engine(model)
+    with pytest.raises(InvalidInputError, match=message):
+        engine.generate([request_], max_new_tokens=1)
+    with pytest.raises(InvalidInputError, match="max_new_tokens"):
+        engine.generate([[1, 2]], max_new_tokens=0)
+    assert engine.cache.stats().requests_live == 0
