@@ -7,9 +7,9 @@ each time:
 
 * **stable-first**: shared content first, query and timestamp last (what a cache-friendly agent
   framework does). After the first request, only the tail of each prompt is computed.
-* **query-first**: the very same content, with the timestamp and the query at the top of the
-  system prompt. Every prompt diverges within its first blocks, so nearly everything is
-  recomputed.
+* **query-first**: the same content, with the timestamp and the query at the top of the
+  system prompt (and a one-line user turn pointing at them). Every prompt diverges within its
+  first blocks, so nearly everything is recomputed.
 
 Requests arrive one at a time (as turns of independent agent sessions), so a request's time to
 first token is the latency of its own prefill. Every figure is measured, none is modelled: hit
@@ -163,7 +163,8 @@ _QUERIES = [
 def build_workload(num_requests: int, seed: int, *, stable_first: bool) -> list[dict[str, Any]]:
     """The agent requests as chat requests (``{"messages": ..., "tools": ...}``).
 
-    Both layouts carry exactly the same text; only its order differs.
+    Both layouts carry the same content in another order; query-first adds a one-line user
+    turn that points at the query (about 1% more prompt tokens).
     """
     rng = random.Random(seed)
     start = dt.datetime(2025, 3, 14, 9, 0, 0, tzinfo=dt.timezone.utc)
