@@ -149,7 +149,9 @@ def _replay(workload: Workload) -> dict[str, Any]:
 
 
 def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
-    """ns per block for the chained key: hashlib sha256 / blake2b loops vs our BLAKE3 binding."""
+    """ns per block for the chained key: hashlib sha256 / blake2b loops vs the core's key hash
+    through the binding (SHA-256 since commit c021a06, BLAKE3 before; section 1b compares them
+    in pure Rust)."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 128_000, num_tokens, dtype=np.int64)
     data = prompt.astype("<u4").tobytes()
@@ -174,11 +176,11 @@ def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
                 lambda: loop(lambda b: hashlib.blake2b(b, digest_size=32).digest()), repeats=15
             )
             / n,
-            "prefixkv block_keys, BLAKE3 (numpy input)": median_ns(
+            "prefixkv block_keys, core hash (numpy input)": median_ns(
                 lambda: cache.block_keys(prompt), repeats=15
             )
             / n,
-            "prefixkv _core.block_keys, BLAKE3 (u32 bytes input)": median_ns(
+            "prefixkv _core.block_keys, core hash (u32 bytes input)": median_ns(
                 lambda: cache._core.block_keys(as_bytes), repeats=15
             )
             / n,
@@ -211,10 +213,10 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
             "_core.lookup(bytes), first block misses (call + 1 hash)": median_ns(
                 lambda: core.lookup(as_token_ids(miss)), repeats=21, number=20
             ),
-            "_core.block_keys(bytes): 250 BLAKE3 + 250 PyBytes": median_ns(
+            "_core.block_keys(bytes): 250 block hashes + 250 PyBytes": median_ns(
                 lambda: core.block_keys(as_bytes), repeats=21, number=5
             ),
-            "_core.lookup(bytes), all cached: 250 BLAKE3 + table walk + verify": median_ns(
+            "_core.lookup(bytes), all cached: 250 block hashes + table walk + verify": median_ns(
                 lambda: core.lookup(as_bytes), repeats=21, number=5
             ),
             "PrefixCache.begin+commit+finish (numpy), all but the last block hit": 0.0,

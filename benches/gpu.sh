@@ -3,7 +3,7 @@
 #
 #   bash benches/gpu.sh            # from the repository root, with prefixkv installed
 #
-# 1. the CUDA tests of the test suite (tests/test_kv.py's CUDA cases; the others are CPU-only);
+# 1. the CUDA-only tests (tests/cuda/, collected only where a GPU is present);
 # 2. benches/gpu_check.py: Triton paged prefill and the torch backend against the float64
 #    reference on CUDA, the paged model with a cached prefix against full recompute, page
 #    copies bit-exact; then Triton vs torch SDPA on gathered K/V (and flash-attn if installed)
@@ -21,9 +21,9 @@ python -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch",
 python -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed (the Triton checks will fail)"
 
 status=0
-echo "== CUDA tests (pytest -k cuda) =="
+echo "== CUDA tests (pytest tests/cuda) =="
 if python -c 'import pytest' 2>/dev/null; then
-    timeout 300 python -m pytest tests/test_kv.py -q -k cuda -p no:cacheprovider || status=1
+    timeout 300 python -m pytest tests/cuda -q -p no:cacheprovider || status=1
 else
     echo "pytest not installed: skipped (pip install -e '.[test]')"
 fi

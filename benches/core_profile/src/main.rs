@@ -1,5 +1,6 @@
 //! Per-request and per-block costs of the core alone (no Python), printed as JSON lines:
-//! the same shapes as section 1's 4,000-token issue cases.
+//! the same shapes as section 1's 4,000-token issue cases, and the core's block hash next to
+//! BLAKE3 layouts (the core used BLAKE3 before commit c021a06).
 
 use std::time::Instant;
 
@@ -49,7 +50,7 @@ fn main() {
     // The hash variants run interleaved, round by round, so load from other processes on a
     // shared machine hits each alike; medians over rounds.
     let mut variants: Vec<(&str, Box<dyn FnMut()>)> = vec![
-        ("blake3 block_key (the core's layout: domain, parent, lengths, tokens: 2 compressions)", Box::new(|| {
+        ("core block_key (SHA-256 of tag + parent + tokens, 97 bytes: 2 compressions)", Box::new(|| {
             let mut parent = root;
             for chunk in prompt.chunks_exact(BLOCK_SIZE) {
                 parent = block_key(&parent, chunk, b"");
@@ -65,6 +66,19 @@ fn main() {
                     buffer[32 + 4 * i..36 + 4 * i].copy_from_slice(&t.to_le_bytes());
                 }
                 parent = *blake3::hash(&buffer).as_bytes();
+            }
+            std::hint::black_box(parent);
+        })),
+        ("sha2 SHA-256 of tag + parent + 64 token bytes (97 bytes), fixed buffer", Box::new(|| {
+            use sha2::Digest;
+            let mut parent = [0u8; 32];
+            let mut buffer = [0u8; 97];
+            for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+                buffer[1..33].copy_from_slice(&parent);
+                for (i, t) in chunk.iter().enumerate() {
+                    buffer[33 + 4 * i..37 + 4 * i].copy_from_slice(&t.to_le_bytes());
+                }
+                parent = sha2::Sha256::digest(buffer).into();
             }
             std::hint::black_box(parent);
         })),
