@@ -53,7 +53,7 @@ class CoreCache:
         block_size: int,
         context_fingerprint: bytes,
         vocab_size: int | None = None,
-        key_bits: int = 256,
+        key_bits: int = 128,
     ) -> CoreCache: ...
     @property
     def num_blocks(self) -> int: ...
@@ -65,7 +65,7 @@ class CoreCache:
         salt: _Bytes = None,
         adapter: _Bytes = None,
         multimodal: _Multimodal = None,
-    ) -> tuple[list[int], int, bool]: ...
+    ) -> tuple[bytes, int, bool]: ...
     def begin(
         self,
         tokens: _Tokens,
@@ -86,7 +86,7 @@ class CoreCache:
         adapter: _Bytes = None,
         multimodal: _Multimodal = None,
         priority: int = 0,
-    ) -> tuple[list[int], int, bool]: ...
+    ) -> tuple[bytes, int, bool]: ...
     def allocate(self, count: int) -> list[int]: ...
     def commit_blocks(
         self,

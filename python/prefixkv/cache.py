@@ -47,12 +47,18 @@ _PACK_LISTS = array.array("I").itemsize == 4
 class PrefixMatch:
     """The cached prefix of a prompt."""
 
-    #: Cached blocks in prompt order.
-    block_ids: list[int]
     #: Tokens whose KV is reused; the engine computes from this position on.
     num_cached_tokens: int
     #: Every block is cached: compute only the final token (for its logits), write nothing.
     full_hit: bool
+    #: The matched block ids as packed little-endian u32 (see `block_ids`).
+    packed_block_ids: bytes
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Cached blocks in prompt order. Unpacked on access: a probe that only wants the hit
+        length never builds a list of Python ints (and holds the GIL less)."""
+        return _unpack_u32(self.packed_block_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,10 @@ def _array_tokens(values: np.ndarray) -> bytes:
     return np.ascontiguousarray(values, dtype="<u4").tobytes()
 
 
+def _unpack_u32(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
 def _request_id(request: Request | int) -> int:
     return request.id if isinstance(request, Request) else int(request)
 
@@ -156,7 +166,7 @@ class PrefixCache:
         context: CacheContext | None = None,
         block_size: int | None = None,
         vocab_size: int | None = None,
-        _key_bits: int = 256,
+        _key_bits: int = 128,
     ) -> None:
         if context is None:
             context = CacheContext(block_size=block_size or 16)
@@ -194,7 +204,7 @@ class PrefixCache:
     ) -> PrefixMatch:
         """The cached prefix of `tokens`, without taking references (lock-free probe)."""
         blocks, cached, full = self._core.lookup(as_token_ids(tokens), salt, adapter, multimodal)
-        return PrefixMatch(blocks, cached, full)
+        return PrefixMatch(cached, full, blocks)
 
     def block_keys(
         self,
@@ -261,7 +271,7 @@ class PrefixCache:
         blocks, cached, full = self._core.match_and_acquire(
             as_token_ids(tokens), salt, adapter, multimodal, priority
         )
-        return PrefixMatch(blocks, cached, full)
+        return PrefixMatch(cached, full, blocks)
 
     def allocate(self, count: int) -> list[int]:
         """`count` blocks with one reference each, evicting cached blocks if needed."""

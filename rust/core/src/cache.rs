@@ -35,7 +35,7 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, KEY_BYTES};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pool::{BlockId, BlockPool};
 use crate::stats::CacheStats;
 use crate::table::{new_table, Anchor, Entry, Parent, Table};
@@ -49,8 +49,7 @@ pub struct CacheConfig {
     pub block_size: usize,
     /// Token ids must be below this (when set).
     pub vocab_size: Option<u32>,
-    /// Bits of each key kept in the table: 256 in production; tests lower it to force
-    /// collisions.
+    /// Bits of each table key kept: 128 in production; tests lower it to force collisions.
     pub key_bits: u32,
 }
 
@@ -62,7 +61,7 @@ impl CacheConfig {
             num_blocks,
             block_size,
             vocab_size: None,
-            key_bits: 8 * KEY_BYTES as u32,
+            key_bits: TableHasher::BITS,
         }
     }
 }
@@ -133,6 +132,7 @@ struct Inner {
 pub struct PrefixCache {
     config: CacheConfig,
     table: Table,
+    hasher: TableHasher,
     context: ArcSwap<BlockKey>,
     inner: Mutex<Inner>,
     probes: AtomicU64,
@@ -151,14 +151,15 @@ impl PrefixCache {
                 "num_blocks must be at least 1".into(),
             ));
         }
-        if config.key_bits == 0 || config.key_bits > 8 * KEY_BYTES as u32 {
+        if config.key_bits == 0 || config.key_bits > TableHasher::BITS {
             return Err(CacheError::InvalidInput(
-                "key_bits must be in 1..=256".into(),
+                "key_bits must be in 1..=128".into(),
             ));
         }
         let num_blocks = config.num_blocks;
         Ok(Self {
             table: new_table(num_blocks as usize),
+            hasher: TableHasher::new(config.key_bits),
             context: ArcSwap::from_pointee(context),
             inner: Mutex::new(Inner {
                 pool: BlockPool::new(num_blocks),
@@ -219,7 +220,7 @@ impl PrefixCache {
     ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
         let root = root_key(&self.context.load(), salt);
-        let mut parent = self.table_key(root);
+        let mut parent = root;
         let mut buffer = Vec::new();
         let bs = self.config.block_size;
         Ok(tokens
@@ -227,7 +228,7 @@ impl PrefixCache {
             .enumerate()
             .map(|(i, chunk)| {
                 let block_extras = block_extras(extras, i, bs);
-                parent = self.table_key(block_key_with(&mut buffer, &parent, chunk, &block_extras));
+                parent = block_key_with(&mut buffer, &parent, chunk, &block_extras);
                 parent
             })
             .collect())
@@ -614,14 +615,6 @@ impl PrefixCache {
         Ok(())
     }
 
-    fn table_key(&self, key: BlockKey) -> BlockKey {
-        if self.config.key_bits >= 8 * KEY_BYTES as u32 {
-            key
-        } else {
-            key.truncated(self.config.key_bits)
-        }
-    }
-
     /// Walks the cached chain of `tokens` from the root, verifying every entry, calling
     /// `on_hit` for each matched block in order.
     fn match_chain(
@@ -630,15 +623,15 @@ impl PrefixCache {
         root: BlockKey,
         tokens: &[u32],
         extras: &RequestExtras,
-        mut on_hit: impl FnMut(&Entry, BlockKey),
+        mut on_hit: impl FnMut(&Entry, TableKey),
     ) {
         let bs = self.config.block_size;
         let guard = self.table.guard();
-        let mut parent_key = self.table_key(root);
+        let mut parent_key = self.hasher.root(&root);
         let mut parent = Parent::Root(root);
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
             let block_extras = block_extras(extras, index, bs);
-            let key = self.table_key(block_key_with(buffer, &parent_key, chunk, &block_extras));
+            let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
             match self.table.get(&key, &guard) {
                 Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
                     on_hit(entry, key);
@@ -727,18 +720,15 @@ impl PrefixCache {
                 Some(e) => (Parent::Entry(e.id), e.key, Some(e.block)),
                 None => (
                     Parent::Root(request.root),
-                    self.table_key(request.root),
+                    self.hasher.root(&request.root),
                     None,
                 ),
             };
             let chunk = &request.tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = self.table_key(block_key_with(
-                &mut inner.scratch,
-                &parent_key,
-                chunk,
-                &block_extras,
-            ));
+            let key = self
+                .hasher
+                .block(&mut inner.scratch, parent_key, chunk, &block_extras);
             let own_block = own[position];
             let anchor = match self.table.get(&key, &guard) {
                 Some(existing) if existing.verifies(&parent, chunk, &block_extras) => {

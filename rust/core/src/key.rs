@@ -1,5 +1,15 @@
 //! Block keys: what identifies a cached block, and the exact bytes that are hashed.
 //!
+//! There are two keys for the same identity, for two audiences:
+//! - the **block key** (`BlockKey`, SHA-256, this layout), identical across processes, machines
+//!   and versions, for anything that leaves the process (events, remote tiers, a router);
+//! - the **table key** (`TableKey`, 128-bit XXH3 seeded at random per cache), which indexes the
+//!   in-process table. It never leaves the process, so it needs no cryptographic strength: a
+//!   hit is always verified against the stored tokens, extras and parent, so a collision, even
+//!   a crafted one, can only cost a miss, and the per-cache random seed leaves an attacker
+//!   nothing to aim at. It is about ten times cheaper than SHA-256 on a block, which is most of
+//!   what a lookup costs.
+//!
 //! A block's key covers everything that decides its KV: the key of the block before it (so a
 //! key names a whole prefix, not one block), its exact token ids, and its per-block extra keys
 //! (adapter, multimodal items). The first block's parent is the *root*, which folds in the
@@ -35,8 +45,8 @@
 //! root form (which starts with `p`); the token count is implied by the input's length, which
 //! SHA-256 commits to.
 //!
-//! A test-only setting (`key_bits`) keeps only the leading bits of every key, so tests can force
-//! collisions and prove they never produce a wrong hit.
+//! A test-only setting (`key_bits`) keeps only the leading bits of every table key, so tests can
+//! force collisions and prove they never produce a wrong hit.
 
 use std::fmt;
 
@@ -58,21 +68,6 @@ const EXTRA_MULTIMODAL: u8 = 0x02;
 pub struct BlockKey(pub [u8; KEY_BYTES]);
 
 impl BlockKey {
-    /// Keeps only the leading `bits` bits (testing aid: tiny keys collide on purpose).
-    #[must_use]
-    pub fn truncated(mut self, bits: u32) -> Self {
-        let bits = bits.min(8 * KEY_BYTES as u32) as usize;
-        for (i, byte) in self.0.iter_mut().enumerate() {
-            let first_bit = i * 8;
-            if first_bit >= bits {
-                *byte = 0;
-            } else if first_bit + 8 > bits {
-                *byte &= 0xFFu8 << (first_bit + 8 - bits);
-            }
-        }
-        self
-    }
-
     /// Lowercase hex, the form keys take in events and logs.
     #[must_use]
     pub fn to_hex(&self) -> String {
@@ -130,10 +125,79 @@ pub fn block_key_with(
         buffer.extend_from_slice(&len_u32(extras.len()).to_le_bytes());
         buffer.extend_from_slice(extras);
     }
-    for token in tokens {
-        buffer.extend_from_slice(&token.to_le_bytes());
-    }
+    push_tokens(buffer, tokens);
     BlockKey(Sha256::digest(&buffer[..]).into())
+}
+
+/// Appends tokens as little-endian u32 (one pass the compiler turns into a copy on LE targets).
+fn push_tokens(buffer: &mut Vec<u8>, tokens: &[u32]) {
+    let start = buffer.len();
+    buffer.resize(start + 4 * tokens.len(), 0);
+    for (bytes, token) in buffer[start..].chunks_exact_mut(4).zip(tokens) {
+        bytes.copy_from_slice(&token.to_le_bytes());
+    }
+}
+
+/// Key of the in-process table (see the module docs): 128 bits, chained like `BlockKey`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct TableKey(pub u128);
+
+/// Computes table keys for one cache: a random seed, and the number of leading bits kept.
+#[derive(Clone, Copy, Debug)]
+pub struct TableHasher {
+    seed: u64,
+    bits: u32,
+}
+
+impl TableHasher {
+    /// Bits of a table key.
+    pub const BITS: u32 = 128;
+
+    /// A hasher with a fresh random seed keeping the leading `bits` bits (128 in production).
+    #[must_use]
+    pub fn new(bits: u32) -> Self {
+        use std::hash::BuildHasher;
+        // std's RandomState is seeded from the OS once per process and varied per instance.
+        let seed =
+            std::collections::hash_map::RandomState::new().hash_one(0x7072_6566_6978_6b76_u64);
+        Self {
+            seed,
+            bits: bits.clamp(1, Self::BITS),
+        }
+    }
+
+    /// Table key of a request's root (context fingerprint and salt).
+    #[must_use]
+    pub fn root(&self, root: &BlockKey) -> TableKey {
+        self.keep(xxhash_rust::xxh3::xxh3_128_with_seed(&root.0, self.seed))
+    }
+
+    /// Table key of a block, chained on its parent's table key.
+    #[must_use]
+    pub fn block(
+        &self,
+        buffer: &mut Vec<u8>,
+        parent: TableKey,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> TableKey {
+        buffer.clear();
+        buffer.extend_from_slice(&parent.0.to_le_bytes());
+        push_tokens(buffer, tokens);
+        if !extras.is_empty() {
+            // After the tokens, whose count is fixed per cache: the split stays unambiguous.
+            buffer.extend_from_slice(extras);
+        }
+        self.keep(xxhash_rust::xxh3::xxh3_128_with_seed(buffer, self.seed))
+    }
+
+    fn keep(&self, key: u128) -> TableKey {
+        if self.bits >= Self::BITS {
+            TableKey(key)
+        } else {
+            TableKey(key & !(u128::MAX >> self.bits))
+        }
+    }
 }
 
 fn len_u32(len: usize) -> u32 {
@@ -212,13 +276,18 @@ mod tests {
     }
 
     #[test]
-    fn truncation_keeps_leading_bits() {
-        let key = BlockKey([0xFF; KEY_BYTES]);
-        let t = key.truncated(12);
-        assert_eq!(t.0[0], 0xFF);
-        assert_eq!(t.0[1], 0xF0);
-        assert!(t.0[2..].iter().all(|&b| b == 0));
-        assert_eq!(key.truncated(256), key);
+    fn table_keys_keep_leading_bits_and_chain() {
+        let root = root_key(&context_fingerprint(b"{}"), b"");
+        let full = TableHasher::new(128);
+        let tiny = TableHasher { bits: 4, ..full };
+        let mut buffer = Vec::new();
+        let a = full.block(&mut buffer, full.root(&root), &[1, 2], b"");
+        assert_ne!(a, full.block(&mut buffer, full.root(&root), &[1, 3], b""));
+        assert_ne!(a, full.block(&mut buffer, full.root(&root), &[1, 2], b"x"));
+        let t = tiny.block(&mut buffer, tiny.root(&root), &[1, 2], b"");
+        assert_eq!(t.0 & (u128::MAX >> 4), 0);
+        // Different caches use different seeds: table keys never mean anything outside.
+        assert_ne!(full.root(&root), TableHasher::new(128).root(&root));
     }
 
     #[test]

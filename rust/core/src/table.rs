@@ -23,7 +23,7 @@ use std::hash::{BuildHasher, Hasher};
 
 use smallvec::SmallVec;
 
-use crate::key::BlockKey;
+use crate::key::{BlockKey, TableKey};
 use crate::pool::BlockId;
 
 /// What a block was computed after.
@@ -59,13 +59,13 @@ pub struct Anchor {
     /// The block holding its KV.
     pub block: BlockId,
     /// Its table key.
-    pub key: BlockKey,
+    pub key: TableKey,
 }
 
 impl Entry {
     /// The anchor of this entry, published under `key`.
     #[must_use]
-    pub fn anchor(&self, key: BlockKey) -> Anchor {
+    pub fn anchor(&self, key: TableKey) -> Anchor {
         Anchor {
             id: self.id,
             block: self.block,
@@ -83,7 +83,7 @@ impl Entry {
     }
 }
 
-/// Keys are uniform hash output already; hashing them again would be wasted work. The map's
+/// Table keys are uniform hash output already; hashing them again would be wasted work. The map's
 /// hasher just reads the first 8 bytes.
 #[derive(Clone, Copy, Default)]
 pub struct KeyHasher(u64);
@@ -93,7 +93,7 @@ impl Hasher for KeyHasher {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        // `BlockKey` hashes as one 32-byte write; fold every 8 bytes so truncated keys (whose
+        // A `TableKey` hashes as one 16-byte write; fold every 8 bytes so truncated keys (whose
         // tail is zero) still spread.
         for chunk in bytes.chunks(8) {
             let mut word = [0u8; 8];
@@ -115,7 +115,7 @@ impl BuildHasher for BuildKeyHasher {
 }
 
 /// The concurrent map behind lookups.
-pub type Table = papaya::HashMap<BlockKey, Entry, BuildKeyHasher>;
+pub type Table = papaya::HashMap<TableKey, Entry, BuildKeyHasher>;
 
 /// A table sized for `capacity` entries.
 #[must_use]

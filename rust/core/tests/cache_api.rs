@@ -21,7 +21,7 @@ fn serve(cache: &PrefixCache, tokens: &[u32], salt: &[u8]) -> usize {
 
 #[test]
 fn full_hit_leaves_one_token_and_shares_the_last_block() {
-    let c = cache(8, 4, 256);
+    let c = cache(8, 4, 128);
     assert_eq!(serve(&c, &[1, 2, 3, 4, 5, 6, 7, 8], b""), 0);
     let r = c
         .begin(
@@ -74,7 +74,7 @@ fn forced_collisions_only_cause_misses() {
 
 #[test]
 fn errors_leave_the_cache_unchanged() {
-    let c = cache(2, 4, 256);
+    let c = cache(2, 4, 128);
     serve(&c, &[1, 2, 3, 4, 5], b"");
     let before = c.stats();
     let err = c
@@ -92,7 +92,7 @@ fn errors_leave_the_cache_unchanged() {
 
 #[test]
 fn salts_isolate_tenants() {
-    let c = cache(16, 4, 256);
+    let c = cache(16, 4, 128);
     serve(&c, &[1, 2, 3, 4, 5], b"a");
     assert_eq!(
         c.lookup(&[1, 2, 3, 4, 5], b"a", &RequestExtras::default())

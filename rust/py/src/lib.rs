@@ -35,9 +35,35 @@ fn invalid(message: String) -> PyErr {
     InvalidInputError::new_err(message)
 }
 
-/// Token ids from a list/tuple of ints, or from `bytes` of little-endian u32 (the form the
-/// Python layer gives numpy arrays and tensors, converted without a Python-level loop).
-fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+/// Token ids as received: packed little-endian u32 `bytes` (the form the Python layer gives
+/// lists, numpy arrays and tensors, converted without a Python-level loop), borrowed so the
+/// unpacking can run with the GIL released; or ints converted one by one from a list/tuple.
+enum Tokens<'a> {
+    Packed(&'a [u8]),
+    Owned(Vec<u32>),
+}
+
+impl Tokens<'_> {
+    /// The token ids; call inside `detach` for packed input, which costs a pass over the bytes.
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            Tokens::Packed(data) => data
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Tokens::Owned(tokens) => tokens,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Tokens::Packed(data) => data.len() / 4,
+            Tokens::Owned(tokens) => tokens.len(),
+        }
+    }
+}
+
+fn tokens_from<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
     if let Ok(bytes) = obj.cast::<PyBytes>() {
         let data = bytes.as_bytes();
         if data.len() % 4 != 0 {
@@ -46,10 +72,7 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
                 data.len()
             )));
         }
-        return Ok(data
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect());
+        return Ok(Tokens::Packed(data));
     }
     let convert = |index: usize, item: Bound<'_, PyAny>| -> PyResult<u32> {
         let value: i64 = item.extract().map_err(|_| {
@@ -69,19 +92,31 @@ fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             .iter()
             .enumerate()
             .map(|(i, item)| convert(i, item))
-            .collect();
+            .collect::<PyResult<_>>()
+            .map(Tokens::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         return tuple
             .iter()
             .enumerate()
             .map(|(i, item)| convert(i, item))
-            .collect();
+            .collect::<PyResult<_>>()
+            .map(Tokens::Owned);
     }
     Err(PyTypeError::new_err(format!(
         "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
         type_name(obj)
     )))
+}
+
+/// Block ids as packed little-endian u32: one allocation, not one Python int per block, so a
+/// probe holds the GIL for as little as possible. `prefixkv.PrefixMatch` unpacks on access.
+fn packed_blocks<'py>(py: Python<'py>, blocks: &[u32]) -> Bound<'py, PyBytes> {
+    let mut data = Vec::with_capacity(4 * blocks.len());
+    for block in blocks {
+        data.extend_from_slice(&block.to_le_bytes());
+    }
+    PyBytes::new(py, &data)
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -232,12 +267,12 @@ impl From<CoreStats> for CacheStats {
 #[pyclass(frozen, module = "prefixkv._core")]
 pub struct CoreCache(PrefixCache);
 
-type PrefixMatchTuple = (Vec<u32>, usize, bool);
+type PrefixMatchTuple<'py> = (Bound<'py, PyBytes>, usize, bool);
 
 #[pymethods]
 impl CoreCache {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=256))]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=128))]
     fn new(
         num_blocks: i64,
         block_size: i64,
@@ -285,21 +320,25 @@ impl CoreCache {
     }
 
     #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None))]
-    fn lookup(
+    fn lookup<'py>(
         &self,
-        py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        salt: Option<&Bound<'_, PyAny>>,
-        adapter: Option<&Bound<'_, PyAny>>,
-        multimodal: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PrefixMatchTuple> {
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        salt: Option<&Bound<'py, PyAny>>,
+        adapter: Option<&Bound<'py, PyAny>>,
+        multimodal: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<PrefixMatchTuple<'py>> {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
         let m = py
-            .detach(|| self.0.lookup(&tokens, &salt, &extras))
+            .detach(|| self.0.lookup(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)?;
-        Ok((m.blocks, m.num_cached_tokens, m.full_hit))
+        Ok((
+            packed_blocks(py, &m.blocks),
+            m.num_cached_tokens,
+            m.full_hit,
+        ))
     }
 
     #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
@@ -317,7 +356,7 @@ impl CoreCache {
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
         let r = py
-            .detach(|| self.0.begin(tokens, &salt, extras, priority))
+            .detach(|| self.0.begin(tokens.into_vec(), &salt, extras, priority))
             .map_err(to_py_err)?;
         Ok((
             r.request_id,
@@ -335,7 +374,7 @@ impl CoreCache {
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u32>> {
         let tokens = tokens_from(tokens)?;
-        py.detach(|| self.0.append(request_id, &tokens))
+        py.detach(|| self.0.append(request_id, &tokens.into_vec()))
             .map_err(to_py_err)
     }
 
@@ -362,22 +401,29 @@ impl CoreCache {
     }
 
     #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
-    fn match_and_acquire(
+    fn match_and_acquire<'py>(
         &self,
-        py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        salt: Option<&Bound<'_, PyAny>>,
-        adapter: Option<&Bound<'_, PyAny>>,
-        multimodal: Option<&Bound<'_, PyAny>>,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        salt: Option<&Bound<'py, PyAny>>,
+        adapter: Option<&Bound<'py, PyAny>>,
+        multimodal: Option<&Bound<'py, PyAny>>,
         priority: i32,
-    ) -> PyResult<PrefixMatchTuple> {
+    ) -> PyResult<PrefixMatchTuple<'py>> {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
         let m = py
-            .detach(|| self.0.match_and_acquire(&tokens, &salt, &extras, priority))
+            .detach(|| {
+                self.0
+                    .match_and_acquire(&tokens.into_vec(), &salt, &extras, priority)
+            })
             .map_err(to_py_err)?;
-        Ok((m.blocks, m.num_cached_tokens, m.full_hit))
+        Ok((
+            packed_blocks(py, &m.blocks),
+            m.num_cached_tokens,
+            m.full_hit,
+        ))
     }
 
     fn allocate(&self, count: i64) -> PyResult<Vec<u32>> {
@@ -404,7 +450,7 @@ impl CoreCache {
         let extras = extras_from(adapter, multimodal)?;
         py.detach(|| {
             self.0
-                .commit_blocks(&tokens, &blocks, &salt, &extras, priority)
+                .commit_blocks(&tokens.into_vec(), &blocks, &salt, &extras, priority)
         })
         .map_err(to_py_err)
     }
@@ -425,7 +471,9 @@ impl CoreCache {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        self.0.pin(&tokens, &salt, &extras).map_err(to_py_err)
+        self.0
+            .pin(&tokens.into_vec(), &salt, &extras)
+            .map_err(to_py_err)
     }
 
     fn unpin(&self, pin_id: u64) -> PyResult<()> {
@@ -455,7 +503,7 @@ impl CoreCache {
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
         let keys = py
-            .detach(|| self.0.block_keys(&tokens, &salt, &extras))
+            .detach(|| self.0.block_keys(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)?;
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
