@@ -225,11 +225,12 @@ def test_random_weights_are_seeded() -> None:
 
 def attention_rows(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     """Layer-0 attention probabilities ``[heads, n, n]``, rebuilt from the weights."""
-    from prefixkv.model import _apply_rotate_half_rope, rope_inverse_frequencies
+    from prefixkv.model import DecoderLayer, _apply_rotate_half_rope, rope_inverse_frequencies
 
     config = model.config
     n = len(tokens)
     layer = model.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
     normed = layer.input_layernorm(model.model.embed_tokens(torch.tensor(tokens)))
     angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_inverse_frequencies(config, n))
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -570,7 +571,7 @@ def test_mismatched_caches_are_refused(
 @pytest.mark.parametrize("batch", [[], PrefillRequest(TOKENS, [0]), [DecodeRequest(TOKENS, [0])]])
 def test_bad_batches_are_refused(model: LlamaModel, batch: object) -> None:
     with pytest.raises(InvalidInputError):
-        model.prefill(cache_for(model), batch)  # type: ignore[arg-type]
+        model.prefill(cache_for(model), batch)  # type: ignore[call-overload]
 
 
 def test_bad_decode_batches_are_refused(model: LlamaModel) -> None:
@@ -580,7 +581,7 @@ def test_bad_decode_batches_are_refused(model: LlamaModel) -> None:
     with pytest.raises(InvalidInputError):
         model.decode_step(cache, [PrefillRequest(TOKENS, [0])])  # type: ignore[list-item]
     with pytest.raises(InvalidInputError):
-        model.prefill(object(), [PrefillRequest(TOKENS, [0])])  # type: ignore[arg-type]
+        model.prefill(object(), [PrefillRequest(TOKENS, [0])])  # type: ignore[call-overload]
 
 
 def test_errors_are_value_errors_too(model: LlamaModel) -> None:

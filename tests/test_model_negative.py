@@ -6,7 +6,7 @@ then continues the prompt from those pages under another setting (the "consumer"
 compares the result with a full recompute under the consumer's setting. The tokens are the same
 in both; only the context differs: RoPE theta, RoPE scaling, the LoRA adapter, the absolute
 position offset, or (dynamic NTK) the total length the prefix was computed at. The error must
-be far above the tolerance of the positive property tests (`FLOAT32_RTOL` there, 1e-5), and
+be far above the tolerance of the positive property tests (`FLOAT32_RTOL` there, 3e-5), and
 each case has a control (producer = consumer) that must stay within it, so the difference is
 the context's doing.
 
@@ -24,9 +24,10 @@ import torch
 from prefixkv.kv import PagedKVCache
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
-POSITIVE_RTOL = 1e-5
+# The positive property tests' float32 tolerance (relative to the largest |logit|).
+POSITIVE_RTOL = 3e-5
 # Reuse across contexts must be off by at least this much (relative to the logits' scale):
-# three orders of magnitude above the positive tolerance, so the two cannot be confused.
+# over two orders of magnitude above the positive tolerance, so the two cannot be confused.
 NEGATIVE_MIN_RELATIVE_ERROR = 1e-2
 
 BLOCK_SIZE = 4

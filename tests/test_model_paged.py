@@ -8,9 +8,12 @@ recomputes everything with no cache.
 
 Tolerances:
 
-* float32: ``1e-5`` relative to the largest |logit| (or |K|, |V|). Both paths run the same
-  float32 arithmetic in a different order (tiled online softmax vs one softmax); the observed
-  difference is ~1e-6 relative.
+* float32: ``3e-5`` relative to the largest |logit| (or |K|, |V|). Both paths run the same
+  float32 arithmetic in a different order (tiled online softmax with the scale folded into the
+  queries vs one softmax over scaled scores). Typically they differ by ~1e-6; the worst case
+  hypothesis's targeted search found was 1.5e-5 (3 layers, one head, very sharp attention), and
+  the float32 full recompute is itself only within ~3e-5 of a float64 one on these models, so a
+  tighter bound would test rounding noise. Planted bugs give errors of 0.3 or more.
 * float16 / bfloat16: no fixed bound is meaningful, since rounding of the weights and
   activations dominates and grows with depth and attention sharpness. Instead both the cached
   path and the plain full recompute in that dtype are compared with a float32 oracle (the same
@@ -47,7 +50,7 @@ from prefixkv.model import (
     rope_inverse_frequencies,
 )
 
-FLOAT32_RTOL = 1e-5
+FLOAT32_RTOL = 3e-5
 LOW_PRECISION_FACTOR = 3.0
 # Floor, in units of the dtype's machine epsilon times the logits' scale.
 LOW_PRECISION_FLOOR_ULPS = 4.0

@@ -65,9 +65,6 @@ __all__ = [
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 BlockTable = Sequence[int] | np.ndarray | torch.Tensor
 
-_LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
 # --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
@@ -799,6 +796,10 @@ class LlamaModel(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ---------------------------------------------------------------- oracle: full recompute
+
+    def forward(self, token_ids: TokenIds) -> torch.Tensor:
+        """``model(token_ids)`` is `forward_full`: the module's plain, cache-free forward."""
+        return self.forward_full(token_ids)
 
     def forward_full(self, token_ids: TokenIds) -> torch.Tensor:
         """Logits ``[n, vocab]`` for every position of one sequence, recomputed from scratch: no
