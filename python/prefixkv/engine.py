@@ -391,8 +391,12 @@ class Engine:
             while waiting or running:
                 admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter)
                 if not admitted and not running:
-                    raise OutOfBlocksError(  # unreachable unless blocks leak or are pinned
-                        f"cannot admit request {waiting[0]}: the KV pool is full"
+                    stats = self.cache.stats()  # only pinned or leaked blocks get here
+                    raise OutOfBlocksError(
+                        f"cannot admit request {waiting[0]}: it needs "
+                        f"{self._blocks_for(len(prompts[waiting[0]]) + max_new_tokens - 1)} "
+                        f"blocks, {stats.blocks_free + stats.blocks_evictable} are free or "
+                        f"evictable ({stats.blocks_pinned} pinned)"
                     )
                 running.extend(admitted)
                 self._step(running, start, check_exactness)
