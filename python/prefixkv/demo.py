@@ -442,6 +442,10 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return length
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
@@ -475,7 +479,7 @@ def format_table(result: DemoResult) -> str:
         f"prefixkv demo: {workload['requests']} agent requests, "
         f"{workload['mean_prompt_tokens']:.0f} prompt tokens each on average "
         f"({workload['shared_prefix_tokens']} shared: system prompt, "
-        f"{len(_TOOLS)} tool schemas, {len(_FEW_SHOT) // 2} few-shot examples), "
+        f"{len(_TOOLS)} tool schemas, {_plural(len(_FEW_SHOT) // 2, 'few-shot example')}), "
         f"{workload['max_new_tokens']} new tokens each",
         f"model: {model['name']}, {model['parameters'] / 1e6:.1f}M parameters, "
         f"{model['layers']} layers, hidden {model['hidden_size']}, "
