@@ -234,6 +234,23 @@ impl PrefixCache {
             .collect())
     }
 
+    /// Computes the table key of every full block of `tokens` and nothing else; returns how
+    /// many. The floor under `lookup` and `begin`, for benchmarks.
+    pub fn hash_prompt(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> usize {
+        let root = root_key(&self.context.load(), salt);
+        let mut parent = self.hasher.root(&root);
+        let mut buffer = Vec::new();
+        let bs = self.config.block_size;
+        let mut count = 0;
+        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
+            let block_extras = block_extras(extras, index, bs);
+            parent = self.hasher.block(&mut buffer, parent, chunk, &block_extras);
+            count += 1;
+        }
+        std::hint::black_box(parent);
+        count
+    }
+
     // ----- the request API -------------------------------------------------------------------
 
     /// Starts a request: matches its cached prefix, references it, allocates the rest.
@@ -730,41 +747,55 @@ impl PrefixCache {
                 .hasher
                 .block(&mut inner.scratch, parent_key, chunk, &block_extras);
             let own_block = own[position];
-            let anchor = match self.table.get(&key, &guard) {
-                Some(existing) if existing.verifies(&parent, chunk, &block_extras) => {
-                    if existing.block != own_block {
-                        inner.counters.deduplicated_blocks += 1;
+            if inner.pool.is_cached(own_block) {
+                // Only through the low-level API: the caller passed a block that is already
+                // cached. Fine if it is exactly this entry; it cannot stand anywhere else.
+                match self.table.get(&key, &guard) {
+                    Some(e)
+                        if e.block == own_block && e.verifies(&parent, chunk, &block_extras) =>
+                    {
+                        let anchor = e.anchor(key);
+                        inner.pool.touch(anchor.block, inner.tick, request.priority);
+                        request.anchors.push(anchor);
+                        continue;
                     }
-                    existing.anchor(key)
+                    _ => {
+                        request.cacheable = false;
+                        return;
+                    }
                 }
-                Some(_) => {
-                    // A different block owns this key: a hash collision. Never publish under
-                    // it; this request's later blocks stay private.
-                    inner.counters.collisions += 1;
-                    request.cacheable = false;
-                    return;
-                }
-                None if inner.pool.is_cached(own_block) => {
-                    // The caller's block is already cached under another prefix (low-level
-                    // API misuse); it cannot also stand here.
-                    request.cacheable = false;
-                    return;
-                }
-                None => {
-                    let entry = Entry {
-                        id: inner.next_entry,
-                        block: own_block,
-                        parent,
-                        tokens: chunk.into(),
-                        extras: block_extras.into_boxed_slice(),
-                    };
-                    let anchor = entry.anchor(key);
+            }
+            // One probe of the table: insert, or find who holds the key already.
+            let entry = Entry {
+                id: inner.next_entry,
+                block: own_block,
+                parent,
+                tokens: chunk.into(),
+                extras: block_extras.into_boxed_slice(),
+            };
+            let anchor = match self.table.try_insert(key, entry, &guard) {
+                Ok(inserted) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, parent_block);
+                    let anchor = inserted.anchor(key);
                     inner.entries[own_block as usize] = Some(anchor);
-                    self.table.insert(key, entry, &guard);
                     inner.counters.committed_blocks += 1;
                     anchor
+                }
+                Err(occupied) => {
+                    let existing = occupied.current;
+                    let mine = &occupied.not_inserted;
+                    if !existing.verifies(&mine.parent, &mine.tokens, &mine.extras) {
+                        // A different block owns this key: a hash collision. Never publish
+                        // under it; this request's later blocks stay private.
+                        inner.counters.collisions += 1;
+                        request.cacheable = false;
+                        return;
+                    }
+                    // Another request computed the same block first: it stays canonical, this
+                    // request's copy is freed when the request finishes.
+                    inner.counters.deduplicated_blocks += 1;
+                    existing.anchor(key)
                 }
             };
             inner.pool.touch(anchor.block, inner.tick, request.priority);

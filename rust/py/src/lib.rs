@@ -508,6 +508,22 @@ impl CoreCache {
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
 
+    /// Hashes every full block with the table hash and does nothing else (benchmark floor).
+    #[pyo3(signature = (tokens, salt=None))]
+    fn hash_prompt(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let tokens = tokens_from(tokens)?;
+        let salt = bytes_from(salt, "salt")?;
+        Ok(py.detach(|| {
+            self.0
+                .hash_prompt(&tokens.into_vec(), &salt, &RequestExtras::default())
+        }))
+    }
+
     fn stats(&self) -> CacheStats {
         self.0.stats().into()
     }
