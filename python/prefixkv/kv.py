@@ -397,21 +397,29 @@ class PagedKVCache:
             )
         if src.numel() == 0:
             return
-        block_axis = 2
+        # Gather and scatter along dim 1 of a [K/V x layer, block, block elements] view of the
+        # contiguous storage: the same bytes as indexing the block axis of the 6-D tensor, but
+        # torch's CPU index_select on an inner dim of a 6-D tensor takes a slow generic path
+        # (measured here: ~500x slower for 64 blocks).
+        src_view = self._blocks_view()
+        dst_view = other._blocks_view()
         to_cuda_async = non_blocking and self.device.type == "cpu" and other.device.type == "cuda"
         if to_cuda_async and not self.is_pinned:
             # Gather straight into pinned memory: the DMA engine can only read pinned pages
             # without a hidden, synchronous staging copy. torch's caching host allocator keeps
             # this buffer alive until the transfer that reads it has finished.
-            shape = list(self.storage.shape)
-            shape[block_axis] = src.numel()
+            shape = (src_view.shape[0], src.numel(), src_view.shape[2])
             gathered = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-            torch.index_select(self.storage, block_axis, src, out=gathered)
+            torch.index_select(src_view, 1, src, out=gathered)
         else:
-            gathered = self.storage.index_select(block_axis, src)
+            gathered = src_view.index_select(1, src)
         if other.device != self.device:
             gathered = _transfer(gathered, other.device, non_blocking=non_blocking)
-        other.storage.index_copy_(block_axis, dst, gathered)
+        dst_view.index_copy_(1, dst, gathered)
+
+    def _blocks_view(self) -> Tensor:
+        """The storage as ``[2 * num_layers, num_blocks, elements per block]`` (no copy)."""
+        return self.storage.view(2 * self.num_layers, self.num_blocks, -1)
 
     def swap_out(
         self,
