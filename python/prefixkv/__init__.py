@@ -28,7 +28,7 @@ from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 
 if TYPE_CHECKING:
     from prefixkv.attention import BackendUnavailableError, paged_prefill_attention
-    from prefixkv.engine import Engine
+    from prefixkv.engine import Engine, RequestResult
     from prefixkv.kv import PagedKVCache, PagedKVError
     from prefixkv.model import LlamaModel, ModelConfig
 
@@ -40,6 +40,7 @@ _LAZY = {
     "LlamaModel": "prefixkv.model",
     "ModelConfig": "prefixkv.model",
     "Engine": "prefixkv.engine",
+    "RequestResult": "prefixkv.engine",
 }
 
 
@@ -72,6 +73,7 @@ __all__ = [
     "PrefixKVError",
     "PrefixMatch",
     "Request",
+    "RequestResult",
     "UnknownRequestError",
     "__version__",
     "as_token_ids",
