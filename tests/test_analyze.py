@@ -71,16 +71,29 @@ Trace = list[dict[str, Any]]
 
 def stable_first() -> Trace:
     return [
-        {"id": f"q{i}", "messages": [{"role": "system", "content": SYSTEM}, *EXAMPLES,
-                                     {"role": "user", "content": query}], "tools": TOOLS}
+        {
+            "id": f"q{i}",
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                *EXAMPLES,
+                {"role": "user", "content": query},
+            ],
+            "tools": TOOLS,
+        }
         for i, query in enumerate(QUERIES)
     ]
 
 
 def query_first() -> Trace:
     return [
-        {"id": f"q{i}", "messages": [{"role": "user", "content": query},
-                                     {"role": "system", "content": SYSTEM}, *EXAMPLES]}
+        {
+            "id": f"q{i}",
+            "messages": [
+                {"role": "user", "content": query},
+                {"role": "system", "content": SYSTEM},
+                *EXAMPLES,
+            ],
+        }
         for i, query in enumerate(QUERIES)
     ]
 
@@ -90,21 +103,48 @@ def timestamp_first() -> Trace:
         return f"Current time: 2024-05-01T09:{i:02d}:{17 * i % 60:02d}Z\n"
 
     return [
-        {"id": f"t{i}", "messages": [{"role": "system", "content": now(i) + SYSTEM}, *EXAMPLES,
-                                     {"role": "user", "content": query}], "tools": TOOLS}
+        {
+            "id": f"t{i}",
+            "messages": [
+                {"role": "system", "content": now(i) + SYSTEM},
+                *EXAMPLES,
+                {"role": "user", "content": query},
+            ],
+            "tools": TOOLS,
+        }
         for i, query in enumerate(QUERIES)
     ]
 
 
 def system_word_change() -> Trace:
     # One word of the system prompt changes per request (the customer's name).
-    names = ["Ada", "Brook", "Cyrus", "Dana", "Elio", "Fern", "Gus", "Hana", "Ivo", "Jun",
-             "Kit", "Lior"]
+    names = [
+        "Ada",
+        "Brook",
+        "Cyrus",
+        "Dana",
+        "Elio",
+        "Fern",
+        "Gus",
+        "Hana",
+        "Ivo",
+        "Jun",
+        "Kit",
+        "Lior",
+    ]
     return [
-        {"id": f"s{i}", "messages": [
-            {"role": "system", "content": SYSTEM.replace("Acme Shipping.",
-                                                         f"Acme Shipping, serving {name}.")},
-            *EXAMPLES, {"role": "user", "content": query}], "tools": TOOLS}
+        {
+            "id": f"s{i}",
+            "messages": [
+                {
+                    "role": "system",
+                    "content": SYSTEM.replace("Acme Shipping.", f"Acme Shipping, serving {name}."),
+                },
+                *EXAMPLES,
+                {"role": "user", "content": query},
+            ],
+            "tools": TOOLS,
+        }
         for i, (name, query) in enumerate(zip(names, QUERIES, strict=True))
     ]
 
@@ -219,8 +259,10 @@ def test_timestamp_first_points_at_the_timestamp() -> None:
 
 def test_timestamp_first_text_trace_moves_spans() -> None:
     stable = SYSTEM * 2
-    trace = [{"id": i, "text": f"[2024-05-01 10:{i:02d}:00] request {i}\n{stable}Q: {q}"}
-             for i, q in enumerate(QUERIES)]
+    trace = [
+        {"id": i, "text": f"[2024-05-01 10:{i:02d}:00] request {i}\n{stable}Q: {q}"}
+        for i, q in enumerate(QUERIES)
+    ]
     report = analyze_trace(lines(trace))
     f = finding(report, "variable_before_stable")
     assert f.detail == "timestamp"
@@ -297,8 +339,10 @@ def test_template_that_renders_identical_messages_differently(tmp_path: Path) ->
 def test_genuinely_different_prompts_are_not_a_problem() -> None:
     rng = random.Random(3)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "zeta", "rho", "tau"]
-    trace = [{"text": " ".join(rng.choice(words) + str(rng.randrange(10**6)) for _ in range(40))}
-             for _ in range(8)]
+    trace = [
+        {"text": " ".join(rng.choice(words) + str(rng.randrange(10**6)) for _ in range(40))}
+        for _ in range(8)
+    ]
     report = analyze_trace(lines(trace))
     assert [f.cause for f in report.findings] == ["different_prompt"]
     assert report.findings[0].what_if is None
@@ -371,8 +415,14 @@ def test_main_exit_codes_and_terminal_report(
 
     assert main([str(write(tmp_path, query_first()))]) == 0
     out = capsys.readouterr().out
-    for expected in ("hit rate", "ESTIMATE", "Variable content placed before stable content",
-                     "diverges from", "what-if", "fix:"):
+    for expected in (
+        "hit rate",
+        "ESTIMATE",
+        "Variable content placed before stable content",
+        "diverges from",
+        "what-if",
+        "fix:",
+    ):
         assert expected in out
 
     assert main([str(tmp_path / "missing.jsonl")]) == 2
@@ -392,24 +442,62 @@ def test_json_output_has_every_documented_field(
     path = write(tmp_path, timestamp_first() + shuffled_tools()[1:3])
     assert main([str(path), "--json", "--capacity-bytes", str(64 * 2**20)]) == 0
     data = json.loads(capsys.readouterr().out)
-    for key in ("trace", "settings", "requests", "isolation_groups", "prompt_tokens",
-                "hit_tokens", "hit_rate", "prefill_seconds_estimate",
-                "prefill_seconds_saved_estimate", "cost", "first_requests", "causes",
-                "findings", "what_if_all", "skipped_lines"):
+    for key in (
+        "trace",
+        "settings",
+        "requests",
+        "isolation_groups",
+        "prompt_tokens",
+        "hit_tokens",
+        "hit_rate",
+        "prefill_seconds_estimate",
+        "prefill_seconds_saved_estimate",
+        "cost",
+        "first_requests",
+        "causes",
+        "findings",
+        "what_if_all",
+        "skipped_lines",
+    ):
         assert key in data
     assert data["settings"]["bytes_per_block"] == 2 * 32 * 8 * 128 * 2 * 16
     assert data["settings"]["capacity_blocks"] == 64 * 2**20 // (2 * 32 * 8 * 128 * 2 * 16)
-    assert set(data["cost"]) == {"peak_blocks", "peak_bytes", "evictions",
-                                 "out_of_blocks_requests"}
+    assert set(data["cost"]) == {"peak_blocks", "peak_bytes", "evictions", "out_of_blocks_requests"}
     f = data["findings"][0]
-    for key in ("cause", "title", "detail", "requests", "recoverable_tokens", "example_ids",
-                "example_lines", "fix", "divergence", "what_if"):
+    for key in (
+        "cause",
+        "title",
+        "detail",
+        "requests",
+        "recoverable_tokens",
+        "example_ids",
+        "example_lines",
+        "fix",
+        "divergence",
+        "what_if",
+    ):
         assert key in f
-    for key in ("request_id", "line", "other_request_id", "other_line", "token", "block",
-                "this_segment", "other_segment", "context_before", "this_text", "other_text"):
+    for key in (
+        "request_id",
+        "line",
+        "other_request_id",
+        "other_line",
+        "token",
+        "block",
+        "this_segment",
+        "other_segment",
+        "context_before",
+        "this_text",
+        "other_text",
+    ):
         assert key in f["divergence"]
-    assert set(f["what_if"]) == {"description", "hit_rate", "hit_tokens", "prompt_tokens",
-                                 "hit_rate_gain"}
+    assert set(f["what_if"]) == {
+        "description",
+        "hit_rate",
+        "hit_tokens",
+        "prompt_tokens",
+        "hit_rate_gain",
+    }
     assert data["causes"]["variable_before_stable"] >= 11
 
 
@@ -421,8 +509,10 @@ def train_tokenizer(path: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
+        vocab_size=500,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        show_progress=False,
     )
     tokenizer.train_from_iterator([SYSTEM, *QUERIES, json.dumps(TOOLS)], trainer)
     tokenizer.save(str(path))
@@ -432,8 +522,9 @@ def train_tokenizer(path: Path) -> Path:
 def test_hf_tokenizer_and_jinja_template_end_to_end(tmp_path: Path) -> None:
     tokenizer_json = train_tokenizer(tmp_path / "tokenizer.json")
     trace = timestamp_first()
-    report = analyze_trace(lines(trace), tokenizer=str(tokenizer_json),
-                           chat_template=str(DATA / "chatml.jinja"))
+    report = analyze_trace(
+        lines(trace), tokenizer=str(tokenizer_json), chat_template=str(DATA / "chatml.jinja")
+    )
     f = finding(report, "variable_before_stable")
     assert f.detail == "timestamp"
     assert f.divergence is not None and f.divergence.this_segment == "message 0 (system)"
@@ -457,12 +548,14 @@ def test_format_report_on_an_empty_report() -> None:
 
 
 def test_parse_trace_keeps_ids_and_isolation() -> None:
-    requests, skipped = parse_trace([
-        json.dumps({"id": 5, "tokens": [1, 2], "tenant": "a", "salt": "x", "timestamp": 1.5}),
-        json.dumps({"tokens": [1, 2]}),
-        json.dumps({"tokens": [True]}),
-        json.dumps({"tokens": [2**32]}),
-    ])
+    requests, skipped = parse_trace(
+        [
+            json.dumps({"id": 5, "tokens": [1, 2], "tenant": "a", "salt": "x", "timestamp": 1.5}),
+            json.dumps({"tokens": [1, 2]}),
+            json.dumps({"tokens": [True]}),
+            json.dumps({"tokens": [2**32]}),
+        ]
+    )
     assert [r.request_id for r in requests] == ["5", "line 2"]
     assert requests[0].isolation != requests[1].isolation and requests[1].isolation is None
     assert [s.line for s in skipped] == [3, 4]
@@ -493,8 +586,9 @@ def test_radix_trie_matches_brute_force(stored: list[list[int]], query: list[int
     st.lists(st.integers(100, 150), min_size=0, max_size=20),
     st.lists(st.integers(200, 260), min_size=8, max_size=40),
 )
-def test_resync_finds_the_shared_stretch(prefix: list[int], head_a: list[int],
-                                         head_b: list[int], shared: list[int]) -> None:
+def test_resync_finds_the_shared_stretch(
+    prefix: list[int], head_a: list[int], head_b: list[int], shared: list[int]
+) -> None:
     assume(head_a[:1] != head_b[:1])  # the two must actually part ways before `shared`
     a = prefix + head_a + shared + [1000]
     b = prefix + head_b + shared + [2000]
@@ -509,8 +603,9 @@ def test_resync_finds_the_shared_stretch(prefix: list[int], head_a: list[int],
 Builder = Callable[[], Trace]
 
 
-@pytest.mark.parametrize("bad", [query_first, timestamp_first, system_word_change,
-                                 shuffled_tools, whitespace_variant])
+@pytest.mark.parametrize(
+    "bad", [query_first, timestamp_first, system_word_change, shuffled_tools, whitespace_variant]
+)
 def test_every_bad_layout_what_if_beats_the_original(bad: Builder) -> None:
     report = analyze_trace(lines(bad()))
     fixable = [f for f in report.findings if f.what_if is not None]

@@ -192,8 +192,14 @@ def test_segment_at_and_labels() -> None:
 
 
 def test_message_text_accepts_openai_content_parts() -> None:
-    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"},
-                                         {"type": "text", "text": "b"}]}
+    parts = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image"},
+            {"type": "text", "text": "b"},
+        ],
+    }
     assert message_text(parts) == "ab"
     assert message_text({"role": "assistant", "content": None}) == ""
 
@@ -207,7 +213,10 @@ def test_jinja_template_segments_from_sentinels() -> None:
     assert_segments_tile(text, segments)
     messages = [s for s in segments if s.source == "message"]
     assert [(s.index, s.role) for s in messages] == [
-        (0, "system"), (1, "user"), (2, "assistant"), (3, "user")
+        (0, "system"),
+        (1, "user"),
+        (2, "assistant"),
+        (3, "user"),
     ]
     for segment in messages:
         assert segment.index is not None
@@ -237,11 +246,15 @@ def test_jinja_template_that_transforms_content_falls_back() -> None:
 
 def test_jinja_template_from_tokenizer_config(tmp_path: Path) -> None:
     config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({
-        "chat_template": (DATA / "chatml.jinja").read_text(),
-        "bos_token": {"content": "<s>"},
-        "eos_token": "</s>",
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "chat_template": (DATA / "chatml.jinja").read_text(),
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+            }
+        )
+    )
     template = load_chat_template(config)
     assert isinstance(template, JinjaChatTemplate)
     assert template.render(MESSAGES[:2]).startswith("<s><|im_start|>system\n")

@@ -140,8 +140,9 @@ DEFAULT_PREFILL_TOKENS_PER_SECOND = 10_000.0
 DEFAULT_MODEL_SHAPE = (32, 8, 128)  # layers, KV heads, head dim: Llama-3-8B-like
 DEFAULT_DTYPE_BYTES = 2
 _MAX_TOKEN_ID = 2**32  # token ids travel as u32
-_ALLOWED_KEYS = frozenset({"tokens", "text", "messages", "tools", "tenant", "salt", "timestamp",
-                           "id"})
+_ALLOWED_KEYS = frozenset(
+    {"tokens", "text", "messages", "tools", "tenant", "salt", "timestamp", "id"}
+)
 _PROMPT_KEYS = ("tokens", "text", "messages")
 _CONTEXT_CHARS = 48  # characters of context shown on each side of a divergence
 _CONTEXT_TOKENS = 8  # token ids shown on each side, for token traces
@@ -346,9 +347,7 @@ def _prepare(
             continue
         segments: list[Segment] | None = None
         if request.messages is not None:
-            text, segments = template.render_with_segments(
-                request.messages, True, request.tools
-            )
+            text, segments = template.render_with_segments(request.messages, True, request.tools)
         else:
             text = request.text or ""
         tokens, offsets = tokenizer.encode_with_offsets(text)
@@ -421,8 +420,9 @@ def _replay(
 # --------------------------------------------------------------------------------------------
 
 
-def _common_length(a: Sequence[int], a_start: int, b: Sequence[int], b_start: int,
-                   limit: int) -> int:
+def _common_length(
+    a: Sequence[int], a_start: int, b: Sequence[int], b_start: int, limit: int
+) -> int:
     """Length of the common run a[a_start:] / b[b_start:], at most `limit`."""
     matched = 0
     chunk = 64
@@ -469,8 +469,7 @@ class _RadixTrie:
                 break
             label = self._seqs[child.seq]
             edge = child.end - child.start
-            matched = _common_length(tokens, pos, label, child.start,
-                                     min(edge, len(tokens) - pos))
+            matched = _common_length(tokens, pos, label, child.start, min(edge, len(tokens) - pos))
             pos += matched
             owner = child.owner
             if matched < edge:
@@ -489,8 +488,7 @@ class _RadixTrie:
                 return
             label = self._seqs[child.seq]
             edge = child.end - child.start
-            matched = _common_length(tokens, pos, label, child.start,
-                                     min(edge, len(tokens) - pos))
+            matched = _common_length(tokens, pos, label, child.start, min(edge, len(tokens) - pos))
             if matched < edge:  # split the edge: `middle` takes the shared part
                 middle = _Node(child.seq, child.start, child.start + matched, owner)
                 child.start += matched
@@ -558,17 +556,31 @@ def _resync(
 # Classification
 # --------------------------------------------------------------------------------------------
 
-_MONTHS = "Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|" \
-          "Sep(?:tember)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?"
+_MONTHS = (
+    "Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|"
+    "Sep(?:tember)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?"
+)
 # In priority order: the first kind that overlaps the divergence names it.
 _VOLATILE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("timestamp", re.compile(
-        r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?")),
-    ("UUID", re.compile(
-        r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")),
-    ("date", re.compile(
-        rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b|"
-        rf"\b\d{{1,2}} (?:{_MONTHS}) \d{{4}}\b|\b(?:{_MONTHS}) \d{{1,2}},? \d{{4}}\b")),
+    (
+        "timestamp",
+        re.compile(
+            r"\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"
+        ),
+    ),
+    (
+        "UUID",
+        re.compile(
+            r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"
+        ),
+    ),
+    (
+        "date",
+        re.compile(
+            rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b|"
+            rf"\b\d{{1,2}} (?:{_MONTHS}) \d{{4}}\b|\b(?:{_MONTHS}) \d{{1,2}},? \d{{4}}\b"
+        ),
+    ),
     ("time", re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?\b")),
     ("unix time", re.compile(r"\b1[5-9]\d{8}(?:\d{3})?\b")),
     ("hex id", re.compile(r"\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}\b")),
@@ -672,8 +684,11 @@ def _classify(d: _Diagnosis, this: _Prepared, other: _Prepared, block_size: int)
     # Where one prompt's message ends and the other's goes on, the divergence is in a message
     # on one side and in template text on the other: the message side names the place.
     segment = this_segment
-    if (segment is None or segment.source != "message") and other_segment is not None \
-            and other_segment.source == "message":
+    if (
+        (segment is None or segment.source != "message")
+        and other_segment is not None
+        and other_segment.source == "message"
+    ):
         segment = other_segment
     in_message = segment is not None and segment.source == "message"
     if _same_tools_other_order(request, other_request) and not in_message:
@@ -725,8 +740,9 @@ def _classify(d: _Diagnosis, this: _Prepared, other: _Prepared, block_size: int)
         if segment.role == "user" and whole:
             d.detail = "user query"
         else:
-            d.detail = (f"{segment.role} message" if whole
-                        else f"varying part of a {segment.role} message")
+            d.detail = (
+                f"{segment.role} message" if whole else f"varying part of a {segment.role} message"
+            )
     elif tokens and this.text is None:
         d.detail = "varying tokens"
     else:
@@ -787,8 +803,9 @@ def _stable_first_messages(request: TraceRequest, stable: set[str]) -> TraceRequ
         if not has_stable and message.get("role") != "system":
             moved.append(message)
             continue
-        kept.append({**message, "content": "".join(
-            u for u, s in zip(units, is_stable, strict=True) if s)})
+        kept.append(
+            {**message, "content": "".join(u for u, s in zip(units, is_stable, strict=True) if s)}
+        )
         moved_units.extend(u for u, s in zip(units, is_stable, strict=True) if not s)
     reordered = kept + moved
     if moved_units:
@@ -978,21 +995,25 @@ class AnalysisReport:
 def _fix_sentence(cause: str, detail: str) -> str:
     if cause == "variable_before_stable":
         if detail == "user query":
-            return ("Put the user's query last: system prompt, tool schemas and examples first, "
-                    "then the query.")
-        return (f"Move the {detail} after the stable content (system prompt, tools, examples), "
-                "next to the user's query at the end, so everything before it can be reused.")
+            return (
+                "Put the user's query last: system prompt, tool schemas and examples first, "
+                "then the query."
+            )
+        return (
+            f"Move the {detail} after the stable content (system prompt, tools, examples), "
+            "next to the user's query at the end, so everything before it can be reused."
+        )
     return {
         "system_prompt": "Keep the system prompt byte-identical across requests and put the "
-                         "per-request part in a later message.",
+        "per-request part in a later message.",
         "tool_order": "Sort the tool list (for example by name) before rendering, so the same "
-                      "tools always give the same prompt.",
+        "tools always give the same prompt.",
         "whitespace": "Normalise whitespace (trailing spaces, blank lines, indentation) before "
-                      "rendering, so identical content gives identical tokens.",
+        "rendering, so identical content gives identical tokens.",
         "template": f"The chat template {detail}: pin its variables (a fixed date) or move that "
-                    "part to the last message.",
+        "part to the last message.",
         "evicted": "Give the cache more blocks (--capacity-blocks), or schedule requests that "
-                   "share a prefix closer together.",
+        "share a prefix closer together.",
         "different_prompt": "Nothing to fix: these prompts share little with earlier requests.",
     }[cause]
 
@@ -1020,11 +1041,17 @@ class _Setup:
         capacity = self.capacity_blocks or _blocks_needed(prepared, self.block_size)
         return prepared, _replay(prepared, capacity_blocks=capacity, context=self.context)
 
-    def what_if(self, description: str, requests: Sequence[TraceRequest],
-                baseline: _Replay) -> WhatIf:
+    def what_if(
+        self, description: str, requests: Sequence[TraceRequest], baseline: _Replay
+    ) -> WhatIf:
         _, result = self.replay(requests)
-        return WhatIf(description, result.hit_rate, result.hit_tokens, result.prompt_tokens,
-                      result.hit_rate - baseline.hit_rate)
+        return WhatIf(
+            description,
+            result.hit_rate,
+            result.hit_tokens,
+            result.prompt_tokens,
+            result.hit_rate - baseline.hit_rate,
+        )
 
     def move_variable_last(self, requests: Sequence[TraceRequest]) -> list[TraceRequest]:
         """Messages: reorder units, stable first. Text and tokens: move the divergent regions of
@@ -1032,7 +1059,8 @@ class _Setup:
         stable = _stable_units(requests)
         current = [
             _stable_first_messages(r, stable.get(r.isolation, set()))
-            if r.messages is not None else r
+            if r.messages is not None
+            else r
             for r in requests
         ]
         for _ in range(_WHAT_IF_ROUNDS):
@@ -1041,7 +1069,8 @@ class _Setup:
             prepared = _prepare(current, self.tokenizer, self.template)
             diagnoses = _diagnose_all(prepared, self.block_size)
             moves = {
-                i: spans for i, spans in _span_moves(prepared, diagnoses).items()
+                i: spans
+                for i, spans in _span_moves(prepared, diagnoses).items()
                 if prepared[i].request.messages is None
             }
             if not moves:
@@ -1093,8 +1122,11 @@ def analyze_trace(
     if prefill_tokens_per_second <= 0:
         raise InvalidInputError("prefill_tokens_per_second must be positive")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    template = (chat_template if isinstance(chat_template, ChatTemplate)
-                else load_chat_template(chat_template))
+    template = (
+        chat_template
+        if isinstance(chat_template, ChatTemplate)
+        else load_chat_template(chat_template)
+    )
     bpb = bytes_per_block(block_size, model_shape, dtype_bytes)
     # The tokenizer and template are part of what must match: the same ids from another
     # vocabulary are another prompt.
@@ -1120,8 +1152,21 @@ def analyze_trace(
     }
     empty_cost = {"peak_blocks": 0, "peak_bytes": 0, "evictions": 0, "out_of_blocks_requests": 0}
     if not requests:
-        return AnalysisReport(trace_name, settings, 0, 0, 0, 0, 0.0, 0.0, 0.0, empty_cost, 0, {},
-                              skipped_lines=skipped)
+        return AnalysisReport(
+            trace_name,
+            settings,
+            0,
+            0,
+            0,
+            0,
+            0.0,
+            0.0,
+            0.0,
+            empty_cost,
+            0,
+            {},
+            skipped_lines=skipped,
+        )
 
     prepared, replay = setup.replay(requests)
     settings["capacity_blocks"] = replay.capacity_blocks
@@ -1170,8 +1215,12 @@ def _divergence(d: _Diagnosis, prepared: Sequence[_Prepared], block_size: int) -
         other_segment=other.segment_label(d.prefix),
     )
     this_char, other_char = this.char_at(d.prefix), other.char_at(d.prefix)
-    if this.text is not None and other.text is not None and this_char is not None \
-            and other_char is not None:
+    if (
+        this.text is not None
+        and other.text is not None
+        and this_char is not None
+        and other_char is not None
+    ):
         out.context_before = this.text[max(0, this_char - _CONTEXT_CHARS) : this_char]
         out.this_text = this.text[this_char : this_char + _CONTEXT_CHARS]
         out.other_text = other.text[other_char : other_char + _CONTEXT_CHARS]
@@ -1207,18 +1256,29 @@ def _findings(
             if "layout" not in what_if_cache:
                 what_if_cache["layout"] = setup.what_if(
                     "variable content moved after the stable content",
-                    setup.move_variable_last(requests), replay)
+                    setup.move_variable_last(requests),
+                    replay,
+                )
             what_if = what_if_cache["layout"]
         elif cause == "tool_order":
-            what_if = setup.what_if("tools sorted by name in every request",
-                                    [_rewrite_tools(r) for r in requests], replay)
+            what_if = setup.what_if(
+                "tools sorted by name in every request",
+                [_rewrite_tools(r) for r in requests],
+                replay,
+            )
         elif cause == "whitespace":
-            what_if = setup.what_if("whitespace normalised in every request",
-                                    [_rewrite_whitespace(r) for r in requests], replay)
+            what_if = setup.what_if(
+                "whitespace normalised in every request",
+                [_rewrite_whitespace(r) for r in requests],
+                replay,
+            )
         if cause == "template":
             detail = members[0].detail
-        findings.append(_finding(cause, detail, members, recoverable, prepared, what_if,
-                                 block_size, max_examples))
+        findings.append(
+            _finding(
+                cause, detail, members, recoverable, prepared, what_if, block_size, max_examples
+            )
+        )
 
     # Capacity: a block-aligned prefix an earlier request had, but the cache no longer did.
     # A full hit still computes the last token, so at most len - 1 tokens are reused.
@@ -1229,8 +1289,11 @@ def _findings(
     # counted under cost.out_of_blocks_requests, not here.
     refused = set(replay.out_of_blocks)
     evicted = [
-        d for d in diagnoses
-        if d.partner >= 0 and d.index not in refused and d.partner not in refused
+        d
+        for d in diagnoses
+        if d.partner >= 0
+        and d.index not in refused
+        and d.partner not in refused
         and replay.cached[d.index] < reusable(d)
     ]
     if evicted:
@@ -1238,16 +1301,20 @@ def _findings(
         what_if = None
         if setup.capacity_blocks is not None:
             unbounded = dataclasses.replace(setup, capacity_blocks=None)
-            what_if = unbounded.what_if("a cache large enough for the whole trace",
-                                        requests, replay)
-        findings.append(_finding("evicted", "", evicted, lost, prepared, what_if, block_size,
-                                 max_examples))
+            what_if = unbounded.what_if(
+                "a cache large enough for the whole trace", requests, replay
+            )
+        findings.append(
+            _finding("evicted", "", evicted, lost, prepared, what_if, block_size, max_examples)
+        )
     findings.sort(key=lambda f: (f.cause == "different_prompt", -f.recoverable_tokens))
     return findings
 
 
-_NO_GAIN = (" (The what-if gains little here: the content that repeats is not shared by most "
-            "requests, for example retrieved passages in varying order.)")
+_NO_GAIN = (
+    " (The what-if gains little here: the content that repeats is not shared by most "
+    "requests, for example retrieved passages in varying order.)"
+)
 
 
 def _finding(
@@ -1277,7 +1344,9 @@ def _finding(
 
 
 def _what_if_all(
-    setup: _Setup, requests: Sequence[TraceRequest], findings: Sequence[Finding],
+    setup: _Setup,
+    requests: Sequence[TraceRequest],
+    findings: Sequence[Finding],
     baseline: _Replay,
 ) -> WhatIf | None:
     """Every applicable rewrite at once; None unless two or more kinds of fix apply."""
@@ -1323,8 +1392,9 @@ def format_report(report: AnalysisReport) -> str:
     """The human-readable report `prefixkv analyze` prints."""
     s = report.settings
     out: list[str] = [f"prefixkv analyze: {report.trace}"]
-    skipped = f", {len(report.skipped_lines)} malformed lines skipped" \
-        if report.skipped_lines else ""
+    skipped = (
+        f", {len(report.skipped_lines)} malformed lines skipped" if report.skipped_lines else ""
+    )
     if report.requests == 0:
         out.append(f"  no usable requests{skipped}")
     else:
@@ -1348,8 +1418,11 @@ def format_report(report: AnalysisReport) -> str:
             "linear; set --prefill-tokens-per-second)",
             f"  cache at peak      {cost['peak_blocks']:>12,} blocks "
             f"({_size(cost['peak_bytes'])}), {cost['evictions']:,} evictions"
-            + (f", {cost['out_of_blocks_requests']} requests did not fit"
-               if cost["out_of_blocks_requests"] else ""),
+            + (
+                f", {cost['out_of_blocks_requests']} requests did not fit"
+                if cost["out_of_blocks_requests"]
+                else ""
+            ),
         ]
         out += ["", "Findings"]
         if not report.findings:
@@ -1358,8 +1431,11 @@ def format_report(report: AnalysisReport) -> str:
             out += _format_finding(number, finding, report.hit_rate, report.requests)
         if report.what_if_all is not None:
             w = report.what_if_all
-            out += ["", f"All fixes together ({w.description}): hit rate {report.hit_rate:.1%} "
-                        f"-> {w.hit_rate:.1%}"]
+            out += [
+                "",
+                f"All fixes together ({w.description}): hit rate {report.hit_rate:.1%} "
+                f"-> {w.hit_rate:.1%}",
+            ]
     if report.skipped_lines:
         out += ["", "Skipped lines"]
         out += [f"  line {s.line}: {s.error}" for s in report.skipped_lines[:20]]
@@ -1375,8 +1451,10 @@ def _format_finding(number: int, f: Finding, hit_rate: float, total: int) -> lis
     elif f.cause == "different_prompt":
         loss = ""
     else:
-        loss = (f"; at least {f.recoverable_tokens:,} tokens after the divergence repeat an "
-                "earlier request")
+        loss = (
+            f"; at least {f.recoverable_tokens:,} tokens after the divergence repeat an "
+            "earlier request"
+        )
     lines = [
         "",
         f"  {number}. {f.title}{detail}",
@@ -1387,17 +1465,20 @@ def _format_finding(number: int, f: Finding, hit_rate: float, total: int) -> lis
     d = f.divergence
     if d is not None and f.cause != "evicted":
         where = f", in {d.this_segment}" if d.this_segment else ""
-        other_where = (f" (there: {d.other_segment})"
-                       if d.other_segment and d.other_segment != d.this_segment else "")
+        other_where = (
+            f" (there: {d.other_segment})"
+            if d.other_segment and d.other_segment != d.this_segment
+            else ""
+        )
         lines.append(
             f"     diverges from {d.other_request_id!r} (line {d.other_line}) at token {d.token} "
             f"(block {d.block}){where}{other_where}"
         )
         if d.context_before is not None:
             lines += [
-                f"       before  \"...{_show(d.context_before)}\"",
-                f"       this  > \"{_show(d.this_text or '')}\"...",
-                f"       other > \"{_show(d.other_text or '')}\"...",
+                f'       before  "...{_show(d.context_before)}"',
+                f'       this  > "{_show(d.this_text or "")}"...',
+                f'       other > "{_show(d.other_text or "")}"...',
             ]
         elif d.this_tokens is not None:
             lines += [f"       this  > {d.this_tokens}", f"       other > {d.other_tokens}"]
@@ -1420,7 +1501,8 @@ def _model_shape(value: str) -> tuple[int, int, int]:
         layers, heads, head_dim = (int(x) for x in value.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            "expected LAYERS,KV_HEADS,HEAD_DIM, e.g. 32,8,128") from None
+            "expected LAYERS,KV_HEADS,HEAD_DIM, e.g. 32,8,128"
+        ) from None
     if min(layers, heads, head_dim) < 1:
         raise argparse.ArgumentTypeError("every dimension must be positive")
     return layers, heads, head_dim
@@ -1437,35 +1519,65 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixkv analyze",
         description="Replay a JSONL request trace through the prefix cache: how much it reuses, "
-                    "where requests part ways, and what a better prompt layout would gain.",
+        "where requests part ways, and what a better prompt layout would gain.",
         epilog="Exit status: 0 clean; 1 some lines were malformed and skipped; 2 nothing "
-               "usable (missing file, no valid line, bad option).",
+        "usable (missing file, no valid line, bad option).",
     )
-    parser.add_argument("trace", help="JSONL trace: one request per line (tokens, text or "
-                                      "messages; optional tools, tenant, salt, timestamp, id)")
-    parser.add_argument("--block-size", type=_positive_int, default=16,
-                        help="tokens per cache block (default 16)")
+    parser.add_argument(
+        "trace",
+        help="JSONL trace: one request per line (tokens, text or "
+        "messages; optional tools, tenant, salt, timestamp, id)",
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, help="tokens per cache block (default 16)"
+    )
     capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--capacity-blocks", type=_positive_int,
-                          help="cache size in blocks (default: enough for the whole trace)")
-    capacity.add_argument("--capacity-bytes", type=_positive_int,
-                          help="cache size in bytes of KV, converted with --model-shape")
-    parser.add_argument("--model-shape", type=_model_shape, default=DEFAULT_MODEL_SHAPE,
-                        metavar="LAYERS,KV_HEADS,HEAD_DIM",
-                        help="for bytes per block (default 32,8,128: Llama-3-8B-like)")
-    parser.add_argument("--dtype-bytes", type=_positive_int, default=DEFAULT_DTYPE_BYTES,
-                        help="bytes per KV element (default 2: fp16/bf16)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json or a directory holding one (default: built-in "
-                             "byte tokenizer)")
-    parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file or tokenizer_config.json (default: "
-                             "built-in simple template)")
-    parser.add_argument("--prefill-tokens-per-second", type=float,
-                        default=DEFAULT_PREFILL_TOKENS_PER_SECOND,
-                        help="prefill throughput for the time-saved ESTIMATE (default 10000)")
-    parser.add_argument("--examples", type=_positive_int, default=3,
-                        help="example request ids per finding (default 3)")
+    capacity.add_argument(
+        "--capacity-blocks",
+        type=_positive_int,
+        help="cache size in blocks (default: enough for the whole trace)",
+    )
+    capacity.add_argument(
+        "--capacity-bytes",
+        type=_positive_int,
+        help="cache size in bytes of KV, converted with --model-shape",
+    )
+    parser.add_argument(
+        "--model-shape",
+        type=_model_shape,
+        default=DEFAULT_MODEL_SHAPE,
+        metavar="LAYERS,KV_HEADS,HEAD_DIM",
+        help="for bytes per block (default 32,8,128: Llama-3-8B-like)",
+    )
+    parser.add_argument(
+        "--dtype-bytes",
+        type=_positive_int,
+        default=DEFAULT_DTYPE_BYTES,
+        help="bytes per KV element (default 2: fp16/bf16)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or a directory holding one (default: built-in byte tokenizer)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template file or tokenizer_config.json (default: "
+        "built-in simple template)",
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-second",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_SECOND,
+        help="prefill throughput for the time-saved ESTIMATE (default 10000)",
+    )
+    parser.add_argument(
+        "--examples",
+        type=_positive_int,
+        default=3,
+        help="example request ids per finding (default 3)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -1478,8 +1590,11 @@ def main(argv: list[str] | None = None) -> int:
         bpb = bytes_per_block(args.block_size, args.model_shape, args.dtype_bytes)
         capacity_blocks = args.capacity_bytes // bpb
         if capacity_blocks < 1:
-            print(f"prefixkv analyze: --capacity-bytes {args.capacity_bytes} is less than one "
-                  f"block ({bpb} bytes)", file=sys.stderr)
+            print(
+                f"prefixkv analyze: --capacity-bytes {args.capacity_bytes} is less than one "
+                f"block ({bpb} bytes)",
+                file=sys.stderr,
+            )
             return 2
     try:
         report = analyze_trace(
@@ -1494,8 +1609,7 @@ def main(argv: list[str] | None = None) -> int:
             max_examples=args.examples,
         )
     except OSError as exc:
-        print(f"prefixkv analyze: cannot read {args.trace}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(f"prefixkv analyze: cannot read {args.trace}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except PrefixKVError as exc:
         print(f"prefixkv analyze: {exc}", file=sys.stderr)

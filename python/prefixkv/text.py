@@ -314,9 +314,7 @@ def message_text(message: Mapping[str, Any]) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(part.get("text", "")) for part in content if isinstance(part, Mapping)
-        )
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
     return str(content)
 
 
@@ -484,12 +482,18 @@ class JinjaChatTemplate(ChatTemplate):
             raise InvalidInputError(f"chat template {name}: {message}")
 
         def tojson(
-            value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False,
+            value: Any,
+            ensure_ascii: bool = False,
+            indent: int | None = None,
+            separators: tuple[str, str] | None = None,
+            sort_keys: bool = False,
         ) -> str:
             # Hugging Face's tojson: no HTML escaping, unlike jinja2's built-in filter.
             return json.dumps(
-                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                value,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
                 sort_keys=sort_keys,
             )
 
@@ -551,7 +555,9 @@ class JinjaChatTemplate(ChatTemplate):
             return value if isinstance(value, str) else ""
 
         return cls(
-            template, bos_token=special("bos_token"), eos_token=special("eos_token"),
+            template,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
             name=str(path),
         )
 
