@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOWEST = -(2**31)  # a freshly allocated block's priority, until a request touches it
+
 
 @dataclass
 class Entry:
@@ -118,7 +120,7 @@ class ReferenceCache:
         del self.free[len(self.free) - count :]
         for b in taken:
             self.blocks[b].ref = 1
-            self.blocks[b].priority = 0
+            self.blocks[b].priority = LOWEST
         return taken
 
     def _release(self, b: int) -> None:
@@ -129,8 +131,9 @@ class ReferenceCache:
             self.free.append(b)
 
     def _touch(self, b: int, priority: int) -> None:
+        # A block keeps the highest priority of any request that used it.
         self.blocks[b].tick = self.tick
-        self.blocks[b].priority = priority
+        self.blocks[b].priority = max(self.blocks[b].priority, priority)
 
     def _extend(self, req: ModelRequest, target: int) -> None:
         while req.anchors and self.blocks[req.anchors[-1].block].entry is not req.anchors[-1]:
@@ -216,7 +219,7 @@ class ReferenceCache:
         self.tick += 1
         for b in blocks:
             if self.blocks[b].cached:
-                self._touch(b, 0)
+                self._touch(b, LOWEST)
             self._release(b)
 
     def pin(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:

@@ -478,3 +478,83 @@ def test_constructor_validation():
         PrefixCache(8, block_size=0)
     with pytest.raises(InvalidInputError, match="differs"):
         PrefixCache(8, block_size=8, context=CacheContext(block_size=16))
+
+
+# ----- found in review: each of these once broke a promise above ------------------------------
+
+
+def test_low_level_blocks_computed_before_clear_are_never_published():
+    cache = PrefixCache(8, block_size=BS)
+    blocks = cache.allocate(1)
+    matched_before = cache.allocate(1)
+    cache.commit_blocks([9, 9, 9, 9], matched_before)
+    held = cache.match_and_acquire([9, 9, 9, 9, 1])
+    cache.set_context(CacheContext(block_size=BS, weights_digest="v2"))
+    before = snapshot(cache)
+    for stale in (blocks, held.block_ids):
+        with pytest.raises(BlockStateError, match="before clear"):
+            cache.commit_blocks([1, 2, 3, 4], stale)
+    assert snapshot(cache) == before
+    assert cache.lookup([1, 2, 3, 4, 5]).num_cached_tokens == 0
+    fresh = cache.allocate(1)
+    assert cache.commit_blocks([1, 2, 3, 4], fresh) == fresh
+    cache.release(blocks + held.block_ids + fresh + matched_before)
+    assert cache.stats().blocks_in_use == 0
+
+
+def test_release_cannot_drop_a_reference_a_request_owns():
+    cache = PrefixCache(8, block_size=BS)
+    request = cache.begin([1, 2, 3, 4, 5])
+    before = snapshot(cache)
+    with pytest.raises(BlockStateError, match="a block a request owns"):
+        cache.release(request.block_table[:1])
+    assert snapshot(cache) == before
+    cache.finish(request)
+    assert cache.stats().blocks_in_use == 0
+
+
+def test_huge_counts_raise_instead_of_aborting():
+    cache = PrefixCache(8, block_size=BS)
+    for count in (2**40, 2**62):
+        with pytest.raises(OutOfBlocksError):
+            cache.allocate(count)
+    with pytest.raises(MemoryError):
+        PrefixCache(2**32 - 1, block_size=BS)
+
+
+def test_integer_arguments_out_of_range_raise_prefixkv_errors():
+    cache = PrefixCache(8, block_size=BS)
+    for bad in (-1, 2**64, 2**100):
+        with pytest.raises(UnknownRequestError):
+            cache.finish(bad)
+        with pytest.raises(UnknownRequestError):
+            cache.commit(bad, 0)
+    with pytest.raises(InvalidInputError, match="priority"):
+        cache.begin([1, 2], priority=2**31)
+    with pytest.raises(InvalidInputError, match="must be an int"):
+        cache.commit_blocks([1, 2, 3, 4], [0.5])
+    with pytest.raises(InvalidBlockError):
+        cache.release([2**70])
+    with pytest.raises(InvalidInputError):
+        cache.unpin(-1)
+    assert cache.stats().blocks_in_use == 0
+
+
+def test_multimodal_item_length_is_part_of_the_key():
+    cache = PrefixCache(16, block_size=BS)
+    placeholder = 7
+    serve(cache, [placeholder] * 4 + [1, 2, 3, 4, 5], multimodal=[(0, 4, b"img")])
+    # The same image at the same place, encoded to more placeholder tokens: different KV.
+    longer = [placeholder] * 8 + [5]
+    assert cache.lookup(longer, multimodal=[(0, 8, b"img")]).num_cached_tokens == 0
+
+
+def test_a_low_priority_hit_does_not_demote_a_protected_prefix():
+    cache = PrefixCache(3, block_size=BS)
+    serve(cache, [1] * 5, priority=10)
+    serve(cache, [1] * 5, priority=-5)  # hits the protected block with a low priority
+    serve(cache, [2] * 5)  # newer, default priority
+    request = cache.begin([3] * 5)  # needs two blocks: one free, one evicted
+    assert cache.lookup([1] * 5).num_cached_tokens == 4, "the protected prefix stays"
+    assert cache.lookup([2] * 5).num_cached_tokens == 0
+    cache.finish(request)

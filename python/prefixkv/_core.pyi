@@ -72,7 +72,7 @@ class CoreCache:
         salt: _Bytes = None,
         adapter: _Bytes = None,
         multimodal: _Multimodal = None,
-        priority: int = 0,
+        priority: int | None = None,
     ) -> tuple[int, list[int], int, bool, int]: ...
     def append(self, request_id: int, tokens: _Tokens) -> list[int]: ...
     def commit(self, request_id: int, num_computed_tokens: int) -> int: ...
@@ -85,7 +85,7 @@ class CoreCache:
         salt: _Bytes = None,
         adapter: _Bytes = None,
         multimodal: _Multimodal = None,
-        priority: int = 0,
+        priority: int | None = None,
     ) -> tuple[bytes, int, bool]: ...
     def allocate(self, count: int) -> list[int]: ...
     def commit_blocks(
@@ -95,7 +95,7 @@ class CoreCache:
         salt: _Bytes = None,
         adapter: _Bytes = None,
         multimodal: _Multimodal = None,
-        priority: int = 0,
+        priority: int | None = None,
     ) -> list[int]: ...
     def release(self, blocks: Sequence[int]) -> None: ...
     def pin(

@@ -126,6 +126,13 @@ struct Inner {
     tick: u64,
     counters: Counters,
     scratch: Vec<u8>,
+    /// Bumped by `clear` and `set_context`: KV computed in an older epoch is never published.
+    epoch: u64,
+    /// Epoch in which each block was last allocated (its KV computed).
+    block_epoch: Vec<u64>,
+    /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
+    /// ones `release` may drop, so a caller can never release a block a request owns.
+    external_refs: Vec<u32>,
 }
 
 /// The prefix cache's block manager. `Sync`: share it between threads by reference.
@@ -157,13 +164,37 @@ impl PrefixCache {
             ));
         }
         let num_blocks = config.num_blocks;
+        let pool = BlockPool::new(num_blocks)?;
+        let too_big = |_| CacheError::OutOfBlocks {
+            needed: num_blocks as usize,
+            available: 0,
+        };
+        let mut entries = Vec::new();
+        entries
+            .try_reserve_exact(num_blocks as usize)
+            .map_err(too_big)?;
+        entries.resize(num_blocks as usize, None);
+        let mut block_epoch = Vec::new();
+        block_epoch
+            .try_reserve_exact(num_blocks as usize)
+            .map_err(too_big)?;
+        block_epoch.resize(num_blocks as usize, 0);
+        let mut external_refs = Vec::new();
+        external_refs
+            .try_reserve_exact(num_blocks as usize)
+            .map_err(too_big)?;
+        external_refs.resize(num_blocks as usize, 0);
         Ok(Self {
-            table: new_table(num_blocks as usize),
+            // Pre-size for speed up to a million entries; the map grows past that on its own.
+            table: new_table((num_blocks as usize).min(1 << 20)),
             hasher: TableHasher::new(config.key_bits),
             context: ArcSwap::from_pointee(context),
             inner: Mutex::new(Inner {
-                pool: BlockPool::new(num_blocks),
-                entries: vec![None; num_blocks as usize],
+                pool,
+                entries,
+                epoch: 0,
+                block_epoch,
+                external_refs,
                 requests: HashMap::new(),
                 pins: HashMap::new(),
                 next_request: 1,
@@ -371,6 +402,8 @@ impl PrefixCache {
             if inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
             }
+            // A request's references are its own: `release` can only drop external ones, so
+            // each block here still holds the reference this request took.
             inner.pool.release(block);
         }
         Ok(())
@@ -417,6 +450,7 @@ impl PrefixCache {
         inner.tick += 1;
         for &block in &blocks {
             inner.pool.acquire(block);
+            inner.external_refs[block as usize] += 1;
             inner.pool.touch(block, inner.tick, priority);
         }
         let matched = self.prefix_match(blocks, tokens.len());
@@ -429,7 +463,12 @@ impl PrefixCache {
     /// Takes `count` free blocks (evicting if needed), each with one reference.
     pub fn allocate(&self, count: usize) -> Result<Vec<BlockId>> {
         let mut guard = self.inner.lock();
-        self.acquire_and_allocate(&mut guard, &[], count)
+        let inner = &mut *guard;
+        let blocks = self.acquire_and_allocate(inner, &[], count)?;
+        for &block in &blocks {
+            inner.external_refs[block as usize] += 1;
+        }
+        Ok(blocks)
     }
 
     /// Publishes full blocks of a sequence the caller manages itself. `blocks[i]` holds the KV
@@ -451,10 +490,16 @@ impl PrefixCache {
         let inner = &mut *guard;
         for (position, &block) in blocks.iter().enumerate() {
             inner.pool.check_id(block)?;
-            if inner.pool.ref_count(block) == Some(0) {
+            if inner.external_refs[block as usize] == 0 {
                 return Err(CacheError::InvalidBlock {
                     block,
-                    reason: "not held by the caller",
+                    reason: "not held by the caller (take it with allocate or match_and_acquire)",
+                });
+            }
+            if inner.block_epoch[block as usize] != inner.epoch {
+                return Err(CacheError::BlockState {
+                    block,
+                    reason: "its KV was computed before clear() or set_context(): never published",
                 });
             }
             if (position + 1) * bs > tokens.len() {
@@ -487,18 +532,20 @@ impl PrefixCache {
             inner.pool.check_id(block)?;
             let count = counts.entry(block).or_insert(0);
             *count += 1;
-            if *count > inner.pool.ref_count(block).unwrap_or(0) {
+            if *count > inner.external_refs[block as usize] {
                 return Err(CacheError::BlockState {
                     block,
-                    reason: "released more often than it was acquired (double release)",
+                    reason: "released more often than it was acquired with allocate or \
+                             match_and_acquire (a double release, or a block a request owns)",
                 });
             }
         }
         inner.tick += 1;
         for &block in blocks {
             if inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, 0);
+                inner.pool.touch(block, inner.tick, i32::MIN);
             }
+            inner.external_refs[block as usize] -= 1;
             inner.pool.release(block);
         }
         Ok(())
@@ -687,6 +734,9 @@ impl PrefixCache {
         }
         match inner.pool.allocate(count) {
             Ok((fresh, evicted)) => {
+                for &block in &fresh {
+                    inner.block_epoch[block as usize] = inner.epoch;
+                }
                 let guard = self.table.guard();
                 for block in evicted {
                     let entry = inner.entries[block as usize]
@@ -804,6 +854,7 @@ impl PrefixCache {
     }
 
     fn clear_locked(&self, inner: &mut Inner) {
+        inner.epoch += 1;
         for request in inner.requests.values_mut() {
             request.cacheable = false;
             request.anchors.clear();

@@ -36,7 +36,8 @@
 //!                              || token[0] || ... || token[n-1])     (a block with extras)
 //! extras              = concatenation, in this order, of
 //!                       0x01 || u32(len(adapter)) || adapter          (when an adapter is set)
-//!                       0x02 || i64(item_start - block_start) || u32(len(hash)) || hash
+//!                       0x02 || i64(item_start - block_start) || u64(item_length)
+//!                            || u32(len(hash)) || hash
 //!                                                  (each multimodal item overlapping the block,
 //!                                                   in the order given)
 //! ```
@@ -251,6 +252,9 @@ impl RequestExtras {
                 out.push(EXTRA_MULTIMODAL);
                 let offset = item.start as i64 - block_start as i64;
                 out.extend_from_slice(&offset.to_le_bytes());
+                // The length too: the same item encoded to a different number of placeholder
+                // tokens (a different resolution) is different KV.
+                out.extend_from_slice(&item.length.to_le_bytes());
                 out.extend_from_slice(&len_u32(item.hash.len()).to_le_bytes());
                 out.extend_from_slice(&item.hash);
             }
@@ -304,5 +308,14 @@ mod tests {
         assert!(!extras.for_block(16, 32).is_empty());
         assert!(extras.for_block(32, 48).is_empty());
         assert_ne!(extras.for_block(16, 32), extras.for_block(12, 28));
+        let longer = RequestExtras {
+            adapter: None,
+            multimodal: vec![MultimodalItem {
+                start: 20,
+                length: 9,
+                hash: vec![7; 4],
+            }],
+        };
+        assert_ne!(extras.for_block(16, 32), longer.for_block(16, 32));
     }
 }

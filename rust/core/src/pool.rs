@@ -59,17 +59,29 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free blocks.
-    #[must_use]
-    pub fn new(num_blocks: u32) -> Self {
-        Self {
-            blocks: vec![BlockMeta::default(); num_blocks as usize],
-            free: (0..num_blocks).rev().collect(),
+    /// A pool of `num_blocks` free blocks; `OutOfBlocks` if the metadata does not fit in memory.
+    pub fn new(num_blocks: u32) -> Result<Self> {
+        let too_big = |_| CacheError::OutOfBlocks {
+            needed: num_blocks as usize,
+            available: 0,
+        };
+        let mut blocks = Vec::new();
+        blocks
+            .try_reserve_exact(num_blocks as usize)
+            .map_err(too_big)?;
+        blocks.resize(num_blocks as usize, BlockMeta::default());
+        let mut free = Vec::new();
+        free.try_reserve_exact(num_blocks as usize)
+            .map_err(too_big)?;
+        free.extend((0..num_blocks).rev());
+        Ok(Self {
+            blocks,
+            free,
             evictable: BTreeSet::new(),
             num_cached: 0,
             num_in_use: 0,
             num_pinned: 0,
-        }
+        })
     }
 
     /// Total number of blocks.
@@ -167,11 +179,13 @@ impl BlockPool {
         }
     }
 
-    /// Records a use of a cached block for the LRU order and sets its retention priority.
+    /// Records a use of a block for the LRU order and raises its retention priority to at
+    /// least `priority`: a block keeps the highest priority of any request that used it, so a
+    /// low-priority request that hits a protected prefix cannot demote it.
     pub fn touch(&mut self, block: BlockId, tick: u64, priority: i32) {
         let meta = &mut self.blocks[block as usize];
         meta.last_access = tick;
-        meta.priority = priority;
+        meta.priority = meta.priority.max(priority);
         self.refresh(block);
     }
 
@@ -254,6 +268,13 @@ impl BlockPool {
     /// free list is short. Returns the evicted blocks alongside, so the caller can drop their
     /// table entries. Changes nothing when it cannot supply `count` blocks.
     pub fn allocate(&mut self, count: usize) -> Result<(Vec<BlockId>, Vec<BlockId>)> {
+        if count > self.blocks.len() {
+            // More than the whole pool: refuse before planning anything.
+            return Err(CacheError::OutOfBlocks {
+                needed: count,
+                available: self.available(self.blocks.len()),
+            });
+        }
         let mut evicted = Vec::new();
         if self.free.len() < count {
             let plan = self.plan_eviction(count - self.free.len());
@@ -275,7 +296,8 @@ impl BlockPool {
             let meta = &mut self.blocks[block as usize];
             debug_assert!(meta.ref_count == 0 && !meta.cached);
             meta.ref_count = 1;
-            meta.priority = 0;
+            // Lowest until a request touches it: the first request to cache it sets it.
+            meta.priority = i32::MIN;
         }
         self.num_in_use += blocks.len();
         Ok((blocks, evicted))
@@ -286,7 +308,7 @@ impl BlockPool {
     /// are planned out.
     #[must_use]
     pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
-        let mut plan = Vec::with_capacity(want);
+        let mut plan = Vec::with_capacity(want.min(self.blocks.len()));
         let mut children_left: HashMap<BlockId, u32> = HashMap::new();
         let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
         let mut leaves = self.evictable.iter().peekable();
@@ -409,7 +431,7 @@ mod tests {
 
     #[test]
     fn leaves_go_before_parents_and_lru_first() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         let (blocks, _) = pool.allocate(3).unwrap();
         // Chain 0 <- 1, and an unrelated block 2 used later.
         pool.mark_cached(blocks[0], None);
@@ -431,7 +453,7 @@ mod tests {
 
     #[test]
     fn failed_allocation_changes_nothing() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = BlockPool::new(2).unwrap();
         let (blocks, _) = pool.allocate(1).unwrap();
         pool.mark_cached(blocks[0], None);
         pool.pin(blocks[0]);
@@ -451,7 +473,7 @@ mod tests {
 
     #[test]
     fn lower_priority_goes_first() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = BlockPool::new(2).unwrap();
         let (blocks, _) = pool.allocate(2).unwrap();
         pool.mark_cached(blocks[0], None);
         pool.mark_cached(blocks[1], None);

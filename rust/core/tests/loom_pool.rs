@@ -18,7 +18,7 @@ use prefixkv_core::pool::BlockPool;
 fn take_reference_release_and_evict_race() {
     loom::model(|| {
         // Blocks 0 <- 1 form a cached chain nobody holds; block 2 is held by the "releaser".
-        let mut pool = BlockPool::new(3);
+        let mut pool = BlockPool::new(3).unwrap();
         let (blocks, _) = pool.allocate(3).unwrap();
         pool.mark_cached(blocks[0], None);
         pool.mark_cached(blocks[1], Some(blocks[0]));

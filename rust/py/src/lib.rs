@@ -341,7 +341,7 @@ impl CoreCache {
         ))
     }
 
-    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=None))]
     fn begin(
         &self,
         py: Python<'_>,
@@ -349,12 +349,13 @@ impl CoreCache {
         salt: Option<&Bound<'_, PyAny>>,
         adapter: Option<&Bound<'_, PyAny>>,
         multimodal: Option<&Bound<'_, PyAny>>,
-        priority: i32,
+        priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(u64, Vec<u32>, usize, bool, usize)> {
         let tokens = tokens_from(tokens)?;
         let num_tokens = tokens.len();
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
+        let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let r = py
             .detach(|| self.0.begin(tokens.into_vec(), &salt, extras, priority))
             .map_err(to_py_err)?;
@@ -370,15 +371,23 @@ impl CoreCache {
     fn append(
         &self,
         py: Python<'_>,
-        request_id: u64,
+        request_id: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u32>> {
+        let request_id = self::request_id(request_id)?;
         let tokens = tokens_from(tokens)?;
         py.detach(|| self.0.append(request_id, &tokens.into_vec()))
             .map_err(to_py_err)
     }
 
-    fn commit(&self, py: Python<'_>, request_id: u64, num_computed_tokens: i64) -> PyResult<usize> {
+    fn commit(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let request_id = self::request_id(request_id)?;
+        let num_computed_tokens = int_arg(num_computed_tokens, "num_computed_tokens")?;
         let num = usize::try_from(num_computed_tokens).map_err(|_| {
             invalid(format!(
                 "num_computed_tokens must be >= 0, got {num_computed_tokens}"
@@ -388,19 +397,22 @@ impl CoreCache {
             .map_err(to_py_err)
     }
 
-    fn finish(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+    fn finish(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let request_id = self::request_id(request_id)?;
         py.detach(|| self.0.finish(request_id)).map_err(to_py_err)
     }
 
-    fn block_table(&self, request_id: u64) -> PyResult<Vec<u32>> {
+    fn block_table(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let request_id = self::request_id(request_id)?;
         self.0.block_table(request_id).map_err(to_py_err)
     }
 
-    fn num_tokens(&self, request_id: u64) -> PyResult<usize> {
+    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let request_id = self::request_id(request_id)?;
         self.0.num_tokens(request_id).map_err(to_py_err)
     }
 
-    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=0))]
+    #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None, priority=None))]
     fn match_and_acquire<'py>(
         &self,
         py: Python<'py>,
@@ -408,11 +420,12 @@ impl CoreCache {
         salt: Option<&Bound<'py, PyAny>>,
         adapter: Option<&Bound<'py, PyAny>>,
         multimodal: Option<&Bound<'py, PyAny>>,
-        priority: i32,
+        priority: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PrefixMatchTuple<'py>> {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
+        let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let m = py
             .detach(|| {
                 self.0
@@ -426,28 +439,30 @@ impl CoreCache {
         ))
     }
 
-    fn allocate(&self, count: i64) -> PyResult<Vec<u32>> {
+    fn allocate(&self, py: Python<'_>, count: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let count = int_arg(count, "count")?;
         let count = usize::try_from(count)
             .map_err(|_| invalid(format!("count must be >= 0, got {count}")))?;
-        self.0.allocate(count).map_err(to_py_err)
+        py.detach(|| self.0.allocate(count)).map_err(to_py_err)
     }
 
-    #[pyo3(signature = (tokens, blocks, salt=None, adapter=None, multimodal=None, priority=0))]
+    #[pyo3(signature = (tokens, blocks, salt=None, adapter=None, multimodal=None, priority=None))]
     #[allow(clippy::too_many_arguments)]
     fn commit_blocks(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-        blocks: Vec<i64>,
+        blocks: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
         adapter: Option<&Bound<'_, PyAny>>,
         multimodal: Option<&Bound<'_, PyAny>>,
-        priority: i32,
+        priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u32>> {
         let tokens = tokens_from(tokens)?;
-        let blocks = block_ids(&blocks)?;
+        let blocks = block_args(blocks)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
+        let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         py.detach(|| {
             self.0
                 .commit_blocks(&tokens.into_vec(), &blocks, &salt, &extras, priority)
@@ -455,14 +470,15 @@ impl CoreCache {
         .map_err(to_py_err)
     }
 
-    fn release(&self, py: Python<'_>, blocks: Vec<i64>) -> PyResult<()> {
-        let blocks = block_ids(&blocks)?;
+    fn release(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = block_args(blocks)?;
         py.detach(|| self.0.release(&blocks)).map_err(to_py_err)
     }
 
     #[pyo3(signature = (tokens, salt=None, adapter=None, multimodal=None))]
     fn pin(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
         adapter: Option<&Bound<'_, PyAny>>,
@@ -471,12 +487,13 @@ impl CoreCache {
         let tokens = tokens_from(tokens)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
-        self.0
-            .pin(&tokens.into_vec(), &salt, &extras)
+        py.detach(|| self.0.pin(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)
     }
 
-    fn unpin(&self, pin_id: u64) -> PyResult<()> {
+    fn unpin(&self, pin_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let pin_id = u64::try_from(int_arg(pin_id, "pin id")?)
+            .map_err(|_| invalid(format!("unknown pin id {pin_id}")))?;
         self.0.unpin(pin_id).map_err(to_py_err)
     }
 
@@ -528,12 +545,12 @@ impl CoreCache {
         self.0.stats().into()
     }
 
-    fn ref_count(&self, block: i64) -> PyResult<u32> {
-        self.0.ref_count(block_id(block)?).map_err(to_py_err)
+    fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.0.ref_count(block_arg(block)?).map_err(to_py_err)
     }
 
-    fn is_cached(&self, block: i64) -> PyResult<bool> {
-        self.0.is_cached(block_id(block)?).map_err(to_py_err)
+    fn is_cached(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.0.is_cached(block_arg(block)?).map_err(to_py_err)
     }
 
     /// Raises AssertionError-like RuntimeError if an internal invariant is broken (tests).
@@ -552,14 +569,54 @@ impl CoreCache {
     }
 }
 
-fn block_id(block: i64) -> PyResult<u32> {
-    u32::try_from(block).map_err(|_| {
-        InvalidBlockError::new_err(format!("invalid block id {block}: outside the pool"))
+/// An int argument as i128 (wide enough for any u64 or i64), or `InvalidInputError`.
+fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i128> {
+    if obj.cast::<pyo3::types::PyInt>().is_err() {
+        return Err(invalid(format!(
+            "{what} must be an int, not {}",
+            type_name(obj)
+        )));
+    }
+    obj.extract::<i128>()
+        .map_err(|_| invalid(format!("{what} {obj} is out of range")))
+}
+
+/// A request id: any int; one that cannot be an id is simply not a live request.
+fn request_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let value = int_arg(obj, "request id")?;
+    u64::try_from(value).map_err(|_| {
+        UnknownRequestError::new_err(format!(
+            "unknown request id {value} (never begun, or already finished)"
+        ))
     })
 }
 
-fn block_ids(blocks: &[i64]) -> PyResult<Vec<u32>> {
-    blocks.iter().map(|&b| block_id(b)).collect()
+fn priority_arg(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
+    let value = int_arg(obj, "priority")?;
+    i32::try_from(value).map_err(|_| {
+        invalid(format!(
+            "priority {value} is outside -2147483648 ..= 2147483647"
+        ))
+    })
+}
+
+fn block_arg(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let value = int_arg(obj, "block id")?;
+    u32::try_from(value).map_err(|_| {
+        InvalidBlockError::new_err(format!("invalid block id {value}: outside the pool"))
+    })
+}
+
+fn block_args(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    obj.try_iter()
+        .map_err(|_| {
+            invalid(format!(
+                "block ids must be a sequence of ints, not {}",
+                type_name(obj)
+            ))
+        })?
+        .map(|item| block_arg(&item?))
+        .collect()
 }
 
 /// SHA-256 fingerprint of a canonical context serialization (see `prefixkv.CacheContext`).
