@@ -249,10 +249,22 @@ def test_context_fingerprint_is_deterministic_across_processes():
     assert out.stdout.strip() == here.fingerprint().hex()
 
 
-def test_length_dependent_rope_is_refused():
-    dynamic = CacheContext(position_encoding=PositionEncoding(rope_scaling="dynamic"))
+@pytest.mark.parametrize("kind", ["dynamic", "Dynamic", "dynamic_ntk", "longrope", "new-kind"])
+def test_length_dependent_or_unknown_rope_is_refused(kind):
+    context = CacheContext(position_encoding=PositionEncoding(rope_scaling=kind))
     with pytest.raises(InvalidInputError, match="depends on the total sequence length"):
-        PrefixCache(8, context=dynamic)
+        PrefixCache(8, context=context)
+
+
+@pytest.mark.parametrize("kind", [None, "linear", "ntk", "yarn", "llama3", "Linear"])
+def test_static_rope_scaling_is_accepted(kind):
+    PrefixCache(8, context=CacheContext(position_encoding=PositionEncoding(rope_scaling=kind)))
+
+
+def test_a_float_and_its_hex_string_are_different_contexts():
+    as_float = CacheContext(extra={"kv_scale": 0.5})
+    as_string = CacheContext(extra={"kv_scale": (0.5).hex()})
+    assert as_float.fingerprint() != as_string.fingerprint()
 
 
 def test_salt_adapter_and_multimodal_items_isolate():

@@ -240,3 +240,17 @@ def test_bad_requests_are_refused(model: LlamaModel, request_: object, message: 
     with pytest.raises(InvalidInputError, match="max_new_tokens"):
         engine.generate([[1, 2]], max_new_tokens=0)
     assert engine.cache.stats().requests_live == 0
+
+
+def test_a_raising_callback_propagates_and_leaks_no_request() -> None:
+    """Found in review: the cleanup once finished a request twice and masked the error."""
+    engine = Engine(num_blocks=64, block_size=4)
+
+    def explode(index: int, result: object) -> None:
+        raise ValueError("callback failed")
+
+    with pytest.raises(ValueError, match="callback failed"):
+        engine.generate([[1, 2, 3, 4, 5], [1, 2, 3, 6]], max_new_tokens=2, on_finish=explode)
+    stats = engine.cache.stats()
+    assert stats.requests_live == 0
+    assert stats.blocks_in_use == 0

@@ -22,8 +22,11 @@ and optionally
   "salt":      str                 /   both tenant and salt are equal
   "timestamp": str | number        informational; the replay order is the file order
   "id":        str | int           shown in findings (default: "line N")
-Any other key makes the line malformed: a typo such as "toknes" must not silently change what is
-measured. Malformed lines are reported with their line number and skipped.
+Other keys (``model``, ``temperature``, ...) are ignored, so logs can be fed as they are. An
+OpenAI batch line (``{"custom_id", "body": {"messages": ...}}``) or a logged request
+(``{"request": {...}}``) is read from its body, and a completions-style ``prompt`` counts as
+``text`` (a string) or ``tokens`` (a list). A line without exactly one prompt field, or with a
+field of the wrong type, is malformed: reported with its line number and skipped.
 
 Exit codes of `main`
 --------------------
@@ -140,9 +143,6 @@ DEFAULT_PREFILL_TOKENS_PER_SECOND = 10_000.0
 DEFAULT_MODEL_SHAPE = (32, 8, 128)  # layers, KV heads, head dim: Llama-3-8B-like
 DEFAULT_DTYPE_BYTES = 2
 _MAX_TOKEN_ID = 2**32  # token ids travel as u32
-_ALLOWED_KEYS = frozenset(
-    {"tokens", "text", "messages", "tools", "tenant", "salt", "timestamp", "id"}
-)
 _PROMPT_KEYS = ("tokens", "text", "messages")
 _CONTEXT_CHARS = 48  # characters of context shown on each side of a divergence
 _CONTEXT_TOKENS = 8  # token ids shown on each side, for token traces
@@ -206,20 +206,44 @@ def _validate_message(i: int, message: Any) -> str | None:
     return f"messages[{i}].content must be a string, null or a list of parts"
 
 
+def _unwrap(obj: dict[str, Any]) -> dict[str, Any]:
+    """Accept the shapes real logs come in, mapped onto the documented fields.
+
+    Fields other than the documented ones (``model``, ``temperature``, ...) are ignored. An
+    OpenAI batch line (``{"custom_id", "body": {"messages": ...}}``) or a logged request
+    (``{"request": {...}}``) is read from its body; a completions-style ``prompt`` is ``text``
+    (a string) or ``tokens`` (a list).
+    """
+    if not any(key in obj for key in (*_PROMPT_KEYS, "prompt")):
+        for wrapper in ("body", "request"):
+            inner = obj.get(wrapper)
+            if isinstance(inner, dict) and any(k in inner for k in (*_PROMPT_KEYS, "prompt")):
+                merged = {k: v for k, v in obj.items() if k != wrapper}
+                merged.update(inner)
+                if "id" not in merged and "custom_id" in obj:
+                    merged["id"] = obj["custom_id"]
+                obj = merged
+                break
+    if "prompt" in obj and not any(key in obj for key in _PROMPT_KEYS):
+        prompt = obj["prompt"]
+        obj = {k: v for k, v in obj.items() if k != "prompt"}
+        obj["tokens" if isinstance(prompt, list) else "text"] = prompt
+    return obj
+
+
 def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
     """A request, or the reason the line is malformed."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         return f"invalid JSON: {exc.msg} (column {exc.colno})"
+    except RecursionError:
+        return "invalid JSON: nested too deeply"
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        return f"invalid JSON: {exc}"
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
-    unknown = sorted(set(obj) - _ALLOWED_KEYS)
-    if unknown:
-        return (
-            f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: "
-            f"{', '.join(sorted(_ALLOWED_KEYS))}"
-        )
+    obj = _unwrap(obj)
     present = [key for key in _PROMPT_KEYS if key in obj]
     if len(present) != 1:
         found = ", ".join(present) if present else "none"
@@ -1082,7 +1106,7 @@ class _Setup:
 def _read_lines(path_or_lines: str | os.PathLike[str] | Iterable[str]) -> tuple[str, list[str]]:
     if isinstance(path_or_lines, (str, os.PathLike)):
         path = Path(path_or_lines)
-        with path.open(encoding="utf-8", errors="replace") as handle:
+        with path.open(encoding="utf-8-sig", errors="replace") as handle:
             return str(path), handle.read().splitlines()
     return "<lines>", list(path_or_lines)
 

@@ -7,7 +7,8 @@ mask or the KV dtype differ, and reusing one's KV for the other is silent numeri
 into the root of every block key, so changing any field makes every lookup miss.
 
 Canonical serialization (version 1): a JSON object with sorted keys, no whitespace, UTF-8,
-every float written as ``float.hex()`` (exact and language-independent), tuples as arrays.
+every float written as ``{"float": float.hex()}`` (exact, language-independent, and never equal
+to a string), tuples as arrays.
 The fingerprint is ``SHA-256(b"prefixkv.context.v1\\0" + canonical_bytes)`` (see the core's
 ``key.rs`` for the rest of the key layout).
 """
@@ -23,9 +24,11 @@ from prefixkv._errors import InvalidInputError
 
 __all__ = ["AttentionMask", "CacheContext", "PositionEncoding"]
 
-#: RoPE scaling types whose frequencies depend on the total sequence length. KV computed for a
-#: shorter sequence is then not what a full recompute would give, so prefix reuse is unsafe.
-LENGTH_DEPENDENT_ROPE_SCALING = frozenset({"dynamic", "dynamic_ntk"})
+#: RoPE scaling types whose frequencies are fixed, so a prefix's KV does not depend on what
+#: follows it. An allowlist, not a denylist: a kind not named here (dynamic NTK, LongRoPE, which
+#: switches factors past the original length, or anything new) is treated as length-dependent
+#: and refused, because a wrong guess would be silent corruption.
+STATIC_ROPE_SCALING = frozenset({"default", "linear", "ntk", "yarn", "llama3"})
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,11 @@ class PositionEncoding:
 
     @property
     def length_dependent(self) -> bool:
-        """True when a token's KV depends on the sequence's total length (reuse is unsafe)."""
-        return self.rope_scaling in LENGTH_DEPENDENT_ROPE_SCALING
+        """True unless a token's KV is known not to depend on the total length (see
+        `STATIC_ROPE_SCALING`); reuse is refused when it does."""
+        if self.rope_scaling is None:
+            return False
+        return self.rope_scaling.strip().lower() not in STATIC_ROPE_SCALING
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
-        return value.hex()
+        return {"float": value.hex()}
     if isinstance(value, Mapping):
         return {str(k): _canonical(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

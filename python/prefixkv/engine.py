@@ -387,9 +387,12 @@ class Engine:
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[RequestResult | None] = [None] * len(prompts)
+        # Every cache request begun and not yet finished, by id: whatever goes wrong (a model
+        # error, an on_finish callback raising, Ctrl-C), exactly these are finished on the way out.
+        live: dict[int, Request] = {}
         try:
             while waiting or running:
-                admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter)
+                admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter, live)
                 if not admitted and not running:
                     stats = self.cache.stats()  # only pinned or leaked blocks get here
                     raise OutOfBlocksError(
@@ -408,6 +411,7 @@ class Engine:
                         sequence.tokens.append(last)
                         still_running.append(sequence)
                         continue
+                    del live[sequence.request.id]
                     self.cache.finish(sequence.request)
                     result = self._result(sequence, check_exactness)
                     results[sequence.index] = result
@@ -415,8 +419,8 @@ class Engine:
                         on_finish(sequence.index, result)
                 running = still_running
         except BaseException:
-            for sequence in running:
-                self.cache.finish(sequence.request)
+            for request in live.values():
+                self.cache.finish(request)
             raise
         return [result for result in results if result is not None]
 
@@ -430,8 +434,10 @@ class Engine:
         running: list[_Sequence],
         max_new_tokens: int,
         adapter: str | None,
+        live: dict[int, Request],
     ) -> list[_Sequence]:
-        """Begin as many waiting requests as fit; removes them from `waiting`."""
+        """Begin as many waiting requests as fit; removes them from `waiting`, records each
+        begun request in `live` at once."""
         # Blocks the running requests will still allocate while they decode.
         reserved = sum(
             self._blocks_for(len(s.prompt) + max_new_tokens - 1) - len(s.block_table)
@@ -451,9 +457,11 @@ class Engine:
                 request = self.cache.begin(prompt, adapter=adapter)
             except OutOfBlocksError:
                 break
+            live[request.id] = request
             growth = self._blocks_for(len(prompt) + max_new_tokens - 1) - len(request.block_table)
             stats = self.cache.stats()
             if stats.blocks_free + stats.blocks_evictable < reserved + growth:
+                del live[request.id]
                 self.cache.finish(request)  # would starve a decode later: wait for blocks
                 break
             reserved += growth
