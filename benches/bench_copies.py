@@ -159,24 +159,40 @@ def run(
 def _diagnose(
     cache: PagedKVCache, ids: list[int], dev: torch.device, repeats: int
 ) -> dict[str, float]:
-    """Where a whole-block copy's time goes: the block-axis gather `copy_blocks_to` does vs the
-    same bytes gathered per (K/V, layer) slab along the leading axis, vs a contiguous copy."""
+    """Where a whole-block copy's time goes, piece by piece on the same 64 blocks: the gather
+    `copy_blocks_to` does (dim 1 of the 3-D ``[K/V x layer, block, elements]`` view) into a
+    fresh output as it does, and into a reused one; first touch of a fresh buffer that size; the
+    scatter half (`index_copy_` along dim 1); the 6-D block-axis gather it did before d609949;
+    and a contiguous copy of the same bytes."""
     index = torch.tensor(ids, device=dev)
+    dst_index = torch.tensor(list(reversed(ids)), device=dev)
     storage = cache.storage
     slabs = storage.view(2 * cache.num_layers, cache.num_blocks, -1)
     out = torch.empty(slabs.shape[0], len(ids), slabs.shape[2], dtype=storage.dtype, device=dev)
-
-    def per_slab() -> None:
-        for i in range(slabs.shape[0]):
-            torch.index_select(slabs[i], 0, index, out=out[i])
-
     flat = out.flatten()
     copy_target = torch.empty_like(flat)
-    gather, slab = _pair(lambda: storage.index_select(2, index), per_slab, dev, repeats)
-    contiguous, _ = _pair(lambda: copy_target.copy_(flat), lambda: None, dev, repeats)
+    fresh_gather, reused_gather = _pair(
+        lambda: slabs.index_select(1, index),
+        lambda: torch.index_select(slabs, 1, index, out=out),
+        dev,
+        repeats,
+    )
+    first_touch, scatter = _pair(
+        lambda: torch.empty_like(out).fill_(0),
+        lambda: slabs.index_copy_(1, dst_index, out),
+        dev,
+        repeats,
+    )
+    old_gather, contiguous = _pair(
+        lambda: storage.index_select(2, index), lambda: copy_target.copy_(flat), dev, repeats
+    )
     return {
-        "index_select(block axis) of the 6-D storage": gather * 1e3,
-        "index_select(dim 0) per (K/V, layer) slab": slab * 1e3,
+        "gather: index_select(dim 1) of the 3-D view, fresh output (what copy_blocks_to does)": fresh_gather
+        * 1e3,
+        "gather: the same into a reused output buffer": reused_gather * 1e3,
+        "first touch of a fresh buffer of that size (empty + fill_)": first_touch * 1e3,
+        "scatter: index_copy_(dim 1) of the 3-D view": scatter * 1e3,
+        "gather: index_select(block axis) of the 6-D storage (before d609949)": old_gather * 1e3,
         "contiguous copy_ of the same bytes": contiguous * 1e3,
     }
 
@@ -212,11 +228,14 @@ def markdown(result: dict[str, Any]) -> str:
         ["operation", "bytes", "ours GB/s", "contiguous copy_ GB/s", "ours ÷ copy_"], rows
     )
     probe = md_table(
-        ["gather of the 64 blocks' bytes", "ms"],
+        ["piece of `copy_blocks_to` on the 64 blocks (all layers, K and V)", "ms"],
         [[k, f"{v:.2f}"] for k, v in result["diagnosis_ms"].items()],
     )
     return (
-        head + table + "\n\nWhere the time goes (the gather half of `copy_blocks_to`):\n\n" + probe
+        head
+        + table
+        + "\n\nWhere the time of `copy_blocks_to` goes (gather into a staging tensor, then "
+        "scatter):\n\n" + probe
     )
 
 

@@ -133,7 +133,8 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
             )
         worst_floor = max(max(r["vs_floor_numpy"], r["vs_floor_list"]) for r in o["rows"])
         add(
-            "within 2× of the hash-only floor (every workload)",
+            "within 2× of the hash-only floor (every workload; floor = `_core.hash_prompt`, "
+            "the XXH3-128 table keys of the prompt's blocks, same input form)",
             f"worst {worst_floor:.2f}× (numpy {min(r['vs_floor_numpy'] for r in o['rows']):.2f}–"
             f"{max(r['vs_floor_numpy'] for r in o['rows']):.2f}×)",
             worst_floor <= 2.0,
@@ -183,6 +184,102 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def obstacles(results: dict[str, Any]) -> list[str]:
+    """What stands in the way of the missed aims, as measured in this run (bullet lines)."""
+    lines: list[str] = []
+    o = results.get("overhead")
+    core = {}
+    if results.get("core") and "lines" in results["core"]:
+        core = {line["what"]: line for line in results["core"]["lines"]}
+
+    def core_ns(prefix: str, field: str = "ns") -> float | None:
+        for what, line in core.items():
+            if what.startswith(prefix):
+                return line.get(field)
+        return None
+
+    if o:
+        b = o["breakdown"]["ns"]
+        none = o["issue_cases"]["shared_none"]
+        hit = o["issue_cases"]["shared_95"]
+        table_keys = b["_core.hash_prompt(bytes): 250 table keys (XXH3-128), nothing else"] / 1e3
+        commit = b["miss: _core.commit: 250 table keys + 250 table inserts"] / 1e3
+        line = (
+            f"- **Misses** (4k prompt sharing nothing: {none['us']['prefixkv_numpy']:.0f} µs numpy, "
+            f"aim 32.5 µs; its table-hash floor {none['us']['floor_numpy']:.1f} µs). Through "
+            f"`_core` on fresh prompts: begin {b['miss: _core.begin(bytes): 1 table key, allocate 250 blocks'] / 1e3:.1f} µs, "
+            f"commit {commit:.1f} µs, finish {b['miss: _core.finish: release 250 blocks'] / 1e3:.1f} µs. "
+            f"Of commit, the 250 table keys are {table_keys:.1f} µs; the rest is publishing 250 "
+            "entries."
+        )
+        inserts = core_ns("papaya try_insert")
+        rust_commit = core_ns("begin+commit+finish, 4000 tokens, shares nothing", "commit_ns")
+        if inserts is not None and rust_commit is not None:
+            line += (
+                f" In pure Rust (1b, a 200,000-block cache and a table presized to match), 250 "
+                f"bare inserts of the core's `Entry` into the `papaya` map take "
+                f"{inserts / 1e3:.1f} µs ({inserts / 250:.0f} ns each) of the core's "
+                f"{rust_commit / 1e3:.1f} µs commit: the map's insert (a heap node per entry, "
+                "an atomic publish into a slot of a large table, epoch bookkeeping), not "
+                "hashing, is what a miss costs, and it grows with the table's size."
+            )
+        lines.append(line)
+        ph = hit["prefixkv_numpy_phases_us"]
+        list_conversion = b["as_token_ids(list) -> bytes (array('I'))"]
+        lookup_all = b["_core.lookup(bytes), all cached: 250 table keys + table walk + verify"]
+        conversion = b["as_token_ids(numpy int64) -> bytes"]
+        lines.append(
+            f"- **Hits** (4k prompt sharing 95%: {hit['us']['prefixkv_numpy']:.1f} µs numpy, "
+            f"floor {hit['us']['floor_numpy']:.1f} µs): begin {ph['begin']:.1f}, commit "
+            f"{ph['commit']:.1f}, finish {ph['finish']:.1f} µs (medians). Of begin, roughly: "
+            f"conversion {conversion / 1e3:.1f} µs (`as_token_ids`, numpy; {list_conversion / 1e3:.1f} µs "
+            f"for a list), the lookup's work {lookup_all / 1e3:.1f} µs (a fully cached "
+            f"`_core.lookup(bytes)`: {table_keys:.1f} µs of table keys, the rest the table walk "
+            "and per-block verification), and the remaining "
+            f"{max(ph['begin'] * 1e3 - conversion - lookup_all, 0) / 1e3:.1f} µs taking references, "
+            "allocating the suffix, recording the request and returning its block table as a "
+            "list of Python ints."
+        )
+        best = max(r["us"]["python_numpy"] / r["us"]["floor_numpy"] for r in o["rows"])
+        worst = min(r["us"]["python_numpy"] / r["us"]["floor_numpy"] for r in o["rows"])
+        below = sum(r["us"]["python_numpy"] / r["us"]["floor_numpy"] < 15 for r in o["rows"])
+        lines.append(
+            "- **≥15× vs plain Python**: even a block manager whose table work were free could "
+            "not beat the plain-Python one by more than plain-Python time ÷ table-hash floor, "
+            f"which is {worst:.1f}–{best:.1f}× over these workloads (numpy), below 15× in "
+            f"{below} of {len(o['rows'])} rows: there the aim is out of reach of any table. The "
+            "baseline is dict + hashlib SHA-256 + verification; its hashing loop alone is in the "
+            "JSON (`python_hash_numpy`)."
+        )
+    t = results.get("threads")
+    if t:
+        gil = t["gil_held"]
+        lines.append(
+            f"- **Threads**: one lookup holds the GIL {gil['held_us']:.1f} of "
+            f"{gil['lookup_us']:.1f} µs ({gil['share']:.0%}, an upper bound), so the GIL alone "
+            f"allows at least ≈{gil['two_thread_bound']:.2f}× with two free cores; the load average was "
+            f"{t['load_average_before']:.1f} before and {t['load_average_after']:.1f} after on "
+            f"{t['cpus']} CPUs, and the GIL-holding control reached "
+            f"{t['configs']['control: plain-Python hash loop (holds the GIL)']['ratio']:.2f}×."
+        )
+    c = results.get("copies")
+    if c and "diagnosis_ms" in c:
+        d = c["diagnosis_ms"]
+        fresh = next(v for k, v in d.items() if "fresh output" in k)
+        reused = next(v for k, v in d.items() if "reused output" in k)
+        touch = next(v for k, v in d.items() if k.startswith("first touch"))
+        scatter = next(v for k, v in d.items() if k.startswith("scatter"))
+        contiguous = next(v for k, v in d.items() if k.startswith("contiguous"))
+        lines.append(
+            f"- **Copies**: `copy_blocks_to`'s gather into a fresh staging tensor takes "
+            f"{fresh:.1f} ms, into a reused one {reused:.1f} ms; first touch of a fresh buffer "
+            f"that size alone costs {touch:.1f} ms (page faults of a new allocation of that "
+            f"size), and the scatter (`index_copy_`) {scatter:.1f} ms, against {contiguous:.1f} ms "
+            "for a contiguous copy of the same bytes."
+        )
+    return lines
+
+
 def write_markdown(path: Path, data: dict[str, Any]) -> None:
     m = data["machine"]
     results = data["results"]
@@ -218,6 +315,9 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         "",
         md_table(["aim", "measured", ""], targets(results)),
     ]
+    found = obstacles(results)
+    if found:
+        parts += ["", "### What stands in the way (measured in this run)", "", *found]
     sections = [
         (
             "overhead",
@@ -246,6 +346,12 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only rewrite RESULTS.md from a saved results JSON (no benchmarks run)",
+    )
+    parser.add_argument(
         "--clock",
         choices=["cpu", "wall"],
         default="cpu",
@@ -253,6 +359,11 @@ def main() -> None:
         "a loaded machine) or wall time",
     )
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        write_markdown(BENCH_DIR / "RESULTS.md", saved)
+        print(md_table(["aim", "measured", ""], targets(saved["results"])))
+        return
     sections = args.only or SECTIONS
     set_clock(args.clock)
     info = machine()

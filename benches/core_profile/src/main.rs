@@ -1,9 +1,13 @@
 //! Per-request and per-block costs of the core alone (no Python), printed as JSON lines:
-//! the same shapes as section 1's 4,000-token issue cases, and the core's block hash next to
-//! BLAKE3 layouts (the core used BLAKE3 before commit c021a06).
+//! the same shapes as section 1's 4,000-token issue cases, the core's two hashes (the XXH3-128
+//! table key every lookup computes, the SHA-256 block key computed on demand) next to BLAKE3
+//! layouts (the core used BLAKE3 before commit c021a06), and what a miss's commit is made of:
+//! its table keys, bare inserts into the same presized lock-free table, and the rest.
 
 use std::time::Instant;
 
+use prefixkv_core::key::TableKey;
+use prefixkv_core::table::{new_table, Entry, Parent};
 use prefixkv_core::{block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras};
 
 const BLOCK_SIZE: usize = 16;
@@ -114,7 +118,37 @@ fn main() {
     let keys = median_ns(201, || {
         std::hint::black_box(cache.block_keys(&prompt, b"", &extras).expect("keys"));
     });
-    println!("{{\"what\": \"PrefixCache::block_keys, 4000 tokens\", \"ns\": {keys:.0}}}");
+    println!("{{\"what\": \"PrefixCache::block_keys, 4000 tokens (SHA-256 block keys)\", \"ns\": {keys:.0}}}");
+    let table_keys = median_ns(201, || {
+        std::hint::black_box(cache.hash_prompt(&prompt, b"", &extras));
+    });
+    println!("{{\"what\": \"PrefixCache::hash_prompt, 4000 tokens (XXH3-128 table keys)\", \"ns\": {table_keys:.0}}}");
+
+    // A miss's commit inserts one entry per block into the lock-free table. The bare insert,
+    // with the core's own entry type into a table presized like the cache's (200,000), fresh
+    // keys each round: what the map itself costs, with no pool or request bookkeeping.
+    let table = new_table(200_000);
+    let mut next_key = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut next_id = 0u64;
+    let insert_ns = median_ns(101, || {
+        let guard = table.guard();
+        for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+            next_key ^= next_key << 13;
+            next_key ^= next_key >> 7;
+            next_key ^= next_key << 17;
+            next_id += 1;
+            let entry = Entry {
+                id: next_id,
+                block: (next_id % 200_000) as u32,
+                parent: Parent::Entry(next_id - 1),
+                tokens: chunk.into(),
+                extras: Vec::new().into_boxed_slice(),
+            };
+            let key = TableKey(u128::from(next_key) << 64 | u128::from(next_id));
+            let _ = std::hint::black_box(table.try_insert(key, entry, &guard));
+        }
+    });
+    println!("{{\"what\": \"papaya try_insert of 250 entries (the core's Entry), presized table\", \"ns\": {insert_ns:.0}}}");
 
     let mut seed = 100;
     let request = |tokens: Vec<u32>| -> [u128; 3] {
