@@ -176,6 +176,9 @@ class PagedKVCache:
             device=self.device,
             pin_memory=pin_memory,
         )
+        # Reused staging buffer for block copies on this cache's device (grown on demand): a
+        # fresh buffer per call pays first-touch page faults that cost more than the copy.
+        self._staging: Tensor | None = None
 
     @classmethod
     def from_memory_budget(
@@ -403,6 +406,16 @@ class PagedKVCache:
         # (measured here: ~500x slower for 64 blocks).
         src_view = self._blocks_view()
         dst_view = other._blocks_view()
+        if self.device.type == "cpu" and other.device.type == "cpu":
+            src_list, dst_list = src.tolist(), dst.tolist()
+            if other is not self or not set(src_list) & set(dst_list):
+                # No block is both read and written, so order does not matter: copy each block
+                # straight to its destination, one pass over the bytes (a gather into a staging
+                # buffer and a scatter out of it is two passes: measured ~77% vs ~38% of a plain
+                # copy of the same bytes on this CPU). The loop is over blocks, not tokens.
+                for source, destination in zip(src_list, dst_list, strict=True):
+                    dst_view[:, destination].copy_(src_view[:, source])
+                return
         to_cuda_async = non_blocking and self.device.type == "cpu" and other.device.type == "cuda"
         if to_cuda_async and not self.is_pinned:
             # Gather straight into pinned memory: the DMA engine can only read pinned pages
@@ -412,10 +425,22 @@ class PagedKVCache:
             gathered = torch.empty(shape, dtype=self.dtype, pin_memory=True)
             torch.index_select(src_view, 1, src, out=gathered)
         else:
-            gathered = src_view.index_select(1, src)
+            gathered = self._staging_for(src.numel())
+            torch.index_select(src_view, 1, src, out=gathered)
         if other.device != self.device:
             gathered = _transfer(gathered, other.device, non_blocking=non_blocking)
         dst_view.index_copy_(1, dst, gathered)
+
+    def _staging_for(self, num_blocks: int) -> Tensor:
+        """A contiguous ``[2 * num_layers, num_blocks, elements per block]`` scratch tensor,
+        carved from a buffer kept between calls. Safe to reuse: every use on this device is
+        ordered on the same stream (CPU: synchronous), and a copy to another device is made
+        from it before the call returns."""
+        per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        needed = per_block * num_blocks
+        if self._staging is None or self._staging.numel() < needed:
+            self._staging = torch.empty(needed, dtype=self.dtype, device=self.device)
+        return self._staging[:needed].view(2 * self.num_layers, num_blocks, -1)
 
     def _blocks_view(self) -> Tensor:
         """The storage as ``[2 * num_layers, num_blocks, elements per block]`` (no copy)."""
