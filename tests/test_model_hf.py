@@ -1,9 +1,9 @@
-"""Cross-check against Hugging Face transformers, when it is installed (it is not a dependency).
+"""Cross-check against Hugging Face transformers (a test-only dependency).
 
 `forward_full` is the oracle of every other model test; here it is checked in turn against
 transformers' own Llama and Mistral implementations on the same checkpoint, in both directions:
 a checkpoint we write, loaded by transformers, and one transformers writes, loaded by us.
-Skipped without transformers; runs offline (local directories only).
+Runs offline (local directories only).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
-
-transformers = pytest.importorskip("transformers")
 
 TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
 

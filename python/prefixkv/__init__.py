@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from prefixkv.attention import BackendUnavailableError, paged_prefill_attention
     from prefixkv.engine import Engine, RequestResult
     from prefixkv.kv import PagedKVCache, PagedKVError
-    from prefixkv.model import LlamaModel, ModelConfig
+    from prefixkv.model import DecodeRequest, LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 _LAZY = {
     "PagedKVCache": "prefixkv.kv",
@@ -39,6 +39,9 @@ _LAZY = {
     "BackendUnavailableError": "prefixkv.attention",
     "LlamaModel": "prefixkv.model",
     "ModelConfig": "prefixkv.model",
+    "RopeScaling": "prefixkv.model",
+    "PrefillRequest": "prefixkv.model",
+    "DecodeRequest": "prefixkv.model",
     "Engine": "prefixkv.engine",
     "RequestResult": "prefixkv.engine",
 }
@@ -59,6 +62,7 @@ __all__ = [
     "BlockStateError",
     "CacheContext",
     "CacheStats",
+    "DecodeRequest",
     "Engine",
     "InvalidBlockError",
     "InvalidInputError",
@@ -69,11 +73,13 @@ __all__ = [
     "PagedKVError",
     "Pin",
     "PositionEncoding",
+    "PrefillRequest",
     "PrefixCache",
     "PrefixKVError",
     "PrefixMatch",
     "Request",
     "RequestResult",
+    "RopeScaling",
     "UnknownRequestError",
     "__version__",
     "as_token_ids",
