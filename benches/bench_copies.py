@@ -187,7 +187,7 @@ def _diagnose(
         lambda: storage.index_select(2, index), lambda: copy_target.copy_(flat), dev, repeats
     )
     return {
-        "gather: index_select(dim 1) of the 3-D view, fresh output (what copy_blocks_to does)": fresh_gather
+        "gather: index_select(dim 1) of the 3-D view, fresh output (what copy_blocks_to did before reusing its staging buffer)": fresh_gather
         * 1e3,
         "gather: the same into a reused output buffer": reused_gather * 1e3,
         "first touch of a fresh buffer of that size (empty + fill_)": first_touch * 1e3,
@@ -234,8 +234,9 @@ def markdown(result: dict[str, Any]) -> str:
     return (
         head
         + table
-        + "\n\nWhere the time of `copy_blocks_to` goes (gather into a staging tensor, then "
-        "scatter):\n\n" + probe
+        + "\n\nPieces of the gather-and-scatter path `copy_blocks_to` takes when a block is both "
+        "read and written, or across devices (on CPU, disjoint copies go block by block, in one "
+        "pass):\n\n" + probe
     )
 
 
