@@ -233,11 +233,7 @@ impl PrefixCache {
     ) -> Result<PrefixMatch> {
         self.check_tokens(tokens)?;
         self.probes.fetch_add(1, Ordering::Relaxed);
-        let root = root_key(&self.context.load(), salt);
-        let mut blocks = Vec::new();
-        self.match_chain(&mut Vec::new(), root, tokens, extras, |entry, _| {
-            blocks.push(entry.block)
-        });
+        let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
         Ok(self.prefix_match(blocks, tokens.len()))
     }
 
@@ -442,11 +438,7 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let root = root_key(&self.context.load(), salt);
-        let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e, _| {
-            blocks.push(e.block)
-        });
+        let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
         inner.tick += 1;
         for &block in &blocks {
             inner.pool.acquire(block);
@@ -559,11 +551,7 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let root = root_key(&self.context.load(), salt);
-        let mut blocks = Vec::new();
-        self.match_chain(&mut inner.scratch, root, tokens, extras, |e, _| {
-            blocks.push(e.block)
-        });
+        let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
         for &block in &blocks {
             inner.pool.pin(block);
         }
@@ -677,6 +665,22 @@ impl PrefixCache {
             }
         }
         Ok(())
+    }
+
+    /// The blocks of the cached prefix of `tokens` under the current context and `salt`.
+    fn matched_blocks(
+        &self,
+        buffer: &mut Vec<u8>,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Vec<BlockId> {
+        let root = root_key(&self.context.load(), salt);
+        let mut blocks = Vec::new();
+        self.match_chain(buffer, root, tokens, extras, |entry, _| {
+            blocks.push(entry.block)
+        });
+        blocks
     }
 
     /// Walks the cached chain of `tokens` from the root, verifying every entry, calling

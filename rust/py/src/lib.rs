@@ -182,6 +182,20 @@ fn extras_from(
     })
 }
 
+/// The inputs every lookup-like call takes: token ids, salt and the per-block extra keys.
+fn request_inputs<'a>(
+    tokens: &'a Bound<'_, PyAny>,
+    salt: Option<&Bound<'_, PyAny>>,
+    adapter: Option<&Bound<'_, PyAny>>,
+    multimodal: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Tokens<'a>, Vec<u8>, RequestExtras)> {
+    Ok((
+        tokens_from(tokens)?,
+        bytes_from(salt, "salt")?,
+        extras_from(adapter, multimodal)?,
+    ))
+}
+
 fn key_from(bytes: &[u8]) -> PyResult<BlockKey> {
     let key: [u8; 32] = bytes.try_into().map_err(|_| {
         invalid(format!(
@@ -328,9 +342,7 @@ impl CoreCache {
         adapter: Option<&Bound<'py, PyAny>>,
         multimodal: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PrefixMatchTuple<'py>> {
-        let tokens = tokens_from(tokens)?;
-        let salt = bytes_from(salt, "salt")?;
-        let extras = extras_from(adapter, multimodal)?;
+        let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
         let m = py
             .detach(|| self.0.lookup(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)?;
@@ -351,10 +363,8 @@ impl CoreCache {
         multimodal: Option<&Bound<'_, PyAny>>,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(u64, Vec<u32>, usize, bool, usize)> {
-        let tokens = tokens_from(tokens)?;
+        let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
         let num_tokens = tokens.len();
-        let salt = bytes_from(salt, "salt")?;
-        let extras = extras_from(adapter, multimodal)?;
         let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let r = py
             .detach(|| self.0.begin(tokens.into_vec(), &salt, extras, priority))
@@ -422,9 +432,7 @@ impl CoreCache {
         multimodal: Option<&Bound<'py, PyAny>>,
         priority: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PrefixMatchTuple<'py>> {
-        let tokens = tokens_from(tokens)?;
-        let salt = bytes_from(salt, "salt")?;
-        let extras = extras_from(adapter, multimodal)?;
+        let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
         let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let m = py
             .detach(|| {
@@ -484,9 +492,7 @@ impl CoreCache {
         adapter: Option<&Bound<'_, PyAny>>,
         multimodal: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(u64, usize)> {
-        let tokens = tokens_from(tokens)?;
-        let salt = bytes_from(salt, "salt")?;
-        let extras = extras_from(adapter, multimodal)?;
+        let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
         py.detach(|| self.0.pin(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)
     }
@@ -516,9 +522,7 @@ impl CoreCache {
         adapter: Option<&Bound<'py, PyAny>>,
         multimodal: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let tokens = tokens_from(tokens)?;
-        let salt = bytes_from(salt, "salt")?;
-        let extras = extras_from(adapter, multimodal)?;
+        let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
         let keys = py
             .detach(|| self.0.block_keys(&tokens.into_vec(), &salt, &extras))
             .map_err(to_py_err)?;
