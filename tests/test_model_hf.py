@@ -41,11 +41,14 @@ def load_with_transformers(directory: Path) -> Any:
         {"rope_scaling": RopeScaling("linear", 4.0)},
         # Beyond the trained length, so the length-dependent base is exercised.
         {"rope_scaling": RopeScaling("dynamic_ntk", 2.0), "max_position_embeddings": 16},
+        # Llama 3.1-style scaling, with an original length short enough that all three bands
+        # (kept, blended, interpolated) occur among the default head_dim's frequencies.
+        {"rope_scaling": RopeScaling("llama3", 8.0, 1.0, 4.0, 64)},
         {"tie_word_embeddings": True},
         {"dtype": torch.bfloat16},
         {"sliding_window": 5},
     ],
-    ids=["plain", "gqa8to1", "linear", "dynamic_ntk", "tied", "bf16", "mistral_window"],
+    ids=["plain", "gqa8to1", "linear", "dynamic_ntk", "llama3", "tied", "bf16", "mistral_window"],
 )
 def test_our_checkpoint_in_transformers_gives_our_logits(
     tmp_path: Path, changes: dict[str, Any]

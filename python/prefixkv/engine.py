@@ -152,6 +152,15 @@ def model_context(
     params: tuple[tuple[str, float], ...] = ()
     if scaling is not None:
         params = (("factor", float(scaling.factor)),)
+        if scaling.kind == "llama3":
+            params += (
+                ("high_freq_factor", float(scaling.high_freq_factor)),
+                ("low_freq_factor", float(scaling.low_freq_factor)),
+                (
+                    "original_max_position_embeddings",
+                    float(scaling.original_max_position_embeddings),
+                ),
+            )
         if scaling.kind == "dynamic_ntk":
             params += (("max_position_embeddings", float(config.max_position_embeddings)),)
     window = config.sliding_window

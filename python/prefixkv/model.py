@@ -81,16 +81,31 @@ class RopeScaling:
         ``"dynamic_ntk"``: the NTK base is recomputed from the sequence length L once L exceeds
         `max_position_embeddings` (HF's ``"dynamic"``). This makes RoPE depend on the total
         length: see `ModelConfig.position_encoding_is_length_dependent`.
+        ``"llama3"``: Llama 3.1's static per-frequency scaling: wavelengths longer than
+        ``original_max_position_embeddings / low_freq_factor`` are divided by `factor`, those
+        shorter than ``... / high_freq_factor`` kept, the band between interpolated smoothly.
     """
 
-    kind: Literal["linear", "ntk", "dynamic_ntk"]
+    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3"]
     factor: float
+    #: Llama 3 only (the defaults are Llama 3.1's).
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "ntk", "dynamic_ntk"):
+        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3"):
             raise InvalidInputError(
                 f"unsupported rope scaling kind {self.kind!r}; "
-                "expected 'linear', 'ntk' or 'dynamic_ntk'"
+                "expected 'linear', 'ntk', 'dynamic_ntk' or 'llama3'"
+            )
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor
+            and self.original_max_position_embeddings > 0
+        ):
+            raise InvalidInputError(
+                "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a "
+                "positive original_max_position_embeddings"
             )
         if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):
             raise InvalidInputError(
@@ -210,7 +225,7 @@ class ModelConfig:
         ``_compute_dynamic_ntk_parameters``.
         """
         scaling = self.rope_scaling
-        if scaling is None or scaling.kind == "linear":
+        if scaling is None or scaling.kind in ("linear", "llama3"):
             return self.rope_theta
         exponent = self.head_dim / (self.head_dim - 2)
         if scaling.kind == "ntk":
@@ -295,11 +310,22 @@ class ModelConfig:
         """
         rope_scaling = None
         if self.rope_scaling is not None:
-            hf_type = {"linear": "linear", "ntk": "ntk", "dynamic_ntk": "dynamic"}
+            hf_type = {
+                "linear": "linear",
+                "ntk": "ntk",
+                "dynamic_ntk": "dynamic",
+                "llama3": "llama3",
+            }
             rope_scaling = {
                 "rope_type": hf_type[self.rope_scaling.kind],
                 "factor": self.rope_scaling.factor,
             }
+            if self.rope_scaling.kind == "llama3":
+                rope_scaling["low_freq_factor"] = self.rope_scaling.low_freq_factor
+                rope_scaling["high_freq_factor"] = self.rope_scaling.high_freq_factor
+                rope_scaling["original_max_position_embeddings"] = (
+                    self.rope_scaling.original_max_position_embeddings
+                )
         hf: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -368,16 +394,33 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def _rope_scaling_from_hf(raw: Mapping[str, Any]) -> RopeScaling | None:
     kind = raw.get("rope_type", raw.get("type"))
-    kinds = {"linear": "linear", "ntk": "ntk", "dynamic": "dynamic_ntk", "default": None}
+    kinds = {
+        "linear": "linear",
+        "ntk": "ntk",
+        "dynamic": "dynamic_ntk",
+        "llama3": "llama3",
+        "default": None,
+    }
     if kind not in kinds:
         raise InvalidInputError(
             f"unsupported rope_scaling type {kind!r}: this model implements "
-            "'linear', 'ntk' (static NTK-aware) and 'dynamic' (dynamic NTK)"
+            "'linear', 'ntk' (static NTK-aware), 'dynamic' (dynamic NTK) and 'llama3'"
         )
     if kinds[kind] is None:
         return None
     if "factor" not in raw:
         raise InvalidInputError("rope_scaling needs a 'factor'")
+    if kind == "llama3":
+        try:
+            return RopeScaling(
+                kind="llama3",
+                factor=float(raw["factor"]),
+                low_freq_factor=float(raw["low_freq_factor"]),
+                high_freq_factor=float(raw["high_freq_factor"]),
+                original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            )
+        except KeyError as missing:
+            raise InvalidInputError(f"llama3 rope_scaling needs {missing}") from None
     return RopeScaling(kind=kinds[kind], factor=float(raw["factor"]))  # type: ignore[arg-type]
 
 
@@ -392,9 +435,28 @@ def rope_inverse_frequencies(config: ModelConfig, sequence_length: int) -> torch
     base = config.rope_base(sequence_length)
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
     inverse = 1.0 / (base**exponents)
-    if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
-        inverse = inverse / config.rope_scaling.factor
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "linear":
+        inverse = inverse / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        inverse = _llama3_frequencies(inverse, scaling)
     return inverse
+
+
+def _llama3_frequencies(inverse: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling (the published formula): long wavelengths are interpolated by
+    `factor`, short ones kept, the band between blended linearly in 1 / wavelength."""
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inverse
+    low_freq_wavelength = original / scaling.low_freq_factor
+    high_freq_wavelength = original / scaling.high_freq_factor
+    smooth = (original / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inverse / scaling.factor + smooth * inverse
+    scaled = torch.where(wavelength > low_freq_wavelength, inverse / scaling.factor, inverse)
+    in_band = (wavelength <= low_freq_wavelength) & (wavelength >= high_freq_wavelength)
+    return torch.where(in_band, blended, scaled)
 
 
 # --------------------------------------------------------------------------------------------
