@@ -27,3 +27,7 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_report_header() -> str:
+    return f"hypothesis profile: {settings.get_current_profile_name()}"
