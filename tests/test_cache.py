@@ -377,6 +377,14 @@ def test_forced_collisions_never_give_a_wrong_hit():
 # ----- token id formats and bad input -----------------------------------------------------------
 
 
+def test_small_integer_dtypes_read_the_same_ids():
+    cache = PrefixCache(16, block_size=BS)
+    tokens = [1, 2, 3, 4, 5, 100, 7, 8, 9]
+    serve(cache, tokens)
+    for dtype in (np.int8, np.uint8, np.int16, np.uint16):
+        assert cache.lookup(np.array(tokens, dtype=dtype)).num_cached_tokens == 8
+
+
 @pytest.mark.parametrize(
     "convert",
     [
@@ -387,11 +395,14 @@ def test_forced_collisions_never_give_a_wrong_hit():
         lambda t: np.array(t, dtype=np.uint32),
         lambda t: np.array(t, dtype=np.int64)[::1],
         lambda t: np.repeat(np.array(t, dtype=np.int64), 2)[::2],  # strided view
+        lambda t: np.array(t, dtype=np.uint64),
+        lambda t: np.array(t, dtype=">i8"),  # big-endian
         lambda t: torch.tensor(t, dtype=torch.int64),
         lambda t: torch.tensor(t, dtype=torch.int32),
     ],
 )
 def test_token_id_formats_agree(convert):
+    """Every integer width and byte order reads as the same ids (the core narrows them)."""
     cache = PrefixCache(16, block_size=BS)
     tokens = [5, 1, 2, 3, 4, 4000000000 % 2**31, 7, 8, 9]
     serve(cache, tokens)
@@ -404,6 +415,9 @@ BAD_TOKENS = [
     ([1, "a"], InvalidInputError, "not an int"),
     (np.array([1, -5], dtype=np.int64), InvalidInputError, "negative"),
     (np.array([1, 2**40], dtype=np.int64), InvalidInputError, "out of range"),
+    (np.array([1, 2, 2**63], dtype=np.uint64), InvalidInputError, "position 2 is out of range"),
+    (np.array([3, -1], dtype=np.int16), InvalidInputError, "-1 at position 1 is negative"),
+    (np.array([-128], dtype=np.int8), InvalidInputError, "-128 at position 0 is negative"),
     (np.array([1.0, 2.0]), InvalidInputError, "integer dtype"),
     (np.zeros((2, 2), dtype=np.int32), InvalidInputError, "one-dimensional"),
     (torch.tensor([1, -1]), InvalidInputError, "negative"),

@@ -6,7 +6,7 @@ from typing import final
 __version__: str
 __all__ = ["CacheStats", "CoreCache", "__version__", "context_fingerprint"]
 
-_Tokens = Sequence[int] | bytes
+_Tokens = Sequence[int] | bytes | tuple[bytes, int, bool]
 _Bytes = str | bytes | None
 _Multimodal = Sequence[tuple[int, int, str | bytes]] | None
 

@@ -86,12 +86,14 @@ class Pin:
     num_blocks: int
 
 
-def as_token_ids(tokens: TokenIds) -> list[int] | tuple[int, ...] | bytes:
-    """Token ids in a form the core reads: a list/tuple as is, arrays as little-endian u32.
+def as_token_ids(
+    tokens: TokenIds,
+) -> list[int] | tuple[int, ...] | bytes | tuple[bytes, int, bool]:
+    """Token ids in a form the core reads (treat it as opaque).
 
-    numpy arrays (int32, int64, uint32 and other integer dtypes) and CPU torch tensors are
-    checked with vectorised operations and handed over as one buffer, never element by element;
-    a C-contiguous uint32 array is not converted at all before that buffer copy.
+    A list of ints is packed to little-endian u32 in C; numpy arrays of any integer dtype and
+    CPU torch tensors are handed over as one buffer of their raw bytes, which the core checks
+    and narrows with the GIL released. Nothing is converted element by element in Python.
     """
     if isinstance(tokens, (list, tuple)):
         return _list_tokens(tokens)
@@ -125,19 +127,17 @@ def _list_tokens(tokens: list[int] | tuple[int, ...]) -> list[int] | tuple[int, 
     return packed.tobytes()
 
 
-def _array_tokens(values: np.ndarray) -> bytes:
+def _array_tokens(values: np.ndarray) -> tuple[bytes, int, bool]:
+    # Only metadata is checked here; the core checks every value (negative, above 2**32 - 1)
+    # and narrows to u32 with the GIL released. The one copy made with the GIL held is the
+    # `tobytes` below: the stable ABI for CPython 3.10 has no buffer protocol to read in place.
     if values.ndim != 1:
         raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
     if values.dtype.kind not in "iu":
         raise InvalidInputError(f"token ids must have an integer dtype, got {values.dtype}")
-    if values.size:
-        if values.dtype.kind == "i" and (low := int(values.min())) < 0:
-            position = int(np.argmin(values))
-            raise InvalidInputError(f"token id {low} at position {position} is negative")
-        if values.dtype.itemsize > 4 and (high := int(values.max())) > _U32_MAX:
-            position = int(np.argmax(values))
-            raise InvalidInputError(f"token id {high} at position {position} is out of range")
-    return np.ascontiguousarray(values, dtype="<u4").tobytes()
+    if values.dtype.byteorder == ">" or (values.dtype.byteorder == "=" and sys.byteorder == "big"):
+        values = values.astype(values.dtype.newbyteorder("<"))
+    return values.tobytes(), values.dtype.itemsize, values.dtype.kind == "i"
 
 
 def _unpack_u32(data: bytes) -> list[int]:

@@ -36,43 +36,155 @@ fn invalid(message: String) -> PyErr {
 }
 
 /// Token ids as received: packed little-endian u32 `bytes` (the form the Python layer gives
-/// lists, numpy arrays and tensors, converted without a Python-level loop), borrowed so the
-/// unpacking can run with the GIL released; or ints converted one by one from a list/tuple.
-enum Tokens<'a> {
-    Packed(&'a [u8]),
+/// lists); the raw little-endian bytes of an integer array of another width, checked here
+/// (negative or oversized ids); or ints converted one by one from a list or tuple.
+enum Tokens<'py> {
+    Packed(Bound<'py, PyBytes>),
+    Wide {
+        data: Bound<'py, PyBytes>,
+        width: usize,
+        signed: bool,
+    },
     Owned(Vec<u32>),
 }
 
+/// A borrowed view of `Tokens` that can cross into `detach`: unpacking and checking then run
+/// with the GIL released.
+enum TokenView<'a> {
+    Packed(&'a [u8]),
+    Wide {
+        data: &'a [u8],
+        width: usize,
+        signed: bool,
+    },
+    Owned(&'a [u32]),
+}
+
 impl Tokens<'_> {
-    /// The token ids; call inside `detach` for packed input, which costs a pass over the bytes.
-    fn into_vec(self) -> Vec<u32> {
+    fn view(&self) -> TokenView<'_> {
         match self {
-            Tokens::Packed(data) => data
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Tokens::Owned(tokens) => tokens,
+            Tokens::Packed(data) => TokenView::Packed(data.as_bytes()),
+            Tokens::Wide {
+                data,
+                width,
+                signed,
+            } => TokenView::Wide {
+                data: data.as_bytes(),
+                width: *width,
+                signed: *signed,
+            },
+            Tokens::Owned(tokens) => TokenView::Owned(tokens),
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            Tokens::Packed(data) => data.len() / 4,
+            Tokens::Packed(data) => data.as_bytes().len() / 4,
+            Tokens::Wide { data, width, .. } => data.as_bytes().len() / width,
             Tokens::Owned(tokens) => tokens.len(),
         }
     }
 }
 
-fn tokens_from<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
+impl TokenView<'_> {
+    /// The token ids, or the first one that is not a valid id.
+    fn into_vec(self) -> Result<Vec<u32>, CacheError> {
+        match self {
+            TokenView::Packed(data) => Ok(data
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            TokenView::Wide {
+                data,
+                width,
+                signed,
+            } => widen(data, width, signed),
+            TokenView::Owned(tokens) => Ok(tokens.to_vec()),
+        }
+    }
+}
+
+/// Little-endian integers of `width` bytes as token ids. One branch-free pass per width that
+/// the compiler vectorises, flagging any value outside `0 ..= u32::MAX`; only then a second
+/// pass finds the first such value to name it.
+fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
+    fn pass<const W: usize>(
+        data: &[u8],
+        read: impl Fn([u8; W]) -> (u32, bool),
+    ) -> (Vec<u32>, bool) {
+        let mut out = Vec::with_capacity(data.len() / W);
+        let mut valid = true;
+        for chunk in data.chunks_exact(W) {
+            let (value, ok) = read(chunk.try_into().unwrap_or([0; W]));
+            valid &= ok;
+            out.push(value);
+        }
+        (out, valid)
+    }
+    const MAX: u64 = u32::MAX as u64;
+    let (out, valid) = match (width, signed) {
+        (8, false) => pass::<8>(data, |b| {
+            let v = u64::from_le_bytes(b);
+            (v as u32, v <= MAX)
+        }),
+        (8, true) => pass::<8>(data, |b| {
+            let v = i64::from_le_bytes(b);
+            (v as u32, (0..=MAX as i64).contains(&v))
+        }),
+        (4, true) => pass::<4>(data, |b| {
+            let v = i32::from_le_bytes(b);
+            (v as u32, v >= 0)
+        }),
+        (4, false) => pass::<4>(data, |b| (u32::from_le_bytes(b), true)),
+        (2, true) => pass::<2>(data, |b| {
+            let v = i16::from_le_bytes(b);
+            (v as u32, v >= 0)
+        }),
+        (2, false) => pass::<2>(data, |b| (u32::from(u16::from_le_bytes(b)), true)),
+        (_, true) => pass::<1>(data, |b| (b[0] as i8 as u32, b[0] < 0x80)),
+        (_, false) => pass::<1>(data, |b| (u32::from(b[0]), true)),
+    };
+    if valid {
+        return Ok(out);
+    }
+    for (position, bytes) in data.chunks_exact(width).enumerate() {
+        wide_token(position, bytes, signed)?;
+    }
+    Err(CacheError::InvalidInput(
+        "a token id is out of range".into(),
+    ))
+}
+
+/// One little-endian integer of 1, 2, 4 or 8 bytes as a token id.
+fn wide_token(position: usize, bytes: &[u8], signed: bool) -> Result<u32, CacheError> {
+    let mut word = [0u8; 8];
+    word[..bytes.len()].copy_from_slice(bytes);
+    let negative = signed && bytes[bytes.len() - 1] & 0x80 != 0;
+    if negative {
+        // Sign-extend to report the value the caller passed.
+        word[bytes.len()..].fill(0xFF);
+        let value = i64::from_le_bytes(word);
+        return Err(CacheError::InvalidInput(format!(
+            "token id {value} at position {position} is negative"
+        )));
+    }
+    let value = u64::from_le_bytes(word);
+    u32::try_from(value).map_err(|_| {
+        CacheError::InvalidInput(format!(
+            "token id {value} at position {position} is out of range (0 ..= 4294967295)"
+        ))
+    })
+}
+
+fn tokens_from<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
     if let Ok(bytes) = obj.cast::<PyBytes>() {
-        let data = bytes.as_bytes();
-        if data.len() % 4 != 0 {
+        let len = bytes.as_bytes().len();
+        if len % 4 != 0 {
             return Err(invalid(format!(
-                "token buffer of {} bytes is not a whole number of u32",
-                data.len()
+                "token buffer of {len} bytes is not a whole number of u32"
             )));
         }
-        return Ok(Tokens::Packed(data));
+        return Ok(Tokens::Packed(bytes.clone()));
     }
     let convert = |index: usize, item: Bound<'_, PyAny>| -> PyResult<u32> {
         let value: i64 = item.extract().map_err(|_| {
@@ -96,6 +208,24 @@ fn tokens_from<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
             .map(Tokens::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
+        if tuple.len() == 3 {
+            if let Ok(data) = tuple.get_item(0)?.cast_into::<PyBytes>() {
+                let width: usize = tuple.get_item(1)?.extract()?;
+                let signed: bool = tuple.get_item(2)?.extract()?;
+                let len = data.as_bytes().len();
+                if !matches!(width, 1 | 2 | 4 | 8) || len % width != 0 {
+                    return Err(invalid(format!(
+                        "a packed token array needs a width of 1, 2, 4 or 8 bytes dividing its \
+                         {len} bytes, got {width}"
+                    )));
+                }
+                return Ok(Tokens::Wide {
+                    data,
+                    width,
+                    signed,
+                });
+            }
+        }
         return tuple
             .iter()
             .enumerate()
@@ -183,12 +313,12 @@ fn extras_from(
 }
 
 /// The inputs every lookup-like call takes: token ids, salt and the per-block extra keys.
-fn request_inputs<'a>(
-    tokens: &'a Bound<'_, PyAny>,
+fn request_inputs<'py>(
+    tokens: &Bound<'py, PyAny>,
     salt: Option<&Bound<'_, PyAny>>,
     adapter: Option<&Bound<'_, PyAny>>,
     multimodal: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(Tokens<'a>, Vec<u8>, RequestExtras)> {
+) -> PyResult<(Tokens<'py>, Vec<u8>, RequestExtras)> {
     Ok((
         tokens_from(tokens)?,
         bytes_from(salt, "salt")?,
@@ -343,8 +473,12 @@ impl CoreCache {
         multimodal: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PrefixMatchTuple<'py>> {
         let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
+        let view = tokens.view();
         let m = py
-            .detach(|| self.0.lookup(&tokens.into_vec(), &salt, &extras))
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.lookup(&t, &salt, &extras))
+            })
             .map_err(to_py_err)?;
         Ok((
             packed_blocks(py, &m.blocks),
@@ -364,10 +498,14 @@ impl CoreCache {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(u64, Vec<u32>, usize, bool, usize)> {
         let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
+        let view = tokens.view();
         let num_tokens = tokens.len();
         let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let r = py
-            .detach(|| self.0.begin(tokens.into_vec(), &salt, extras, priority))
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.begin(t, &salt, extras, priority))
+            })
             .map_err(to_py_err)?;
         Ok((
             r.request_id,
@@ -386,7 +524,8 @@ impl CoreCache {
     ) -> PyResult<Vec<u32>> {
         let request_id = self::request_id(request_id)?;
         let tokens = tokens_from(tokens)?;
-        py.detach(|| self.0.append(request_id, &tokens.into_vec()))
+        let view = tokens.view();
+        py.detach(|| view.into_vec().and_then(|t| self.0.append(request_id, &t)))
             .map_err(to_py_err)
     }
 
@@ -433,11 +572,12 @@ impl CoreCache {
         priority: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<PrefixMatchTuple<'py>> {
         let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
+        let view = tokens.view();
         let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         let m = py
             .detach(|| {
-                self.0
-                    .match_and_acquire(&tokens.into_vec(), &salt, &extras, priority)
+                view.into_vec()
+                    .and_then(|t| self.0.match_and_acquire(&t, &salt, &extras, priority))
             })
             .map_err(to_py_err)?;
         Ok((
@@ -467,13 +607,14 @@ impl CoreCache {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u32>> {
         let tokens = tokens_from(tokens)?;
+        let view = tokens.view();
         let blocks = block_args(blocks)?;
         let salt = bytes_from(salt, "salt")?;
         let extras = extras_from(adapter, multimodal)?;
         let priority = priority.map(priority_arg).transpose()?.unwrap_or(0);
         py.detach(|| {
-            self.0
-                .commit_blocks(&tokens.into_vec(), &blocks, &salt, &extras, priority)
+            view.into_vec()
+                .and_then(|t| self.0.commit_blocks(&t, &blocks, &salt, &extras, priority))
         })
         .map_err(to_py_err)
     }
@@ -493,7 +634,8 @@ impl CoreCache {
         multimodal: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(u64, usize)> {
         let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
-        py.detach(|| self.0.pin(&tokens.into_vec(), &salt, &extras))
+        let view = tokens.view();
+        py.detach(|| view.into_vec().and_then(|t| self.0.pin(&t, &salt, &extras)))
             .map_err(to_py_err)
     }
 
@@ -523,8 +665,12 @@ impl CoreCache {
         multimodal: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let (tokens, salt, extras) = request_inputs(tokens, salt, adapter, multimodal)?;
+        let view = tokens.view();
         let keys = py
-            .detach(|| self.0.block_keys(&tokens.into_vec(), &salt, &extras))
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.block_keys(&t, &salt, &extras))
+            })
             .map_err(to_py_err)?;
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
@@ -538,11 +684,13 @@ impl CoreCache {
         salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let tokens = tokens_from(tokens)?;
+        let view = tokens.view();
         let salt = bytes_from(salt, "salt")?;
-        Ok(py.detach(|| {
-            self.0
-                .hash_prompt(&tokens.into_vec(), &salt, &RequestExtras::default())
-        }))
+        py.detach(|| {
+            view.into_vec()
+                .map(|t| self.0.hash_prompt(&t, &salt, &RequestExtras::default()))
+        })
+        .map_err(to_py_err)
     }
 
     fn stats(&self) -> CacheStats {
