@@ -97,11 +97,12 @@ def _gil_held_share(
     running. If every held section had to wait for the other thread's, two threads would reach
     2 / (1 + share) of one thread's rate: the bound reported.
 
-    Held: the numpy checks and cast to u32 bytes (`as_token_ids`); the call itself (argument
+    Held: the array's metadata checks and its one `tobytes` copy (`as_token_ids`; the values
+    are checked and narrowed later, with the GIL released); the call itself (argument
     parsing, detach/attach, the result tuple), timed as a `_core.lookup` of a one-block prompt
     that misses, whose released part is one block's unpack and hash; and wrapping the result
     (the packed block ids are copied into a `bytes` with the GIL held, then a `PrefixMatch`).
-    Released: the rest of the lookup (unpacking the token buffer, every table key, the table
+    Released: the rest of the lookup (checking and narrowing the token buffer, every table key, the table
     walk and verification, packing the block ids) = the whole lookup minus the held terms.
     An upper bound on the held share: numpy drops the GIL inside some of its own loops.
     """
@@ -110,7 +111,7 @@ def _gil_held_share(
     from prefixkv.cache import PrefixMatch, as_token_ids
 
     one_block = as_token_ids(rng.integers(0, 128_000, BLOCK_SIZE, dtype=np.int64))
-    packed = as_token_ids(np.arange(len(prompt) // BLOCK_SIZE, dtype=np.uint32))
+    packed = np.arange(len(prompt) // BLOCK_SIZE, dtype="<u4").tobytes()
     conversion = median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
     call = median_ns(lambda: cache._core.lookup(one_block), repeats=21, number=20)
     wrap = median_ns(
