@@ -25,7 +25,14 @@
 //! `clear` and `set_context` drop every cached block nobody references and detach the
 //! referenced ones (unreachable to new lookups, freed at their last release). Live requests are
 //! marked non-cacheable: their KV was computed under the old weights or context, and must never
-//! be published under the new one.
+//! be published under the new one. The same holds for blocks held through the low-level API:
+//! each reset starts a new *epoch*, every allocation records its epoch, and `commit_blocks`
+//! refuses a block from an older one.
+//!
+//! ## Who may drop a reference
+//! A request's references belong to the request and are dropped only by `finish`. References
+//! taken through `allocate` / `match_and_acquire` are counted apart and are the only ones
+//! `release` accepts, so a caller can never release a block out from under a request.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
