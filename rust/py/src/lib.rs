@@ -8,7 +8,6 @@ use prefixkv_core::{
     BlockKey, CacheConfig, CacheError, CacheStats as CoreStats, MultimodalItem, PrefixCache,
     RequestExtras,
 };
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
@@ -210,8 +209,9 @@ fn tokens_from<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         if tuple.len() == 3 {
             if let Ok(data) = tuple.get_item(0)?.cast_into::<PyBytes>() {
-                let width: usize = tuple.get_item(1)?.extract()?;
-                let signed: bool = tuple.get_item(2)?.extract()?;
+                let header = || invalid("a packed token array is (bytes, width, signed)".into());
+                let width: usize = tuple.get_item(1)?.extract().map_err(|_| header())?;
+                let signed: bool = tuple.get_item(2)?.extract().map_err(|_| header())?;
                 let len = data.as_bytes().len();
                 if !matches!(width, 1 | 2 | 4 | 8) || len % width != 0 {
                     return Err(invalid(format!(
@@ -233,7 +233,7 @@ fn tokens_from<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
             .collect::<PyResult<_>>()
             .map(Tokens::Owned);
     }
-    Err(PyTypeError::new_err(format!(
+    Err(invalid(format!(
         "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
         type_name(obj)
     )))
