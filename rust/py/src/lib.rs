@@ -262,7 +262,10 @@ fn bytes_from(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Vec<u8>> {
         Some(o) if o.is_none() => Ok(Vec::new()),
         Some(o) => {
             if let Ok(s) = o.cast::<PyString>() {
-                Ok(s.to_str()?.as_bytes().to_vec())
+                let text = s
+                    .to_str()
+                    .map_err(|_| invalid(format!("{what} is not valid UTF-8 text")))?;
+                Ok(text.as_bytes().to_vec())
             } else if let Ok(b) = o.cast::<PyBytes>() {
                 Ok(b.as_bytes().to_vec())
             } else {
@@ -285,7 +288,13 @@ fn extras_from(
     };
     let mut items = Vec::new();
     if let Some(list) = multimodal.filter(|m| !m.is_none()) {
-        for (index, item) in list.try_iter()?.enumerate() {
+        let iter = list.try_iter().map_err(|_| {
+            invalid(format!(
+                "multimodal must be a sequence of (start, length, hash), not {}",
+                type_name(list)
+            ))
+        })?;
+        for (index, item) in iter.enumerate() {
             let item = item?;
             let (start, length, hash): (i64, i64, Bound<'_, PyAny>) =
                 item.extract().map_err(|_| {
