@@ -38,7 +38,6 @@ TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is 
 #: A multimodal item: (first placeholder position, number of placeholders, content hash).
 MultimodalItem = tuple[int, int, "bytes | str"]
 
-_U32_MAX = 2**32 - 1
 # array("I") is 32 bits wide on every platform CPython supports today; checked, not assumed.
 _PACK_LISTS = array.array("I").itemsize == 4
 

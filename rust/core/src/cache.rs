@@ -244,8 +244,8 @@ impl PrefixCache {
         Ok(self.prefix_match(blocks, tokens.len()))
     }
 
-    /// Keys of every full block of `tokens` under the current context (for events, external
-    /// tiers and the hashing-cost baseline).
+    /// SHA-256 block keys of every full block of `tokens` under the current context: the keys
+    /// that may leave the process (events, external tiers, routers). Lookups never need them.
     pub fn block_keys(
         &self,
         tokens: &[u32],
@@ -384,8 +384,7 @@ impl PrefixCache {
         let target = num_computed_tokens / self.config.block_size;
         if request.cacheable {
             inner.tick += 1;
-            let own = request.block_table.clone();
-            self.extend_anchors(inner, &mut request, &own, target);
+            self.extend_anchors(inner, &mut request, target);
         }
         let committed = request.anchors.len();
         inner.requests.insert(request_id, request);
@@ -518,7 +517,7 @@ impl PrefixCache {
             cacheable: true,
         };
         inner.tick += 1;
-        self.extend_anchors(inner, &mut request, blocks, blocks.len());
+        self.extend_anchors(inner, &mut request, blocks.len());
         Ok(request.anchors.iter().map(|e| e.block).collect())
     }
 
@@ -769,14 +768,8 @@ impl PrefixCache {
     }
 
     /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
-    /// `own[position]`.
-    fn extend_anchors(
-        &self,
-        inner: &mut Inner,
-        request: &mut Request,
-        own: &[BlockId],
-        target: usize,
-    ) {
+    /// `request.block_table[position]`.
+    fn extend_anchors(&self, inner: &mut Inner, request: &mut Request, target: usize) {
         // A deduplicated anchor is another request's block, which this request does not hold:
         // it may have been evicted since the last commit. Liveness is prefix-closed (a cached
         // child keeps its parent), so drop dead anchors from the tip; their positions are
@@ -807,7 +800,7 @@ impl PrefixCache {
             let key = self
                 .hasher
                 .block(&mut inner.scratch, parent_key, chunk, &block_extras);
-            let own_block = own[position];
+            let own_block = request.block_table[position];
             if inner.pool.is_cached(own_block) {
                 // Only through the low-level API: the caller passed a block that is already
                 // cached. Fine if it is exactly this entry; it cannot stand anywhere else.

@@ -89,10 +89,7 @@ impl TokenView<'_> {
     /// The token ids, or the first one that is not a valid id.
     fn into_vec(self) -> Result<Vec<u32>, CacheError> {
         match self {
-            TokenView::Packed(data) => Ok(data
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()),
+            TokenView::Packed(data) => widen(data, 4, false),
             TokenView::Wide {
                 data,
                 width,
