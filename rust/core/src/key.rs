@@ -7,7 +7,7 @@
 //!   in-process table. It never leaves the process, so it needs no cryptographic strength: a
 //!   hit is always verified against the stored tokens, extras and parent, so a collision, even
 //!   a crafted one, can only cost a miss, and the per-cache random seed leaves an attacker
-//!   nothing to aim at. It is about ten times cheaper than SHA-256 on a block, which is most of
+//!   nothing to aim at. It is about seven times cheaper than SHA-256 on a block, which is most of
 //!   what a lookup costs.
 //!
 //! A block's key covers everything that decides its KV: the key of the block before it (so a
@@ -19,7 +19,7 @@
 //! Keys are 256-bit SHA-256 digests. SHA-256 is cryptographic, so keys that leave the process
 //! (events, remote tiers) cannot be forged to collide, and with the SHA extensions of current x86
 //! and Arm CPUs it is the fastest such hash on the short inputs a block key hashes: measured here
-//! (AMD EPYC, `benches/`), 250 ns for a 16-token block against 600 ns for BLAKE3, whose SIMD
+//! (AMD EPYC, `benches/RESULTS.md`), 85 ns for a 16-token block against 171 ns for BLAKE3, whose SIMD
 //! advantage only appears on inputs of several KiB. The table never trusts a key alone, though:
 //! every hit is verified against the stored tokens, extras and parent (see `table.rs`), so even
 //! a collision can only turn a hit into a miss.
