@@ -15,7 +15,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from prefixkv._core import __version__
-from prefixkv._errors import (
+from prefixkv.cache import CacheStats, Pin, PrefixCache, PrefixMatch, Request, as_token_ids
+from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
+from prefixkv.errors import (
     BlockStateError,
     InvalidBlockError,
     InvalidInputError,
@@ -23,8 +25,6 @@ from prefixkv._errors import (
     PrefixKVError,
     UnknownRequestError,
 )
-from prefixkv.cache import CacheStats, Pin, PrefixCache, PrefixMatch, Request, as_token_ids
-from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 
 if TYPE_CHECKING:
     from prefixkv.attention import BackendUnavailableError, paged_prefill_attention

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prefixkv.errors import InvalidInputError, PrefixKVError
+from prefixkv.errors import BackendUnavailableError, InvalidInputError
 from prefixkv.kv import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, gather_pages
 
 __all__ = [
@@ -82,10 +82,6 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the Python loop is not the bottleneck.
 _TORCH_QUERY_TILE = 64
 _TORCH_KV_TILE_TOKENS = 256
-
-
-class BackendUnavailableError(PrefixKVError, RuntimeError):
-    """The requested attention backend cannot run here (triton missing, or no CUDA device)."""
 
 
 def triton_available() -> bool:

@@ -28,8 +28,8 @@ import numpy as np
 
 from prefixkv import _core
 from prefixkv._core import CacheStats
-from prefixkv._errors import InvalidInputError
 from prefixkv.context import CacheContext
+from prefixkv.errors import InvalidInputError
 
 __all__ = ["CacheStats", "Pin", "PrefixCache", "PrefixMatch", "Request", "as_token_ids"]
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from prefixkv._errors import InvalidInputError
+from prefixkv.errors import InvalidInputError
 
 __all__ = ["AttentionMask", "CacheContext", "PositionEncoding"]
 

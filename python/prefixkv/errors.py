@@ -1,24 +1,94 @@
-"""The exception hierarchy: one base class, subclasses that are also the built-in a user catches.
+"""Every exception prefixkv raises on purpose, in one place.
 
-The Rust core raises these through the binding (`prefixkv._core` defines the ones that cross the
-boundary and this module re-exports them); the Python modules raise the same classes, so an
-engine can write one `except PrefixKVError` around any prefixkv call.
+One base class, `PrefixKVError`, so an engine can wrap any prefixkv call in a single
+`except PrefixKVError`. Each subclass also derives from the built-in a user would catch
+without knowing prefixkv (`ValueError`, `KeyError`, `MemoryError`, `ImportError`,
+`RuntimeError`).
+
+Why these are Python classes and not defined by the Rust binding: the double bases. A class
+created by PyO3's `create_exception!` has one base; `OutOfBlocksError` must be both a
+`PrefixKVError` and a `MemoryError`. So the classes live here and the native module imports
+them at load time (`pyo3::import_exception!(prefixkv.errors, ...)` in `rust/py`), raising these
+exact classes; pure-Python modules raise the same ones.
 """
 
-from prefixkv._errors import (
-    BlockStateError,
-    InvalidBlockError,
-    InvalidInputError,
-    OutOfBlocksError,
-    PrefixKVError,
-    UnknownRequestError,
-)
+from __future__ import annotations
 
 __all__ = [
+    "BackendUnavailableError",
     "BlockStateError",
     "InvalidBlockError",
     "InvalidInputError",
+    "KVDeviceError",
+    "KVDtypeError",
+    "KVIndexError",
+    "KVShapeError",
+    "MissingDependencyError",
     "OutOfBlocksError",
+    "PagedKVError",
     "PrefixKVError",
     "UnknownRequestError",
 ]
+
+
+class PrefixKVError(Exception):
+    """Base class of every error prefixkv raises on purpose."""
+
+
+class _ReadableKeyError(KeyError):
+    # KeyError quotes its message (repr); these messages are sentences, so print them plain.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# -- the block manager (raised by the Rust core through the binding) ---------------------------
+class InvalidInputError(PrefixKVError, ValueError):
+    """An argument has the wrong type, dtype, shape or value (negative token id, bad size...)."""
+
+
+class UnknownRequestError(PrefixKVError, _ReadableKeyError):
+    """A request or pin id that is not live: never begun, already finished, or dropped by
+    `clear()`."""
+
+
+class InvalidBlockError(PrefixKVError, _ReadableKeyError):
+    """A block id outside the cache, or one the caller holds no reference to."""
+
+
+class BlockStateError(PrefixKVError, ValueError):
+    """A block in the wrong state for the call: releasing twice, committing a block not yet full."""
+
+
+class OutOfBlocksError(PrefixKVError, MemoryError):
+    """Not enough free or evictable blocks for the call; nothing was changed."""
+
+
+# -- paged KV storage and attention (kv.py, attention.py) --------------------------------------
+class PagedKVError(InvalidInputError):
+    """Base class for invalid arguments to paged KV storage or paged attention."""
+
+
+class KVShapeError(PagedKVError):
+    """A tensor has the wrong shape, or lengths that disagree with each other."""
+
+
+class KVDtypeError(PagedKVError):
+    """A tensor has the wrong dtype (values that differ from the pages, or non-integer ids)."""
+
+
+class KVDeviceError(PagedKVError):
+    """A tensor lives on a different device than the pages it is used with."""
+
+
+class KVIndexError(PagedKVError):
+    """A block id or slot is out of range, or a destination is repeated in one call."""
+
+
+class BackendUnavailableError(PrefixKVError, RuntimeError):
+    """The requested attention backend cannot run here (triton missing, or no CUDA device)."""
+
+
+# -- optional dependencies ---------------------------------------------------------------------
+class MissingDependencyError(PrefixKVError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the
+    extra to install (for example `pip install 'prefixkv[hf]'`)."""

@@ -47,7 +47,13 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-from prefixkv.errors import InvalidInputError
+from prefixkv.errors import (
+    KVDeviceError,
+    KVDtypeError,
+    KVIndexError,
+    KVShapeError,
+    PagedKVError,
+)
 
 __all__ = [
     "BlockIds",
@@ -62,26 +68,6 @@ __all__ = [
 
 #: Block ids or slots as engines hold them: a list of ints or an integer tensor (any device).
 BlockIds: TypeAlias = Sequence[int] | Tensor
-
-
-class PagedKVError(InvalidInputError):
-    """Base class for invalid arguments to paged KV storage or paged attention."""
-
-
-class KVShapeError(PagedKVError):
-    """A tensor has the wrong shape, or lengths that disagree with each other."""
-
-
-class KVDtypeError(PagedKVError):
-    """A tensor has the wrong dtype (values that differ from the pages, or non-integer ids)."""
-
-
-class KVDeviceError(PagedKVError):
-    """A tensor lives on a different device than the pages it is used with."""
-
-
-class KVIndexError(PagedKVError):
-    """A block id or slot is out of range, or a destination is repeated in one call."""
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

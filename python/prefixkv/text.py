@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from prefixkv.errors import InvalidInputError, PrefixKVError
+from prefixkv.errors import InvalidInputError, MissingDependencyError
 
 __all__ = [
     "ByteTokenizer",
@@ -52,10 +52,6 @@ __all__ = [
 ]
 
 Offsets = list[tuple[int, int]]
-
-
-class MissingDependencyError(PrefixKVError, ImportError):
-    """An optional dependency (`prefixkv[hf]`) is needed for the requested feature."""
 
 
 def _missing(package: str, feature: str) -> MissingDependencyError:

@@ -2,7 +2,7 @@
 //!
 //! Only conversion lives here: Python values in, core calls (with the GIL released for the
 //! calls that hash or walk whole prompts), Python values out, and the one exhaustive mapping
-//! of `CacheError` onto the exception classes of `prefixkv._errors`.
+//! of `CacheError` onto the exception classes of `prefixkv.errors`.
 
 use prefixkv_core::{
     BlockKey, CacheConfig, CacheError, CacheStats as CoreStats, MultimodalItem, PrefixCache,
@@ -11,11 +11,11 @@ use prefixkv_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-pyo3::import_exception!(prefixkv._errors, InvalidInputError);
-pyo3::import_exception!(prefixkv._errors, UnknownRequestError);
-pyo3::import_exception!(prefixkv._errors, InvalidBlockError);
-pyo3::import_exception!(prefixkv._errors, BlockStateError);
-pyo3::import_exception!(prefixkv._errors, OutOfBlocksError);
+pyo3::import_exception!(prefixkv.errors, InvalidInputError);
+pyo3::import_exception!(prefixkv.errors, UnknownRequestError);
+pyo3::import_exception!(prefixkv.errors, InvalidBlockError);
+pyo3::import_exception!(prefixkv.errors, BlockStateError);
+pyo3::import_exception!(prefixkv.errors, OutOfBlocksError);
 
 /// Maps each core error to its own Python class (each also a built-in: ValueError, KeyError,
 /// MemoryError), so callers can catch precisely or broadly.
