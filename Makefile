@@ -16,6 +16,12 @@ test: install
 rust-test:
 	cargo test --workspace
 
+## Long Rust stress tests (`#[ignore]`d in the default run), in release: their own CI step.
+# (its own .PHONY line, beside it, so it is one self-contained addition)
+.PHONY: rust-stress
+rust-stress:
+	cargo test -p prefixkv-core --release -- --ignored
+
 ## loom model of the take-reference / release / evict race (own target dir: other cfg).
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p prefixkv-core --test loom_pool --release
