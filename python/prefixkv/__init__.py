@@ -5,8 +5,10 @@
 - `PagedKVCache` (kv.py), `paged_prefill_attention` (attention.py): KV pages and prefill over them.
 - `LlamaModel`, `ModelConfig` (model.py): the reference decoder; `Engine` (engine.py) serves it.
 
-The torch-based names are imported on first use, so `import prefixkv` stays cheap for an
-engine that only needs the block manager.
+The block manager needs only numpy (`pip install prefixkv`). The torch-based names are
+imported on first use, so `import prefixkv` stays cheap for an engine that only needs the
+block manager and works where torch is not installed; using one of them then raises
+`MissingDependencyError` naming the extra to install (`pip install 'prefixkv[torch]'`).
 """
 
 from __future__ import annotations
@@ -18,25 +20,26 @@ from prefixkv._core import __version__
 from prefixkv.cache import CacheStats, Pin, PrefixCache, PrefixMatch, Request, as_token_ids
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import (
+    BackendUnavailableError,
     BlockStateError,
     InvalidBlockError,
     InvalidInputError,
+    MissingDependencyError,
     OutOfBlocksError,
+    PagedKVError,
     PrefixKVError,
     UnknownRequestError,
 )
 
 if TYPE_CHECKING:
-    from prefixkv.attention import BackendUnavailableError, paged_prefill_attention
+    from prefixkv.attention import paged_prefill_attention
     from prefixkv.engine import Engine, RequestResult
-    from prefixkv.kv import PagedKVCache, PagedKVError
+    from prefixkv.kv import PagedKVCache
     from prefixkv.model import DecodeRequest, LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 _LAZY = {
     "PagedKVCache": "prefixkv.kv",
-    "PagedKVError": "prefixkv.kv",
     "paged_prefill_attention": "prefixkv.attention",
-    "BackendUnavailableError": "prefixkv.attention",
     "LlamaModel": "prefixkv.model",
     "ModelConfig": "prefixkv.model",
     "RopeScaling": "prefixkv.model",
@@ -47,13 +50,31 @@ _LAZY = {
 }
 
 
+# The optional packages the lazy modules import at load time, and the extra that brings each
+# (pyproject.toml's [project.optional-dependencies] is the other half of this table).
+_EXTRA_FOR_PACKAGE = {"torch": "torch", "safetensors": "torch", "tqdm": "demo"}
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        extra = _EXTRA_FOR_PACKAGE.get(package)
+        if extra is None:  # not a missing optional dependency: a real error, shown as it is
+            raise
+        raise MissingDependencyError(
+            f"prefixkv.{name} needs {package}: pip install 'prefixkv[{extra}]'"
+        ) from exc
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
@@ -67,6 +88,7 @@ __all__ = [
     "InvalidBlockError",
     "InvalidInputError",
     "LlamaModel",
+    "MissingDependencyError",
     "ModelConfig",
     "OutOfBlocksError",
     "PagedKVCache",
