@@ -1,51 +1,64 @@
-//! `PrefixCache`: the engine-facing block manager.
+//! `PrefixCache`: the block manager's shared state, its lookups, its low-level API and reset.
 //!
-//! ## A request's life
-//! 1. `begin` looks up the longest chain of cached full blocks for the prompt, takes a
-//!    reference on each, and allocates private blocks for the rest. If every block of the
-//!    prompt is cached, the request is a *full hit*: only the final token is recomputed (to
-//!    get logits), reading its KV from the shared block, and nothing is written into it.
-//! 2. The engine writes KV into the request's private blocks.
-//! 3. `commit` publishes every block that has become full (prompt and generated tokens alike),
-//!    so the next turn of a chat hits the previous answer. If another request cached the same
-//!    block first, the existing copy stays canonical and this request's copy is freed when it
-//!    finishes (deduplication).
-//! 4. `append` adds generated tokens, allocating blocks as they are needed.
-//! 5. `finish` drops the request's references. Its cached blocks stay, evictable in LRU order.
+//! The request life (`begin` to `finish`, and how a commit publishes blocks) is in `request.rs`;
+//! pins are in `pins.rs`: both are further `impl PrefixCache` blocks over the state defined here.
+//! What a key covers is in `key.rs`, why a hash collision can only cost a miss in `table.rs`, and
+//! the refcount, pin and eviction mechanics in `pool.rs`.
 //!
 //! ## Threads
-//! `lookup` never takes a lock: it reads the lock-free table and the context through
-//! `arc-swap`. Every call that changes state takes one mutex, inside which it validates its
-//! whole input before changing anything: an `Err` means nothing changed. A lookup racing with
-//! a writer sees the table before or after each single insert or removal; its answer is a
-//! probe, made authoritative only by `begin` / `match_and_acquire`, which match and take
-//! references atomically under the mutex.
+//! Every call that changes state takes the one mutex around [`Inner`] and checks its whole input
+//! before changing anything, so an `Err` always means nothing changed. `lookup` takes no lock: it
+//! reads the context cell and the lock-free table, and may race with a writer. It then returns a
+//! chain that was cached as a whole at some instant during the call (entries are immutable, a
+//! cached child keeps its parent cached, and a parent is checked by entry id, never reused), and
+//! whose blocks may be evicted right after: its answer is a probe. `begin`, `match_and_acquire`
+//! and `pin` match under the mutex, so what they match is what they hold.
 //!
-//! ## Reset
-//! `clear` and `set_context` drop every cached block nobody references and detach the
-//! referenced ones (unreachable to new lookups, freed at their last release). Live requests are
-//! marked non-cacheable: their KV was computed under the old weights or context, and must never
-//! be published under the new one. The same holds for blocks held through the low-level API:
-//! each reset starts a new *epoch*, every allocation records its epoch, and `commit_blocks`
-//! refuses a block from an older one.
+//! ## Who may change a refcount
+//! Only a call holding the mutex, through the pool. Every reference has one owner, and only its
+//! owner drops it:
+//! - a request owns one reference on each block of its block table, taken by `begin` and
+//!   `append`, dropped by `finish` and by nothing else;
+//! - the caller of the low-level API owns the references `allocate` and `match_and_acquire` hand
+//!   out. They are counted per block (`Inner::external_refs`) and `release` accepts a block at
+//!   most that many times, so it can never drop a reference a request owns.
 //!
-//! ## Who may drop a reference
-//! A request's references belong to the request and are dropped only by `finish`. References
-//! taken through `allocate` / `match_and_acquire` are counted apart and are the only ones
-//! `release` accepts, so a caller can never release a block out from under a request.
+//! So a block's refcount is always its requests' references plus its external ones
+//! (`check_invariants` asserts it). Pins are not references: they only keep a cached block from
+//! eviction (`pins.rs`).
+//!
+//! ## When a block may be evicted
+//! Only when the pool counts it evictable (cached, unreferenced, unpinned, no cached child), and
+//! only inside an allocation, under the mutex. Its table entry is removed in the same critical
+//! section, before the block is handed out: no lookup that starts afterwards can reach it while
+//! new KV is written into it.
+//!
+//! ## Two inserts of the same key
+//! Writers never race each other: the mutex orders them. The later insert finds the key taken
+//! and either deduplicates (same content: the first copy stays canonical) or is refused (a hash
+//! collision: never published). The rules are in `request.rs`, where blocks are published.
+//!
+//! ## Reset and epochs
+//! `clear` and `set_context` drop every cached block nobody references, detach the referenced
+//! ones (out of the table, freed at their last release) and drop every pin. Each starts a new
+//! *epoch*. A block records the epoch in which it was allocated, that is in which its KV was
+//! computed, and KV of an older epoch is never published: requests live at the reset become
+//! non-cacheable (`request.rs`), and `commit_blocks` refuses such blocks. So every cached block
+//! belongs to the current epoch (`check_invariants` asserts that too).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
-use arc_swap::ArcSwap;
-use parking_lot::Mutex;
 
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher};
+use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
+use crate::request::{Request, Requests};
 use crate::stats::CacheStats;
-use crate::table::{new_table, Anchor, Entry, Parent, Table};
+use crate::sync::{ContextCell, Mutex};
+use crate::table::{Anchor, Parent, SharedTable};
+
+pub use crate::request::BeginResult;
 
 /// Fixed settings of a cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,77 +97,73 @@ pub struct PrefixMatch {
     pub full_hit: bool,
 }
 
-/// What `begin` hands the engine.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BeginResult {
-    /// Id for the other request calls.
-    pub request_id: u64,
-    /// Blocks covering every prompt token: the cached ones, then the request's own.
-    pub block_table: Vec<BlockId>,
-    /// Tokens whose KV is already in the cached blocks.
-    pub num_cached_tokens: usize,
-    /// See `PrefixMatch::full_hit`.
-    pub full_hit: bool,
-}
-
-struct Request {
-    tokens: Vec<u32>,
-    block_table: Vec<BlockId>,
-    root: BlockKey,
-    extras: RequestExtras,
-    priority: i32,
-    /// The canonical cached entry of each committed position, in order. Usually the request's
-    /// own block; another request's copy after deduplication.
-    anchors: Vec<Anchor>,
-    /// False once the request's KV may no longer be published (after `clear` or a collision).
-    cacheable: bool,
-}
-
 #[derive(Default)]
-struct Counters {
-    lookups: u64,
-    lookup_tokens: u64,
-    hit_tokens: u64,
-    evictions: u64,
-    committed_blocks: u64,
-    deduplicated_blocks: u64,
-    collisions: u64,
+pub(crate) struct Counters {
+    pub(crate) lookups: u64,
+    pub(crate) lookup_tokens: u64,
+    pub(crate) hit_tokens: u64,
+    pub(crate) evictions: u64,
+    pub(crate) committed_blocks: u64,
+    pub(crate) deduplicated_blocks: u64,
+    pub(crate) collisions: u64,
 }
 
-struct Inner {
-    pool: BlockPool,
+/// Which call started an epoch (pins remember it, to say why they are gone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reset {
+    Clear,
+    SetContext,
+}
+
+/// Everything behind the mutex.
+pub(crate) struct Inner {
+    pub(crate) pool: BlockPool,
     /// The published entry of each cached block.
-    entries: Vec<Option<Anchor>>,
-    requests: HashMap<u64, Request>,
-    pins: HashMap<u64, Vec<BlockId>>,
-    next_request: u64,
-    next_pin: u64,
-    next_entry: u64,
-    tick: u64,
-    counters: Counters,
-    scratch: Vec<u8>,
+    pub(crate) entries: Vec<Option<Anchor>>,
+    pub(crate) requests: Requests,
+    pub(crate) pins: Pins,
+    /// Id of the next published entry: unique for the life of the cache.
+    pub(crate) next_entry: u64,
+    /// Logical clock of the LRU order: bumped once per call that uses blocks.
+    pub(crate) tick: u64,
+    pub(crate) counters: Counters,
+    /// Reused hashing buffer.
+    pub(crate) scratch: Vec<u8>,
     /// Bumped by `clear` and `set_context`: KV computed in an older epoch is never published.
-    epoch: u64,
+    pub(crate) epoch: u64,
     /// Epoch in which each block was last allocated (its KV computed).
-    block_epoch: Vec<u64>,
+    pub(crate) block_epoch: Vec<u64>,
     /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
-    /// ones `release` may drop, so a caller can never release a block a request owns.
-    external_refs: Vec<u32>,
+    /// ones `release` may drop.
+    pub(crate) external_refs: Vec<u32>,
 }
 
 /// The prefix cache's block manager. `Sync`: share it between threads by reference.
 pub struct PrefixCache {
-    config: CacheConfig,
-    table: Table,
-    hasher: TableHasher,
-    context: ArcSwap<BlockKey>,
-    inner: Mutex<Inner>,
+    pub(crate) config: CacheConfig,
+    pub(crate) table: SharedTable,
+    pub(crate) hasher: TableHasher,
+    context: ContextCell,
+    pub(crate) inner: Mutex<Inner>,
     probes: AtomicU64,
 }
 
 impl PrefixCache {
     /// A cache with every block free, under the given context fingerprint.
     pub fn new(config: CacheConfig, context: BlockKey) -> Result<Self> {
+        let hasher = TableHasher::new(config.key_bits);
+        Self::build(config, context, hasher)
+    }
+
+    /// `new` with a fixed table-key seed instead of a random one, so that which keys collide is
+    /// reproducible: for tests, model checking and replaying a failure. A production cache uses
+    /// `new`, whose random seed leaves an attacker no collision to aim at (see `key.rs`).
+    pub fn with_table_seed(config: CacheConfig, context: BlockKey, seed: u64) -> Result<Self> {
+        let hasher = TableHasher::with_seed(config.key_bits, seed);
+        Self::build(config, context, hasher)
+    }
+
+    fn build(config: CacheConfig, context: BlockKey, hasher: TableHasher) -> Result<Self> {
         if config.block_size == 0 {
             return Err(CacheError::InvalidInput(
                 "block_size must be at least 1".into(),
@@ -170,46 +179,25 @@ impl PrefixCache {
                 "key_bits must be in 1..=128".into(),
             ));
         }
-        let num_blocks = config.num_blocks;
-        let pool = BlockPool::new(num_blocks)?;
-        let too_big = |_| CacheError::OutOfBlocks {
-            needed: num_blocks as usize,
-            available: 0,
-        };
-        let mut entries = Vec::new();
-        entries
-            .try_reserve_exact(num_blocks as usize)
-            .map_err(too_big)?;
-        entries.resize(num_blocks as usize, None);
-        let mut block_epoch = Vec::new();
-        block_epoch
-            .try_reserve_exact(num_blocks as usize)
-            .map_err(too_big)?;
-        block_epoch.resize(num_blocks as usize, 0);
-        let mut external_refs = Vec::new();
-        external_refs
-            .try_reserve_exact(num_blocks as usize)
-            .map_err(too_big)?;
-        external_refs.resize(num_blocks as usize, 0);
+        let num_blocks = config.num_blocks as usize;
+        let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
             // Pre-size for speed up to a million entries; the map grows past that on its own.
-            table: new_table((num_blocks as usize).min(1 << 20)),
-            hasher: TableHasher::new(config.key_bits),
-            context: ArcSwap::from_pointee(context),
+            table: SharedTable::with_capacity(num_blocks.min(1 << 20)),
+            hasher,
+            context: ContextCell::new(context),
             inner: Mutex::new(Inner {
                 pool,
-                entries,
-                epoch: 0,
-                block_epoch,
-                external_refs,
-                requests: HashMap::new(),
-                pins: HashMap::new(),
-                next_request: 1,
-                next_pin: 1,
+                entries: per_block(num_blocks, None)?,
+                requests: Requests::default(),
+                pins: Pins::default(),
                 next_entry: 1,
                 tick: 0,
                 counters: Counters::default(),
                 scratch: Vec::new(),
+                epoch: 0,
+                block_epoch: per_block(num_blocks, 0)?,
+                external_refs: per_block(num_blocks, 0)?,
             }),
             probes: AtomicU64::new(0),
             config,
@@ -225,7 +213,7 @@ impl PrefixCache {
     /// The current context fingerprint.
     #[must_use]
     pub fn context(&self) -> BlockKey {
-        **self.context.load()
+        self.context.load()
     }
 
     // ----- lookups ---------------------------------------------------------------------------
@@ -239,6 +227,7 @@ impl PrefixCache {
         extras: &RequestExtras,
     ) -> Result<PrefixMatch> {
         self.check_tokens(tokens)?;
+        // A statistics counter, not part of any protocol: relaxed.
         self.probes.fetch_add(1, Ordering::Relaxed);
         let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
         Ok(self.prefix_match(blocks, tokens.len()))
@@ -253,8 +242,7 @@ impl PrefixCache {
         extras: &RequestExtras,
     ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
-        let root = root_key(&self.context.load(), salt);
-        let mut parent = root;
+        let mut parent = root_key(&self.context.load(), salt);
         let mut buffer = Vec::new();
         let bs = self.config.block_size;
         Ok(tokens
@@ -285,155 +273,10 @@ impl PrefixCache {
         count
     }
 
-    // ----- the request API -------------------------------------------------------------------
-
-    /// Starts a request: matches its cached prefix, references it, allocates the rest.
-    pub fn begin(
-        &self,
-        tokens: Vec<u32>,
-        salt: &[u8],
-        extras: RequestExtras,
-        priority: i32,
-    ) -> Result<BeginResult> {
-        self.check_tokens(&tokens)?;
-        if tokens.is_empty() {
-            return Err(CacheError::InvalidInput(
-                "a request needs at least one token".into(),
-            ));
-        }
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let root = root_key(&self.context.load(), salt);
-        let mut anchors = Vec::new();
-        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |e, key| {
-            anchors.push(e.anchor(key));
-        });
-        let hits: Vec<BlockId> = anchors.iter().map(|e| e.block).collect();
-        let total_blocks = tokens.len().div_ceil(self.config.block_size);
-        let fresh = self.acquire_and_allocate(inner, &hits, total_blocks - hits.len())?;
-
-        inner.tick += 1;
-        for &block in &hits {
-            inner.pool.touch(block, inner.tick, priority);
-        }
-        let matched = self.prefix_match(hits, tokens.len());
-        inner.counters.lookups += 1;
-        inner.counters.lookup_tokens += tokens.len() as u64;
-        inner.counters.hit_tokens += matched.num_cached_tokens as u64;
-
-        let mut block_table = matched.blocks;
-        block_table.extend_from_slice(&fresh);
-        let request_id = inner.next_request;
-        inner.next_request += 1;
-        inner.requests.insert(
-            request_id,
-            Request {
-                tokens,
-                block_table: block_table.clone(),
-                root,
-                extras,
-                priority,
-                anchors,
-                cacheable: true,
-            },
-        );
-        Ok(BeginResult {
-            request_id,
-            block_table,
-            num_cached_tokens: matched.num_cached_tokens,
-            full_hit: matched.full_hit,
-        })
-    }
-
-    /// Adds generated tokens to a request, allocating blocks for them. Returns the new blocks.
-    pub fn append(&self, request_id: u64, tokens: &[u32]) -> Result<Vec<BlockId>> {
-        self.check_tokens(tokens)?;
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let request = inner
-            .requests
-            .get(&request_id)
-            .ok_or(CacheError::UnknownRequest(request_id))?;
-        let total = request.tokens.len() + tokens.len();
-        let needed = total
-            .div_ceil(self.config.block_size)
-            .saturating_sub(request.block_table.len());
-        let fresh = self.acquire_and_allocate(inner, &[], needed)?;
-        let request = inner.requests.get_mut(&request_id).expect("checked above");
-        request.tokens.extend_from_slice(tokens);
-        request.block_table.extend_from_slice(&fresh);
-        Ok(fresh)
-    }
-
-    /// Publishes every full block among the first `num_computed_tokens` tokens of a request,
-    /// whose KV the engine has written. Returns how many positions are now committed.
-    pub fn commit(&self, request_id: u64, num_computed_tokens: usize) -> Result<usize> {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let mut request = inner
-            .requests
-            .remove(&request_id)
-            .ok_or(CacheError::UnknownRequest(request_id))?;
-        if num_computed_tokens > request.tokens.len() {
-            let len = request.tokens.len();
-            inner.requests.insert(request_id, request);
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
-            )));
-        }
-        let target = num_computed_tokens / self.config.block_size;
-        if request.cacheable {
-            inner.tick += 1;
-            self.extend_anchors(inner, &mut request, target);
-        }
-        let committed = request.anchors.len();
-        inner.requests.insert(request_id, request);
-        Ok(committed)
-    }
-
-    /// Ends a request: drops its references. Cached blocks stay, now evictable.
-    pub fn finish(&self, request_id: u64) -> Result<()> {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let request = inner
-            .requests
-            .remove(&request_id)
-            .ok_or(CacheError::UnknownRequest(request_id))?;
-        inner.tick += 1;
-        for &block in &request.block_table {
-            if inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, request.priority);
-            }
-            // A request's references are its own: `release` can only drop external ones, so
-            // each block here still holds the reference this request took.
-            inner.pool.release(block);
-        }
-        Ok(())
-    }
-
-    /// A live request's block table.
-    pub fn block_table(&self, request_id: u64) -> Result<Vec<BlockId>> {
-        let inner = self.inner.lock();
-        let request = inner
-            .requests
-            .get(&request_id)
-            .ok_or(CacheError::UnknownRequest(request_id))?;
-        Ok(request.block_table.clone())
-    }
-
-    /// A live request's token count.
-    pub fn num_tokens(&self, request_id: u64) -> Result<usize> {
-        let inner = self.inner.lock();
-        let request = inner
-            .requests
-            .get(&request_id)
-            .ok_or(CacheError::UnknownRequest(request_id))?;
-        Ok(request.tokens.len())
-    }
-
     // ----- low-level calls, for engines that keep their own block tables ---------------------
 
     /// Matches the cached prefix and takes a reference on each matched block, atomically.
+    /// The caller owns those references and drops them with `release`.
     pub fn match_and_acquire(
         &self,
         tokens: &[u32],
@@ -458,7 +301,7 @@ impl PrefixCache {
         Ok(matched)
     }
 
-    /// Takes `count` free blocks (evicting if needed), each with one reference.
+    /// Takes `count` free blocks (evicting if needed), each with one reference the caller owns.
     pub fn allocate(&self, count: usize) -> Result<Vec<BlockId>> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
@@ -470,7 +313,8 @@ impl PrefixCache {
     }
 
     /// Publishes full blocks of a sequence the caller manages itself. `blocks[i]` holds the KV
-    /// of tokens `i*block_size .. (i+1)*block_size`; the caller must hold a reference on each.
+    /// of tokens `i*block_size .. (i+1)*block_size`; the caller must hold a reference on each,
+    /// taken with `allocate` or `match_and_acquire` since the last `clear` / `set_context`.
     /// Returns the canonical block of each position that is now cached: the caller's own, or an
     /// existing identical one (then the caller's copy is a duplicate, freed at its release).
     /// The result can be shorter than `blocks` if a key collision stops the chain.
@@ -507,21 +351,22 @@ impl PrefixCache {
                 });
             }
         }
-        let mut request = Request {
-            tokens: tokens[..blocks.len() * bs].to_vec(),
-            block_table: blocks.to_vec(),
-            root: root_key(&self.context.load(), salt),
-            extras: extras.clone(),
+        // Published exactly as a request's commit would publish them (`request.rs`).
+        let mut sequence = Request::new(
+            tokens[..blocks.len() * bs].to_vec(),
+            blocks.to_vec(),
+            root_key(&self.context.load(), salt),
+            extras.clone(),
             priority,
-            anchors: Vec::new(),
-            cacheable: true,
-        };
+            Vec::new(),
+        );
         inner.tick += 1;
-        self.extend_anchors(inner, &mut request, blocks.len());
-        Ok(request.anchors.iter().map(|e| e.block).collect())
+        self.publish(inner, &mut sequence, blocks.len());
+        Ok(sequence.anchors.iter().map(|e| e.block).collect())
     }
 
     /// Drops one reference per listed block (a block may be listed as often as it is held).
+    /// Only references taken with `allocate` / `match_and_acquire` can be dropped here.
     pub fn release(&self, blocks: &[BlockId]) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
@@ -541,43 +386,11 @@ impl PrefixCache {
         inner.tick += 1;
         for &block in blocks {
             if inner.pool.is_cached(block) {
+                // The lowest priority: a release refreshes recency but never protects a block.
                 inner.pool.touch(block, inner.tick, i32::MIN);
             }
             inner.external_refs[block as usize] -= 1;
             inner.pool.release(block);
-        }
-        Ok(())
-    }
-
-    // ----- retention -------------------------------------------------------------------------
-
-    /// Pins the cached prefix of `tokens` so eviction never takes it. Returns a pin id for
-    /// `unpin` and the number of blocks pinned.
-    pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
-        self.check_tokens(tokens)?;
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
-        for &block in &blocks {
-            inner.pool.pin(block);
-        }
-        let pin_id = inner.next_pin;
-        inner.next_pin += 1;
-        let count = blocks.len();
-        inner.pins.insert(pin_id, blocks);
-        Ok((pin_id, count))
-    }
-
-    /// Releases a pin taken by `pin`.
-    pub fn unpin(&self, pin_id: u64) -> Result<()> {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let blocks = inner
-            .pins
-            .remove(&pin_id)
-            .ok_or_else(|| CacheError::InvalidInput(format!("unknown pin id {pin_id}")))?;
-        for block in blocks {
-            inner.pool.unpin(block);
         }
         Ok(())
     }
@@ -587,15 +400,16 @@ impl PrefixCache {
     /// Drops every unreferenced cached block, detaches referenced ones, drops all pins.
     pub fn clear(&self) {
         let mut guard = self.inner.lock();
-        self.clear_locked(&mut guard);
+        self.clear_locked(&mut guard, Reset::Clear);
     }
 
     /// Switches to a new context fingerprint; clears the cache as `clear` does.
     pub fn set_context(&self, context: BlockKey) {
         let mut guard = self.inner.lock();
-        // Store first: a lookup that sees the new context finds nothing of the old.
-        self.context.store(Arc::new(context));
-        self.clear_locked(&mut guard);
+        // Store first: a lookup that already sees the new context must not meet old entries.
+        // (It would not match them anyway: a first block's entry stores its full root key.)
+        self.context.store(context);
+        self.clear_locked(&mut guard, Reset::SetContext);
     }
 
     // ----- observation -----------------------------------------------------------------------
@@ -638,7 +452,12 @@ impl PrefixCache {
         Ok(inner.pool.is_cached(block))
     }
 
-    /// Asserts the pool's and the table's invariants (tests).
+    /// Checks every invariant of the pool (`pool.rs`), of the table and of the ownership rules
+    /// above, for tests.
+    ///
+    /// # Panics
+    /// With an assertion message naming the broken invariant. (The binding catches the panic
+    /// and raises it as Python's `AssertionError`.)
     pub fn check_invariants(&self) {
         let inner = self.inner.lock();
         inner.pool.check_invariants();
@@ -655,14 +474,46 @@ impl PrefixCache {
                     .table
                     .get(&entry.key, &guard)
                     .expect("cached entry in table");
-                assert_eq!(published.id, entry.id);
+                assert_eq!(published.id, entry.id, "published entry of {block}");
+                assert_eq!(
+                    published.block, block as BlockId,
+                    "block of entry {}",
+                    entry.id
+                );
+                assert_eq!(
+                    inner.block_epoch[block], inner.epoch,
+                    "cached block {block} was computed before the last reset"
+                );
             }
+        }
+        // Every reference has one owner: a request, or the low-level caller.
+        let mut owned = inner.external_refs.clone();
+        for block in inner.requests.held_blocks() {
+            owned[block as usize] += 1;
+        }
+        // Every pin count is a live pin's.
+        let mut pinned = vec![0u32; owned.len()];
+        for block in inner.pins.pinned_blocks() {
+            pinned[block as usize] += 1;
+        }
+        for block in 0..owned.len() {
+            let id = block as BlockId;
+            assert_eq!(
+                inner.pool.ref_count(id),
+                Some(owned[block]),
+                "refcount of block {block} vs. the references its owners hold"
+            );
+            assert_eq!(
+                inner.pool.pin_count(id),
+                Some(pinned[block]),
+                "pin count of block {block} vs. live pins"
+            );
         }
     }
 
-    // ----- internals -------------------------------------------------------------------------
+    // ----- internals shared by the request, pin and low-level calls --------------------------
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(vocab) = self.config.vocab_size {
             if let Some((index, token)) = tokens.iter().enumerate().find(|(_, &t)| t >= vocab) {
                 return Err(CacheError::InvalidInput(format!(
@@ -673,31 +524,34 @@ impl PrefixCache {
         Ok(())
     }
 
+    pub(crate) fn root_key(&self, salt: &[u8]) -> BlockKey {
+        root_key(&self.context.load(), salt)
+    }
+
     /// The blocks of the cached prefix of `tokens` under the current context and `salt`.
-    fn matched_blocks(
+    pub(crate) fn matched_blocks(
         &self,
         buffer: &mut Vec<u8>,
         tokens: &[u32],
         salt: &[u8],
         extras: &RequestExtras,
     ) -> Vec<BlockId> {
-        let root = root_key(&self.context.load(), salt);
         let mut blocks = Vec::new();
-        self.match_chain(buffer, root, tokens, extras, |entry, _| {
-            blocks.push(entry.block)
+        self.match_chain(buffer, self.root_key(salt), tokens, extras, |anchor| {
+            blocks.push(anchor.block);
         });
         blocks
     }
 
     /// Walks the cached chain of `tokens` from the root, verifying every entry, calling
-    /// `on_hit` for each matched block in order.
-    fn match_chain(
+    /// `on_hit` with the anchor of each matched entry in order.
+    pub(crate) fn match_chain(
         &self,
         buffer: &mut Vec<u8>,
         root: BlockKey,
         tokens: &[u32],
         extras: &RequestExtras,
-        mut on_hit: impl FnMut(&Entry, TableKey),
+        mut on_hit: impl FnMut(Anchor),
     ) {
         let bs = self.config.block_size;
         let guard = self.table.guard();
@@ -708,7 +562,7 @@ impl PrefixCache {
             let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
             match self.table.get(&key, &guard) {
                 Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    on_hit(entry, key);
+                    on_hit(entry.anchor(key));
                     parent = Parent::Entry(entry.id);
                     parent_key = key;
                 }
@@ -717,7 +571,7 @@ impl PrefixCache {
         }
     }
 
-    fn prefix_match(&self, blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
+    pub(crate) fn prefix_match(&self, blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
         let bs = self.config.block_size;
         let cached = blocks.len() * bs;
         // Every prompt token is cached: recompute only the last one (the engine needs its
@@ -731,8 +585,9 @@ impl PrefixCache {
         }
     }
 
-    /// References `hits` and allocates `count` fresh blocks, or changes nothing.
-    fn acquire_and_allocate(
+    /// References `hits` and allocates `count` fresh blocks in the current epoch, removing the
+    /// table entry of every block evicted for them; or changes nothing.
+    pub(crate) fn acquire_and_allocate(
         &self,
         inner: &mut Inner,
         hits: &[BlockId],
@@ -767,103 +622,10 @@ impl PrefixCache {
         }
     }
 
-    /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
-    /// `request.block_table[position]`.
-    fn extend_anchors(&self, inner: &mut Inner, request: &mut Request, target: usize) {
-        // A deduplicated anchor is another request's block, which this request does not hold:
-        // it may have been evicted since the last commit. Liveness is prefix-closed (a cached
-        // child keeps its parent), so drop dead anchors from the tip; their positions are
-        // committed again below from this request's own copies.
-        while let Some(last) = request.anchors.last() {
-            let live = inner.entries[last.block as usize]
-                .as_ref()
-                .is_some_and(|e| e.id == last.id);
-            if live {
-                break;
-            }
-            request.anchors.pop();
-        }
-        let bs = self.config.block_size;
-        let guard = self.table.guard();
-        while request.anchors.len() < target {
-            let position = request.anchors.len();
-            let (parent, parent_key, parent_block) = match request.anchors.last() {
-                Some(e) => (Parent::Entry(e.id), e.key, Some(e.block)),
-                None => (
-                    Parent::Root(request.root),
-                    self.hasher.root(&request.root),
-                    None,
-                ),
-            };
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras(&request.extras, position, bs);
-            let key = self
-                .hasher
-                .block(&mut inner.scratch, parent_key, chunk, &block_extras);
-            let own_block = request.block_table[position];
-            if inner.pool.is_cached(own_block) {
-                // Only through the low-level API: the caller passed a block that is already
-                // cached. Fine if it is exactly this entry; it cannot stand anywhere else.
-                match self.table.get(&key, &guard) {
-                    Some(e)
-                        if e.block == own_block && e.verifies(&parent, chunk, &block_extras) =>
-                    {
-                        let anchor = e.anchor(key);
-                        inner.pool.touch(anchor.block, inner.tick, request.priority);
-                        request.anchors.push(anchor);
-                        continue;
-                    }
-                    _ => {
-                        request.cacheable = false;
-                        return;
-                    }
-                }
-            }
-            // One probe of the table: insert, or find who holds the key already.
-            let entry = Entry {
-                id: inner.next_entry,
-                block: own_block,
-                parent,
-                tokens: chunk.into(),
-                extras: block_extras.into_boxed_slice(),
-            };
-            let anchor = match self.table.try_insert(key, entry, &guard) {
-                Ok(inserted) => {
-                    inner.next_entry += 1;
-                    inner.pool.mark_cached(own_block, parent_block);
-                    let anchor = inserted.anchor(key);
-                    inner.entries[own_block as usize] = Some(anchor);
-                    inner.counters.committed_blocks += 1;
-                    anchor
-                }
-                Err(occupied) => {
-                    let existing = occupied.current;
-                    let mine = &occupied.not_inserted;
-                    if !existing.verifies(&mine.parent, &mine.tokens, &mine.extras) {
-                        // A different block owns this key: a hash collision. Never publish
-                        // under it; this request's later blocks stay private.
-                        inner.counters.collisions += 1;
-                        request.cacheable = false;
-                        return;
-                    }
-                    // Another request computed the same block first: it stays canonical, this
-                    // request's copy is freed when the request finishes.
-                    inner.counters.deduplicated_blocks += 1;
-                    existing.anchor(key)
-                }
-            };
-            inner.pool.touch(anchor.block, inner.tick, request.priority);
-            request.anchors.push(anchor);
-        }
-    }
-
-    fn clear_locked(&self, inner: &mut Inner) {
+    fn clear_locked(&self, inner: &mut Inner, reset: Reset) {
         inner.epoch += 1;
-        for request in inner.requests.values_mut() {
-            request.cacheable = false;
-            request.anchors.clear();
-        }
-        inner.pins.clear();
+        inner.requests.forget_cached_prefixes();
+        inner.pins.drop_all(reset);
         let guard = self.table.guard();
         for block in inner.pool.cached_blocks() {
             if let Some(entry) = inner.entries[block as usize].take() {
@@ -874,10 +636,241 @@ impl PrefixCache {
     }
 }
 
-fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
+/// The encoded extra keys of block `index` (see `key.rs`).
+pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
     if extras.is_empty() {
         return Vec::new();
     }
     let start = (index * block_size) as u64;
     extras.for_block(start, start + block_size as u64)
+}
+
+/// One value per block, or `OutOfBlocks` if the pool's metadata does not fit in memory.
+fn per_block<T: Clone>(num_blocks: usize, value: T) -> Result<Vec<T>> {
+    let mut values = Vec::new();
+    values
+        .try_reserve_exact(num_blocks)
+        .map_err(|_| CacheError::OutOfBlocks {
+            needed: num_blocks,
+            available: 0,
+        })?;
+    values.resize(num_blocks, value);
+    Ok(values)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::key::context_fingerprint;
+
+    /// A cache with full-width keys and a fixed seed.
+    pub(crate) fn cache(num_blocks: u32, block_size: usize) -> PrefixCache {
+        PrefixCache::with_table_seed(
+            CacheConfig::new(num_blocks, block_size),
+            context_fingerprint(b"unit"),
+            7,
+        )
+        .unwrap()
+    }
+
+    pub(crate) fn no_extras() -> RequestExtras {
+        RequestExtras::default()
+    }
+
+    #[test]
+    fn the_first_copy_stays_canonical_and_the_duplicate_is_freed() {
+        let c = cache(8, 2);
+        let prompt = vec![1, 2, 3, 4, 5];
+        // Two requests compute the same prefix side by side: both miss, both get own blocks.
+        let a = c.begin(prompt.clone(), b"", no_extras(), 0).unwrap();
+        let b = c.begin(prompt.clone(), b"", no_extras(), 0).unwrap();
+        assert_eq!((a.num_cached_tokens, b.num_cached_tokens), (0, 0));
+        assert_eq!(c.commit(a.request_id, 5).unwrap(), 2);
+        // The second commit finds both keys taken by identical content: it deduplicates.
+        assert_eq!(c.commit(b.request_id, 5).unwrap(), 2);
+        let stats = c.stats();
+        assert_eq!((stats.committed_blocks, stats.deduplicated_blocks), (2, 2));
+        for position in 0..2 {
+            assert!(c.is_cached(a.block_table[position]).unwrap());
+            assert!(!c.is_cached(b.block_table[position]).unwrap());
+        }
+        // A third request hits a's blocks, never b's.
+        let hit = c.lookup(&prompt, b"", &no_extras()).unwrap();
+        assert_eq!(hit.blocks, a.block_table[..2]);
+        // b's duplicates go back to the free list at finish; a's stay cached.
+        let free = c.stats().blocks_free;
+        c.finish(b.request_id).unwrap();
+        assert_eq!(c.stats().blocks_free, free + 3);
+        c.finish(a.request_id).unwrap();
+        assert_eq!(c.stats().blocks_cached, 2);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn commit_blocks_returns_the_canonical_copy() {
+        let c = cache(8, 2);
+        let prompt = [1, 2, 3, 4];
+        let first = c.allocate(2).unwrap();
+        assert_eq!(
+            c.commit_blocks(&prompt, &first, b"", &no_extras(), 0)
+                .unwrap(),
+            first
+        );
+        let second = c.allocate(2).unwrap();
+        assert_eq!(
+            c.commit_blocks(&prompt, &second, b"", &no_extras(), 0)
+                .unwrap(),
+            first,
+            "the duplicate commit is told to read the first copy"
+        );
+        assert_eq!(c.stats().deduplicated_blocks, 2);
+        c.release(&second).unwrap();
+        assert_eq!(
+            c.stats().blocks_free,
+            6,
+            "the duplicates are freed at release"
+        );
+        c.check_invariants();
+    }
+
+    #[test]
+    fn low_level_blocks_computed_before_a_reset_are_never_published() {
+        for reset in [PrefixCache::clear as fn(&PrefixCache), |c: &PrefixCache| {
+            c.set_context(context_fingerprint(b"other"))
+        }] {
+            let c = cache(8, 2);
+            let old = c.allocate(2).unwrap();
+            reset(&c);
+            let err = c
+                .commit_blocks(&[1, 2, 3, 4], &old, b"", &no_extras(), 0)
+                .unwrap_err();
+            assert!(
+                matches!(err, CacheError::BlockState { block, .. } if block == old[0]),
+                "{err:?}"
+            );
+            assert_eq!(c.stats().blocks_cached, 0);
+            // Blocks allocated after the reset publish normally, and the old ones release.
+            let fresh = c.allocate(2).unwrap();
+            assert_eq!(
+                c.commit_blocks(&[1, 2, 3, 4], &fresh, b"", &no_extras(), 0)
+                    .unwrap(),
+                fresh
+            );
+            c.release(&old).unwrap();
+            c.release(&fresh).unwrap();
+            c.check_invariants();
+        }
+    }
+
+    #[test]
+    fn cached_blocks_acquired_before_a_reset_are_not_republished() {
+        let c = cache(8, 2);
+        let blocks = c.allocate(2).unwrap();
+        c.commit_blocks(&[1, 2, 3, 4], &blocks, b"", &no_extras(), 0)
+            .unwrap();
+        let held = c
+            .match_and_acquire(&[1, 2, 3, 4], b"", &no_extras(), 0)
+            .unwrap();
+        c.release(&blocks).unwrap();
+        c.clear();
+        // Detached, still held: neither cached nor publishable again.
+        assert!(!c.is_cached(held.blocks[0]).unwrap());
+        assert!(matches!(
+            c.commit_blocks(&[1, 2, 3, 4], &held.blocks, b"", &no_extras(), 0),
+            Err(CacheError::BlockState { .. })
+        ));
+        c.release(&held.blocks).unwrap();
+        assert_eq!(c.stats().blocks_free, 8);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn release_cannot_drop_a_reference_a_request_owns() {
+        let c = cache(8, 2);
+        let request = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        let own = request.block_table[0];
+        let before = c.stats();
+        let err = c.release(&[own]).unwrap_err();
+        assert!(
+            matches!(err, CacheError::BlockState { block, .. } if block == own),
+            "{err:?}"
+        );
+        assert_eq!(c.stats(), before);
+        // A block both the request and the caller hold: the caller may drop only its own.
+        c.commit(request.request_id, 3).unwrap();
+        let held = c
+            .match_and_acquire(&[1, 2, 3], b"", &no_extras(), 0)
+            .unwrap();
+        assert_eq!(held.blocks, vec![own]);
+        assert_eq!(c.ref_count(own).unwrap(), 2);
+        assert!(
+            c.release(&[own, own]).is_err(),
+            "the second is the request's"
+        );
+        assert_eq!(
+            c.ref_count(own).unwrap(),
+            2,
+            "a refused release changes nothing"
+        );
+        c.release(&[own]).unwrap();
+        assert_eq!(c.ref_count(own).unwrap(), 1);
+        assert!(c.release(&[own]).is_err(), "a double release");
+        c.finish(request.request_id).unwrap();
+        assert_eq!(c.ref_count(own).unwrap(), 0);
+        assert!(c.is_cached(own).unwrap());
+        c.check_invariants();
+    }
+
+    #[test]
+    fn release_checks_every_id_before_dropping_any() {
+        let c = cache(4, 2);
+        let blocks = c.allocate(2).unwrap();
+        assert!(matches!(
+            c.release(&[blocks[0], 99]),
+            Err(CacheError::InvalidBlock { block: 99, .. })
+        ));
+        assert_eq!(c.ref_count(blocks[0]).unwrap(), 1);
+        c.release(&blocks).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn commit_blocks_refuses_blocks_it_does_not_hold_or_that_are_not_full() {
+        let c = cache(4, 2);
+        let blocks = c.allocate(2).unwrap();
+        let other = 3;
+        assert!(matches!(
+            c.commit_blocks(&[1, 2, 3, 4], &[blocks[0], other], b"", &no_extras(), 0),
+            Err(CacheError::InvalidBlock { block: 3, .. })
+        ));
+        assert!(matches!(
+            c.commit_blocks(&[1, 2, 3], &blocks, b"", &no_extras(), 0),
+            Err(CacheError::BlockState { .. })
+        ));
+        assert_eq!(
+            c.stats().blocks_cached,
+            0,
+            "a refused commit publishes nothing"
+        );
+        c.release(&blocks).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn eviction_removes_the_table_entry_before_reuse() {
+        let c = cache(2, 1);
+        let first = c.begin(vec![1, 2], b"", no_extras(), 0).unwrap();
+        c.commit(first.request_id, 2).unwrap();
+        c.finish(first.request_id).unwrap();
+        // The same two blocks, now holding other KV: the old prefix must miss.
+        let second = c.begin(vec![3, 4], b"", no_extras(), 0).unwrap();
+        assert_eq!(c.stats().evictions, 2);
+        assert!(c
+            .lookup(&[1, 2], b"", &no_extras())
+            .unwrap()
+            .blocks
+            .is_empty());
+        c.finish(second.request_id).unwrap();
+        c.check_invariants();
+    }
 }

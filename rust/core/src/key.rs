@@ -1,30 +1,26 @@
 //! Block keys: what identifies a cached block, and the exact bytes that are hashed.
 //!
-//! There are two keys for the same identity, for two audiences:
-//! - the **block key** (`BlockKey`, SHA-256, this layout), identical across processes, machines
-//!   and versions, for anything that leaves the process (events, remote tiers, a router);
-//! - the **table key** (`TableKey`, 128-bit XXH3 seeded at random per cache), which indexes the
-//!   in-process table. It never leaves the process, so it needs no cryptographic strength: a
-//!   hit is always verified against the stored tokens, extras and parent, so a collision, even
-//!   a crafted one, can only cost a miss, and the per-cache random seed leaves an attacker
-//!   nothing to aim at. It is about seven times cheaper than SHA-256 on a block, which is most of
-//!   what a lookup costs.
+//! A block is identified by everything that decides its KV: the block before it (so a key names
+//! a whole prefix, not one block), its exact token ids, and its per-block extra keys (adapter,
+//! multimodal items). The first block's parent is the *root*, which folds in the fingerprint of
+//! the execution context (model, tokenizer, position encoding, dtype, ...) and an optional
+//! per-request salt, so two tenants or two models never share a block.
 //!
-//! A block's key covers everything that decides its KV: the key of the block before it (so a
-//! key names a whole prefix, not one block), its exact token ids, and its per-block extra keys
-//! (adapter, multimodal items). The first block's parent is the *root*, which folds in the
-//! fingerprint of the execution context (model, tokenizer, position encoding, dtype, ...) and an
-//! optional per-request salt, so two tenants or two models never share a block.
+//! That identity is hashed into two keys, for two audiences:
+//! - the **block key** (`BlockKey`, SHA-256 over the layout below) is the same in every process,
+//!   machine and version, for anything that leaves the process (events, remote tiers, a router).
+//!   SHA-256 is cryptographic, so such keys cannot be forged to collide, and with the SHA
+//!   extensions of current x86 and Arm CPUs it is the fastest such hash on inputs this short.
+//! - the **table key** (`TableKey`, 128-bit XXH3, seeded at random per cache) indexes the
+//!   in-process table and never leaves it, so it needs no cryptographic strength: every hit is
+//!   verified against the stored tokens, extras and parent (`table.rs`), so a collision, even a
+//!   crafted one, can only cost a miss, and the per-cache seed leaves an attacker nothing to aim
+//!   at. It is several times cheaper than SHA-256, and hashing is most of what a lookup costs.
 //!
-//! Keys are 256-bit SHA-256 digests. SHA-256 is cryptographic, so keys that leave the process
-//! (events, remote tiers) cannot be forged to collide, and with the SHA extensions of current x86
-//! and Arm CPUs it is the fastest such hash on the short inputs a block key hashes: measured here
-//! (AMD EPYC, `benches/RESULTS.md`), 85 ns for a 16-token block against 171 ns for BLAKE3, whose SIMD
-//! advantage only appears on inputs of several KiB. The table never trusts a key alone, though:
-//! every hit is verified against the stored tokens, extras and parent (see `table.rs`), so even
-//! a collision can only turn a hit into a miss.
+//! The measured cost of both keys, and of the hashes considered instead, is in
+//! `benches/RESULTS.md`, regenerated with each benchmark run.
 //!
-//! ## Byte layout (version 1), for components that must reproduce keys
+//! ## Byte layout of the block key (version 1), for components that must reproduce it
 //! All integers are little-endian u32 unless noted.
 //! ```text
 //! context_fingerprint = SHA256("prefixkv.context.v1\0" || canonical_context_bytes)
@@ -46,8 +42,11 @@
 //! root form (which starts with `p`); the token count is implied by the input's length, which
 //! SHA-256 commits to.
 //!
-//! A test-only setting (`key_bits`) keeps only the leading bits of every table key, so tests can
-//! force collisions and prove they never produce a wrong hit.
+//! The table key chains the same way over the same inputs (the root's table key hashes its
+//! block key), but its bytes are private to the process and carry no version:
+//! `XXH3-128(parent_table_key[16] || tokens || extras, seed)`. A test-only setting (`key_bits`)
+//! keeps only its leading bits, so tests can force collisions and prove they never produce a
+//! wrong hit.
 
 use std::fmt;
 
@@ -139,7 +138,7 @@ fn push_tokens(buffer: &mut Vec<u8>, tokens: &[u32]) {
     }
 }
 
-/// Key of the in-process table (see the module docs): 128 bits, chained like `BlockKey`.
+/// Key of the in-process table (see the module docs).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct TableKey(pub u128);
 
@@ -161,6 +160,13 @@ impl TableHasher {
         // std's RandomState is seeded from the OS once per process and varied per instance.
         let seed =
             std::collections::hash_map::RandomState::new().hash_one(0x7072_6566_6978_6b76_u64);
+        Self::with_seed(bits, seed)
+    }
+
+    /// A hasher with a chosen seed, so which keys collide is reproducible (tests, model
+    /// checking). Production uses `new`.
+    #[must_use]
+    pub fn with_seed(bits: u32, seed: u64) -> Self {
         Self {
             seed,
             bits: bits.clamp(1, Self::BITS),

@@ -6,16 +6,22 @@
 //!
 //! - [`key`]: what identifies a block, and the exact bytes hashed.
 //! - [`table`]: the lock-free lookup table and the verification that makes collisions harmless.
-//! - [`pool`]: refcounts, pins, the free list and the eviction order.
-//! - [`cache`]: [`PrefixCache`], the engine-facing API built from the three.
+//! - [`pool`]: refcounts, pin counts, the free list and the eviction order.
+//! - [`cache`]: [`PrefixCache`] built from the three: its shared state, who may change a
+//!   refcount, lookups, the low-level API and reset.
+//! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
+//! - [`pins`]: keeping a prefix from eviction.
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`].
 
 pub mod cache;
 pub mod error;
 pub mod key;
+pub mod pins;
 pub mod pool;
+pub mod request;
 pub mod stats;
+mod sync;
 pub mod table;
 
 pub use cache::{BeginResult, CacheConfig, PrefixCache, PrefixMatch};

@@ -1,4 +1,4 @@
-//! The block pool: refcounts, pins, the free list and the eviction order.
+//! The block pool: refcounts, pin counts, the free list and the eviction order.
 //!
 //! ## Invariants (checked by `check_invariants` in tests after every step)
 //! - A block is in exactly one of four states:
@@ -10,15 +10,18 @@
 //! - Only evictable blocks are ever evicted, so a block someone reads is never reused under them.
 //! - A cached block's cached children keep it from being evicted: a chain is only ever shortened
 //!   from its tail, so no cached chain loses its middle.
-//! - Refcounts change only through `acquire` / `release`; `release` of a block whose refcount is
-//!   already zero is refused (double release), and a block returns to the free list exactly once,
-//!   when it is neither referenced nor cached.
+//! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
+//!   `acquire` and `release`; `release` of a block whose refcount is already zero is a bug and
+//!   panics (callers check ownership first, see `cache.rs`), and a block returns to the free list
+//!   exactly once, when it is neither referenced nor cached.
 //!
-//! Eviction order: lowest retention priority first, then least recently used. Evicting a leaf
-//! can expose its parent as a new leaf; `plan_eviction` merges those into the order without
-//! touching the pool, so a call that cannot get enough blocks changes nothing.
+//! Eviction order: lowest retention priority first, then least recently used, then lowest id
+//! (the `EvictionKey`). Evicting a leaf can expose its parent as a new leaf; `plan_eviction`
+//! merges those into the order without touching the pool, so a call that cannot get enough
+//! blocks changes nothing.
 //!
-//! The pool is plain single-threaded data; the cache keeps it behind one mutex.
+//! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
+//! which pin holds which block is `pins.rs`'s business.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -125,6 +128,11 @@ impl BlockPool {
     pub fn is_cached(&self, block: BlockId) -> bool {
         self.blocks.get(block as usize).is_some_and(|m| m.cached)
     }
+    /// Pin count of a block (`None` when the id is out of range).
+    #[must_use]
+    pub fn pin_count(&self, block: BlockId) -> Option<u32> {
+        self.blocks.get(block as usize).map(|m| m.pin_count)
+    }
     /// Whether the block is pinned.
     #[must_use]
     pub fn is_pinned(&self, block: BlockId) -> bool {
@@ -224,8 +232,9 @@ impl BlockPool {
         }
         if let Some(parent) = parent {
             let parent_meta = &mut self.blocks[parent as usize];
-            // `clear` uncaches parents before children; then the parent is no longer cached
-            // and its child count no longer matters.
+            // Eviction takes only leaves, so here the parent is still cached. `clear` goes in id
+            // order and may uncache a parent before its children: an uncached parent keeps
+            // counting them until they go too, and ends at 0 either way.
             parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
             self.refresh(parent);
         }
@@ -338,7 +347,8 @@ impl BlockPool {
         plan
     }
 
-    /// Every cached block, parents before children (for `clear`).
+    /// Every cached block, in id order: not parent order (a reused block can hold the parent
+    /// of a lower id), which `uncache` does not need.
     #[must_use]
     pub fn cached_blocks(&self) -> Vec<BlockId> {
         (0..self.blocks.len() as BlockId)
