@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prefixkv import InvalidInputError, OutOfBlocksError
-from prefixkv.engine import Engine, RequestResult
+from prefixkv.engine import Engine, RequestResult, weights_digest
 from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
 from prefixkv.text import ByteTokenizer
 
@@ -254,3 +254,74 @@ def test_a_raising_callback_propagates_and_leaks_no_request() -> None:
     stats = engine.cache.stats()
     assert stats.requests_live == 0
     assert stats.blocks_in_use == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 8: defects
+# --------------------------------------------------------------------------------------------
+
+
+def test_in_place_weight_edit_is_detected_and_never_serves_stale_kv() -> None:
+    """Issue 8.1: the weights digest was taken once; an in-place edit served the old KV."""
+    model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
+    engine = _engine(model)
+    prompt = _prompt(4 * BLOCK + 3, seed=40)
+    engine.generate([prompt], max_new_tokens=3)
+    before = engine.context.fingerprint()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    (again,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
+    assert again.cached_tokens == 0
+    _assert_exact(model, again, 3)
+    assert engine.context.fingerprint() != before
+    assert engine.context.weights_digest == weights_digest(model)
+
+
+def test_weights_changed_covers_edits_torch_cannot_see() -> None:
+    """An edit under `torch.inference_mode` bumps no version counter: `weights_changed()` is
+    the documented way to say so, and it makes the next request miss."""
+    model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
+    engine = _engine(model)
+    prompt = _prompt(3 * BLOCK + 1, seed=41)
+    engine.generate([prompt], max_new_tokens=2)
+    weight = model.model.layers[1].self_attn.v_proj.weight
+    # Swap the bytes without any torch op on the parameter: its version counter stays put.
+    weight.detach().numpy()[:] *= 2.0
+    engine.weights_changed()
+    (again,) = engine.generate([prompt], max_new_tokens=2, check_exactness=True)
+    assert again.cached_tokens == 0
+    _assert_exact(model, again, 2)
+    engine.cache.check_invariants()
+
+
+def test_weight_edit_between_steps_restarts_running_requests() -> None:
+    """An edit made while a batch is in flight (here by a callback) restarts the requests
+    still running under the new weights rather than finishing them on stale KV."""
+    model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
+    engine = _engine(model)
+    short, long = _prompt(5, seed=42), _prompt(9, seed=43)
+    edited = False
+
+    def edit(index: int, result: RequestResult) -> None:
+        nonlocal edited
+        if not edited:
+            edited = True
+            with torch.no_grad():
+                model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+
+    # The first request ends after one token (its stop token); the second then restarts.
+    first_token = model.generate_greedy_full(short, 1)[0]
+    results = engine.generate(
+        [short, long],
+        max_new_tokens=4,
+        stop_token_ids=[first_token],
+        on_finish=edit,
+        check_exactness=True,
+    )
+    assert edited
+    assert (
+        results[1].output_token_ids
+        == model.generate_greedy_full(long, 4)[: len(results[1].output_token_ids)]
+    )
+    assert results[1].max_logit_diff is not None and results[1].max_logit_diff < TOLERANCE
+    assert engine.cache.stats().requests_live == 0

@@ -8,6 +8,11 @@ It ties the pieces together the way an inference engine does, and is what `prefi
   the model config), the tokenizer and chat template digests, RoPE theta / scaling / offset,
   the sliding window, the KV dtype and the block size. The active LoRA adapter is part of every
   block key (named by a digest of its weights), so switching adapters never reuses KV.
+* The weights digest is not taken once: before every `generate` and every step the engine
+  compares the parameters' version counters (`LlamaModel.weights_version`, a walk over the
+  parameters that reads no values) and, on a change, recomputes the digest and switches the
+  cache to the new context; requests in flight restart. `Engine.weights_changed` says so by
+  hand for edits torch does not record.
 
 Scheduling, one `LlamaModel.prefill` call per step (prefill and decode mixed, varlen):
 
@@ -257,18 +262,68 @@ class Engine:
                 dtype=self.model.dtype,
                 device=self.model.device,
             )
-        self.context = model_context(
-            config,
-            weights=weights_digest(self.model),
-            block_size=block_size,
-            model_id=model_id,
-            tokenizer=tokenizer,
-            chat_template=self.chat_template,
-        )
+        self._model_id = model_id
+        self._weights_version = self.model.weights_version()
+        self._adapter_version = self.model.adapter_version()
+        self._adapter_key = _adapter_key(self.model)
+        self.context = self._build_context()
         # Refuses a length-dependent position encoding (dynamic NTK) with a clear message.
         self.cache = PrefixCache(
             self.kv_cache.num_blocks, context=self.context, vocab_size=config.vocab_size
         )
+
+    # ---------------------------------------------------------------- weights
+
+    def _build_context(self) -> CacheContext:
+        return model_context(
+            self.model.config,
+            weights=weights_digest(self.model),
+            block_size=self.kv_cache.block_size,
+            model_id=self._model_id,
+            tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
+        )
+
+    @property
+    def detects_weight_changes(self) -> bool:
+        """Whether in-place weight edits are noticed on their own (see `weights_changed`)."""
+        return self._weights_version is not None
+
+    def weights_changed(self) -> None:
+        """Say that the model's weights (or config, or the active adapter's weights) changed.
+
+        Recomputes the weights digest and adapter key and switches the cache to the new
+        context, which makes every cached block unreachable: KV computed under the old weights
+        is never served again.
+
+        When it is required: the engine checks, cheaply, before every `generate` and every
+        step, whether any parameter was edited through torch (in-place ops, ``copy_``,
+        ``load_state_dict``, optimiser steps, ``.data =``, a replaced `nn.Parameter`, a new
+        config, `load_adapter` / `set_adapter`), and acts on it by itself. Call this after
+        edits torch cannot see: writes through ``.numpy()`` or another alias of the storage,
+        and any edit when the parameters are inference tensors (made under
+        ``torch.inference_mode``; then `detects_weight_changes` is False and this call is the
+        only way).
+        """
+        self._weights_version = self.model.weights_version()
+        self._adapter_version = self.model.adapter_version()
+        self._adapter_key = _adapter_key(self.model)
+        self.context = self._build_context()
+        self.cache.set_context(self.context)
+
+    def _sync_with_model(self) -> bool:
+        """Act on a weight or adapter change torch recorded since the last check; True if
+        there was one (KV computed before it must not be used any more)."""
+        if self.model.weights_version() != self._weights_version:
+            self.weights_changed()
+            return True
+        adapter_version = self.model.adapter_version()
+        if adapter_version != self._adapter_version:
+            # Adapters go in each block's extra key, not in the context: no need to clear.
+            self._adapter_version = adapter_version
+            self._adapter_key = _adapter_key(self.model)
+            return True
+        return False
 
     @classmethod
     def from_pretrained(
@@ -392,7 +447,6 @@ class Engine:
                     f"{self.kv_cache.num_blocks} (raise num_blocks or kv_memory_bytes)"
                 )
         stops = {int(token) for token in stop_token_ids}
-        adapter = _adapter_key(self.model)
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[RequestResult | None] = [None] * len(prompts)
@@ -401,6 +455,15 @@ class Engine:
         live: dict[int, Request] = {}
         try:
             while waiting or running:
+                if self._sync_with_model() and running:
+                    # The weights changed under requests in flight (a callback edited them):
+                    # their KV is stale, so they start again from their prompts.
+                    for sequence in running:
+                        del live[sequence.request.id]
+                        self.cache.finish(sequence.request)
+                    waiting = sorted(waiting + [sequence.index for sequence in running])
+                    running = []
+                adapter = self._adapter_key
                 admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter, live)
                 if not admitted and not running:
                     stats = self.cache.stats()  # only pinned or leaked blocks get here

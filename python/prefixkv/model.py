@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -584,6 +584,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._adapters: dict[str, _Adapter] = {}
         self._active_adapter: str | None = None
+        # Bumped by every `load_adapter`, so `adapter_version` sees a reload under a known name.
+        self._adapter_generation = 0
         self.to(dtype=config.dtype)
         self.requires_grad_(False)
 
@@ -823,6 +825,7 @@ class LlamaModel(nn.Module):
                 down=pair["A"].detach().to(base), up=pair["B"].detach().to(base)
             )
         self._adapters[name] = adapter
+        self._adapter_generation += 1
 
     def set_adapter(self, name: str | None) -> None:
         """Activate a loaded adapter for every later forward call, or None for the base model."""
@@ -838,6 +841,47 @@ class LlamaModel(nn.Module):
     @property
     def adapter_names(self) -> list[str]:
         return sorted(self._adapters)
+
+    # ---------------------------------------------------------------- change detection
+
+    def weights_version(self) -> Hashable | None:
+        """A cheap token that changes whenever a base weight or the config may have changed.
+
+        Built from each parameter's identity, storage address and autograd version counter
+        (every in-place op, ``copy_``, ``load_state_dict`` and optimiser step bumps the counter;
+        ``.data =`` and ``.to()`` move the storage), plus the config. Costs a walk over the
+        parameters, no reads of their values. Edits torch cannot see return an unchanged token:
+        writes through ``.numpy()`` or another view of the storage, and parameters that are
+        inference tensors (created under ``torch.inference_mode``), which have no version
+        counter; then this returns None, meaning "cannot tell".
+        """
+        try:
+            tensors = tuple(
+                (id(parameter), parameter.data_ptr(), parameter._version)
+                for parameter in self.parameters()
+            )
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return None
+        return (self.config, tensors)
+
+    def adapter_version(self) -> Hashable | None:
+        """Like `weights_version`, for the active adapter: its name and the identity and
+        version of its tensors (a reloaded or edited adapter changes it)."""
+        name = self._active_adapter
+        if name is None:
+            return None
+        try:
+            return (
+                name,
+                self._adapter_generation,
+                tuple(
+                    (key, id(tensor), tensor._version)
+                    for key, pair in sorted(self._adapters.get(name, {}).items())
+                    for tensor in (pair.down, pair.up)
+                ),
+            )
+        except RuntimeError:
+            return (name, self._adapter_generation, None)
 
     def _project(self, layer_index: int, projection: str, hidden: torch.Tensor) -> torch.Tensor:
         """A q/k/v/o projection plus the active adapter's low-rank update, if any."""
