@@ -325,3 +325,38 @@ def test_weight_edit_between_steps_restarts_running_requests() -> None:
     )
     assert results[1].max_logit_diff is not None and results[1].max_logit_diff < TOLERANCE
     assert engine.cache.stats().requests_live == 0
+
+
+def test_admission_counts_every_block_eviction_can_reach() -> None:
+    """Issue 8.13: admission compared against free + evictable *leaves*, so a cached chain of
+    six blocks counted as one and a request the pool could serve was refused."""
+    engine = Engine(num_blocks=8, block_size=4)
+    engine.generate([list(range(24))], max_new_tokens=1)
+    assert engine.cache.stats().blocks_cached == 6
+    (result,) = engine.generate([list(range(100, 108))], max_new_tokens=8, check_exactness=True)
+    _assert_exact(engine.model, result, 8)
+    engine.cache.check_invariants()
+    assert engine.cache.stats().requests_live == 0
+
+
+def test_admission_still_waits_for_blocks_held_by_running_requests(model: LlamaModel) -> None:
+    """The probe that replaced the leaf count must not over-admit: with room for one request
+    and its output at a time, every request is still served exactly, in waves."""
+    engine = _engine(model, num_blocks=5)
+    prompts = [_prompt(9, seed=50 + i) for i in range(4)]  # 3 blocks + 2 of output each
+    results = engine.generate(prompts, max_new_tokens=8, check_exactness=True)
+    for result in results:
+        _assert_exact(model, result, 8)
+    engine.cache.check_invariants()
+    assert engine.cache.stats().requests_live == 0
+
+
+def test_pinned_blocks_are_not_counted_as_obtainable() -> None:
+    engine = Engine(num_blocks=8, block_size=4)
+    engine.generate([list(range(24))], max_new_tokens=1)
+    engine.cache.pin(list(range(24)))
+    with pytest.raises(OutOfBlocksError, match=r"needs 4 blocks .* 6 pinned"):
+        engine.generate([list(range(100, 108))], max_new_tokens=8)
+    stats = engine.cache.stats()
+    assert (stats.requests_live, stats.blocks_cached) == (0, 6)
+    engine.cache.check_invariants()

@@ -470,8 +470,8 @@ class Engine:
                     raise OutOfBlocksError(
                         f"cannot admit request {waiting[0]}: it needs "
                         f"{self._blocks_for(len(prompts[waiting[0]]) + max_new_tokens - 1)} "
-                        f"blocks, {stats.blocks_free + stats.blocks_evictable} are free or "
-                        f"evictable ({stats.blocks_pinned} pinned)"
+                        f"blocks and the pool cannot supply them ({stats.blocks_free} free, "
+                        f"{stats.blocks_pinned} pinned, {stats.blocks_in_use} in use)"
                     )
                 running.extend(admitted)
                 self._step(running, start, check_exactness)
@@ -498,6 +498,32 @@ class Engine:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.kv_cache.block_size)
+
+    def _can_obtain(self, count: int) -> bool:
+        """Whether the pool can hand out `count` more blocks now: free ones plus every cached
+        block no request holds and no pin keeps (eviction reaches all of them, leaf by leaf).
+
+        `CacheStats.blocks_evictable` counts only the evictable *leaves* of the cached trees, a
+        lower bound: a chain of six cached blocks counts one. Until the cache reports the full
+        figure (read here as ``blocks_obtainable`` when it exists), a count the lower bound
+        cannot grant is settled by asking for it: `allocate` either succeeds (the blocks are
+        handed straight back; the cached blocks it evicted would have gone to this request's
+        decode anyway) or raises `OutOfBlocksError` having changed nothing.
+        """
+        if count <= 0:
+            return True
+        stats = self.cache.stats()
+        obtainable = getattr(stats, "blocks_obtainable", None)
+        if obtainable is not None:
+            return int(obtainable) >= count
+        if stats.blocks_free + stats.blocks_evictable >= count:
+            return True
+        try:
+            probe = self.cache.allocate(count)
+        except OutOfBlocksError:
+            return False
+        self.cache.release(probe)
+        return True
 
     def _admit(
         self,
@@ -531,8 +557,7 @@ class Engine:
                 break
             live[request.id] = request
             growth = self._blocks_for(len(prompt) + max_new_tokens - 1) - len(request.block_table)
-            stats = self.cache.stats()
-            if stats.blocks_free + stats.blocks_evictable < reserved + growth:
+            if not self._can_obtain(reserved + growth):
                 del live[request.id]
                 self.cache.finish(request)  # would starve a decode later: wait for blocks
                 break
