@@ -86,3 +86,44 @@ def test_transformers_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> N
     with torch.no_grad():
         expected = theirs(TOKENS[None]).logits[0]
     assert_close_to_scale(ours.forward_full(TOKENS), expected)
+
+
+def _tied_checkpoint_with_head(directory: Path, head_equals_embedding: bool) -> LlamaModel:
+    """A tied-embedding checkpoint that also stores `lm_head.weight`, as many real ones do."""
+    from safetensors.torch import save_file
+
+    ours = LlamaModel.random(ModelConfig(tie_word_embeddings=True), seed=7)
+    ours.save_pretrained(directory)
+    state = {name: tensor.clone().contiguous() for name, tensor in ours.state_dict().items()}
+    if not head_equals_embedding:
+        state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return ours
+
+
+def test_tied_checkpoint_that_stores_the_head_too_loads(tmp_path: Path) -> None:
+    """Issue 8.5: refused as an unexpected tensor, though transformers loads it."""
+    ours = _tied_checkpoint_with_head(tmp_path, head_equals_embedding=True)
+    loaded = LlamaModel.from_pretrained(tmp_path)
+    assert loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    torch.testing.assert_close(loaded.forward_full(TOKENS), ours.forward_full(TOKENS))
+    with torch.no_grad():
+        expected = load_with_transformers(tmp_path)(TOKENS[None]).logits[0]
+    assert_close_to_scale(loaded.forward_full(TOKENS), expected)
+
+
+def test_tied_checkpoint_with_a_different_head_unties_as_transformers_does(
+    tmp_path: Path,
+) -> None:
+    """transformers 5 does not tie weights that the checkpoint stores with different values:
+    each keeps its own. We do the same (logged), rather than silently pick one."""
+    _tied_checkpoint_with_head(tmp_path, head_equals_embedding=False)
+    loaded = LlamaModel.from_pretrained(tmp_path)
+    assert not loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4 ties the head to the embedding; we follow transformers 5")
+    with torch.no_grad():
+        expected = load_with_transformers(tmp_path)(TOKENS[None]).logits[0]
+    assert_close_to_scale(loaded.forward_full(TOKENS), expected)

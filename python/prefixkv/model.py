@@ -37,6 +37,7 @@ RoPE follows HF's `rotate_half` convention, so `from_pretrained` loads a local H
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Hashable, Mapping, Sequence
@@ -61,6 +62,8 @@ __all__ = [
     "RopeScaling",
     "rope_inverse_frequencies",
 ]
+
+_log = logging.getLogger(__name__)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 BlockTable = Sequence[int] | np.ndarray | torch.Tensor
@@ -703,7 +706,9 @@ class LlamaModel(nn.Module):
 
         Never touches the network. Every parameter the model has must be present exactly once,
         with the right shape; unknown tensors other than RoPE buffers are an error, so a
-        checkpoint of a different architecture is refused instead of half-loaded.
+        checkpoint of a different architecture is refused instead of half-loaded. One
+        exception, as in transformers: a tied-embedding checkpoint may store ``lm_head.weight``
+        too (see `_untie_if_head_differs` for which value wins).
         """
         from safetensors import safe_open
 
@@ -715,10 +720,6 @@ class LlamaModel(nn.Module):
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise InvalidInputError(f"no *.safetensors files in {directory}")
-        model = cls(config.replace(dtype=torch.float32))
-        expected = dict(model.state_dict())
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
         loaded: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
@@ -728,6 +729,12 @@ class LlamaModel(nn.Module):
                     if name in loaded:
                         raise InvalidInputError(f"tensor {name!r} appears in two files")
                     loaded[name] = handle.get_tensor(name)
+        if config.tie_word_embeddings and "lm_head.weight" in loaded:
+            config = _untie_if_head_differs(config, loaded, directory)
+        model = cls(config.replace(dtype=torch.float32))
+        expected = dict(model.state_dict())
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
         unknown = sorted(set(loaded) - set(expected))
         missing = sorted(set(expected) - set(loaded))
         if unknown or missing:
@@ -1217,6 +1224,29 @@ class LlamaModel(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _untie_if_head_differs(
+    config: ModelConfig, loaded: dict[str, torch.Tensor], directory: Path
+) -> ModelConfig:
+    """A tied-embedding checkpoint that stores ``lm_head.weight`` as well (many do).
+
+    If the stored head equals the embedding, it is the same weight written twice: drop it and
+    stay tied. If it differs, do what transformers 5 does: do not tie, each tensor keeps its
+    stored value (transformers 4 overwrote the head with the embedding instead). The model then
+    reports ``tie_word_embeddings=False``, which is what it computes.
+    """
+    head = loaded["lm_head.weight"]
+    embedding = loaded.get("model.embed_tokens.weight")
+    if embedding is not None and head.shape == embedding.shape and torch.equal(head, embedding):
+        del loaded["lm_head.weight"]
+        return config
+    _log.warning(
+        "%s: tie_word_embeddings is true but the checkpoint stores an lm_head.weight that "
+        "differs from the embedding; loading them untied, as transformers does",
+        directory,
+    )
+    return config.replace(tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
