@@ -8,6 +8,8 @@ such a bug and checks that the comparison notices.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -184,10 +186,50 @@ def test_context_covers_what_changes_kv(model: LlamaModel) -> None:
     assert base.weights_digest and base.tokenizer_digest and base.chat_template_version
 
 
-def test_length_dependent_rope_is_refused(model: LlamaModel) -> None:
-    dynamic = model.with_config(rope_scaling=RopeScaling("dynamic_ntk", 2.0))
-    with pytest.raises(InvalidInputError, match="depends on the total sequence length"):
-        _engine(dynamic)
+def test_length_dependent_rope_is_served_without_prefix_reuse(
+    model: LlamaModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 8.5: dynamic NTK made `Engine` impossible to build, though the model is exact.
+    It is served with prefix reuse off: every request computes its whole prompt."""
+    dynamic = model.with_config(
+        rope_scaling=RopeScaling("dynamic_ntk", 2.0), max_position_embeddings=16
+    )
+    prompt = _prompt(5 * BLOCK + 2, seed=11)  # 22 tokens > 16: the RoPE base moves
+    with caplog.at_level(logging.WARNING, logger="prefixkv.engine"):
+        engine = _engine(dynamic)
+        (first,) = engine.generate([prompt], max_new_tokens=1, check_exactness=True)
+        results = engine.generate(
+            [prompt, prompt + _prompt(3, seed=12)], max_new_tokens=1, check_exactness=True
+        )
+    assert not engine.prefix_reuse
+    assert engine.prefix_reuse_off_reason is not None
+    assert "dynamic_ntk" in engine.prefix_reuse_off_reason
+    assert engine.context.position_encoding.rope_scaling == "dynamic_ntk"
+    for result in (first, *results):
+        assert (result.cached_tokens, result.full_hit) == (0, False)
+        assert result.computed_tokens == result.prompt_tokens
+        assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
+        assert result.tokens_match
+    said = [r for r in caplog.records if "prefix reuse is off" in r.getMessage()]
+    assert len(said) == 1, "said once, at construction"
+    stats = engine.cache.stats()
+    assert (stats.requests_live, stats.blocks_cached) == (0, 0)
+
+
+def test_switching_weights_into_a_length_dependent_rope_turns_reuse_off(
+    model: LlamaModel,
+) -> None:
+    engine = _engine(model.with_config())
+    assert engine.prefix_reuse and engine.prefix_reuse_off_reason is None
+    engine.model.config = engine.model.config.replace(
+        rope_scaling=RopeScaling("dynamic_ntk", 2.0), max_position_embeddings=16
+    )
+    prompt = _prompt(22, seed=13)
+    engine.generate([prompt], max_new_tokens=1)
+    (again,) = engine.generate([prompt], max_new_tokens=1, check_exactness=True)
+    assert not engine.prefix_reuse
+    assert again.cached_tokens == 0
+    assert again.max_logit_diff is not None and again.max_logit_diff < TOLERANCE
 
 
 def test_switching_adapters_never_reuses_kv() -> None:

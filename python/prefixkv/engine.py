@@ -13,6 +13,9 @@ It ties the pieces together the way an inference engine does, and is what `prefi
   parameters that reads no values) and, on a change, recomputes the digest and switches the
   cache to the new context; requests in flight restart. `Engine.weights_changed` says so by
   hand for edits torch does not record.
+* A length-dependent position encoding (dynamic NTK RoPE) makes reuse unsafe but the model
+  still exact: such an engine serves with prefix reuse off (`Engine.prefix_reuse` is False,
+  the reason is logged once), every request computed from its first token.
 
 Scheduling, one `LlamaModel.prefill` call per step (prefill and decode mixed, varlen):
 
@@ -36,9 +39,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,8 @@ __all__ = ["Engine", "RequestResult", "model_context", "weights_digest"]
 EngineInput = Any
 
 _DEFAULT_NUM_BLOCKS = 1024
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,10 +272,12 @@ class Engine:
         self._weights_version = self.model.weights_version()
         self._adapter_version = self.model.adapter_version()
         self._adapter_key = _adapter_key(self.model)
+        self._reuse_warning_given = False
         self.context = self._build_context()
-        # Refuses a length-dependent position encoding (dynamic NTK) with a clear message.
         self.cache = PrefixCache(
-            self.kv_cache.num_blocks, context=self.context, vocab_size=config.vocab_size
+            self.kv_cache.num_blocks,
+            context=self._cache_context(),
+            vocab_size=config.vocab_size,
         )
 
     # ---------------------------------------------------------------- weights
@@ -282,6 +290,57 @@ class Engine:
             model_id=self._model_id,
             tokenizer=self.tokenizer,
             chat_template=self.chat_template,
+        )
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """False when this engine serves every request from scratch (see
+        `prefix_reuse_off_reason`)."""
+        return self.context.reuse_is_safe
+
+    @property
+    def prefix_reuse_off_reason(self) -> str | None:
+        """Why prefix reuse is off, or None when it is on."""
+        if self.context.reuse_is_safe:
+            return None
+        kind = self.context.position_encoding.rope_scaling
+        return (
+            f"RoPE scaling {kind!r} depends on the total sequence length, so the KV of a prefix "
+            "computed for one request is not what a full recompute of another gives"
+        )
+
+    def _cache_context(self) -> CacheContext:
+        """The context the `PrefixCache` runs under.
+
+        Normally `context` itself. Under a length-dependent position encoding (dynamic NTK)
+        reuse is unsafe and `PrefixCache` refuses such a context; the model is still exact for
+        a request computed from scratch, so the engine serves with prefix reuse off: it never
+        commits a block (nothing is ever published, so every lookup misses) and uses the cache
+        only as its block allocator, under this stand-in context marked ``prefix_reuse: off``.
+        `context` keeps the true position encoding. Said once per engine in the log.
+
+        A finer policy is possible (the base does not move while every length stays within
+        `max_position_embeddings`) but not implemented: off is the simple correct choice.
+        """
+        context = self.context
+        if context.reuse_is_safe:
+            return context
+        if not self._reuse_warning_given:
+            self._reuse_warning_given = True
+            _log.warning(
+                "prefix reuse is off for %s: %s; every request is computed in full",
+                context.model_id or "this engine",
+                self.prefix_reuse_off_reason,
+            )
+        stand_in = replace(context.position_encoding, rope_scaling=None, rope_scaling_params=())
+        return replace(
+            context,
+            position_encoding=stand_in,
+            extra={
+                **context.extra,
+                "prefix_reuse": "off",
+                "rope_scaling": str(context.position_encoding.rope_scaling),
+            },
         )
 
     @property
@@ -309,7 +368,7 @@ class Engine:
         self._adapter_version = self.model.adapter_version()
         self._adapter_key = _adapter_key(self.model)
         self.context = self._build_context()
-        self.cache.set_context(self.context)
+        self.cache.set_context(self._cache_context())
 
     def _sync_with_model(self) -> bool:
         """Act on a weight or adapter change torch recorded since the last check; True if
@@ -542,15 +601,18 @@ class Engine:
             for s in running
         )
         in_flight: set[bytes] = set()  # keys of blocks that requests admitted now will compute
+        reuse = self.prefix_reuse
         admitted: list[_Sequence] = []
         for index in list(waiting):
             if len(running) + len(admitted) >= self.max_batch_size:
                 break
             prompt = prompts[index]
-            keys = self.cache.block_keys(prompt, adapter=adapter)
-            cached_blocks = len(self.cache.lookup(prompt, adapter=adapter).block_ids)
-            if cached_blocks < len(keys) and keys[cached_blocks] in in_flight:
-                continue  # an earlier request computes this block now: reuse it next step
+            keys: list[bytes] = []
+            if reuse:
+                keys = self.cache.block_keys(prompt, adapter=adapter)
+                cached_blocks = len(self.cache.lookup(prompt, adapter=adapter).block_ids)
+                if cached_blocks < len(keys) and keys[cached_blocks] in in_flight:
+                    continue  # an earlier request computes this block now: reuse it next step
             try:
                 request = self.cache.begin(prompt, adapter=adapter)
             except OutOfBlocksError:
@@ -596,6 +658,7 @@ class Engine:
                 )
             )
         logits = self.model.prefill(self.kv_cache, batch)
+        reuse = self.prefix_reuse
         now = time.perf_counter()
         next_tokens = logits.argmax(dim=-1).tolist()
         for sequence, row, token in zip(running, logits, next_tokens, strict=True):
@@ -605,8 +668,10 @@ class Engine:
             if check_exactness:
                 sequence.logits.append(row.detach().to("cpu", torch.float64))
             sequence.generated.append(int(token))
-            # Every position now has KV in the pages: publish the blocks that are full.
-            self.cache.commit(sequence.request, len(sequence.tokens))
+            # Every position now has KV in the pages: publish the blocks that are full (unless
+            # reuse is off, when nothing is ever published; see `_cache_context`).
+            if reuse:
+                self.cache.commit(sequence.request, len(sequence.tokens))
 
     def _result(self, sequence: _Sequence, check_exactness: bool) -> RequestResult:
         result = RequestResult(
