@@ -16,13 +16,12 @@ from hypothesis import strategies as st
 from prefixkv.analyze import (
     AnalysisReport,
     Finding,
-    _RadixTrie,
-    _resync,
     analyze_trace,
     format_report,
     main,
     parse_trace,
 )
+from prefixkv.analyze.match import RadixTrie, resync
 from prefixkv.text import ByteTokenizer, SimpleChatTemplate, load_tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -609,7 +608,7 @@ token_lists = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 
 @given(st.lists(token_lists, min_size=1, max_size=12), token_lists)
 def test_radix_trie_matches_brute_force(stored: list[list[int]], query: list[int]) -> None:
-    trie = _RadixTrie()
+    trie = RadixTrie()
     for i, seq in enumerate(stored):
         trie.insert(seq, i)
     length, owner = trie.longest_match(query)
@@ -634,7 +633,7 @@ def test_resync_finds_the_shared_stretch(
     a = prefix + head_a + shared + [1000]
     b = prefix + head_b + shared + [2000]
     start = divergence_token(a, b)
-    found = _resync(a, b, start, anchor=4, min_length=8)
+    found = resync(a, b, start, anchor=4, min_length=8)
     assert found is not None
     p, q, length = found
     assert a[p : p + length] == b[q : q + length] and length >= len(shared)

@@ -2,6 +2,13 @@
 
 Exit status: 0 on success, 1 when a check fails (selfcheck), 2 on bad input (argparse's
 convention), with a one-line message on stderr that names the problem.
+
+`prefixkv analyze` owns its options (and its own `--help`) and has its own exit statuses:
+  0  the whole trace was analysed
+  1  the analysis ran, but some lines were malformed and skipped
+  2  nothing usable: the file is missing or unreadable, no line is a valid request, or a bad
+     option (argparse's own usage errors also exit with 2)
+The analysis itself is `prefixkv.analyze`; this module only parses options and prints.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Sequence
 from prefixkv._core import __version__
 from prefixkv.errors import PrefixKVError
 
-__all__ = ["main"]
+__all__ = ["analyze_main", "main"]
 
 
 def _positive_int(text: str) -> int:
@@ -103,8 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "analyze":
         # The analyzer owns its options (and its own --help).
-        from prefixkv.analyze import main as analyze_main
-
         return analyze_main(args_list[1:])
     parser = _parser()
     args = parser.parse_args(args_list)
@@ -117,6 +122,134 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     return status
+
+
+# -- prefixkv analyze ----------------------------------------------------------------------
+
+
+def _model_shape(value: str) -> tuple[int, int, int]:
+    try:
+        layers, heads, head_dim = (int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "expected LAYERS,KV_HEADS,HEAD_DIM, e.g. 32,8,128"
+        ) from None
+    if min(layers, heads, head_dim) < 1:
+        raise argparse.ArgumentTypeError("every dimension must be positive")
+    return layers, heads, head_dim
+
+
+def _analyze_parser() -> argparse.ArgumentParser:
+    from prefixkv.analyze import (
+        DEFAULT_DTYPE_BYTES,
+        DEFAULT_MODEL_SHAPE,
+        DEFAULT_PREFILL_TOKENS_PER_SECOND,
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="prefixkv analyze",
+        description="Replay a JSONL request trace through the prefix cache: how much it reuses, "
+        "where requests part ways, and what a better prompt layout would gain.",
+        epilog="Exit status: 0 clean; 1 some lines were malformed and skipped; 2 nothing "
+        "usable (missing file, no valid line, bad option).",
+    )
+    parser.add_argument(
+        "trace",
+        help="JSONL trace: one request per line (tokens, text or "
+        "messages; optional tools, tenant, salt, timestamp, id)",
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, help="tokens per cache block (default 16)"
+    )
+    capacity = parser.add_mutually_exclusive_group()
+    capacity.add_argument(
+        "--capacity-blocks",
+        type=_positive_int,
+        help="cache size in blocks (default: enough for the whole trace)",
+    )
+    capacity.add_argument(
+        "--capacity-bytes",
+        type=_positive_int,
+        help="cache size in bytes of KV, converted with --model-shape",
+    )
+    parser.add_argument(
+        "--model-shape",
+        type=_model_shape,
+        default=DEFAULT_MODEL_SHAPE,
+        metavar="LAYERS,KV_HEADS,HEAD_DIM",
+        help="for bytes per block (default 32,8,128: Llama-3-8B-like)",
+    )
+    parser.add_argument(
+        "--dtype-bytes",
+        type=_positive_int,
+        default=DEFAULT_DTYPE_BYTES,
+        help="bytes per KV element (default 2: fp16/bf16)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or a directory holding one (default: built-in byte tokenizer)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template file or tokenizer_config.json (default: "
+        "built-in simple template)",
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-second",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_SECOND,
+        help="prefill throughput for the time-saved ESTIMATE (default 10000)",
+    )
+    parser.add_argument(
+        "--examples",
+        type=_positive_int,
+        default=3,
+        help="example request ids per finding (default 3)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def analyze_main(argv: Sequence[str] | None = None) -> int:
+    """`prefixkv analyze`; returns the exit status (see the module doc)."""
+    from prefixkv.analyze import analyze_trace, bytes_per_block, format_report
+
+    args = _analyze_parser().parse_args(argv)
+    capacity_blocks = args.capacity_blocks
+    if args.capacity_bytes is not None:
+        bpb = bytes_per_block(args.block_size, args.model_shape, args.dtype_bytes)
+        capacity_blocks = args.capacity_bytes // bpb
+        if capacity_blocks < 1:
+            print(
+                f"prefixkv analyze: --capacity-bytes {args.capacity_bytes} is less than one "
+                f"block ({bpb} bytes)",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        report = analyze_trace(
+            args.trace,
+            block_size=args.block_size,
+            capacity_blocks=capacity_blocks,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            prefill_tokens_per_second=args.prefill_tokens_per_second,
+            model_shape=args.model_shape,
+            dtype_bytes=args.dtype_bytes,
+            max_examples=args.examples,
+        )
+    except OSError as exc:
+        print(f"prefixkv analyze: cannot read {args.trace}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except PrefixKVError as exc:
+        print(f"prefixkv analyze: {exc}", file=sys.stderr)
+        return 2
+    print(report.to_json(indent=2) if args.json else format_report(report))
+    if report.requests == 0:
+        return 2
+    return 1 if report.skipped_lines else 0
 
 
 def _demo(args: argparse.Namespace) -> int:
