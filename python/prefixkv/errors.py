@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "BlockStateError",
+    "ChatTemplateError",
     "InvalidBlockError",
     "InvalidInputError",
     "KVDeviceError",
@@ -92,3 +93,10 @@ class BackendUnavailableError(PrefixKVError, RuntimeError):
 class MissingDependencyError(PrefixKVError, ImportError):
     """A feature needs an optional dependency that is not installed; the message names the
     extra to install (for example `pip install 'prefixkv[hf]'`)."""
+
+
+# -- chat templates (text.py, jinja_sandbox.py) -------------------------------------------------
+class ChatTemplateError(InvalidInputError):
+    """A chat template could not be found, compiled or rendered: a syntax error, an error the
+    template raised, or a render that broke a limit (time, steps, output size). Templates come
+    from checkpoints and users, so every failure while rendering one is this class."""
