@@ -12,8 +12,9 @@ rendered text into the same ids. Everything here exists to make that chain expli
   maps a divergence token back through the tokenizer's character offsets to one of these segments
   to say "the prompts part ways inside message 0 (system)" rather than "at token 37".
 
-Jinja templates are run in jinja2's immutable sandbox with the variables Hugging Face templates
-expect (`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`,
+Jinja templates are run in jinja2's immutable sandbox, bounded in steps, size and time
+(`prefixkv.jinja_sandbox`; every failure is a `ChatTemplateError`), with the variables Hugging
+Face templates expect (`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`,
 `raise_exception`, `strftime_now`). Their segments are found by rendering once more with each
 message's content wrapped in private-use sentinel characters and locating the sentinels; a
 template that transforms content (strip, upper...) breaks the sentinels, and then each content
@@ -33,9 +34,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from prefixkv.errors import InvalidInputError, MissingDependencyError
+from prefixkv.errors import ChatTemplateError, InvalidInputError, MissingDependencyError
+
+if TYPE_CHECKING:
+    from prefixkv.jinja_sandbox import RenderLimits
 
 __all__ = [
     "ByteTokenizer",
@@ -455,8 +459,26 @@ _OPEN, _SEP, _CLOSE = "\ue000", "\ue001", "\ue002"
 _SENTINEL_RE = re.compile(f"{_OPEN}(\\d+){_SEP}(.*?){_CLOSE}", re.DOTALL)
 
 
+#: Base limits of one Jinja render; `JinjaChatTemplate` adds to them in proportion to the input.
+DEFAULT_MAX_OUTPUT_CHARS = 1_000_000
+DEFAULT_MAX_STEPS = 1_000_000
+DEFAULT_MAX_RENDER_SECONDS = 10.0
+#: Added per input character / per message or tool: a long conversation is not hostile.
+_CHARS_PER_INPUT_CHAR = 8
+_STEPS_PER_ITEM = 1_000
+_MAX_STRFTIME_FORMAT = 256
+
+
 class JinjaChatTemplate(ChatTemplate):
-    """A Hugging Face style Jinja chat template, run in jinja2's immutable sandbox."""
+    """A Hugging Face style Jinja chat template, run in a bounded immutable sandbox.
+
+    Templates come from checkpoints and users, so rendering one is bounded (see
+    `prefixkv.jinja_sandbox`): at most `max_steps` loop iterations and calls, no string, list
+    or output over `max_output_chars`, at most `max_seconds` of wall time. The first two grow
+    with the input (plus 1,000 steps per message or tool, plus 8 characters per character of
+    input), so that only a template that costs out of proportion to its input is stopped. Every
+    failure to compile or render, whatever Python raised, is a `ChatTemplateError`.
+    """
 
     def __init__(
         self,
@@ -466,16 +488,20 @@ class JinjaChatTemplate(ChatTemplate):
         eos_token: str = "",
         name: str = "jinja",
         extra_context: Mapping[str, Any] | None = None,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_seconds: float = DEFAULT_MAX_RENDER_SECONDS,
     ) -> None:
         try:
             import jinja2
             import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            from prefixkv.jinja_sandbox import BoundedEnvironment
         except ImportError as exc:
             raise _missing("jinja2", "a Jinja chat template") from exc
 
         def raise_exception(message: str) -> None:
-            raise InvalidInputError(f"chat template {name}: {message}")
+            raise ChatTemplateError(f"chat template {name}: {message}")
 
         def tojson(
             value: Any,
@@ -485,6 +511,8 @@ class JinjaChatTemplate(ChatTemplate):
             sort_keys: bool = False,
         ) -> str:
             # Hugging Face's tojson: no HTML escaping, unlike jinja2's built-in filter.
+            if indent is not None and not (isinstance(indent, int) and 0 <= indent <= 64):
+                raise ChatTemplateError(f"chat template {name}: tojson indent {indent!r}")
             return json.dumps(
                 value,
                 ensure_ascii=ensure_ascii,
@@ -494,26 +522,43 @@ class JinjaChatTemplate(ChatTemplate):
             )
 
         def strftime_now(fmt: str) -> str:
+            if not isinstance(fmt, str) or len(fmt) > _MAX_STRFTIME_FORMAT:
+                raise ChatTemplateError(
+                    f"chat template {name}: strftime_now takes a format string of at most "
+                    f"{_MAX_STRFTIME_FORMAT} characters, got {type(fmt).__name__}"
+                )
             return _dt.datetime.now().strftime(fmt)
 
-        env = ImmutableSandboxedEnvironment(
+        env = BoundedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
-        env.filters["tojson"] = tojson
+        env.add_filter("tojson", tojson)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
-            raise InvalidInputError(
+            raise ChatTemplateError(
                 f"chat template {name}: syntax error at line {exc.lineno}: {exc.message}"
             ) from exc
-        self._jinja_error: type[Exception] = jinja2.TemplateError
+        except Exception as exc:  # deep nesting: RecursionError, MemoryError in compile()
+            raise ChatTemplateError(
+                f"chat template {name}: cannot compile: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._environment = env
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.name = name
         self.extra_context = dict(extra_context or {})
+        for limit_name, value in (("max_output_chars", max_output_chars), ("max_steps", max_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{limit_name} must be a positive int, got {value!r}")
+        if not (isinstance(max_seconds, (int, float)) and max_seconds > 0):
+            raise InvalidInputError(f"max_seconds must be a positive number, got {max_seconds!r}")
+        self.max_output_chars = max_output_chars
+        self.max_steps = max_steps
+        self.max_seconds = float(max_seconds)
         self.version = f"jinja/{self.digest()[:12]}"
 
     @classmethod
@@ -572,10 +617,30 @@ class JinjaChatTemplate(ChatTemplate):
         }
         if tools is not None:
             context["tools"] = [dict(t) for t in tools]
+        limits = self._limits(messages, tools)
         try:
-            return str(self._template.render(**context))
-        except self._jinja_error as exc:
-            raise InvalidInputError(f"chat template {self.name}: {exc}") from exc
+            return self._environment.run(self._template, context, limits, self.name)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # whatever the template made Python raise
+            raise ChatTemplateError(
+                f"chat template {self.name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _limits(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> RenderLimits:
+        from prefixkv.jinja_sandbox import RenderLimits
+
+        items = [*messages, *(tools or ())]
+        input_chars = sum(len(json.dumps(item, default=str)) for item in items)
+        return RenderLimits(
+            max_chars=self.max_output_chars + _CHARS_PER_INPUT_CHAR * input_chars,
+            max_steps=self.max_steps + _STEPS_PER_ITEM * len(items),
+            max_seconds=self.max_seconds,
+        )
 
     def render_with_segments(
         self,

@@ -1,0 +1,198 @@
+"""Hostile chat templates (issue 8.7): rendering is bounded in time and size, and every failure
+is a `ChatTemplateError`.
+
+Templates come from checkpoints and users. Before the bounded environment, ``{{ 1/0 }}``, a
+recursive macro, ``range(2**62)`` and a bad ``strftime_now`` argument escaped as raw Python
+exceptions, ``{{ 'a'*2000000000 }}`` exhausted memory and two nested ``range(100000)`` loops
+hung. The named cases run under the default limits; the hypothesis strategy composes hostile
+pieces under small limits so that each example fails fast.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixkv.errors import ChatTemplateError, InvalidInputError, PrefixKVError
+from prefixkv.text import JinjaChatTemplate
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+#: Seconds a hostile render may take under the default limits on a slow shared CPU.
+DEFAULT_BOUND_S = 20.0
+
+
+def _render(source: str, **limits: object) -> str:
+    return JinjaChatTemplate(source, **limits).render(MESSAGES)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 1/0 }}",
+        "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}",
+        "{% for i in range(2**62) %}{% endfor %}",
+        "{{ range(2**64) | length }}",
+        "{{ strftime_now(123) }}",
+        "{{ strftime_now('%Y' * 1000000) }}",
+        "{{ 'a' * 2000000000 }}",
+        "{{ 7 ** 100000000 }}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{{ messages[5].content }}",
+        "{{ ''.__class__.__mro__ }}",
+        "{{ raise_exception('no tools here') }}",
+        "{{ '%0999999999d' % 1 }}",
+        "{{ '{:>999999999}'.format(1) }}",
+        "{{ 'x'.center(10**9) }}",
+        "{{ ('ab' * 500000) | replace('', 'yyyy') }}",
+        "{% set ns = namespace(s='xy') %}{% for i in range(64) %}"
+        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+        "{% set ns = namespace(s='xy') %}{% for i in range(64) %}"
+        "{% set block %}{{ ns.s }}{{ ns.s }}{% endset %}{% set ns.s = block %}{% endfor %}",
+        "{{ (['abcdefgh'] * 90000) | join(',' * 1000) }}",
+        "{{ ([range(100000) | list] * 100) | sum(start=[]) | length }}",
+    ],
+    ids=[
+        "zero_division",
+        "recursive_macro",
+        "huge_range",
+        "range_over_maxsize",
+        "strftime_non_string",
+        "strftime_huge_format",
+        "huge_string",
+        "huge_power",
+        "nested_loops",
+        "index_error",
+        "dunder_access",
+        "raise_exception",
+        "percent_width",
+        "format_width",
+        "center_width",
+        "replace_amplifies",
+        "concat_doubling",
+        "block_set_doubling",
+        "join_amplifies",
+        "sum_of_lists",
+    ],
+)
+def test_hostile_templates_fail_typed_and_bounded(source: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as raised:
+        _render(source)
+    assert time.monotonic() - start < DEFAULT_BOUND_S
+    # Typed, and catchable as what a caller would catch without knowing prefixkv.
+    assert isinstance(raised.value, (PrefixKVError, InvalidInputError, ValueError))
+    assert "chat template" in str(raised.value)
+
+
+def test_a_syntax_error_is_typed() -> None:
+    with pytest.raises(ChatTemplateError, match="syntax error"):
+        JinjaChatTemplate("{% for %}")
+    with pytest.raises(ChatTemplateError):
+        JinjaChatTemplate("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
+
+
+def test_the_output_limit_counts_the_streamed_prompt() -> None:
+    # Many small outputs, none over the limit alone: the total is what is refused.
+    source = "{% for i in range(5000) %}{{ 'abcdefghij' }}{% endfor %}"
+    assert len(_render(source)) == 50_000
+    with pytest.raises(ChatTemplateError, match="rendered prompt"):
+        _render(source, max_output_chars=10_000)
+
+
+def test_the_step_budget_stops_a_loop_with_an_empty_body() -> None:
+    source = "{% for i in range(100000) %}{% endfor %}done"
+    assert _render(source) == "done"
+    with pytest.raises(ChatTemplateError, match="steps"):
+        _render(source, max_steps=1_000)
+
+
+def test_the_limits_scale_with_the_input() -> None:
+    """A long conversation is not hostile: its prompt may be far over the base limits."""
+    template = JinjaChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}",
+        max_output_chars=1_000,
+        max_steps=100,
+    )
+    messages = [{"role": "user", "content": "x" * 5_000} for _ in range(300)]
+    assert len(template.render(messages)) > 1_500_000
+
+
+def test_legitimate_template_features_still_work() -> None:
+    source = (
+        "{% set sep = '-' * 3 %}{{ sep }}{{ 2 ** 10 }}{{ '%05d' % 42 }}{{ '{:>6}'.format('r') }}"
+        "{{ 'ab'.center(6, '*') }}{{ [1, 2] + [3] }}{{ range(3) | map('string') | join(',') }}"
+        "{{ [[1], [2]] | sum(start=[]) }}{{ messages | map(attribute='content') | join }}"
+        "{% for m in messages %}{{ loop.index }}:{{ m.content | upper ~ '!' }}{% endfor %}"
+        "{{ {'a': 1} | tojson }}{{ 'a b c' | replace(' ', '_') }}{{ 'x' | indent(2, true) }}"
+        # jinja2's own `sum` of lists is quadratic: 100000 one-element lists took minutes.
+        "{{ (range(100000) | batch(1) | list) | sum(start=[]) | length }}"
+    )
+    assert _render(source) == (
+        '---102400042     r**ab**[1, 2, 3]0,1,2[1, 2]hello1:HELLO!{"a": 1}a_b_c  x100000'
+    )
+
+
+# -- hypothesis: compositions of hostile pieces --------------------------------------------
+
+_SIZES = st.sampled_from([0, 1, 7, 10**3, 10**5, 10**6, 10**9, 2**62, -(10**9)])
+
+_EXPRESSIONS = st.one_of(
+    st.builds(lambda n: f"'ab' * {n}", _SIZES),
+    st.builds(lambda n: f"[1, 2] * {n}", _SIZES),
+    st.builds(lambda n, m: f"{n} ** {m}", _SIZES, _SIZES),
+    st.builds(lambda n: f"range({n}) | list", _SIZES),
+    st.builds(lambda n: f"'x'.ljust({n})", _SIZES),
+    st.builds(lambda n: f"'%0{n}d' % 7", _SIZES),
+    st.builds(lambda n: f"'q' | center({n})", _SIZES),
+    st.builds(lambda n: f"('ab' * 1000) | indent({n})", _SIZES),
+    st.builds(lambda n: f"'\\t'.expandtabs({n})", _SIZES),
+    st.builds(lambda n: f"messages[{n}]", _SIZES),
+    st.builds(lambda n: f"strftime_now({n})", _SIZES),
+    st.sampled_from(
+        [
+            "1 / 0",
+            "1 // 0",
+            "''.__class__",
+            "messages.append(1)",
+            "raise_exception('x')",
+            "undefined_name.attribute.deeper",
+            "strftime_now('%')",
+            "(range(1000) | list) * 1000",
+            "'a' ~ 'b'",
+        ]
+    ),
+)
+
+
+@st.composite
+def hostile_templates(draw: st.DrawFn) -> str:
+    """An expression, possibly doubled in a loop, inside up to three nested loops."""
+    expression = draw(_EXPRESSIONS)
+    body = f"{{{{ {expression} }}}}"
+    if draw(st.booleans()):
+        body = (
+            f"{{% set ns = namespace(v={expression}) %}}"
+            "{% for i in range(40) %}{% set ns.v = ns.v ~ ns.v %}{% endfor %}{{ ns.v }}"
+        )
+    for depth in range(draw(st.integers(0, 3))):
+        count = draw(st.sampled_from([1, 10, 1000, 100000]))
+        body = f"{{% for i{depth} in range({count}) %}}{body}{{% endfor %}}"
+    if draw(st.booleans()):
+        body = f"{{% macro m(x) %}}{{{{ m(x) }}}}{body}{{% endmacro %}}{{{{ m(1) }}}}"
+    return body
+
+
+@given(hostile_templates())
+def test_any_hostile_template_renders_within_limits_or_fails_typed(source: str) -> None:
+    limits = {"max_output_chars": 200_000, "max_steps": 20_000, "max_seconds": 5.0}
+    start = time.monotonic()
+    try:
+        text = _render(source, **limits)
+    except ChatTemplateError:
+        pass
+    else:
+        assert len(text) <= 200_000
+    assert time.monotonic() - start < 10.0
