@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export HYPOTHESIS_PROFILE ?= default
 
-.PHONY: install test lint rust-test loom ci demo bench
+.PHONY: install test lint rust-test loom ci demo bench no-extras release
 
 ## Build the Rust extension (release) and install the package with test and lint tools.
 install:
@@ -29,8 +29,8 @@ loom:
 lint:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(PYTHON) -m ruff check python tests benches
-	$(PYTHON) -m ruff format --check python tests benches
+	$(PYTHON) -m ruff check python tests benches scripts
+	$(PYTHON) -m ruff format --check python tests benches scripts
 	$(PYTHON) -m mypy.stubtest prefixkv._core
 
 ## Everything CI runs, with the CI hypothesis profile (more examples).
@@ -38,7 +38,24 @@ ci: export HYPOTHESIS_PROFILE = ci
 ci: test rust-test loom lint
 
 demo:
-	$(PYTHON) -m pip install . && prefixkv demo
+	$(PYTHON) -m pip install ".[demo]" && prefixkv demo
 
 bench:
 	$(PYTHON) -m pip install -e ".[bench]" && $(PYTHON) benches/run.py
+
+## What `pip install prefixkv` gives an engine: the wheel, installed without extras into a fresh
+## venv, has no torch, and the block manager and `prefixkv analyze` work there. Reuses target/.
+NO_EXTRAS_VENV ?= .venv-no-extras
+no-extras:
+	rm -rf dist/no-extras "$(NO_EXTRAS_VENV)"
+	$(PYTHON) -m pip wheel --quiet --no-deps . -w dist/no-extras
+	$(PYTHON) -m venv "$(NO_EXTRAS_VENV)"
+	"$(NO_EXTRAS_VENV)/bin/python" -m pip install --quiet dist/no-extras/prefixkv-*.whl
+	@if "$(NO_EXTRAS_VENV)/bin/python" -m pip show --quiet torch 2>/dev/null; then \
+		echo "no-extras: torch was installed without being asked for" >&2; exit 1; fi
+	"$(NO_EXTRAS_VENV)/bin/python" scripts/smoke_no_extras.py
+
+## Release artifacts for this platform, each checked: abi3 manylinux wheel (auditwheel), sdist
+## (built from alone), `cargo package` of prefixkv-core. See docs/release.md.
+release:
+	PYTHON=$(PYTHON) scripts/release.sh
