@@ -51,12 +51,18 @@ import torch
 
 from prefixkv.cache import PrefixCache, Request
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
-from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.errors import ChatTemplateError, InvalidInputError, OutOfBlocksError
 from prefixkv.kv import PagedKVCache
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
 
-__all__ = ["Engine", "RequestResult", "model_context", "weights_digest"]
+__all__ = [
+    "Engine",
+    "RequestResult",
+    "checkpoint_eos_token_ids",
+    "model_context",
+    "weights_digest",
+]
 
 #: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
 EngineInput = Any
@@ -196,6 +202,82 @@ def model_context(
     )
 
 
+def checkpoint_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence token ids of a Hugging Face checkpoint: ``eos_token_id`` of
+    ``generation_config.json``, else of ``config.json`` (what transformers' `generate` reads),
+    an int or a list of ints; ``()`` when neither names one."""
+    directory = Path(directory)
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidInputError(f"cannot read {path}: {exc}") from exc
+        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise InvalidInputError(
+                f"{path}: eos_token_id must be an int or a list of ints, got {value!r}"
+            )
+        return tuple(values)
+    return ()
+
+
+def _stop_tokens(values: Sequence[int], vocab_size: int, what: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidInputError(f"{what} must be a sequence of token ids, got {values!r}")
+    tokens = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidInputError(f"{what} must hold ints, got {value!r}")
+        if not 0 <= int(value) < vocab_size:
+            raise InvalidInputError(f"{what}: {value} is outside the vocabulary [0, {vocab_size})")
+        tokens.append(int(value))
+    return tuple(tokens)
+
+
+def _resolve_chat_template(
+    template: ChatTemplate | str | None, tokenizer: Tokenizer | None, missing: str | None
+) -> tuple[ChatTemplate | None, str]:
+    """The engine's chat template, and why there is none when there is none.
+
+    A template object is used as given; ``"simple"`` is the built-in `SimpleChatTemplate`; any
+    other string is a template file or a checkpoint directory. With nothing given, the
+    built-in template goes with the built-in `ByteTokenizer` (it is written for that
+    tokenizer's special tokens), and with any other tokenizer there is no template: chat
+    requests are refused rather than rendered in a format the model was not trained on.
+    """
+    from prefixkv.text import find_chat_template, load_chat_template
+
+    if isinstance(template, ChatTemplate):
+        return template, ""
+    if isinstance(template, (str, Path)):
+        if str(template) in ("simple", "builtin"):
+            return SimpleChatTemplate(), ""
+        if Path(template).is_dir():
+            found = find_chat_template(template)
+            if found is None:
+                raise ChatTemplateError(f"no chat template in {template}")
+            return found, ""
+        return load_chat_template(template), ""
+    if template is not None:
+        raise InvalidInputError(
+            f"chat_template must be a ChatTemplate, a path or 'simple', got {template!r}"
+        )
+    if missing is not None:
+        return None, missing
+    if isinstance(tokenizer, ByteTokenizer):
+        return SimpleChatTemplate(), ""
+    return None, (
+        "this engine has no chat template (none was given, and the built-in one is written "
+        "for the built-in ByteTokenizer, not this tokenizer)"
+    )
+
+
 class Engine:
     """Batched greedy generation with exact prefix caching over paged KV.
 
@@ -203,7 +285,11 @@ class Engine:
         model: a `LlamaModel`; None builds a small seeded random one over the byte vocabulary.
         tokenizer: turns text requests into ids and outputs back into text; default the
             `ByteTokenizer` when it fits the model's vocabulary.
-        chat_template: renders chat requests; default `SimpleChatTemplate`.
+        chat_template: renders chat requests: a `ChatTemplate`, a template file, a checkpoint
+            directory, or ``"simple"`` for the built-in `SimpleChatTemplate`. Default: the
+            built-in one with the built-in `ByteTokenizer`, none with any other tokenizer
+            (chat requests are then refused; see `_resolve_chat_template`).
+        stop_token_ids: tokens that end a request unless `generate` is given its own.
         num_blocks / kv_memory_bytes: size of the KV pool (give at most one; default
             1024 blocks).
         block_size: tokens per block.
@@ -217,7 +303,8 @@ class Engine:
         model: LlamaModel | None = None,
         *,
         tokenizer: Tokenizer | None = None,
-        chat_template: ChatTemplate | None = None,
+        chat_template: ChatTemplate | str | None = None,
+        stop_token_ids: Sequence[int] = (),
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         block_size: int = 16,
@@ -225,6 +312,7 @@ class Engine:
         dtype: torch.dtype | None = None,
         model_id: str = "",
         max_batch_size: int = 64,
+        _no_chat_template: str | None = None,
     ) -> None:
         if model is None:
             byte_vocab = ByteTokenizer().vocab_size
@@ -245,7 +333,10 @@ class Engine:
                 f"the tokenizer has {tokenizer.vocab_size} ids, the model only {config.vocab_size}"
             )
         self.tokenizer = tokenizer
-        self.chat_template = chat_template if chat_template is not None else SimpleChatTemplate()
+        self.chat_template, self._no_chat_template = _resolve_chat_template(
+            chat_template, tokenizer, _no_chat_template
+        )
+        self.stop_token_ids = _stop_tokens(stop_token_ids, config.vocab_size, "stop_token_ids")
         if num_blocks is not None and kv_memory_bytes is not None:
             raise InvalidInputError("give num_blocks or kv_memory_bytes, not both")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
@@ -390,32 +481,51 @@ class Engine:
         directory: str | Path,
         *,
         tokenizer: Tokenizer | None = None,
-        chat_template: ChatTemplate | None = None,
+        chat_template: ChatTemplate | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         **engine_options: Any,
     ) -> Engine:
         """An engine over a local Hugging Face Llama checkpoint (``config.json`` plus
-        ``*.safetensors``). A ``tokenizer.json`` in the directory is used when no tokenizer is
-        given (needs ``prefixkv[hf]``); a ``tokenizer_config.json`` with a ``chat_template`` is
-        used when no template is given."""
-        from prefixkv.text import HFTokenizer, JinjaChatTemplate
+        ``*.safetensors``), served as the checkpoint says it should be:
+
+        * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
+        * chat template: the checkpoint's (`prefixkv.text.find_chat_template`: the
+          ``chat_template.jinja`` file, named templates, or ``tokenizer_config.json``'s entry)
+          when none is given. A checkpoint without one gets *no* template: chat requests are
+          refused with an error naming what was looked for, text and token requests are
+          served. Pass ``chat_template="simple"`` to chat through the built-in template anyway;
+          rendering a model's conversations with another model's template is a wrong prompt,
+          so this is never done silently.
+        * stop tokens: ``eos_token_id`` of ``generation_config.json`` (or of ``config.json``
+          without one; an int or a list) when `stop_token_ids` is None. Any explicit value,
+          ``()`` included, wins.
+        """
+        from prefixkv.text import CHECKPOINT_TEMPLATE_SOURCES, HFTokenizer, find_chat_template
 
         directory = Path(directory)
         model = LlamaModel.from_pretrained(directory, dtype=dtype, device=device)
         if tokenizer is None and (directory / "tokenizer.json").is_file():
             tokenizer = HFTokenizer(directory / "tokenizer.json")
-        config_file = directory / "tokenizer_config.json"
-        if chat_template is None and config_file.is_file():
-            raw = json.loads(config_file.read_text(encoding="utf-8"))
-            if isinstance(raw, dict) and raw.get("chat_template"):
-                chat_template = JinjaChatTemplate.from_file(config_file)
+        missing = None
+        if chat_template is None:
+            chat_template = find_chat_template(directory)
+            if chat_template is None:
+                missing = (
+                    f"the checkpoint {directory} has no chat template (looked for "
+                    f"{', '.join(CHECKPOINT_TEMPLATE_SOURCES)})"
+                )
+        if stop_token_ids is None:
+            stop_token_ids = checkpoint_eos_token_ids(directory)
         engine_options.setdefault("model_id", directory.name)
         return cls(
             model,
             tokenizer=tokenizer,
             chat_template=chat_template,
+            stop_token_ids=stop_token_ids,
             device=device,
+            _no_chat_template=missing,
             **engine_options,
         )
 
@@ -428,7 +538,7 @@ class Engine:
         if isinstance(request, Mapping):
             if "messages" not in request:
                 raise InvalidInputError("a chat request mapping needs a 'messages' list")
-            text = self.chat_template.render(
+            text = self._template_for_chat().render(
                 request["messages"], add_generation_prompt=True, tools=request.get("tools")
             )
             return self._encode_text(text)
@@ -442,7 +552,7 @@ class Engine:
             ids = [int(token) for token in request.tolist()]
         elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
             if request and all(isinstance(item, Mapping) for item in request):
-                text = self.chat_template.render(request, add_generation_prompt=True)
+                text = self._template_for_chat().render(request, add_generation_prompt=True)
                 return self._encode_text(text)
             if not all(
                 isinstance(item, (int, np.integer)) and not isinstance(item, bool)
@@ -465,6 +575,14 @@ class Engine:
             raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def _template_for_chat(self) -> ChatTemplate:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"a chat request, but {self._no_chat_template}; pass chat_template= (a "
+                "ChatTemplate, a template file, or 'simple' for the built-in template)"
+            )
+        return self.chat_template
+
     def _encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidInputError("this engine has no tokenizer: pass token ids")
@@ -481,10 +599,14 @@ class Engine:
         max_new_tokens: int = 16,
         *,
         check_exactness: bool = False,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] | None = None,
         on_finish: Callable[[int, RequestResult], None] | None = None,
     ) -> list[RequestResult]:
         """Serve a batch of requests; results in request order.
+
+        A request ends after `max_new_tokens` or at a stop token: `stop_token_ids` when given
+        (``()`` for none), else the engine's `stop_token_ids` (a checkpoint's EOS tokens for
+        `from_pretrained`).
 
         `on_finish(index, result)` is called as each request completes (for progress bars).
         Raises `OutOfBlocksError` when one request alone cannot fit the pool.
@@ -505,7 +627,12 @@ class Engine:
                     f"need {needed} blocks of {self.kv_cache.block_size} tokens; the KV pool has "
                     f"{self.kv_cache.num_blocks} (raise num_blocks or kv_memory_bytes)"
                 )
-        stops = {int(token) for token in stop_token_ids}
+        if stop_token_ids is None:
+            stops = set(self.stop_token_ids)
+        else:
+            stops = set(
+                _stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
+            )
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[RequestResult | None] = [None] * len(prompts)

@@ -42,13 +42,16 @@ if TYPE_CHECKING:
     from prefixkv.jinja_sandbox import RenderLimits
 
 __all__ = [
+    "CHECKPOINT_TEMPLATE_SOURCES",
     "ByteTokenizer",
     "ChatTemplate",
+    "ChatTemplateSet",
     "HFTokenizer",
     "JinjaChatTemplate",
     "Segment",
     "SimpleChatTemplate",
     "Tokenizer",
+    "find_chat_template",
     "load_chat_template",
     "load_tokenizer",
     "message_text",
@@ -581,24 +584,18 @@ class JinjaChatTemplate(ChatTemplate):
         try:
             config = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise InvalidInputError(f"{path}: not valid JSON: {exc}") from exc
+            raise ChatTemplateError(f"{path}: not valid JSON: {exc}") from exc
         template = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if not isinstance(template, str):
-            raise InvalidInputError(f"{path}: no 'chat_template' string in it")
-
-        def special(key: str) -> str:
-            value = config.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            return value if isinstance(value, str) else ""
-
+            raise ChatTemplateError(f"{path}: no 'chat_template' string in it")
+        tokens = _special_tokens(config)
         return cls(
             template,
-            bos_token=special("bos_token"),
-            eos_token=special("eos_token"),
+            bos_token=tokens.pop("bos_token", ""),
+            eos_token=tokens.pop("eos_token", ""),
             name=str(path),
         )
 
@@ -710,10 +707,14 @@ class JinjaChatTemplate(ChatTemplate):
         return spans
 
     def digest(self) -> str:
-        payload = json.dumps(
-            {"template": self.source, "bos": self.bos_token, "eos": self.eos_token},
-            sort_keys=True,
-        )
+        described: dict[str, Any] = {
+            "template": self.source,
+            "bos": self.bos_token,
+            "eos": self.eos_token,
+        }
+        if self.extra_context:  # only when present, so existing digests stay as they were
+            described["extra"] = self.extra_context
+        payload = json.dumps(described, sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def __repr__(self) -> str:
@@ -780,3 +781,169 @@ def load_chat_template(
             "does not exist"
         )
     return JinjaChatTemplate.from_file(path, bos_token=bos_token, eos_token=eos_token)
+
+
+# --------------------------------------------------------------------------------------------
+# The chat template a Hugging Face checkpoint ships
+# --------------------------------------------------------------------------------------------
+
+#: Where `find_chat_template` looks, in transformers' order of priority.
+CHECKPOINT_TEMPLATE_SOURCES = (
+    "chat_template.jinja",
+    "additional_chat_templates/*.jinja",
+    "'chat_template' in tokenizer_config.json",
+    "chat_template.json",
+)
+
+#: Special tokens transformers passes to a chat template (its ``special_tokens_map``).
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens of a ``tokenizer_config.json``, as strings (an `AddedToken` is
+    written as an object with a ``content``)."""
+    tokens: dict[str, str] = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[key] = value
+    return tokens
+
+
+class ChatTemplateSet(ChatTemplate):
+    """A checkpoint's named templates, chosen per request as transformers chooses: the
+    ``tool_use`` template when tools are given and it exists, else ``default``."""
+
+    def __init__(self, templates: Mapping[str, JinjaChatTemplate], *, name: str) -> None:
+        if not templates:
+            raise ChatTemplateError(f"{name}: an empty set of chat templates")
+        self.templates = dict(sorted(templates.items()))
+        self.name = name
+        self.version = f"jinja-set/{self.digest()[:12]}"
+
+    def select(self, tools: Sequence[Mapping[str, Any]] | None) -> JinjaChatTemplate:
+        if tools is not None and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        if "default" in self.templates:
+            return self.templates["default"]
+        raise ChatTemplateError(
+            f"{self.name}: several chat templates and none named 'default' "
+            f"(available: {sorted(self.templates)})"
+        )
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        return self.select(tools).render(messages, add_generation_prompt, tools)
+
+    def render_with_segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[str, list[Segment]]:
+        return self.select(tools).render_with_segments(messages, add_generation_prompt, tools)
+
+    def digest(self) -> str:
+        payload = json.dumps({name: t.digest() for name, t in self.templates.items()})
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"ChatTemplateSet(name={self.name!r}, templates={sorted(self.templates)})"
+
+
+def find_chat_template(
+    directory: str | os.PathLike[str],
+) -> JinjaChatTemplate | ChatTemplateSet | None:
+    """The chat template a Hugging Face checkpoint directory ships, or None if it has none.
+
+    Found as transformers' tokenizer finds it: ``chat_template.jinja`` (the default template)
+    and ``additional_chat_templates/<name>.jinja`` take priority over the ``chat_template`` of
+    ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}``); a processor's
+    legacy ``chat_template.json`` comes last. The special tokens of ``tokenizer_config.json``
+    (``bos_token``, ``eos_token``, ``pad_token``...) are passed to the template, as transformers
+    passes them. Several templates give a `ChatTemplateSet`.
+    """
+    root = Path(directory)
+    config_path = root / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            loaded = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read {config_path}: {exc}") from exc
+        if isinstance(loaded, dict):
+            config = loaded
+    tokens = _special_tokens(config)
+
+    sources: dict[str, tuple[str, str]] = {}  # template name -> (source text, where from)
+
+    def read(path: Path) -> str:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read chat template {path}: {exc}") from exc
+
+    if (root / "chat_template.jinja").is_file():
+        sources["default"] = (read(root / "chat_template.jinja"), str(root / "chat_template.jinja"))
+    extra_dir = root / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            sources[path.name.removesuffix(".jinja")] = (read(path), str(path))
+    if not sources and config.get("chat_template"):
+        entry = config["chat_template"]
+        where = str(config_path)
+        if isinstance(entry, str):
+            sources["default"] = (entry, where)
+        elif isinstance(entry, list):
+            for item in entry:
+                if not (
+                    isinstance(item, Mapping)
+                    and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)
+                ):
+                    raise ChatTemplateError(
+                        f"{config_path}: a chat_template list holds {{'name', 'template'}} "
+                        f"objects, got {item!r:.80}"
+                    )
+                sources[item["name"]] = (item["template"], f"{where}[{item['name']}]")
+        else:
+            raise ChatTemplateError(
+                f"{config_path}: chat_template must be a string or a list of named templates"
+            )
+    legacy = root / "chat_template.json"
+    if not sources and legacy.is_file():
+        try:
+            entry = json.loads(read(legacy)).get("chat_template")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ChatTemplateError(f"{legacy}: not a JSON object: {exc}") from exc
+        if not isinstance(entry, str):
+            raise ChatTemplateError(f"{legacy}: no 'chat_template' string in it")
+        sources["default"] = (entry, str(legacy))
+    if not sources:
+        return None
+
+    bos_token = tokens.pop("bos_token", "")
+    eos_token = tokens.pop("eos_token", "")
+    templates = {
+        name: JinjaChatTemplate(
+            source, bos_token=bos_token, eos_token=eos_token, name=where, extra_context=tokens
+        )
+        for name, (source, where) in sources.items()
+    }
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return ChatTemplateSet(templates, name=str(root))
