@@ -156,8 +156,10 @@ def test_unrelated_import_errors_are_not_disguised() -> None:
     assert result.stdout.strip() == "prefixkv.no_such_module"
 
 
+# Not strict, so that the cli.py change (issue 9's report) lands without touching this file;
+# once it has, this test XPASSes (listed by -ra) and the marker should go.
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="cli.py builds its parser from prefixkv.demo (which imports torch) before any "
     "command runs; needs the cli.py change described in issue 9's report",
 )
