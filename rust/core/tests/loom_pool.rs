@@ -1,22 +1,260 @@
-//! loom model of the take-reference / release / evict race on the real `BlockPool`.
+//! loom models of the cache's concurrency protocol: a lock-free `lookup` racing writers that
+//! release, evict, refill, publish and switch context; and the refcount / evict race on the
+//! pool.
 //!
-//! The cache serialises every refcount change through one mutex around the pool; this model
-//! runs the pool behind loom's mutex and lets loom try every interleaving of three threads:
-//! one takes a reference on a cached block (as `begin` does on a hit) and later releases it,
-//! one allocates under pressure (evicting whatever is evictable), one releases a block it held.
-//! In every interleaving: a referenced block is never evicted, no block is freed twice, and
-//! the invariants of the pool hold after each critical section.
+//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p prefixkv-core --test
+//! loom_pool --release` (`make loom`).
 //!
-//! Run: `RUSTFLAGS="--cfg loom" cargo test -p prefixkv-core --test loom_pool --release`
+//! ## What runs under loom: the real cache
+//! The models drive the real `PrefixCache`: its lookup walk and verification (`cache.rs`), its
+//! publishing, deduplication and collision rules (`request.rs`), its eviction, release and
+//! reset paths, all unchanged. Only the three synchronisation primitives underneath are swapped,
+//! under `--cfg loom`, for loom types with the same contract (`src/sync.rs`, `src/table.rs`):
+//! - the writer mutex (`parking_lot`) becomes `loom::sync::Mutex`;
+//! - the context cell (`arc-swap`) becomes a `loom::sync::RwLock<BlockKey>`: one linearizable
+//!   load or store;
+//! - the lookup table (`papaya`) becomes a `loom::sync::RwLock<HashMap<_, Arc<Entry>>>`: each
+//!   `get`, `try_insert` and `remove` one linearizable step, and an entry read stays alive as
+//!   long as the reader holds it.
+//!
+//! loom then tries every interleaving of those steps (within a preemption bound, below): a lookup
+//! can read each table slot before or after any insert or removal of a writer, and read the
+//! context before or after a `set_context`. The checks: a lookup never returns a block that did
+//! not hold the looked-up prefix when it was read (no false hit: with one-bit table keys the
+//! other prompt's entries sit under the very keys the lookup reads, and only verification keeps
+//! them out), never mixes blocks of two contexts, and every refcount stays owned
+//! (`check_invariants` after each writer and at the end; nothing referenced once all finish).
+//!
+//! ## What is not modelled, and why
+//! - **papaya's and arc-swap's internals.** loom explores only operations on its own
+//!   `loom::sync` types. papaya is built on `std` atomics and its own epoch-based reclamation
+//!   (`seize`), arc-swap on `std` atomics and thread-local debts; under loom those atomics would
+//!   run unobserved, each call one opaque step, so loom would check nothing about them and
+//!   would hide that it checks nothing. Neither crate can be rebuilt on loom's atomics from
+//!   here. So the models *assume* the contracts both crates document and test themselves:
+//!   every map operation and every load/store is linearizable, and an entry read through a
+//!   guard is not freed while the guard lives. The stand-ins give exactly that contract,
+//!   nothing stronger per operation.
+//! - **Weak memory orderings inside those crates.** The stand-ins are sequentially consistent;
+//!   the cache itself uses no atomics with weaker orderings except the relaxed `probes`
+//!   statistics counter, which no decision reads.
+//! - **Larger pools and longer histories.** Each model is a few blocks and a few calls, so the
+//!   search stays exhaustive within the bound; `tests/stress.rs` (real threads, real papaya,
+//!   many rounds) and `tests/state_machine.rs` (long sequential histories against a reference
+//!   model) cover breadth.
 #![cfg(loom)]
 
-use loom::sync::{Arc, Mutex};
+use loom::sync::Arc;
 use loom::thread;
+use prefixkv_core::key::TableHasher;
 use prefixkv_core::pool::BlockPool;
+use prefixkv_core::{
+    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, PrefixCache, RequestExtras,
+};
 
+/// Preemptions loom may insert per execution. Each race the models target needs at most two
+/// (a lookup preempted between two of its reads while a writer runs through a whole call);
+/// 4 leaves room and runs in seconds (a bound of 3 already catches every planted bug we tried,
+/// entry ids reused after a reset among them), while an unbounded search does not end within
+/// minutes.
+const PREEMPTION_BOUND: usize = 4;
+
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(PREEMPTION_BOUND);
+    builder.check(f);
+}
+
+const A: [u32; 2] = [1, 2];
+const B: [u32; 2] = [3, 4];
+
+/// The table keys of a two-block prompt under `root`, one block per token.
+fn keys(hasher: &TableHasher, root: &BlockKey, prompt: [u32; 2]) -> [u128; 2] {
+    let mut buffer = Vec::new();
+    let first = hasher.block(&mut buffer, hasher.root(root), &prompt[..1], b"");
+    let second = hasher.block(&mut buffer, first, &prompt[1..], b"");
+    [first.0, second.0]
+}
+
+/// A seed under which one-bit table keys make `pick` true (found by search, so the models do not
+/// depend on one hash function's outputs).
+fn seed_where(pick: impl Fn(&TableHasher) -> bool) -> u64 {
+    (0..1024)
+        .find(|&seed| pick(&TableHasher::with_seed(1, seed)))
+        .expect("a quarter of the seeds qualify")
+}
+
+fn cache(num_blocks: u32, context: BlockKey, seed: u64) -> PrefixCache {
+    let config = CacheConfig {
+        key_bits: 1,
+        ..CacheConfig::new(num_blocks, 1)
+    };
+    PrefixCache::with_table_seed(config, context, seed).unwrap()
+}
+
+fn serve(cache: &PrefixCache, prompt: &[u32]) -> Vec<BlockId> {
+    let r = cache
+        .begin(prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .unwrap();
+    cache.commit(r.request_id, prompt.len()).unwrap();
+    cache.finish(r.request_id).unwrap();
+    r.block_table
+}
+
+fn lookup(cache: &PrefixCache, prompt: &[u32]) -> Vec<BlockId> {
+    cache
+        .lookup(prompt, b"", &RequestExtras::default())
+        .unwrap()
+        .blocks
+}
+
+fn is_prefix(found: &[BlockId], of: &[BlockId]) -> bool {
+    of.starts_with(found)
+}
+
+/// A lookup of prompt A races a writer that evicts A's blocks and publishes prompt B, whose
+/// entries take A's table keys, and a releaser that makes A evictable.
+#[test]
+fn lookup_racing_release_evict_and_refill_never_returns_a_false_hit() {
+    let context = context_fingerprint(b"loom");
+    let root = root_key(&context, b"");
+    // A publishes whole; B's first block takes A's first key (so a lookup of A reads B's
+    // entry there once A is evicted), and B publishes whole too.
+    let seed = seed_where(|h| {
+        let (a, b) = (keys(h, &root, A), keys(h, &root, B));
+        a[0] != a[1] && b[0] == a[0] && b[1] != b[0]
+    });
+    model(move || {
+        // Blocks 0 <- 1 hold A, cached; the releaser holds them. Blocks 2, 3 are held by the
+        // writer as padding, so the pool is full: evicting A is the only way to get blocks.
+        let cache = cache(4, context, seed);
+        let a_blocks = serve(&cache, &A);
+        let held = cache
+            .match_and_acquire(&A, b"", &RequestExtras::default(), 0)
+            .unwrap()
+            .blocks;
+        assert_eq!(held, a_blocks);
+        let padding = cache.allocate(2).unwrap();
+        let cache = Arc::new(cache);
+
+        let releaser = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                cache.release(&held).unwrap();
+                cache.check_invariants();
+            })
+        };
+        let writer = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                // Evicts A if the releaser has gone (else OutOfBlocks, and B collides with A).
+                let pressure = cache.allocate(2);
+                cache.release(&padding).unwrap();
+                let b_blocks = serve(&cache, &B);
+                if let Ok(pressure) = pressure {
+                    cache.release(&pressure).unwrap();
+                }
+                cache.check_invariants();
+                b_blocks
+            })
+        };
+        let reader = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || (lookup(&cache, &A), lookup(&cache, &B)))
+        };
+
+        releaser.join().unwrap();
+        let b_blocks = writer.join().unwrap();
+        let (found_a, found_b) = reader.join().unwrap();
+        assert!(b_blocks.iter().all(|b| !a_blocks.contains(b)), "set-up");
+        assert!(
+            is_prefix(&found_a, &a_blocks),
+            "lookup of A returned {found_a:?}: A was only ever in {a_blocks:?}"
+        );
+        assert!(
+            is_prefix(&found_b, &b_blocks),
+            "lookup of B returned {found_b:?}: B was only ever in {b_blocks:?}"
+        );
+        cache.check_invariants();
+        let stats = cache.stats();
+        assert_eq!(
+            stats.blocks_in_use, 0,
+            "every reference was dropped by its owner"
+        );
+        assert_eq!(
+            stats.blocks_free + stats.blocks_cached,
+            4,
+            "no block leaked"
+        );
+    });
+}
+
+/// A lookup of prompt A races `set_context` and the same prompt served under the new context,
+/// whose first entry takes the old first entry's table key. Whichever context the lookup
+/// reads, it returns blocks of that context only.
+#[test]
+fn lookup_racing_set_context_never_mixes_contexts() {
+    let old = context_fingerprint(b"loom old");
+    let new = context_fingerprint(b"loom new");
+    let (old_root, new_root) = (root_key(&old, b""), root_key(&new, b""));
+    let seed = seed_where(|h| {
+        let (o, n) = (keys(h, &old_root, A), keys(h, &new_root, A));
+        o[0] != o[1] && n[0] == o[0] && n[1] != n[0]
+    });
+    model(move || {
+        let cache = cache(4, old, seed);
+        let old_blocks = serve(&cache, &A);
+        // Held across the reset: detached, not freed, so the new context gets other blocks.
+        let held = cache
+            .match_and_acquire(&A, b"", &RequestExtras::default(), 0)
+            .unwrap()
+            .blocks;
+        let cache = Arc::new(cache);
+
+        let writer = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                cache.set_context(new);
+                let blocks = serve(&cache, &A);
+                cache.check_invariants();
+                blocks
+            })
+        };
+        let reader = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                let before = cache.context();
+                let found = lookup(&cache, &A);
+                (before, found, cache.context())
+            })
+        };
+
+        let new_blocks = writer.join().unwrap();
+        let (before, found, after) = reader.join().unwrap();
+        assert!(new_blocks.iter().all(|b| !old_blocks.contains(b)), "set-up");
+        // The context changes once, old to new: if it was old after the lookup, the lookup
+        // read old; if it was new before, the lookup read new.
+        let under_old = is_prefix(&found, &old_blocks);
+        let under_new = is_prefix(&found, &new_blocks);
+        if after == old {
+            assert!(under_old, "read the old context, returned {found:?}");
+        } else if before == new {
+            assert!(under_new, "read the new context, returned {found:?}");
+        } else {
+            assert!(under_old || under_new, "mixed contexts: {found:?}");
+        }
+        cache.release(&held).unwrap();
+        cache.check_invariants();
+        assert_eq!(cache.stats().blocks_in_use, 0);
+    });
+}
+
+/// The take-reference / release / evict race on the real `BlockPool` behind a loom mutex: a
+/// referenced block is never evicted, no block is freed twice, the pool's invariants hold after
+/// each critical section.
 #[test]
 fn take_reference_release_and_evict_race() {
-    loom::model(|| {
+    model(|| {
         // Blocks 0 <- 1 form a cached chain nobody holds; block 2 is held by the "releaser".
         let mut pool = BlockPool::new(3).unwrap();
         let (blocks, _) = pool.allocate(3).unwrap();
@@ -25,7 +263,7 @@ fn take_reference_release_and_evict_race() {
         pool.release(blocks[0]);
         pool.release(blocks[1]);
         let held = blocks[2];
-        let pool = Arc::new(Mutex::new(pool));
+        let pool = Arc::new(loom::sync::Mutex::new(pool));
 
         let reader = {
             let pool = Arc::clone(&pool);
