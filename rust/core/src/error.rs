@@ -14,6 +14,17 @@ pub enum CacheError {
     #[error("unknown request id {0} (never begun, or already finished)")]
     UnknownRequest(u64),
 
+    /// The pin id is not live: never taken, already unpinned, or dropped by `clear()` or
+    /// `set_context()`, which release every pin (`reason` says which). The same kind of error as
+    /// `UnknownRequest`, an id that is not live, and mapped to the same Python class.
+    #[error("unknown pin id {pin_id}: {reason}")]
+    UnknownPin {
+        /// The offending id.
+        pin_id: u64,
+        /// Why it is not live.
+        reason: &'static str,
+    },
+
     /// A block id outside the pool, or one the caller does not hold.
     #[error("invalid block id {block}: {reason}")]
     InvalidBlock {

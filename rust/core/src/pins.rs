@@ -62,7 +62,7 @@ impl Pins {
             Err(_) if pin_id == 0 || pin_id >= self.next_id => "never taken",
             Err(_) => "already unpinned",
         };
-        CacheError::InvalidInput(format!("unknown pin id {pin_id}: {reason}"))
+        CacheError::UnknownPin { pin_id, reason }
     }
 }
 
@@ -85,7 +85,7 @@ impl PrefixCache {
         Ok((pin_id, count))
     }
 
-    /// Releases a pin taken by `pin`.
+    /// Releases a pin taken by `pin`; `UnknownPin`, saying why, if the id is not live.
     pub fn unpin(&self, pin_id: u64) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
@@ -180,6 +180,13 @@ mod tests {
         let (switched, _) = c.pin(&[1], b"", &no_extras()).unwrap();
         c.set_context(context_fingerprint(b"other"));
         let before = c.stats();
+        assert_eq!(
+            c.unpin(cleared),
+            Err(CacheError::UnknownPin {
+                pin_id: cleared,
+                reason: "dropped by clear(), which releases every pin"
+            })
+        );
         assert!(message(c.unpin(unpinned)).ends_with("already unpinned"));
         assert!(message(c.unpin(cleared)).contains("dropped by clear()"));
         assert!(message(c.unpin(switched)).contains("dropped by set_context()"));
