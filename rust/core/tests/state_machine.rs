@@ -1,0 +1,1121 @@
+//! The real cache and a tiny reference model, side by side, through random operation sequences:
+//! the Rust twin of `tests/test_cache_state_machine.py` (whose model, `tests/reference_cache.py`,
+//! this one follows), extended to the whole API (`match_and_acquire`, `commit_blocks`, every
+//! error) and to tiny table keys.
+//!
+//! The model indexes its table by a block's full content (root and every token up to the block's
+//! end), so it has no hash and nothing to verify: it is what the verified table must behave like.
+//! Collisions are the one thing it cannot know by itself, because they depend on the hash. With
+//! `key_bits` of 1 to 4 they are constant, so the model asks the real `TableHasher` (same seed)
+//! which *key* a content would take, and only that: a content whose key is held by another
+//! content is not published, exactly as `request.rs` says. Everything else (matching, refcounts,
+//! the free list and the eviction order with its tie-breaks, epochs, ownership, ids, counters,
+//! and which error each refused call returns) the model computes on its own.
+//!
+//! After every step: equal results (or equal errors), equal stats, equal refcount and cached
+//! state of every block, equal block tables of every live request, and the core's own
+//! `check_invariants`. At the end every request finishes and every external reference is
+//! released: nothing may stay referenced, and no block may leak.
+
+use std::collections::{BTreeMap, HashMap};
+
+use prefixkv_core::key::{TableHasher, TableKey};
+use prefixkv_core::{
+    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, CacheError, CacheStats,
+    PrefixCache, RequestExtras,
+};
+use proptest::collection::vec;
+use proptest::prelude::*;
+
+/// A freshly allocated block's priority, until a request touches it.
+const LOWEST: i32 = i32::MIN;
+/// A request id no `begin` returns in these runs.
+const NEVER_BEGUN: u64 = 1 << 40;
+const SALT: &[u8] = b"tenant";
+
+/// (context index, salted): what the root of a request is made of.
+type Root = (usize, bool);
+/// A block's full identity in the model: its root and every token up to its end.
+type Content = (Root, Vec<u32>);
+
+#[derive(Clone, Debug, PartialEq)]
+struct ModelEntry {
+    id: u64,
+    block: BlockId,
+    content: Content,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Meta {
+    refs: u32,
+    pins: u32,
+    children: u32,
+    cached: bool,
+    parent: Option<BlockId>,
+    tick: u64,
+    priority: i32,
+    entry: Option<ModelEntry>,
+}
+
+#[derive(Clone, Debug)]
+struct ModelRequest {
+    tokens: Vec<u32>,
+    table: Vec<BlockId>,
+    root: Root,
+    priority: i32,
+    anchors: Vec<ModelEntry>,
+    cacheable: bool,
+}
+
+/// Which table key a content takes in the real cache: the one fact the model borrows.
+struct KeyOracle {
+    hasher: TableHasher,
+    contexts: [BlockKey; 2],
+    block_size: usize,
+}
+
+impl KeyOracle {
+    fn root_key(&self, root: Root) -> BlockKey {
+        root_key(&self.contexts[root.0], if root.1 { SALT } else { b"" })
+    }
+
+    fn key(&self, content: &Content) -> TableKey {
+        let mut key = self.hasher.root(&self.root_key(content.0));
+        let mut buffer = Vec::new();
+        for chunk in content.1.chunks_exact(self.block_size) {
+            key = self.hasher.block(&mut buffer, key, chunk, b"");
+        }
+        key
+    }
+}
+
+struct Model {
+    bs: usize,
+    blocks: Vec<Meta>,
+    free: Vec<BlockId>,
+    table: HashMap<Content, ModelEntry>,
+    /// Which content holds each table key.
+    keys: HashMap<TableKey, Content>,
+    oracle: KeyOracle,
+    requests: BTreeMap<u64, ModelRequest>,
+    pins: BTreeMap<u64, Vec<BlockId>>,
+    pins_gone: HashMap<u64, &'static str>,
+    context: usize,
+    next_request: u64,
+    next_pin: u64,
+    next_entry: u64,
+    tick: u64,
+    epoch: u64,
+    block_epoch: Vec<u64>,
+    external: Vec<u32>,
+    stats: CacheStats,
+}
+
+type Matched = (Vec<BlockId>, usize, bool);
+
+impl Model {
+    fn new(num_blocks: u32, bs: usize, oracle: KeyOracle) -> Self {
+        let n = num_blocks as usize;
+        Self {
+            bs,
+            blocks: vec![Meta::default(); n],
+            free: (0..num_blocks).rev().collect(),
+            table: HashMap::new(),
+            keys: HashMap::new(),
+            oracle,
+            requests: BTreeMap::new(),
+            pins: BTreeMap::new(),
+            pins_gone: HashMap::new(),
+            context: 0,
+            next_request: 1,
+            next_pin: 1,
+            next_entry: 1,
+            tick: 0,
+            epoch: 0,
+            block_epoch: vec![0; n],
+            external: vec![0; n],
+            stats: CacheStats {
+                blocks_total: n,
+                ..CacheStats::default()
+            },
+        }
+    }
+
+    // -- helpers, after reference_cache.py ------------------------------------------------
+
+    fn content(&self, root: Root, tokens: &[u32], n_blocks: usize) -> Content {
+        (root, tokens[..n_blocks * self.bs].to_vec())
+    }
+
+    fn matched(&self, tokens: &[u32], root: Root) -> Vec<ModelEntry> {
+        let mut out = Vec::new();
+        for i in 0..tokens.len() / self.bs {
+            match self.table.get(&self.content(root, tokens, i + 1)) {
+                Some(entry) => out.push(entry.clone()),
+                None => break,
+            }
+        }
+        out
+    }
+
+    fn result(&self, blocks: Vec<BlockId>, n: usize) -> Matched {
+        let cached = blocks.len() * self.bs;
+        let full = cached == n && n > 0;
+        (blocks, if full { n - 1 } else { cached }, full)
+    }
+
+    fn evictable(&self, b: usize, children: &[u32]) -> bool {
+        let m = &self.blocks[b];
+        m.cached && m.refs == 0 && m.pins == 0 && children[b] == 0
+    }
+
+    fn uncache(&mut self, b: BlockId) {
+        let m = &mut self.blocks[b as usize];
+        m.cached = false;
+        if let Some(entry) = m.entry.take() {
+            self.table.remove(&entry.content);
+            let key = self.oracle.key(&entry.content);
+            self.keys.remove(&key);
+        }
+        m.pins = 0;
+        let parent = m.parent.take();
+        if m.refs == 0 {
+            self.free.push(b);
+        }
+        if let Some(p) = parent {
+            let pm = &mut self.blocks[p as usize];
+            pm.children = pm.children.saturating_sub(1);
+        }
+    }
+
+    /// Every block eviction could take, in order: the smallest (priority, tick, id) evictable
+    /// leaf each time, a parent becoming a leaf once its children are planned.
+    fn plan(&self) -> Vec<BlockId> {
+        let mut children: Vec<u32> = self.blocks.iter().map(|m| m.children).collect();
+        let mut planned = vec![false; self.blocks.len()];
+        let mut plan = Vec::new();
+        loop {
+            let next = (0..self.blocks.len())
+                .filter(|&b| !planned[b] && self.evictable(b, &children))
+                .min_by_key(|&b| (self.blocks[b].priority, self.blocks[b].tick, b));
+            let Some(b) = next else { break };
+            plan.push(b as BlockId);
+            planned[b] = true;
+            if let Some(p) = self.blocks[b].parent {
+                children[p as usize] -= 1;
+            }
+        }
+        plan
+    }
+
+    fn allocate_blocks(&mut self, count: usize) -> Result<Vec<BlockId>, CacheError> {
+        if self.free.len() < count {
+            let plan = self.plan();
+            if self.free.len() + plan.len() < count {
+                return Err(CacheError::OutOfBlocks {
+                    needed: count,
+                    available: self.free.len() + plan.len(),
+                });
+            }
+            let take = count - self.free.len();
+            for &b in &plan[..take] {
+                self.uncache(b);
+                self.stats.evictions += 1;
+            }
+        }
+        let start = self.free.len() - count;
+        let taken: Vec<BlockId> = self.free.drain(start..).rev().collect();
+        for &b in &taken {
+            self.blocks[b as usize].refs = 1;
+            self.blocks[b as usize].priority = LOWEST;
+            self.block_epoch[b as usize] = self.epoch;
+        }
+        Ok(taken)
+    }
+
+    fn release_one(&mut self, b: BlockId) {
+        let m = &mut self.blocks[b as usize];
+        assert!(m.refs > 0, "model: release of an unreferenced block");
+        m.refs -= 1;
+        if m.refs == 0 && !m.cached {
+            self.free.push(b);
+        }
+    }
+
+    fn touch(&mut self, b: BlockId, priority: i32) {
+        let m = &mut self.blocks[b as usize];
+        m.tick = self.tick;
+        m.priority = m.priority.max(priority);
+    }
+
+    /// Publishes positions `anchors.len() .. target` (the rules of `request.rs`).
+    fn extend(&mut self, req: &mut ModelRequest, target: usize) {
+        while let Some(last) = req.anchors.last() {
+            if self.blocks[last.block as usize].entry.as_ref() == Some(last) {
+                break;
+            }
+            req.anchors.pop();
+        }
+        while req.anchors.len() < target {
+            let pos = req.anchors.len();
+            let content = self.content(req.root, &req.tokens, pos + 1);
+            let own = req.table[pos];
+            if self.blocks[own as usize].cached {
+                match self.table.get(&content) {
+                    Some(e) if e.block == own => {
+                        let anchor = e.clone();
+                        self.touch(own, req.priority);
+                        req.anchors.push(anchor);
+                        continue;
+                    }
+                    _ => {
+                        req.cacheable = false;
+                        return;
+                    }
+                }
+            }
+            let key = self.oracle.key(&content);
+            let anchor = match self.keys.get(&key) {
+                None => {
+                    let entry = ModelEntry {
+                        id: self.next_entry,
+                        block: own,
+                        content: content.clone(),
+                    };
+                    self.next_entry += 1;
+                    let parent = req.anchors.last().map(|a| a.block);
+                    let m = &mut self.blocks[own as usize];
+                    m.cached = true;
+                    m.entry = Some(entry.clone());
+                    m.parent = parent;
+                    if let Some(p) = parent {
+                        self.blocks[p as usize].children += 1;
+                    }
+                    self.table.insert(content.clone(), entry.clone());
+                    self.keys.insert(key, content);
+                    self.stats.committed_blocks += 1;
+                    entry
+                }
+                Some(holder) if *holder == content => {
+                    self.stats.deduplicated_blocks += 1;
+                    self.table[&content].clone()
+                }
+                Some(_) => {
+                    self.stats.collisions += 1;
+                    req.cacheable = false;
+                    return;
+                }
+            };
+            self.touch(anchor.block, req.priority);
+            req.anchors.push(anchor);
+        }
+    }
+
+    fn count_lookup(&mut self, n: usize, cached: usize) {
+        self.stats.lookups += 1;
+        self.stats.lookup_tokens += n as u64;
+        self.stats.hit_tokens += cached as u64;
+    }
+
+    fn check_block(&self, b: BlockId) -> Result<(), CacheError> {
+        if (b as usize) < self.blocks.len() {
+            Ok(())
+        } else {
+            Err(CacheError::InvalidBlock {
+                block: b,
+                reason: "outside the pool",
+            })
+        }
+    }
+
+    // -- the API ----------------------------------------------------------------------------
+
+    fn lookup(&mut self, tokens: &[u32], root: Root) -> Matched {
+        self.stats.probes += 1;
+        let blocks = self.matched(tokens, root).iter().map(|e| e.block).collect();
+        self.result(blocks, tokens.len())
+    }
+
+    fn begin(
+        &mut self,
+        tokens: &[u32],
+        root: Root,
+        priority: i32,
+    ) -> Result<(u64, Vec<BlockId>, usize, bool), CacheError> {
+        if tokens.is_empty() {
+            return Err(CacheError::InvalidInput(String::new()));
+        }
+        let hits = self.matched(tokens, root);
+        for e in &hits {
+            self.blocks[e.block as usize].refs += 1;
+        }
+        let fresh = match self.allocate_blocks(tokens.len().div_ceil(self.bs) - hits.len()) {
+            Ok(fresh) => fresh,
+            Err(err) => {
+                for e in &hits {
+                    self.blocks[e.block as usize].refs -= 1;
+                }
+                return Err(err);
+            }
+        };
+        self.tick += 1;
+        for e in &hits {
+            self.touch(e.block, priority);
+        }
+        let (mut table, cached, full) =
+            self.result(hits.iter().map(|e| e.block).collect(), tokens.len());
+        self.count_lookup(tokens.len(), cached);
+        table.extend(fresh);
+        let id = self.next_request;
+        self.next_request += 1;
+        self.requests.insert(
+            id,
+            ModelRequest {
+                tokens: tokens.to_vec(),
+                table: table.clone(),
+                root,
+                priority,
+                anchors: hits,
+                cacheable: true,
+            },
+        );
+        Ok((id, table, cached, full))
+    }
+
+    fn append(&mut self, id: u64, tokens: &[u32]) -> Result<Vec<BlockId>, CacheError> {
+        let req = self
+            .requests
+            .get(&id)
+            .ok_or(CacheError::UnknownRequest(id))?;
+        let need = (req.tokens.len() + tokens.len())
+            .div_ceil(self.bs)
+            .saturating_sub(req.table.len());
+        let fresh = self.allocate_blocks(need)?;
+        let req = self.requests.get_mut(&id).unwrap();
+        req.tokens.extend_from_slice(tokens);
+        req.table.extend_from_slice(&fresh);
+        Ok(fresh)
+    }
+
+    fn commit(&mut self, id: u64, n: usize) -> Result<usize, CacheError> {
+        let mut req = self
+            .requests
+            .remove(&id)
+            .ok_or(CacheError::UnknownRequest(id))?;
+        if n > req.tokens.len() {
+            self.requests.insert(id, req);
+            return Err(CacheError::InvalidInput(String::new()));
+        }
+        if req.cacheable {
+            self.tick += 1;
+            self.extend(&mut req, n / self.bs);
+        }
+        let committed = req.anchors.len();
+        self.requests.insert(id, req);
+        Ok(committed)
+    }
+
+    fn finish(&mut self, id: u64) -> Result<(), CacheError> {
+        let req = self
+            .requests
+            .remove(&id)
+            .ok_or(CacheError::UnknownRequest(id))?;
+        self.tick += 1;
+        for &b in &req.table {
+            if self.blocks[b as usize].cached {
+                self.touch(b, req.priority);
+            }
+            self.release_one(b);
+        }
+        Ok(())
+    }
+
+    fn match_and_acquire(&mut self, tokens: &[u32], root: Root, priority: i32) -> Matched {
+        let blocks: Vec<BlockId> = self.matched(tokens, root).iter().map(|e| e.block).collect();
+        self.tick += 1;
+        for &b in &blocks {
+            self.blocks[b as usize].refs += 1;
+            self.external[b as usize] += 1;
+            self.touch(b, priority);
+        }
+        let result = self.result(blocks, tokens.len());
+        self.count_lookup(tokens.len(), result.1);
+        result
+    }
+
+    fn allocate(&mut self, count: usize) -> Result<Vec<BlockId>, CacheError> {
+        if count > self.blocks.len() {
+            let available = self.free.len() + self.plan().len();
+            return Err(CacheError::OutOfBlocks {
+                needed: count,
+                available,
+            });
+        }
+        let blocks = self.allocate_blocks(count)?;
+        for &b in &blocks {
+            self.external[b as usize] += 1;
+        }
+        Ok(blocks)
+    }
+
+    fn commit_blocks(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        root: Root,
+        priority: i32,
+    ) -> Result<Vec<BlockId>, CacheError> {
+        for (pos, &b) in blocks.iter().enumerate() {
+            self.check_block(b)?;
+            if self.external[b as usize] == 0 {
+                return Err(CacheError::InvalidBlock {
+                    block: b,
+                    reason: "not held by the caller (take it with allocate or match_and_acquire)",
+                });
+            }
+            if self.block_epoch[b as usize] != self.epoch {
+                return Err(CacheError::BlockState {
+                    block: b,
+                    reason: "its KV was computed before clear() or set_context(): never published",
+                });
+            }
+            if (pos + 1) * self.bs > tokens.len() {
+                return Err(CacheError::BlockState {
+                    block: b,
+                    reason: "not full: too few tokens to commit it",
+                });
+            }
+        }
+        let mut req = ModelRequest {
+            tokens: tokens[..blocks.len() * self.bs].to_vec(),
+            table: blocks.to_vec(),
+            root,
+            priority,
+            anchors: Vec::new(),
+            cacheable: true,
+        };
+        self.tick += 1;
+        self.extend(&mut req, blocks.len());
+        Ok(req.anchors.iter().map(|a| a.block).collect())
+    }
+
+    fn release(&mut self, blocks: &[BlockId]) -> Result<(), CacheError> {
+        let mut counts: HashMap<BlockId, u32> = HashMap::new();
+        for &b in blocks {
+            self.check_block(b)?;
+            let count = counts.entry(b).or_default();
+            *count += 1;
+            if *count > self.external[b as usize] {
+                return Err(CacheError::BlockState {
+                    block: b,
+                    reason: "released more often than it was acquired with allocate or \
+                             match_and_acquire (a double release, or a block a request owns)",
+                });
+            }
+        }
+        self.tick += 1;
+        for &b in blocks {
+            if self.blocks[b as usize].cached {
+                self.touch(b, LOWEST);
+            }
+            self.external[b as usize] -= 1;
+            self.release_one(b);
+        }
+        Ok(())
+    }
+
+    fn pin(&mut self, tokens: &[u32], root: Root) -> (u64, usize) {
+        let blocks: Vec<BlockId> = self.matched(tokens, root).iter().map(|e| e.block).collect();
+        for &b in &blocks {
+            self.blocks[b as usize].pins += 1;
+        }
+        let id = self.next_pin;
+        self.next_pin += 1;
+        let count = blocks.len();
+        self.pins.insert(id, blocks);
+        (id, count)
+    }
+
+    fn unpin(&mut self, id: u64) -> Result<(), CacheError> {
+        let Some(blocks) = self.pins.remove(&id) else {
+            let reason = match self.pins_gone.get(&id) {
+                Some(reason) => *reason,
+                None => "never taken",
+            };
+            return Err(CacheError::UnknownPin { pin_id: id, reason });
+        };
+        self.pins_gone.insert(id, "already unpinned");
+        for b in blocks {
+            let m = &mut self.blocks[b as usize];
+            m.pins = m.pins.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self, reason: &'static str) {
+        self.epoch += 1;
+        for req in self.requests.values_mut() {
+            req.cacheable = false;
+            req.anchors.clear();
+        }
+        for id in std::mem::take(&mut self.pins).into_keys() {
+            self.pins_gone.insert(id, reason);
+        }
+        for b in 0..self.blocks.len() {
+            if self.blocks[b].cached {
+                self.uncache(b as BlockId);
+            }
+        }
+    }
+
+    fn set_context(&mut self, context: usize) {
+        self.context = context;
+        self.clear("dropped by set_context(), which releases every pin");
+    }
+
+    fn expected_stats(&self) -> CacheStats {
+        let children: Vec<u32> = self.blocks.iter().map(|m| m.children).collect();
+        CacheStats {
+            blocks_free: self.free.len(),
+            blocks_cached: self.blocks.iter().filter(|m| m.cached).count(),
+            blocks_in_use: self.blocks.iter().filter(|m| m.refs > 0).count(),
+            blocks_pinned: self.blocks.iter().filter(|m| m.pins > 0).count(),
+            blocks_evictable: (0..self.blocks.len())
+                .filter(|&b| self.evictable(b, &children))
+                .count(),
+            requests_live: self.requests.len(),
+            ..self.stats.clone()
+        }
+    }
+}
+
+// -- the operations -----------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Begin {
+        tokens: Vec<u32>,
+        salt: bool,
+        priority: i32,
+    },
+    /// The same prompt begun twice in a row, as in a batch, and the first one's prefill
+    /// committed: both missed, so the second one's commit, whenever it comes, deduplicates.
+    BeginTwins {
+        tokens: Vec<u32>,
+        salt: bool,
+        priority: i32,
+    },
+    /// A whole request life in one step: the common case, and what fills the cache.
+    Serve {
+        tokens: Vec<u32>,
+        salt: bool,
+        priority: i32,
+        generated: Vec<u32>,
+    },
+    /// `percent` of the request's tokens, past 100 to ask for more than it has.
+    Commit {
+        request: usize,
+        percent: u8,
+    },
+    Append {
+        request: usize,
+        tokens: Vec<u32>,
+    },
+    Finish {
+        request: usize,
+    },
+    Lookup {
+        tokens: Vec<u32>,
+        salt: bool,
+    },
+    MatchAndAcquire {
+        tokens: Vec<u32>,
+        salt: bool,
+        priority: i32,
+    },
+    Allocate {
+        count: usize,
+    },
+    /// Commits a held set (an allocation or a match) under `tokens`, or a prefix of it.
+    CommitBlocks {
+        held: usize,
+        keep: usize,
+        tokens: Vec<u32>,
+        salt: bool,
+        priority: i32,
+    },
+    /// Releases a held set, consuming it.
+    Release {
+        held: usize,
+    },
+    /// Releases arbitrary ids: unheld, a request's, out of the pool, twice.
+    ReleaseAny {
+        blocks: Vec<BlockId>,
+    },
+    Pin {
+        tokens: Vec<u32>,
+        salt: bool,
+    },
+    /// Unpins one of the ids ever returned (live or not), or one never returned.
+    Unpin {
+        pin: usize,
+    },
+    Clear,
+    SetContext {
+        which: usize,
+    },
+}
+
+/// A few shared stems make prefixes meet often, as in real traffic (the Python test's stems).
+const STEMS: [&[u32]; 4] = [
+    &[1, 2, 3, 4, 5, 6, 7, 8],
+    &[1, 2, 3, 4, 9, 9, 9, 9],
+    &[5, 5, 5, 5, 5, 5],
+    &[],
+];
+
+fn tokens() -> impl Strategy<Value = Vec<u32>> {
+    (0..STEMS.len(), 0..=8usize, vec(0u32..4, 0..10)).prop_map(|(stem, cut, tail)| {
+        let stem = STEMS[stem];
+        let mut tokens = stem[..cut.min(stem.len())].to_vec();
+        tokens.extend(tail);
+        tokens
+    })
+}
+
+fn priority() -> impl Strategy<Value = i32> {
+    prop_oneof![Just(0), Just(0), Just(1), Just(-1)]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let index = 0..64usize;
+    prop_oneof![
+        4 => (tokens(), any::<bool>(), priority())
+            .prop_map(|(tokens, salt, priority)| Op::Begin { tokens, salt, priority }),
+        2 => (tokens(), any::<bool>(), priority())
+            .prop_map(|(tokens, salt, priority)| Op::BeginTwins { tokens, salt, priority }),
+        4 => (tokens(), any::<bool>(), priority(), vec(0u32..4, 0..6)).prop_map(
+            |(tokens, salt, priority, generated)| Op::Serve { tokens, salt, priority, generated }
+        ),
+        5 => (index.clone(), 0..=110u8)
+            .prop_map(|(request, percent)| Op::Commit { request, percent }),
+        2 => (index.clone(), vec(0u32..4, 1..5))
+            .prop_map(|(request, tokens)| Op::Append { request, tokens }),
+        4 => index.clone().prop_map(|request| Op::Finish { request }),
+        3 => (tokens(), any::<bool>()).prop_map(|(tokens, salt)| Op::Lookup { tokens, salt }),
+        2 => (tokens(), any::<bool>(), priority())
+            .prop_map(|(tokens, salt, priority)| Op::MatchAndAcquire { tokens, salt, priority }),
+        2 => (0..=4usize).prop_map(|count| Op::Allocate { count }),
+        2 => (index.clone(), 0..4usize, tokens(), any::<bool>(), priority()).prop_map(
+            |(held, keep, tokens, salt, priority)| Op::CommitBlocks {
+                held,
+                keep,
+                tokens,
+                salt,
+                priority
+            }
+        ),
+        2 => index.clone().prop_map(|held| Op::Release { held }),
+        1 => vec(0u32..20, 1..3).prop_map(|blocks| Op::ReleaseAny { blocks }),
+        2 => (tokens(), any::<bool>()).prop_map(|(tokens, salt)| Op::Pin { tokens, salt }),
+        2 => index.prop_map(|pin| Op::Unpin { pin }),
+        1 => Just(Op::Clear),
+        1 => (0..2usize).prop_map(|which| Op::SetContext { which }),
+    ]
+}
+
+// -- the machine ----------------------------------------------------------------------------
+
+struct Machine {
+    real: PrefixCache,
+    model: Model,
+    contexts: [BlockKey; 2],
+    /// Every request id begun, live or not, in order.
+    requests: Vec<u64>,
+    /// Sets of blocks taken through the low-level API and not yet released as a set.
+    held: Vec<Vec<BlockId>>,
+    /// Every pin id returned, live or not.
+    pins: Vec<u64>,
+}
+
+/// Same outcome: equal values, or errors of the same kind (`InvalidInput` messages are the
+/// real cache's to word; every other error must be equal field by field).
+fn same<T: PartialEq + std::fmt::Debug>(
+    op: &Op,
+    real: &Result<T, CacheError>,
+    model: &Result<T, CacheError>,
+) {
+    match (real, model) {
+        (Err(CacheError::InvalidInput(_)), Err(CacheError::InvalidInput(_))) => {}
+        _ => assert_eq!(real, model, "after {op:?}"),
+    }
+}
+
+impl Machine {
+    fn new(num_blocks: u32, block_size: usize, key_bits: u32, seed: u64) -> Self {
+        let contexts = [
+            context_fingerprint(b"model a"),
+            context_fingerprint(b"model b"),
+        ];
+        let config = CacheConfig {
+            key_bits,
+            ..CacheConfig::new(num_blocks, block_size)
+        };
+        let real = PrefixCache::with_table_seed(config, contexts[0], seed).unwrap();
+        let oracle = KeyOracle {
+            hasher: TableHasher::with_seed(key_bits, seed),
+            contexts,
+            block_size,
+        };
+        Self {
+            real,
+            model: Model::new(num_blocks, block_size, oracle),
+            contexts,
+            requests: Vec::new(),
+            held: Vec::new(),
+            pins: Vec::new(),
+        }
+    }
+
+    fn root(&self, salt: bool) -> Root {
+        (self.model.context, salt)
+    }
+
+    /// Mostly a live request (so one request's life goes on across many steps); otherwise any
+    /// id begun so far, finished or not, or (one slot past them) an id never begun.
+    fn request_id(&self, index: usize) -> u64 {
+        let live = &self.model.requests;
+        if index % 4 != 0 && !live.is_empty() {
+            return *live.keys().nth(index / 4 % live.len()).unwrap();
+        }
+        self.requests
+            .get(index % (self.requests.len() + 1))
+            .copied()
+            .unwrap_or(NEVER_BEGUN)
+    }
+
+    fn begin(&mut self, op: &Op, tokens: &[u32], salt: bool, priority: i32) -> Option<u64> {
+        let salt_bytes: &[u8] = if salt { SALT } else { b"" };
+        let real = self
+            .real
+            .begin(
+                tokens.to_vec(),
+                salt_bytes,
+                RequestExtras::default(),
+                priority,
+            )
+            .map(|r| (r.request_id, r.block_table, r.num_cached_tokens, r.full_hit));
+        let model = self.model.begin(tokens, self.root(salt), priority);
+        same(op, &real, &model);
+        let (id, _, cached, _) = real.ok()?;
+        assert!(
+            cached < tokens.len(),
+            "at least one token is left to compute"
+        );
+        self.requests.push(id);
+        Some(id)
+    }
+
+    fn commit(&mut self, op: &Op, id: u64, n: usize) {
+        same(op, &self.real.commit(id, n), &self.model.commit(id, n));
+    }
+
+    fn append(&mut self, op: &Op, id: u64, tokens: &[u32]) {
+        same(
+            op,
+            &self.real.append(id, tokens),
+            &self.model.append(id, tokens),
+        );
+    }
+
+    fn finish(&mut self, op: &Op, id: u64) {
+        same(op, &self.real.finish(id), &self.model.finish(id));
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let extras = RequestExtras::default();
+        let salt_of = |salt: bool| -> &'static [u8] {
+            if salt {
+                SALT
+            } else {
+                b""
+            }
+        };
+        match op {
+            Op::Begin {
+                tokens,
+                salt,
+                priority,
+            } => {
+                self.begin(op, tokens, *salt, *priority);
+            }
+            Op::BeginTwins {
+                tokens,
+                salt,
+                priority,
+            } => {
+                let first = self.begin(op, tokens, *salt, *priority);
+                self.begin(op, tokens, *salt, *priority);
+                if let Some(first) = first {
+                    self.commit(op, first, tokens.len());
+                }
+            }
+            Op::Serve {
+                tokens,
+                salt,
+                priority,
+                generated,
+            } => {
+                if let Some(id) = self.begin(op, tokens, *salt, *priority) {
+                    self.commit(op, id, tokens.len());
+                    if !generated.is_empty() {
+                        self.append(op, id, generated);
+                        let n = self.model.requests[&id].tokens.len();
+                        self.commit(op, id, n);
+                    }
+                    self.finish(op, id);
+                }
+            }
+            Op::Commit { request, percent } => {
+                let id = self.request_id(*request);
+                let len = self.model.requests.get(&id).map_or(3, |r| r.tokens.len());
+                self.commit(op, id, len * usize::from(*percent) / 100);
+            }
+            Op::Append { request, tokens } => self.append(op, self.request_id(*request), tokens),
+            Op::Finish { request } => self.finish(op, self.request_id(*request)),
+            Op::Lookup { tokens, salt } => {
+                let real = self
+                    .real
+                    .lookup(tokens, salt_of(*salt), &extras)
+                    .map(|m| (m.blocks, m.num_cached_tokens, m.full_hit));
+                let model = self.model.lookup(tokens, self.root(*salt));
+                same(op, &real, &Ok(model));
+            }
+            Op::MatchAndAcquire {
+                tokens,
+                salt,
+                priority,
+            } => {
+                let real = self
+                    .real
+                    .match_and_acquire(tokens, salt_of(*salt), &extras, *priority)
+                    .map(|m| (m.blocks, m.num_cached_tokens, m.full_hit));
+                let model = self
+                    .model
+                    .match_and_acquire(tokens, self.root(*salt), *priority);
+                same(op, &real, &Ok(model.clone()));
+                if !model.0.is_empty() {
+                    self.held.push(model.0);
+                }
+            }
+            Op::Allocate { count } => {
+                let real = self.real.allocate(*count);
+                same(op, &real, &self.model.allocate(*count));
+                if let Ok(blocks) = real {
+                    if !blocks.is_empty() {
+                        self.held.push(blocks);
+                    }
+                }
+            }
+            Op::CommitBlocks {
+                held,
+                keep,
+                tokens,
+                salt,
+                priority,
+            } => {
+                if self.held.is_empty() {
+                    return;
+                }
+                let set = &self.held[held % self.held.len()];
+                let blocks = &set[..(*keep).clamp(1, set.len())];
+                let real =
+                    self.real
+                        .commit_blocks(tokens, blocks, salt_of(*salt), &extras, *priority);
+                let model = self
+                    .model
+                    .commit_blocks(tokens, blocks, self.root(*salt), *priority);
+                same(op, &real, &model);
+            }
+            Op::Release { held } => {
+                if self.held.is_empty() {
+                    return;
+                }
+                let blocks = self.held.remove(held % self.held.len());
+                same(
+                    op,
+                    &self.real.release(&blocks),
+                    &self.model.release(&blocks),
+                );
+            }
+            Op::ReleaseAny { blocks } => {
+                same(op, &self.real.release(blocks), &self.model.release(blocks));
+            }
+            Op::Pin { tokens, salt } => {
+                let real = self.real.pin(tokens, salt_of(*salt), &extras);
+                let model = self.model.pin(tokens, self.root(*salt));
+                same(op, &real, &Ok(model));
+                self.pins.push(model.0);
+            }
+            Op::Unpin { pin } => {
+                let id = self
+                    .pins
+                    .get(pin % (self.pins.len() + 1))
+                    .copied()
+                    .unwrap_or(NEVER_BEGUN);
+                same(op, &self.real.unpin(id), &self.model.unpin(id));
+            }
+            Op::Clear => {
+                self.real.clear();
+                self.model
+                    .clear("dropped by clear(), which releases every pin");
+            }
+            Op::SetContext { which } => {
+                self.real.set_context(self.contexts[*which]);
+                self.model.set_context(*which);
+            }
+        }
+    }
+
+    fn check(&self, op: &Op) {
+        self.real.check_invariants();
+        assert_eq!(
+            self.real.stats(),
+            self.model.expected_stats(),
+            "after {op:?}"
+        );
+        for (block, meta) in self.model.blocks.iter().enumerate() {
+            let id = block as BlockId;
+            assert_eq!(
+                self.real.ref_count(id),
+                Ok(meta.refs),
+                "refcount of {block} after {op:?}"
+            );
+            assert_eq!(
+                self.real.is_cached(id),
+                Ok(meta.cached),
+                "cached {block} after {op:?}"
+            );
+        }
+        for (&id, request) in &self.model.requests {
+            assert_eq!(
+                self.real.block_table(id).as_ref(),
+                Ok(&request.table),
+                "after {op:?}"
+            );
+        }
+    }
+
+    /// Every request finishes and every external reference is released: nothing may stay.
+    fn teardown(mut self) {
+        for id in self.model.requests.keys().copied().collect::<Vec<_>>() {
+            self.real.finish(id).unwrap();
+            self.model.finish(id).unwrap();
+        }
+        let held: Vec<BlockId> = (0..self.model.external.len() as BlockId)
+            .flat_map(|b| std::iter::repeat(b).take(self.model.external[b as usize] as usize))
+            .collect();
+        self.real.release(&held).unwrap();
+        self.model.release(&held).unwrap();
+        self.check(&Op::Clear);
+        let stats = self.real.stats();
+        assert_eq!(stats.blocks_in_use, 0, "a block is still referenced");
+        assert_eq!(
+            stats.blocks_free + stats.blocks_cached,
+            stats.blocks_total,
+            "a block leaked"
+        );
+    }
+}
+
+fn run(num_blocks: u32, block_size: usize, key_bits: u32, seed: u64, ops: &[Op]) {
+    let mut machine = Machine::new(num_blocks, block_size, key_bits, seed);
+    for op in ops {
+        machine.apply(op);
+        machine.check(op);
+    }
+    machine.teardown();
+}
+
+fn key_bits() -> impl Strategy<Value = u32> {
+    // Half tiny, so collisions are constant; half full width, where none stops a request from
+    // publishing and deduplication and eviction get their turn.
+    prop_oneof![Just(1), Just(2), Just(4), Just(128), Just(128), Just(128)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn real_cache_matches_the_reference_model(
+        num_blocks in 3..=16u32,
+        block_size in 1..=4usize,
+        key_bits in key_bits(),
+        seed in any::<u64>(),
+        ops in vec(op(), 1..50),
+    ) {
+        run(num_blocks, block_size, key_bits, seed, &ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
+
+    /// The same, longer and many more times: `make rust-stress`.
+    #[test]
+    #[ignore = "long: make rust-stress"]
+    fn real_cache_matches_the_reference_model_long(
+        num_blocks in 3..=24u32,
+        block_size in 1..=4usize,
+        key_bits in key_bits(),
+        seed in any::<u64>(),
+        ops in vec(op(), 1..200),
+    ) {
+        run(num_blocks, block_size, key_bits, seed, &ops);
+    }
+}
+
+/// The generator reaches the interesting states: collisions, deduplication, eviction, pins.
+#[test]
+fn tiny_keys_collide_and_shared_stems_deduplicate() {
+    let mut machine = Machine::new(6, 2, 1, 3);
+    let prompt = STEMS[0].to_vec();
+    let ops = [
+        Op::Begin {
+            tokens: prompt.clone(),
+            salt: false,
+            priority: 0,
+        },
+        Op::Begin {
+            tokens: prompt.clone(),
+            salt: false,
+            priority: 0,
+        },
+        Op::Commit {
+            request: 0,
+            percent: 100,
+        },
+        Op::Commit {
+            request: 1,
+            percent: 100,
+        },
+        Op::Finish { request: 0 },
+        Op::Finish { request: 1 },
+        Op::Serve {
+            tokens: STEMS[2].to_vec(),
+            salt: true,
+            priority: 1,
+            generated: vec![],
+        },
+    ];
+    for op in &ops {
+        machine.apply(op);
+        machine.check(op);
+    }
+    let stats = machine.real.stats();
+    assert!(
+        stats.collisions + stats.deduplicated_blocks > 0,
+        "{stats:?}"
+    );
+    machine.teardown();
+}
