@@ -17,10 +17,11 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from prefixkv.engine import Engine, checkpoint_eos_token_ids
+from prefixkv.checkpoint import checkpoint_eos_token_ids, find_chat_template
+from prefixkv.engine import Engine
 from prefixkv.errors import ChatTemplateError, InvalidInputError
 from prefixkv.model import LlamaModel, ModelConfig
-from prefixkv.text import ChatTemplateSet, HFTokenizer, JinjaChatTemplate, find_chat_template
+from prefixkv.text import ChatTemplateSet, HFTokenizer, JinjaChatTemplate
 
 DATA = Path(__file__).parent / "data"
 CHATML = (DATA / "chatml.jinja").read_text()

@@ -38,6 +38,7 @@ import torch
 from hypothesis import given, note, settings, target
 from hypothesis import strategies as st
 
+from prefixkv import batch as batch_module
 from prefixkv import model as model_module
 from prefixkv.attention import paged_prefill_attention
 from prefixkv.kv import PagedKVCache
@@ -386,7 +387,8 @@ class RopeScalingDropped(LlamaModel):
         def unscaled(config: ModelConfig, length: int) -> torch.Tensor:
             return rope_inverse_frequencies(config.replace(rope_scaling=None), length)
 
-        with mock.patch.object(model_module, "rope_inverse_frequencies", unscaled):
+        # The packing (and its RoPE tables) lives in prefixkv.batch.
+        with mock.patch.object(batch_module, "rope_inverse_frequencies", unscaled):
             return super()._pack(kv_cache, batch)
 
 

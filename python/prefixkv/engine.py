@@ -37,8 +37,6 @@ so it includes queueing behind other requests of the same call.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,15 +44,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from prefixkv.cache import PrefixCache, Request
-from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
-from prefixkv.errors import ChatTemplateError, InvalidInputError, OutOfBlocksError
+from prefixkv.checkpoint import checkpoint_eos_token_ids
+from prefixkv.context import CacheContext
+from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
+from prefixkv.errors import InvalidInputError, OutOfBlocksError
 from prefixkv.kv import PagedKVCache
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
-from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
+from prefixkv.model_config import model_context
+from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
 
 __all__ = [
     "Engine",
@@ -63,9 +63,6 @@ __all__ = [
     "model_context",
     "weights_digest",
 ]
-
-#: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
-EngineInput = Any
 
 _DEFAULT_NUM_BLOCKS = 1024
 
@@ -121,161 +118,8 @@ class _Sequence:
 
 
 def weights_digest(model: LlamaModel) -> str:
-    """SHA-256 over every parameter's name, dtype, shape and bytes, plus the model config.
-
-    Hashing the loaded tensors (not the files) covers random weights, checkpoints and in-memory
-    edits alike; a config field that changes KV without changing a weight (RMSNorm eps, head
-    layout) changes the digest too.
-    """
-    digest = hashlib.sha256()
-    config = model.config.describe()
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def _adapter_key(model: LlamaModel) -> str | None:
-    """The active adapter as a per-block key: its name and a digest of its weights, so that
-    reloading a name with other weights misses."""
-    name = model.active_adapter
-    if name is None:
-        return None
-    # LlamaModel keeps adapter weights privately; hashing them here (rather than trusting the
-    # name) is what makes a reloaded adapter miss.
-    adapters = getattr(model, "_adapters", {})
-    digest = hashlib.sha256()
-    for (layer, projection), pair in sorted(adapters.get(name, {}).items()):
-        digest.update(f"{layer}.{projection}".encode())
-        for tensor in (pair.down, pair.up):
-            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(flat.view(torch.uint8).numpy().data)
-    return f"{name}@{digest.hexdigest()[:32]}"
-
-
-def model_context(
-    config: ModelConfig,
-    *,
-    weights: str,
-    block_size: int,
-    model_id: str = "",
-    tokenizer: Tokenizer | None = None,
-    chat_template: ChatTemplate | None = None,
-) -> CacheContext:
-    """The `CacheContext` of a model: every setting that changes the KV it writes."""
-    scaling = config.rope_scaling
-    params: tuple[tuple[str, float], ...] = ()
-    if scaling is not None:
-        params = (("factor", float(scaling.factor)),)
-        if scaling.kind == "llama3":
-            params += (
-                ("high_freq_factor", float(scaling.high_freq_factor)),
-                ("low_freq_factor", float(scaling.low_freq_factor)),
-                (
-                    "original_max_position_embeddings",
-                    float(scaling.original_max_position_embeddings),
-                ),
-            )
-        if scaling.kind == "dynamic_ntk":
-            params += (("max_position_embeddings", float(config.max_position_embeddings)),)
-    window = config.sliding_window
-    return CacheContext(
-        model_id=model_id,
-        weights_digest=weights,
-        tokenizer_id="" if tokenizer is None else tokenizer.name,
-        tokenizer_digest="" if tokenizer is None else tokenizer.digest(),
-        chat_template_version="" if chat_template is None else chat_template.digest(),
-        position_encoding=PositionEncoding(
-            kind="rope",
-            rope_theta=float(config.rope_theta),
-            rope_scaling=None if scaling is None else scaling.kind,
-            rope_scaling_params=params,
-            position_offset=config.position_offset,
-        ),
-        attention_mask=AttentionMask(
-            kind="causal" if window is None else "sliding_window", sliding_window=window
-        ),
-        kv_dtype=str(config.dtype).removeprefix("torch."),
-        block_size=block_size,
-    )
-
-
-def checkpoint_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
-    """The end-of-sequence token ids of a Hugging Face checkpoint: ``eos_token_id`` of
-    ``generation_config.json``, else of ``config.json`` (what transformers' `generate` reads),
-    an int or a list of ints; ``()`` when neither names one."""
-    directory = Path(directory)
-    for name in ("generation_config.json", "config.json"):
-        path = directory / name
-        if not path.is_file():
-            continue
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidInputError(f"cannot read {path}: {exc}") from exc
-        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        if value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise InvalidInputError(
-                f"{path}: eos_token_id must be an int or a list of ints, got {value!r}"
-            )
-        return tuple(values)
-    return ()
-
-
-def _stop_tokens(values: Sequence[int], vocab_size: int, what: str) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidInputError(f"{what} must be a sequence of token ids, got {values!r}")
-    tokens = []
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise InvalidInputError(f"{what} must hold ints, got {value!r}")
-        if not 0 <= int(value) < vocab_size:
-            raise InvalidInputError(f"{what}: {value} is outside the vocabulary [0, {vocab_size})")
-        tokens.append(int(value))
-    return tuple(tokens)
-
-
-def _resolve_chat_template(
-    template: ChatTemplate | str | None, tokenizer: Tokenizer | None, missing: str | None
-) -> tuple[ChatTemplate | None, str]:
-    """The engine's chat template, and why there is none when there is none.
-
-    A template object is used as given; ``"simple"`` is the built-in `SimpleChatTemplate`; any
-    other string is a template file or a checkpoint directory. With nothing given, the
-    built-in template goes with the built-in `ByteTokenizer` (it is written for that
-    tokenizer's special tokens), and with any other tokenizer there is no template: chat
-    requests are refused rather than rendered in a format the model was not trained on.
-    """
-    from prefixkv.text import find_chat_template, load_chat_template
-
-    if isinstance(template, ChatTemplate):
-        return template, ""
-    if isinstance(template, (str, Path)):
-        if str(template) in ("simple", "builtin"):
-            return SimpleChatTemplate(), ""
-        if Path(template).is_dir():
-            found = find_chat_template(template)
-            if found is None:
-                raise ChatTemplateError(f"no chat template in {template}")
-            return found, ""
-        return load_chat_template(template), ""
-    if template is not None:
-        raise InvalidInputError(
-            f"chat_template must be a ChatTemplate, a path or 'simple', got {template!r}"
-        )
-    if missing is not None:
-        return None, missing
-    if isinstance(tokenizer, ByteTokenizer):
-        return SimpleChatTemplate(), ""
-    return None, (
-        "this engine has no chat template (none was given, and the built-in one is written "
-        "for the built-in ByteTokenizer, not this tokenizer)"
-    )
+    """SHA-256 of a model's weights and config (`LlamaModel.weights_digest`)."""
+    return model.weights_digest()
 
 
 class Engine:
@@ -288,7 +132,7 @@ class Engine:
         chat_template: renders chat requests: a `ChatTemplate`, a template file, a checkpoint
             directory, or ``"simple"`` for the built-in `SimpleChatTemplate`. Default: the
             built-in one with the built-in `ByteTokenizer`, none with any other tokenizer
-            (chat requests are then refused; see `_resolve_chat_template`).
+            (chat requests are then refused; see `prefixkv.engine_inputs.resolve_chat_template`).
         stop_token_ids: tokens that end a request unless `generate` is given its own.
         num_blocks / kv_memory_bytes: size of the KV pool (give at most one; default
             1024 blocks).
@@ -333,10 +177,10 @@ class Engine:
                 f"the tokenizer has {tokenizer.vocab_size} ids, the model only {config.vocab_size}"
             )
         self.tokenizer = tokenizer
-        self.chat_template, self._no_chat_template = _resolve_chat_template(
+        self.chat_template, self._no_chat_template = resolve_chat_template(
             chat_template, tokenizer, _no_chat_template
         )
-        self.stop_token_ids = _stop_tokens(stop_token_ids, config.vocab_size, "stop_token_ids")
+        self.stop_token_ids = stop_tokens(stop_token_ids, config.vocab_size, "stop_token_ids")
         if num_blocks is not None and kv_memory_bytes is not None:
             raise InvalidInputError("give num_blocks or kv_memory_bytes, not both")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
@@ -362,7 +206,7 @@ class Engine:
         self._model_id = model_id
         self._weights_version = self.model.weights_version()
         self._adapter_version = self.model.adapter_version()
-        self._adapter_key = _adapter_key(self.model)
+        self._adapter_key = self.model.adapter_digest()
         self._reuse_warning_given = False
         self.context = self._build_context()
         self.cache = PrefixCache(
@@ -374,10 +218,8 @@ class Engine:
     # ---------------------------------------------------------------- weights
 
     def _build_context(self) -> CacheContext:
-        return model_context(
-            self.model.config,
-            weights=weights_digest(self.model),
-            block_size=self.kv_cache.block_size,
+        return self.model.cache_context(
+            self.kv_cache.block_size,
             model_id=self._model_id,
             tokenizer=self.tokenizer,
             chat_template=self.chat_template,
@@ -457,7 +299,7 @@ class Engine:
         """
         self._weights_version = self.model.weights_version()
         self._adapter_version = self.model.adapter_version()
-        self._adapter_key = _adapter_key(self.model)
+        self._adapter_key = self.model.adapter_digest()
         self.context = self._build_context()
         self.cache.set_context(self._cache_context())
 
@@ -471,7 +313,7 @@ class Engine:
         if adapter_version != self._adapter_version:
             # Adapters go in each block's extra key, not in the context: no need to clear.
             self._adapter_version = adapter_version
-            self._adapter_key = _adapter_key(self.model)
+            self._adapter_key = self.model.adapter_digest()
             return True
         return False
 
@@ -491,7 +333,7 @@ class Engine:
         ``*.safetensors``), served as the checkpoint says it should be:
 
         * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
-        * chat template: the checkpoint's (`prefixkv.text.find_chat_template`: the
+        * chat template: the checkpoint's (`prefixkv.checkpoint.find_chat_template`: the
           ``chat_template.jinja`` file, named templates, or ``tokenizer_config.json``'s entry)
           when none is given. A checkpoint without one gets *no* template: chat requests are
           refused with an error naming what was looked for, text and token requests are
@@ -502,7 +344,8 @@ class Engine:
           without one; an int or a list) when `stop_token_ids` is None. Any explicit value,
           ``()`` included, wins.
         """
-        from prefixkv.text import CHECKPOINT_TEMPLATE_SOURCES, HFTokenizer, find_chat_template
+        from prefixkv.checkpoint import CHECKPOINT_TEMPLATE_SOURCES, find_chat_template
+        from prefixkv.text import HFTokenizer
 
         directory = Path(directory)
         model = LlamaModel.from_pretrained(directory, dtype=dtype, device=device)
@@ -532,64 +375,15 @@ class Engine:
     # ---------------------------------------------------------------- inputs
 
     def encode(self, request: EngineInput) -> list[int]:
-        """The prompt token ids of a request: ids as given, text tokenized, chat rendered."""
-        if isinstance(request, str):
-            return self._encode_text(request)
-        if isinstance(request, Mapping):
-            if "messages" not in request:
-                raise InvalidInputError("a chat request mapping needs a 'messages' list")
-            text = self._template_for_chat().render(
-                request["messages"], add_generation_prompt=True, tools=request.get("tools")
-            )
-            return self._encode_text(text)
-        if isinstance(request, torch.Tensor):
-            request = request.detach().cpu().numpy()
-        if isinstance(request, np.ndarray):
-            if request.ndim != 1 or request.dtype.kind not in "iu":
-                raise InvalidInputError(
-                    f"token ids must be a 1-D integer array, got {request.dtype} {request.shape}"
-                )
-            ids = [int(token) for token in request.tolist()]
-        elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
-            if request and all(isinstance(item, Mapping) for item in request):
-                text = self._template_for_chat().render(request, add_generation_prompt=True)
-                return self._encode_text(text)
-            if not all(
-                isinstance(item, (int, np.integer)) and not isinstance(item, bool)
-                for item in request
-            ):
-                raise InvalidInputError(
-                    "a request must be token ids, text, chat messages or {'messages': ...}"
-                )
-            ids = [int(token) for token in request]
-        else:
-            raise InvalidInputError(
-                f"a request must be token ids, text, chat messages or {{'messages': ...}}, "
-                f"not {type(request).__name__}"
-            )
-        if not ids:
-            raise InvalidInputError("a request needs at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [token for token in ids if not 0 <= token < vocab]
-        if bad:
-            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return ids
-
-    def _template_for_chat(self) -> ChatTemplate:
-        if self.chat_template is None:
-            raise ChatTemplateError(
-                f"a chat request, but {self._no_chat_template}; pass chat_template= (a "
-                "ChatTemplate, a template file, or 'simple' for the built-in template)"
-            )
-        return self.chat_template
-
-    def _encode_text(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidInputError("this engine has no tokenizer: pass token ids")
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise InvalidInputError("the request's text encodes to no tokens")
-        return ids
+        """The prompt token ids of a request: ids as given, text tokenized, chat rendered
+        (`prefixkv.engine_inputs.encode_request`)."""
+        return encode_request(
+            request,
+            tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
+            no_template_reason=self._no_chat_template,
+            vocab_size=self.model.config.vocab_size,
+        )
 
     # ---------------------------------------------------------------- serving
 
@@ -630,9 +424,7 @@ class Engine:
         if stop_token_ids is None:
             stops = set(self.stop_token_ids)
         else:
-            stops = set(
-                _stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
-            )
+            stops = set(stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids"))
         waiting = list(range(len(prompts)))
         running: list[_Sequence] = []
         results: list[RequestResult | None] = [None] * len(prompts)

@@ -1,0 +1,222 @@
+"""What a paged forward pass is asked to compute: the request types of `LlamaModel.prefill` and
+`decode_step`, and the packing of a batch of them into the flat tensors one attention call per
+layer reads.
+
+A request says which positions to compute (``num_cached_tokens .. num_tokens - 1``) over which
+pages (its block table); `pack_prefill_batch` checks all of that before anything is written,
+so a rejected call leaves the pages as they were, and builds everything that depends only on
+lengths (positions, RoPE tables, slot mapping) once per call, on the CPU, rather than once per
+layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from prefixkv.errors import InvalidInputError, KVIndexError, KVShapeError
+from prefixkv.rope import rope_inverse_frequencies
+
+if TYPE_CHECKING:
+    from prefixkv.kv import PagedKVCache
+    from prefixkv.model_config import ModelConfig
+
+__all__ = [
+    "BlockTable",
+    "DecodeRequest",
+    "PackedBatch",
+    "PrefillRequest",
+    "TokenIds",
+    "int_tensor",
+    "pack_prefill_batch",
+    "token_tensor",
+]
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+BlockTable = Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass
+class PrefillRequest:
+    """One sequence in a `LlamaModel.prefill` batch.
+
+    token_ids: every token of the sequence so far (n of them).
+    block_table: block ids; block i holds positions ``i*block_size .. (i+1)*block_size - 1``.
+        It must cover every position up to ``num_tokens - 1``.
+    num_cached_tokens: m; the pages already hold the KV of positions ``0 .. m-1``.
+    num_tokens: compute positions ``m .. num_tokens-1`` only (chunked prefill); default n.
+    write_kv: False when the pages already hold the KV of the computed positions too, e.g. a
+        full cache hit (m = n - 1, the last token's KV is in a shared block): only the queries
+        are computed and the pages are not written, so a shared block is never modified.
+    """
+
+    token_ids: TokenIds
+    block_table: BlockTable
+    num_cached_tokens: int = 0
+    num_tokens: int | None = None
+    write_kv: bool = True
+
+
+@dataclass
+class DecodeRequest:
+    """One sequence in a `LlamaModel.decode_step` batch: its tokens including the new one."""
+
+    token_ids: TokenIds
+    block_table: BlockTable
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A validated prefill batch, requests concatenated along the token axis."""
+
+    tokens: torch.Tensor  # [total] token ids of the computed positions
+    cos: torch.Tensor  # [total, head_dim // 2] RoPE tables of those positions
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # page slot of each written row
+    written_rows: torch.Tensor | None  # rows whose K/V are written; None = all of them
+    block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with block 0
+    query_lens: list[int]  # Python ints: attention plans on the host, so no device read-back
+    seq_lens: list[int]
+
+
+def computed_range(request: PrefillRequest, n: int, where: str) -> tuple[int, int]:
+    """``(m, end)``: the positions ``m .. end - 1`` this request computes."""
+    start = request.num_cached_tokens
+    end = n if request.num_tokens is None else request.num_tokens
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise InvalidInputError(f"{where}.num_cached_tokens must be an int >= 0, got {start!r}")
+    if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= n:
+        raise InvalidInputError(
+            f"{where}.num_tokens must be an int in 1..{n} (len(token_ids)), got {end!r}"
+        )
+    if start >= end:
+        raise InvalidInputError(
+            f"{where}: num_cached_tokens ({start}) must be less than the number of tokens to "
+            f"compute up to ({end}); at least one position must be computed"
+        )
+    return start, end
+
+
+def pack_prefill_batch(
+    config: ModelConfig,
+    kv_cache: PagedKVCache,
+    batch: Sequence[PrefillRequest],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PackedBatch:
+    """Validate every request against `config` and `kv_cache`, and lay the batch out as packed
+    tensors on `device` (RoPE tables in `dtype`).
+
+    Everything that depends only on lengths and block tables (positions, RoPE tables, slot
+    mapping) is built here on the CPU, once per call rather than once per layer.
+    """
+    if isinstance(batch, PrefillRequest) or not isinstance(batch, Sequence) or not batch:
+        raise InvalidInputError("batch must be a non-empty sequence of PrefillRequest")
+    block_size = kv_cache.block_size
+    token_chunks: list[torch.Tensor] = []
+    angle_chunks: list[torch.Tensor] = []
+    slot_chunks: list[torch.Tensor] = []
+    row_chunks: list[torch.Tensor] = []
+    tables: list[torch.Tensor] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    row = 0
+    for index, request in enumerate(batch):
+        where = f"batch[{index}]"
+        if not isinstance(request, PrefillRequest):
+            raise InvalidInputError(f"{where} is not a PrefillRequest: {request!r}")
+        tokens = token_tensor(request.token_ids, config.vocab_size, f"{where}.token_ids")
+        start, end = computed_range(request, tokens.numel(), where)
+        table = int_tensor(request.block_table, f"{where}.block_table")
+        needed = -(-end // block_size)
+        if table.numel() < needed:
+            raise KVShapeError(
+                f"{where}.block_table has {table.numel()} blocks; {end} tokens with "
+                f"block_size {block_size} need {needed}"
+            )
+        table = table[:needed]
+        if bool(((table < 0) | (table >= kv_cache.num_blocks)).any()):
+            raise KVIndexError(
+                f"{where}.block_table has block ids outside [0, {kv_cache.num_blocks}): "
+                f"{table.tolist()}"
+            )
+        positions = torch.arange(start, end)
+        # RoPE angles in float64: positions in the hundreds of thousands times a frequency
+        # near 1 lose the low bits of the angle in float32.
+        absolute = positions.to(torch.float64) + config.position_offset
+        frequencies = rope_inverse_frequencies(config, config.position_offset + end)
+        angle_chunks.append(torch.outer(absolute, frequencies))
+        if request.write_kv:
+            blocks = table[positions // block_size]
+            slot_chunks.append(blocks * block_size + positions % block_size)
+            row_chunks.append(torch.arange(row, row + end - start))
+        token_chunks.append(tokens[start:end])
+        tables.append(table)
+        query_lens.append(end - start)
+        seq_lens.append(end)
+        row += end - start
+
+    slots = torch.cat(slot_chunks) if slot_chunks else torch.empty(0, dtype=torch.int64)
+    if slots.unique().numel() != slots.numel():
+        # Two requests writing one slot: the result would depend on write order.
+        raise KVIndexError(
+            "two requests in the batch write the same page slot; a block may be written by "
+            "one request only (shared blocks must be read-only: write_kv=False)"
+        )
+    written_rows = torch.cat(row_chunks) if row_chunks else torch.empty(0, dtype=torch.int64)
+    angles = torch.cat(angle_chunks)
+    return PackedBatch(
+        tokens=torch.cat(token_chunks).to(device),
+        cos=torch.cos(angles).to(device, dtype),
+        sin=torch.sin(angles).to(device, dtype),
+        slot_mapping=slots.to(device),
+        written_rows=None if written_rows.numel() == row else written_rows.to(device),
+        block_tables=_pad_block_tables(tables).to(device),
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+    )
+
+
+def _pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    # Padding is never read (attention stops at each request's seq_len); 0 is a valid block id
+    # all the same, so a kernel that did read it could not fault.
+    width = max(table.numel() for table in tables)
+    padded = torch.zeros((len(tables), width), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        padded[row, : table.numel()] = table.to(torch.int32)
+    return padded
+
+
+def int_tensor(values: Any, what: str) -> torch.Tensor:
+    """A 1-D int64 CPU tensor from a list, numpy array or tensor of integers."""
+    if isinstance(values, torch.Tensor):
+        tensor = values
+    elif isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise InvalidInputError(f"{what} must hold integers, got numpy dtype {values.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(values).astype(np.int64, copy=False))
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidInputError(
+            f"{what} must be a list, numpy array or tensor of ints, got {type(values).__name__}"
+        )
+    else:
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+            raise InvalidInputError(f"{what} must hold ints")
+        tensor = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise InvalidInputError(f"{what} must hold integers, got {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise InvalidInputError(f"{what} must be 1-D, got shape {tuple(tensor.shape)}")
+    return tensor.to("cpu", torch.int64)
+
+
+def token_tensor(values: TokenIds, vocab_size: int, what: str) -> torch.Tensor:
+    tokens = int_tensor(values, what)
+    if tokens.numel() and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise InvalidInputError(f"{what} has ids outside [0, {vocab_size})")
+    return tokens

@@ -1,0 +1,146 @@
+"""What an `Engine` request is and how it becomes prompt token ids; which chat template and stop
+tokens an engine uses.
+
+A request is token ids (a list, numpy array or tensor), text, a list of chat messages, or
+``{"messages": [...], "tools": [...]}``. Text goes through the engine's tokenizer; chat goes
+through its chat template first. The template policy (`resolve_chat_template`) never renders a
+conversation with a template the caller did not choose or the checkpoint did not ship: the
+built-in template is only the default of the built-in tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixkv.errors import ChatTemplateError, InvalidInputError
+from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
+
+__all__ = ["EngineInput", "encode_request", "resolve_chat_template", "stop_tokens"]
+
+#: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
+EngineInput = Any
+
+
+def stop_tokens(values: Sequence[int], vocab_size: int, what: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidInputError(f"{what} must be a sequence of token ids, got {values!r}")
+    tokens = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidInputError(f"{what} must hold ints, got {value!r}")
+        if not 0 <= int(value) < vocab_size:
+            raise InvalidInputError(f"{what}: {value} is outside the vocabulary [0, {vocab_size})")
+        tokens.append(int(value))
+    return tuple(tokens)
+
+
+def resolve_chat_template(
+    template: ChatTemplate | str | None, tokenizer: Tokenizer | None, missing: str | None
+) -> tuple[ChatTemplate | None, str]:
+    """The engine's chat template, and why there is none when there is none.
+
+    A template object is used as given; ``"simple"`` is the built-in `SimpleChatTemplate`; any
+    other string is a template file or a checkpoint directory. With nothing given, the
+    built-in template goes with the built-in `ByteTokenizer` (it is written for that
+    tokenizer's special tokens), and with any other tokenizer there is no template: chat
+    requests are refused rather than rendered in a format the model was not trained on.
+    """
+    from prefixkv.checkpoint import find_chat_template
+    from prefixkv.text import load_chat_template
+
+    if isinstance(template, ChatTemplate):
+        return template, ""
+    if isinstance(template, (str, Path)):
+        if str(template) in ("simple", "builtin"):
+            return SimpleChatTemplate(), ""
+        if Path(template).is_dir():
+            found = find_chat_template(template)
+            if found is None:
+                raise ChatTemplateError(f"no chat template in {template}")
+            return found, ""
+        return load_chat_template(template), ""
+    if template is not None:
+        raise InvalidInputError(
+            f"chat_template must be a ChatTemplate, a path or 'simple', got {template!r}"
+        )
+    if missing is not None:
+        return None, missing
+    if isinstance(tokenizer, ByteTokenizer):
+        return SimpleChatTemplate(), ""
+    return None, (
+        "this engine has no chat template (none was given, and the built-in one is written "
+        "for the built-in ByteTokenizer, not this tokenizer)"
+    )
+
+
+def encode_request(
+    request: EngineInput,
+    *,
+    tokenizer: Tokenizer | None,
+    chat_template: ChatTemplate | None,
+    no_template_reason: str,
+    vocab_size: int,
+) -> list[int]:
+    """The prompt token ids of a request: ids as given, text tokenized, chat rendered."""
+
+    def encode_text(text: str) -> list[int]:
+        if tokenizer is None:
+            raise InvalidInputError("this engine has no tokenizer: pass token ids")
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise InvalidInputError("the request's text encodes to no tokens")
+        return ids
+
+    def template() -> ChatTemplate:
+        if chat_template is None:
+            raise ChatTemplateError(
+                f"a chat request, but {no_template_reason}; pass chat_template= (a "
+                "ChatTemplate, a template file, or 'simple' for the built-in template)"
+            )
+        return chat_template
+
+    if isinstance(request, str):
+        return encode_text(request)
+    if isinstance(request, Mapping):
+        if "messages" not in request:
+            raise InvalidInputError("a chat request mapping needs a 'messages' list")
+        text = template().render(
+            request["messages"], add_generation_prompt=True, tools=request.get("tools")
+        )
+        return encode_text(text)
+    if isinstance(request, torch.Tensor):
+        request = request.detach().cpu().numpy()
+    if isinstance(request, np.ndarray):
+        if request.ndim != 1 or request.dtype.kind not in "iu":
+            raise InvalidInputError(
+                f"token ids must be a 1-D integer array, got {request.dtype} {request.shape}"
+            )
+        ids = [int(token) for token in request.tolist()]
+    elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
+        if request and all(isinstance(item, Mapping) for item in request):
+            text = template().render(request, add_generation_prompt=True)
+            return encode_text(text)
+        if not all(
+            isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in request
+        ):
+            raise InvalidInputError(
+                "a request must be token ids, text, chat messages or {'messages': ...}"
+            )
+        ids = [int(token) for token in request]
+    else:
+        raise InvalidInputError(
+            f"a request must be token ids, text, chat messages or {{'messages': ...}}, "
+            f"not {type(request).__name__}"
+        )
+    if not ids:
+        raise InvalidInputError("a request needs at least one token")
+    vocab = vocab_size
+    bad = [token for token in ids if not 0 <= token < vocab]
+    if bad:
+        raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return ids
