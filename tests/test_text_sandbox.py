@@ -196,3 +196,119 @@ def test_any_hostile_template_renders_within_limits_or_fails_typed(source: str) 
     else:
         assert len(text) <= 200_000
     assert time.monotonic() - start < 10.0
+
+
+# -- real-world template constructs render exactly as transformers renders them ----------------
+
+LLAMA31_STYLE = """{{- bos_token }}
+{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}
+{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}
+{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- else %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {{- message.content | tojson if message.content is mapping or message.content is iterable and message.content is not string else message.content }}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+
+MISTRAL_STYLE = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set ns = namespace(count=0) %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- set ns.count = ns.count + 1 %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.last and system_message is defined %}
+            {{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + message['content'] + '[/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content']|trim + eos_token}}
+    {%- endif %}
+{%- endfor %}
+{{- '%d turns' % ns.count }}{{ loop_messages | map(attribute='role') | unique | list | join(',') }}
+"""
+
+REAL_MESSAGES = [
+    {"role": "system", "content": "  You are helpful.  "},
+    {"role": "user", "content": "What is the weather?"},
+    {"role": "assistant", "content": " Let me check. "},
+    {"role": "user", "content": "In Paris, please."},
+]
+REAL_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("tools", [None, REAL_TOOLS], ids=["no_tools", "tools"])
+@pytest.mark.parametrize(
+    "source", [LLAMA31_STYLE, MISTRAL_STYLE, None], ids=["llama31", "mistral", "chatml"]
+)
+def test_real_templates_render_as_transformers_renders_them(
+    source: str | None, tools: list[dict[str, object]] | None
+) -> None:
+    from pathlib import Path
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    if source is None:
+        source = (Path(__file__).parent / "data" / "chatml.jinja").read_text()
+    ours = JinjaChatTemplate(source, bos_token="<s>", eos_token="</s>").render(
+        REAL_MESSAGES, add_generation_prompt=True, tools=tools
+    )
+    rendered, _ = render_jinja_template(
+        conversations=[REAL_MESSAGES],
+        tools=tools,
+        chat_template=source,
+        add_generation_prompt=True,
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    assert ours == rendered[0]

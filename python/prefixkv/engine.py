@@ -33,6 +33,11 @@ Scheduling, one `LlamaModel.prefill` call per step (prefill and decode mixed, va
 
 Time to first token is measured from the `generate` call to the step that produced the token,
 so it includes queueing behind other requests of the same call.
+
+Requests become token ids in `prefixkv.engine_inputs` (with the chat-template and stop-token
+policy); a checkpoint's settings come from `prefixkv.checkpoint`. This module is a little over
+600 lines because admission, the step and the weight-change checks share the engine's state
+and read best in one place.
 """
 
 from __future__ import annotations
