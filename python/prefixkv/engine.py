@@ -259,6 +259,12 @@ class Engine:
 
         A finer policy is possible (the base does not move while every length stays within
         `max_position_embeddings`) but not implemented: off is the simple correct choice.
+
+        What stays approximate, as in transformers' cached generation: once a request's length
+        passes `max_position_embeddings`, each decoded token is rotated with the base of the
+        length at its own step while earlier positions keep theirs, so decode logits there
+        differ from a full recompute of the whole sequence (``use_cache=False``); the prompt's
+        prefill, computed in one pass, is exact.
         """
         context = self.context
         if context.reuse_is_safe:
