@@ -85,6 +85,11 @@ def test_analyze_names_the_cause() -> None:
         (("demo", "--model-size", "huge"), "invalid choice"),
         (("demo", "--plot", "/no/such/dir/x.png"), "is not a directory"),
         (("analyze", "/no/such/trace.jsonl"), "cannot read"),
+        (
+            ("analyze", str(DATA / "malformed.jsonl"), "--prefill-tokens-per-second", "nan"),
+            "expected a finite positive number",
+        ),
+        (("analyze", str(DATA / "malformed.jsonl"), "--block-size", "9" * 30), "at most"),
         (("frobnicate",), "invalid choice"),
         ((), "usage: prefixkv"),
     ],
@@ -93,6 +98,7 @@ def test_bad_input_exits_nonzero_with_a_message(args: tuple[str, ...], message: 
     result = _run(*args)
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_console_script_is_installed() -> None:

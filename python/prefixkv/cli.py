@@ -14,6 +14,7 @@ The analysis itself is `prefixkv.analyze`; this module only parses options and p
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -127,21 +128,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- prefixkv analyze ----------------------------------------------------------------------
 
 
-def _model_shape(value: str) -> tuple[int, int, int]:
+_MAX_COUNT = 2**32 - 1  # the cache takes sizes and counts as u32
+
+
+def _count(text: str) -> int:
+    """A positive integer that fits the cache's u32 sizes."""
+    value = _positive_int(text)
+    if value > _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected at most {_MAX_COUNT}, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    """A finite positive number: nan and inf would make every estimate meaningless."""
     try:
-        layers, heads, head_dim = (int(x) for x in value.split(","))
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            "expected LAYERS,KV_HEADS,HEAD_DIM, e.g. 32,8,128"
-        ) from None
-    if min(layers, heads, head_dim) < 1:
-        raise argparse.ArgumentTypeError("every dimension must be positive")
-    return layers, heads, head_dim
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return value
+
+
+def _model_shape(value: str) -> tuple[int, int, int]:
+    parts = value.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError("expected LAYERS,KV_HEADS,HEAD_DIM, e.g. 32,8,128")
+    return (_count(parts[0]), _count(parts[1]), _count(parts[2]))
 
 
 def _analyze_parser() -> argparse.ArgumentParser:
     from prefixkv.analyze import (
         DEFAULT_DTYPE_BYTES,
+        DEFAULT_MAX_LINE_BYTES,
+        DEFAULT_MAX_TRACE_BYTES,
         DEFAULT_MODEL_SHAPE,
         DEFAULT_PREFILL_TOKENS_PER_SECOND,
     )
@@ -150,8 +170,9 @@ def _analyze_parser() -> argparse.ArgumentParser:
         prog="prefixkv analyze",
         description="Replay a JSONL request trace through the prefix cache: how much it reuses, "
         "where requests part ways, and what a better prompt layout would gain.",
-        epilog="Exit status: 0 clean; 1 some lines were malformed and skipped; 2 nothing "
-        "usable (missing file, no valid line, bad option).",
+        epilog="Exit status: 0 clean; 1 some lines were malformed and skipped, or the trace "
+        "was cut at --max-trace-bytes; 2 nothing usable (missing file, no valid line, bad "
+        "option). The trace format and the JSON schema: docs/analyze.md.",
     )
     parser.add_argument(
         "trace",
@@ -159,12 +180,12 @@ def _analyze_parser() -> argparse.ArgumentParser:
         "messages; optional tools, tenant, salt, timestamp, id)",
     )
     parser.add_argument(
-        "--block-size", type=_positive_int, default=16, help="tokens per cache block (default 16)"
+        "--block-size", type=_count, default=16, help="tokens per cache block (default 16)"
     )
     capacity = parser.add_mutually_exclusive_group()
     capacity.add_argument(
         "--capacity-blocks",
-        type=_positive_int,
+        type=_count,
         help="cache size in blocks (default: enough for the whole trace)",
     )
     capacity.add_argument(
@@ -181,7 +202,7 @@ def _analyze_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dtype-bytes",
-        type=_positive_int,
+        type=_count,
         default=DEFAULT_DTYPE_BYTES,
         help="bytes per KV element (default 2: fp16/bf16)",
     )
@@ -198,7 +219,7 @@ def _analyze_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prefill-tokens-per-second",
-        type=float,
+        type=_rate,
         default=DEFAULT_PREFILL_TOKENS_PER_SECOND,
         help="prefill throughput for the time-saved ESTIMATE (default 10000)",
     )
@@ -208,7 +229,21 @@ def _analyze_parser() -> argparse.ArgumentParser:
         default=3,
         help="example request ids per finding (default 3)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--max-line-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_LINE_BYTES,
+        help="longer lines are reported as malformed and never loaded "
+        f"(default {DEFAULT_MAX_LINE_BYTES // 2**20} MiB)",
+    )
+    parser.add_argument(
+        "--max-trace-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_TRACE_BYTES,
+        help="read at most this much of the trace; the report says where it stopped "
+        f"(default {DEFAULT_MAX_TRACE_BYTES // 2**30} GiB)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object (strict JSON)")
     return parser
 
 
@@ -239,6 +274,8 @@ def analyze_main(argv: Sequence[str] | None = None) -> int:
             model_shape=args.model_shape,
             dtype_bytes=args.dtype_bytes,
             max_examples=args.examples,
+            max_line_bytes=args.max_line_bytes,
+            max_trace_bytes=args.max_trace_bytes,
         )
     except OSError as exc:
         print(f"prefixkv analyze: cannot read {args.trace}: {exc.strerror or exc}", file=sys.stderr)
@@ -246,10 +283,19 @@ def analyze_main(argv: Sequence[str] | None = None) -> int:
     except PrefixKVError as exc:
         print(f"prefixkv analyze: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        # The analysis holds the trace in memory (about 20 bytes per byte of text, and the
+        # tokenizer's own copy while it encodes): the limits are the remedy.
+        print(
+            f"prefixkv analyze: out of memory analysing {args.trace}; lower --max-trace-bytes "
+            "or --max-line-bytes",
+            file=sys.stderr,
+        )
+        return 2
     print(report.to_json(indent=2) if args.json else format_report(report))
     if report.requests == 0:
         return 2
-    return 1 if report.skipped_lines else 0
+    return 1 if report.skipped_lines or report.truncated_at_line is not None else 0
 
 
 def _demo(args: argparse.Namespace) -> int:

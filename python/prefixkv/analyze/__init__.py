@@ -17,7 +17,12 @@ The analyzer follows each request down one path, a module per stage:
 
 Two rules hold the report honest. Every number about reuse comes from a replay through the
 cache, not from a model of it; the seconds saved are the one estimate, and are labelled so. And
-a fix is only advised with its what-if: the trace rewritten that way and replayed.
+a fix is only advised with its what-if, the trace rewritten that way and replayed, and only when
+that replay raises the hit rate: a diagnosis can be wrong, the replay cannot.
+
+Traces are hostile input (logs cut mid-line, other encodings, one enormous request), so reading
+is strict and bounded: a line is bytes up to "\n" that must be UTF-8 JSON under a size cap, or
+it is reported and skipped, and no step of the analysis is worse than linear in the trace.
 
 The trace format, the causes, the cost model and the JSON schema are documented in
 docs/analyze.md; the command line (`prefixkv analyze`, its options and exit codes) lives in
@@ -26,6 +31,7 @@ docs/analyze.md; the command line (`prefixkv analyze`, its options and exit code
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -36,7 +42,14 @@ from prefixkv.errors import InvalidInputError
 from prefixkv.text import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
 from .diagnose import diagnose_all
-from .read import SkippedLine, TraceRequest, parse_trace, read_lines
+from .read import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_TRACE_BYTES,
+    SkippedLine,
+    TraceRequest,
+    parse_trace,
+    read_trace,
+)
 from .replay import (
     DEFAULT_DTYPE_BYTES,
     DEFAULT_MODEL_SHAPE,
@@ -47,8 +60,13 @@ from .replay import (
 from .report import AnalysisReport, Divergence, Finding, build_findings, format_report
 from .whatif import WhatIf, what_if_all
 
+_MAX_U32 = 2**32 - 1
+_MAX_BLOCK_SIZE = 2**31
+
 __all__ = [
     "DEFAULT_DTYPE_BYTES",
+    "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_TRACE_BYTES",
     "DEFAULT_MODEL_SHAPE",
     "DEFAULT_PREFILL_TOKENS_PER_SECOND",
     "AnalysisReport",
@@ -76,19 +94,38 @@ def analyze_trace(
     model_shape: tuple[int, int, int] = DEFAULT_MODEL_SHAPE,
     dtype_bytes: int = DEFAULT_DTYPE_BYTES,
     max_examples: int = 3,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_trace_bytes: int | None = DEFAULT_MAX_TRACE_BYTES,
 ) -> AnalysisReport:
     """Replay a JSONL trace through `PrefixCache` and diagnose its reuse (docs/analyze.md).
 
     `path_or_lines` is a path or an iterable of JSONL lines. `capacity_blocks=None` sizes the
-    cache to hold the whole trace, so only layout limits reuse. Raises `FileNotFoundError` /
-    `OSError` for an unreadable file and `InvalidInputError` for bad settings; malformed lines
-    are not errors but `skipped_lines`."""
-    if block_size < 1:
-        raise InvalidInputError(f"block_size must be positive, got {block_size}")
-    if capacity_blocks is not None and capacity_blocks < 1:
-        raise InvalidInputError(f"capacity_blocks must be positive, got {capacity_blocks}")
-    if prefill_tokens_per_second <= 0:
-        raise InvalidInputError("prefill_tokens_per_second must be positive")
+    cache to hold the whole trace, so only layout limits reuse. A line over `max_line_bytes` is
+    malformed; reading stops after `max_trace_bytes` (None: no limit). Raises
+    `FileNotFoundError` / `OSError` for an unreadable file and `InvalidInputError` for bad
+    settings; malformed lines are not errors but `skipped_lines`."""
+    _check_count("block_size", block_size, _MAX_BLOCK_SIZE)
+    if capacity_blocks is not None:
+        _check_count("capacity_blocks", capacity_blocks, _MAX_U32)
+    if (
+        isinstance(prefill_tokens_per_second, bool)
+        or not isinstance(prefill_tokens_per_second, (int, float))
+        or not math.isfinite(prefill_tokens_per_second)
+        or prefill_tokens_per_second <= 0
+    ):
+        raise InvalidInputError(
+            "prefill_tokens_per_second must be a finite positive number, "
+            f"got {prefill_tokens_per_second!r}"
+        )
+    if len(model_shape) != 3:
+        raise InvalidInputError(f"model_shape is (layers, kv_heads, head_dim), got {model_shape}")
+    for name, value in zip(("layers", "kv_heads", "head_dim"), model_shape, strict=True):
+        _check_count(f"model_shape {name}", value, _MAX_U32)
+    _check_count("dtype_bytes", dtype_bytes, _MAX_U32)
+    _check_count("max_examples", max_examples, None)
+    _check_count("max_line_bytes", max_line_bytes, None)
+    if max_trace_bytes is not None:
+        _check_count("max_trace_bytes", max_trace_bytes, None)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     template = (
         chat_template
@@ -105,8 +142,12 @@ def analyze_trace(
         block_size=block_size,
     )
     replayer = Replayer(tok, template, block_size, capacity_blocks, context)
-    trace_name, lines = read_lines(path_or_lines)
-    requests, skipped = parse_trace(lines)
+    trace = read_trace(
+        path_or_lines, max_line_bytes=max_line_bytes, max_trace_bytes=max_trace_bytes
+    )
+    prepared, refused = replayer.prepare_trace(trace.requests)
+    requests = [p.request for p in prepared]
+    skipped = sorted(trace.skipped_lines + refused, key=lambda s: s.line)
     settings: dict[str, Any] = {
         "block_size": block_size,
         "capacity_blocks": capacity_blocks,
@@ -117,11 +158,13 @@ def analyze_trace(
         "tokenizer_digest": tok.digest(),
         "chat_template": template.name,
         "chat_template_digest": template.digest(),
+        "max_line_bytes": max_line_bytes,
+        "max_trace_bytes": max_trace_bytes,
     }
     empty_cost = {"peak_blocks": 0, "peak_bytes": 0, "evictions": 0, "out_of_blocks_requests": 0}
     if not requests:
         return AnalysisReport(
-            trace_name,
+            trace.name,
             settings,
             0,
             0,
@@ -134,21 +177,23 @@ def analyze_trace(
             0,
             {},
             skipped_lines=skipped,
+            truncated_at_line=trace.truncated_at_line,
         )
 
-    prepared, replay = replayer.replay(requests)
+    replay = replayer.run(prepared)
     settings["capacity_blocks"] = replay.capacity_blocks
     diagnoses = diagnose_all(prepared, block_size)
     findings = build_findings(replayer, requests, prepared, diagnoses, replay, max_examples)
     fixable = {f.cause for f in findings if f.what_if is not None}
-    all_fixes = what_if_all(replayer, requests, fixable, replay)
+    tools_in_prompt = any(d.region is not None for d in diagnoses)
+    all_fixes = what_if_all(replayer, requests, fixable, replay, tools_in_prompt)
     causes = Counter(d.cause for d in diagnoses if d.cause not in ("ok", "first"))
     for finding in findings:
         if finding.cause == "evicted":
             causes["evicted"] = finding.requests
 
     return AnalysisReport(
-        trace=trace_name,
+        trace=trace.name,
         settings=settings,
         requests=len(requests),
         isolation_groups=len({r.isolation for r in requests}),
@@ -168,7 +213,17 @@ def analyze_trace(
         findings=findings,
         what_if_all=all_fixes,
         skipped_lines=skipped,
+        truncated_at_line=trace.truncated_at_line,
     )
+
+
+def _check_count(name: str, value: object, upper: int | None) -> None:
+    """A positive int, at most `upper`: the cache takes sizes as u32, and the bytes figures
+    must stay within what a float (and so the terminal report) can show."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+    if upper is not None and value > upper:
+        raise InvalidInputError(f"{name} must be at most {upper}, got {value}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from prefixkv.text import message_text
+from prefixkv.text import message_text, segment_at
 
-from .match import RadixTrie, resync
+from .match import (
+    MIN_RUN_CHARS,
+    MIN_RUN_TOKENS,
+    RadixTrie,
+    common_length,
+    common_suffix_length,
+    permuted_region,
+    resync,
+)
 from .read import TraceRequest
 from .replay import Prepared
 
@@ -112,6 +120,10 @@ class Diagnosis:
     shared_after: int = 0  # its length in tokens
     cause: str = "ok"
     detail: str = ""
+    # tool_order found in the prompt itself: a[s:e] and the partner's [s:e] hold the same runs
+    # in another order, in characters of the text (region_in_text) or in tokens.
+    region: tuple[int, int] | None = None
+    region_in_text: bool = False
 
 
 def diagnose_all(prepared: Sequence[Prepared], block_size: int) -> list[Diagnosis]:
@@ -169,6 +181,8 @@ def classify(d: Diagnosis, this: Prepared, other: Prepared, block_size: int) -> 
     ):
         d.cause = "whitespace"
         return
+    if _reordered(d, this, other):
+        return
     volatile = None
     if this.text is not None and this_start is not None and this_end is not None:
         volatile = _volatile_kind(this.text, this_start, this_end)
@@ -195,7 +209,7 @@ def classify(d: Diagnosis, this: Prepared, other: Prepared, block_size: int) -> 
     ):
         this_system = message_text(request.messages[segment.index])
         other_system = message_text(other_request.messages[segment.index])
-        if SequenceMatcher(None, this_system, other_system, autojunk=False).ratio() >= 0.8:
+        if _similarity(this_system, other_system) >= 0.8:
             d.cause = "system_prompt"
             return
     d.cause = "variable_before_stable"
@@ -215,3 +229,48 @@ def classify(d: Diagnosis, this: Prepared, other: Prepared, block_size: int) -> 
         d.detail = "varying tokens"
     else:
         d.detail = "varying text"
+
+
+def _reordered(d: Diagnosis, this: Prepared, other: Prepared) -> bool:
+    """Name the cause tool_order when the divergence is the same pieces in another order, in
+    the prompt text (tool schemas written into a system prompt or a prompt string) or in the
+    token ids; the region is kept for the what-if."""
+    if this.text is not None and other.text is not None:
+        a, b = this.text, other.text
+        start = common_length(a, 0, b, 0, min(len(a), len(b)))
+        region = permuted_region(a, b, start, MIN_RUN_CHARS)
+        if region is None:
+            return False
+        segment = segment_at(this.segments, region[0]) if this.segments else None
+        where = f"in {segment.label}" if segment is not None else "in the prompt text"
+        piece = a[region[0] : region[1]]
+        what = "tool definitions" if piece.count('"name"') >= 2 else "blocks of text"
+        d.region_in_text = True
+    elif this.text is None and other.text is None:
+        region = permuted_region(this.tokens, other.tokens, d.prefix, MIN_RUN_TOKENS)
+        if region is None:
+            return False
+        what, where = "runs of tokens", "in the token ids"
+    else:
+        return False
+    d.cause, d.region = "tool_order", region
+    d.detail = f"{what} reordered {where}"
+    return True
+
+
+_SIMILARITY_CHARS = 20_000  # difflib is quadratic in the worst case; past this, a linear bound
+
+
+def _similarity(a: str, b: str) -> float:
+    """difflib's similarity ratio for prompts of ordinary length. For longer ones, a lower
+    bound of it, linear in the length: the share of the two that their common prefix and
+    suffix cover, which is exact when the prompts differ in one place (the common case for a
+    system prompt that changes a word)."""
+    if len(a) + len(b) <= _SIMILARITY_CHARS:
+        return SequenceMatcher(None, a, b, autojunk=False).ratio()
+    if not a and not b:
+        return 1.0
+    prefix = common_length(a, 0, b, 0, min(len(a), len(b)))
+    rest = min(len(a), len(b)) - prefix
+    suffix = common_suffix_length(a, len(a), b, len(b), rest)
+    return 2 * (prefix + suffix) / (len(a) + len(b))

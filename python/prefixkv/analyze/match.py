@@ -11,28 +11,71 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["RadixTrie", "common_length", "resync"]
+__all__ = [
+    "MIN_RUN_CHARS",
+    "MIN_RUN_TOKENS",
+    "RadixTrie",
+    "common_length",
+    "common_suffix_length",
+    "permuted_region",
+    "resync",
+]
+
+
+_FIRST_STEP = 64
+_MAX_STEP = 2**16
 
 
 def common_length(
-    a: Sequence[int], a_start: int, b: Sequence[int], b_start: int, limit: int
+    a: Sequence[Any], a_start: int, b: Sequence[Any], b_start: int, limit: int
 ) -> int:
-    """Length of the common run a[a_start:] / b[b_start:], at most `limit`."""
+    """Length of the common run a[a_start:] / b[b_start:], at most `limit`.
+
+    Galloping: slices twice as long after each equal one, so a long run costs a few dozen
+    slice comparisons (C loops) rather than one Python step per element; the mismatch is then
+    found at fine grain. Linear in the run's length either way."""
     matched = 0
-    chunk = 64
+    step = _FIRST_STEP
     while matched < limit:
-        step = min(chunk, limit - matched)
+        size = min(step, limit - matched)
         i, j = a_start + matched, b_start + matched
-        if a[i : i + step] == b[j : j + step]:
-            matched += step
-            continue
-        while a[i] == b[j]:
-            i += 1
-            j += 1
-            matched += 1
-        return matched
+        if a[i : i + size] == b[j : j + size]:
+            matched += size
+            step = min(2 * step, _MAX_STEP)
+        elif size > _FIRST_STEP:
+            step = _FIRST_STEP  # the mismatch is in this slice: look again, finer
+        else:
+            while a[i] == b[j]:
+                i += 1
+                j += 1
+                matched += 1
+            return matched
+    return matched
+
+
+def common_suffix_length(
+    a: Sequence[Any], a_end: int, b: Sequence[Any], b_end: int, limit: int
+) -> int:
+    """Length of the common run ending just before a[a_end] / b[b_end], at most `limit`."""
+    matched = 0
+    step = _FIRST_STEP
+    while matched < limit:
+        size = min(step, limit - matched)
+        i, j = a_end - matched, b_end - matched
+        if a[i - size : i] == b[j - size : j]:
+            matched += size
+            step = min(2 * step, _MAX_STEP)
+        elif size > _FIRST_STEP:
+            step = _FIRST_STEP
+        else:
+            while a[i - 1] == b[j - 1]:
+                i -= 1
+                j -= 1
+                matched += 1
+            return matched
     return matched
 
 
@@ -111,9 +154,15 @@ def resync(
     2*anchor-1 tokens contains one indexed `anchor`-gram, and extending the hit backwards and
     forwards recovers the whole stretch. Repeated content can align a stretch with the wrong
     copy, so once a long stretch is found the next `anchor` positions are tried too and the
-    longest stretch wins."""
+    longest stretch wins.
+
+    Linear in the tokens read, whatever the content: repetitive content (every position
+    matches somewhere) could otherwise make each of those tries, or the tries before any long
+    stretch is found, read the whole prompt. Extension reads are capped at a few times the
+    prompts' length; past the cap the best stretch so far stands."""
     if len(this) - start < min_length or len(other) - start < min_length:
         return None
+    budget = 4 * (len(this) + len(other) - 2 * start) + 64 * anchor
     this_bytes, other_bytes = _to_bytes(this), _to_bytes(other)
     width = 4 * anchor
     index: dict[bytes, list[int]] = defaultdict(list)
@@ -132,11 +181,12 @@ def resync(
             if covered.get(p - hit, -1) > p:
                 continue
             attempts += 1
-            p0, q0 = p, hit
-            while p0 > start and q0 > start and this[p0 - 1] == other[q0 - 1]:
-                p0 -= 1
-                q0 -= 1
+            back = common_suffix_length(this, p, other, hit, min(p, hit) - start)
+            p0, q0 = p - back, hit - back
             length = common_length(this, p0, other, q0, min(len(this) - p0, len(other) - q0))
+            budget -= length
+            if budget < 0:
+                return best
             covered[p - hit] = p0 + length
             if length >= min_length:
                 if best is None:
@@ -146,3 +196,114 @@ def resync(
         if attempts > 256 and best is None:  # repetitive content: give up, do not go quadratic
             return None
     return best
+
+
+# The shortest run that counts as one reordered piece: a tool definition is rarely shorter.
+MIN_RUN_CHARS = 32
+MIN_RUN_TOKENS = 16
+
+
+def permuted_region(
+    a: Sequence[Any], b: Sequence[Any], start: int, min_run: int
+) -> tuple[int, int] | None:
+    """Where `a` and `b`, equal before `start`, hold the same runs in another order: (s, e)
+    with s <= start < e such that a[s:e] is made of runs of at least `min_run` elements found
+    in b[s:e], not all in place, and holds exactly the elements of b[s:e]; None if the
+    divergence at `start` is not that.
+
+    This is how reordered tool definitions look once rendered into a prompt (as JSON objects,
+    markdown sections or their tokens), whatever their syntax: the same pieces, shuffled. `a`
+    is tiled from `start` by the longest runs `b` also has. Pieces that begin alike
+    ({"name": "...) part ways inside a piece, after a shared header, and a run may overshoot a
+    piece's end into the next one's header; so runs may overlap in `b`, and the region is
+    closed by counting: when the runs lie within [s, e) of `b` (give or take a header) and the
+    two spans hold the same elements. A run of `a` found in `b` before `start` reveals the shared header, and the
+    tiling restarts there. A run found in place ends the region if the counts are even there;
+    otherwise it is a piece that kept its place between moved ones (T0 T2 T1 / T1 T2 T0).
+
+    The sequences are str or lists of ints. The work is linear in their length (extensions and
+    counts are capped), and a divergence that is not a reordering fails on its first run."""
+    width = max(1, (min_run + 1) // 2)  # a run of min_run holds an indexed width-gram of b
+    slack = _MAX_HEADER * min_run  # how far a shared header may reach around a piece
+    lo = max(0, start - slack)
+    key_a, key_b = _gram_keys(a, width), _gram_keys(b, width)
+    index: dict[Any, list[int]] = defaultdict(list)
+    for q in range(lo, len(b) - width + 1, width):
+        positions = index[key_b(q)]
+        if len(positions) < 8:
+            positions.append(q)
+    budget = 8 * (len(a) + len(b) - 2 * lo) + 64 * min_run
+    s = cursor = start
+    highest = -1  # the end of the span of `b` the runs reach so far
+    balance = _Balance()  # elements of a[s:cursor] minus those of b[s:cursor]
+    shuffled = False  # some run of `a` sits elsewhere in `b`
+    restarts = 0
+    closed_at = -1
+    while budget >= 0 and cursor < len(a):
+        best_q, best_length = -1, 0
+        for delta in range(min(width, len(a) - cursor - width + 1)):
+            for hit in index.get(key_a(cursor + delta), ()):
+                q = hit - delta
+                if q < lo:
+                    continue
+                length = common_length(a, cursor, b, q, min(len(a) - cursor, len(b) - q))
+                budget -= length
+                if length > best_length:
+                    best_q, best_length = q, length
+        if best_length < min_run:
+            break
+        if best_q < s:
+            if restarts == 3:
+                break
+            # The run starts in the shared header: restart the tiling there.
+            restarts += 1
+            s = cursor = best_q
+            highest, balance = -1, _Balance()
+            shuffled, closed_at = False, -1
+            continue
+        if best_q == cursor and shuffled and balance.even() and highest <= cursor + slack:
+            closed_at = cursor  # back in place, and even: the region ends here
+            break
+        shuffled = shuffled or best_q != cursor
+        highest = max(highest, best_q + best_length)
+        balance.add(a[cursor : cursor + best_length], 1)
+        balance.add(b[cursor : cursor + best_length], -1)
+        cursor += best_length
+        if shuffled and balance.even() and highest <= cursor + slack:
+            closed_at = cursor
+            if cursor >= min(len(a), len(b)) or a[cursor] == b[cursor]:
+                break
+    return (s, closed_at) if closed_at > start else None
+
+
+class _Balance:
+    """A running multiset difference: `even()` when both sides hold the same elements."""
+
+    def __init__(self) -> None:
+        self._diff: dict[Any, int] = defaultdict(int)
+        self._uneven = 0  # keys whose count is not zero
+
+    def add(self, items: Iterable[Any], sign: int) -> None:
+        diff = self._diff
+        for item in items:
+            before = diff[item]
+            diff[item] = before + sign
+            if before == 0:
+                self._uneven += 1
+            elif before + sign == 0:
+                self._uneven -= 1
+
+    def even(self) -> bool:
+        return self._uneven == 0
+
+
+_MAX_HEADER = 8  # how far before the divergence, in min_runs, a shared header may begin
+
+
+def _gram_keys(seq: Sequence[Any], width: int) -> Any:
+    """A function giving the hashable `width`-gram at a position: str slices for text, byte
+    slices of the packed ids for tokens."""
+    if isinstance(seq, str):
+        return lambda pos: seq[pos : pos + width]
+    packed = _to_bytes(seq)
+    return lambda pos: packed[4 * pos : 4 * (pos + width)]

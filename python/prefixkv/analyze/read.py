@@ -1,24 +1,53 @@
-"""Reading a trace: JSONL lines in, `TraceRequest`s and `SkippedLine`s out.
+"""Reading a trace: JSONL bytes in, `TraceRequest`s and `SkippedLine`s out.
 
 This is the first stage of the analyzer and the only one that sees raw input, so it is where
 hostile input stops: every line is either a valid request or a `SkippedLine` with its line
 number and a one-line reason. The accepted shapes are documented in docs/analyze.md
 ("Trace format"); this module is their one implementation.
+
+What a line is. JSONL lines end at "\n" (a "\r" before it is dropped), and nowhere else: not at
+U+2028, U+2029 or U+0085, which str.splitlines() also breaks on and which JSON allows raw inside
+strings. A line is bytes until it has been checked to be UTF-8; a line that is not is reported,
+never repaired, since a repaired prompt is not the prompt the engine saw.
+
+What a line may cost. A file is read in chunks, and a line longer than `max_line_bytes` is
+counted and reported but never held: reading keeps at most the cap plus one chunk in memory,
+however long the line. Reading stops at `max_trace_bytes`, so the rest of the analysis, which
+holds the trace in memory and replays it a few times, is bounded too; the report says where the
+trace was cut.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SkippedLine", "TraceRequest", "parse_trace", "read_lines"]
+__all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_TRACE_BYTES",
+    "SkippedLine",
+    "TraceRead",
+    "TraceRequest",
+    "parse_trace",
+    "read_trace",
+]
 
+DEFAULT_MAX_LINE_BYTES = 8 * 2**20  # ~2M tokens of text, or ~1M token ids written as JSON
+DEFAULT_MAX_TRACE_BYTES = 1 * 2**30
 _MAX_TOKEN_ID = 2**32  # token ids travel as u32
 _PROMPT_KEYS = ("tokens", "text", "messages")
+_CHUNK_BYTES = 2**20
+# A raw surrogate (possible in str input) or a JSON escape of one (possible anywhere); only
+# lines that match are searched for lone surrogates, which no tokenizer can encode.
+_SURROGATE_HINT = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -100,6 +129,22 @@ def _unwrap(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first string (key or value) in `obj` holding a lone UTF-16 surrogate, if any."""
+    stack = [obj]
+    while stack:  # not recursive: the parser accepts deeper nesting than the call stack
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
     """A request, or the reason the line is malformed."""
     try:
@@ -112,6 +157,15 @@ def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
         return f"invalid JSON: {exc}"
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
+    if _SURROGATE_HINT.search(raw):
+        bad = _lone_surrogate(obj)
+        if bad is not None:
+            char = _LONE_SURROGATE.search(bad)
+            assert char is not None
+            return (
+                f"a string holds a lone UTF-16 surrogate (U+{ord(char.group()):04X}), "
+                "which is not text any tokenizer can encode"
+            )
     obj = _unwrap(obj)
     present = [key for key in _PROMPT_KEYS if key in obj]
     if len(present) != 1:
@@ -176,25 +230,134 @@ def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
     )
 
 
-def parse_trace(lines: Iterable[str]) -> tuple[list[TraceRequest], list[SkippedLine]]:
-    """Valid requests in order, and the malformed lines (1-based line numbers)."""
-    requests: list[TraceRequest] = []
-    skipped: list[SkippedLine] = []
-    for line_no, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        parsed = _parse_line(line_no, raw)
-        if isinstance(parsed, str):
-            skipped.append(SkippedLine(line_no, parsed))
-        else:
-            requests.append(parsed)
-    return requests, skipped
+def parse_trace(
+    lines: Iterable[str], *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> tuple[list[TraceRequest], list[SkippedLine]]:
+    """Valid requests in order, and the malformed lines (1-based line numbers); each item of
+    `lines` is one line, whatever characters it holds."""
+    read = read_trace(lines, max_line_bytes=max_line_bytes, max_trace_bytes=None)
+    return read.requests, read.skipped_lines
 
 
-def read_lines(path_or_lines: str | os.PathLike[str] | Iterable[str]) -> tuple[str, list[str]]:
-    """(the trace's name, its lines): a path is read from disk; anything else is taken as lines."""
+@dataclass
+class TraceRead:
+    """What reading a trace gave: its name, the valid requests, the malformed lines, and the
+    first line not read when `max_trace_bytes` cut the trace short (None: read to the end)."""
+
+    name: str
+    requests: list[TraceRequest] = field(default_factory=list)
+    skipped_lines: list[SkippedLine] = field(default_factory=list)
+    truncated_at_line: int | None = None
+
+
+def read_trace(
+    path_or_lines: str | os.PathLike[str] | Iterable[str | bytes],
+    *,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_trace_bytes: int | None = DEFAULT_MAX_TRACE_BYTES,
+) -> TraceRead:
+    """Read and parse a trace. A path is streamed from disk; anything else is an iterable of
+    lines (str, or bytes as a binary file gives them), one line each. Raises `OSError` for an
+    unreadable file."""
     if isinstance(path_or_lines, (str, os.PathLike)):
-        path = Path(path_or_lines)
-        with path.open(encoding="utf-8-sig", errors="replace") as handle:
-            return str(path), handle.read().splitlines()
-    return "<lines>", list(path_or_lines)
+        name = str(path_or_lines)
+        lines = _file_lines(Path(path_or_lines), max_line_bytes, max_trace_bytes)
+    else:
+        name = "<lines>"
+        lines = _given_lines(path_or_lines, max_line_bytes)
+    out = TraceRead(name)
+    total = 0
+    for line in lines:
+        if line.text is not None and not line.text.strip():
+            continue  # blank lines are not requests, and do not count against the limit
+        total += line.size + 1
+        if line.cut or (max_trace_bytes is not None and total > max_trace_bytes):
+            out.truncated_at_line = line.number
+            break
+        problem, text = _check(line, max_line_bytes)
+        parsed = problem if text is None else _parse_line(line.number, text)
+        if isinstance(parsed, str):
+            out.skipped_lines.append(SkippedLine(line.number, parsed))
+        else:
+            out.requests.append(parsed)
+    return out
+
+
+@dataclass(frozen=True)
+class _Line:
+    number: int
+    text: str | bytes | None  # None: over the cap, not kept
+    size: int  # bytes before the line end
+    cut: bool = False  # reading stopped inside this line (max_trace_bytes)
+
+
+def _check(line: _Line, max_line_bytes: int) -> tuple[str, str | None]:
+    """(the reason the line is unusable, "" if none; the line as text, None if unusable)."""
+    if line.text is None:
+        return (
+            f"line is {line.size} bytes, over the limit of {max_line_bytes} (--max-line-bytes)",
+            None,
+        )
+    if isinstance(line.text, str):
+        return "", line.text
+    try:
+        return "", line.text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = line.text[exc.start]
+        return f"not valid UTF-8: byte 0x{bad:02x} at byte {exc.start + 1} of the line", None
+
+
+def _given_lines(lines: Iterable[str | bytes], max_line_bytes: int) -> Iterator[_Line]:
+    for number, line in enumerate(lines, 1):
+        if isinstance(line, bytes):
+            line = line.removesuffix(b"\n").removesuffix(b"\r")
+            size = len(line)
+        else:
+            # A character is at least one byte: only a line that may be over the cap is encoded.
+            size = len(line)
+            if size * 4 > max_line_bytes and not line.isascii():
+                size = len(line.encode("utf-8", "surrogatepass"))
+        yield _Line(number, None if size > max_line_bytes else line, size)
+
+
+def _file_lines(path: Path, max_line_bytes: int, max_trace_bytes: int | None) -> Iterator[_Line]:
+    """The lines of a file, read in chunks: a line over the cap is measured, never held, and
+    reading stops once `max_trace_bytes` have been read."""
+    budget = math.inf if max_trace_bytes is None else max_trace_bytes + 1
+    with path.open("rb") as handle:
+        number, size, over, read = 1, 0, False, 0
+        parts: list[bytes] = []
+        while chunk := handle.read(_CHUNK_BYTES):
+            read += len(chunk)
+            start = 0
+            while True:
+                end = chunk.find(b"\n", start)
+                piece = chunk[start:] if end < 0 else chunk[start:end]
+                size += len(piece)
+                if not over:
+                    if size > max_line_bytes + 1:  # + 1: a "\r" before the "\n"
+                        over, parts = True, []
+                    else:
+                        parts.append(piece)
+                if end < 0:
+                    break
+                yield _joined(number, parts, over, size, max_line_bytes)
+                number, size, parts, over = number + 1, 0, [], False
+                start = end + 1
+            if read > budget and over:
+                # The limit is reached inside a line too long to keep: no need to read its end.
+                yield _Line(number, None, size, cut=True)
+                return
+        if size:
+            yield _joined(number, parts, over, size, max_line_bytes)
+
+
+def _joined(number: int, parts: list[bytes], over: bool, size: int, max_line_bytes: int) -> _Line:
+    if over:
+        return _Line(number, None, size)
+    line = b"".join(parts)
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if number == 1 and line.startswith(codecs.BOM_UTF8):
+        line = line[len(codecs.BOM_UTF8) :]
+    return _Line(number, None if len(line) > max_line_bytes else line, len(line))

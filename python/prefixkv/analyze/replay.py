@@ -3,19 +3,25 @@
 This stage is the only place that talks to the cache. Every what-if is the same replay on a
 rewritten trace, so a predicted gain is measured, never estimated. `Replayer` holds what a replay
 needs (tokenizer, chat template, block size, capacity, cache context); `replay` runs one.
+
+A chat template may refuse a request (Hugging Face templates raise on roles they do not expect).
+In the trace itself that request is a malformed line like any other; in a what-if, a rewritten
+request the template refuses is replayed as it was, so a rewrite can only be judged on what it
+could change.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixkv.cache import PrefixCache
 from prefixkv.context import CacheContext
-from prefixkv.errors import OutOfBlocksError
+from prefixkv.errors import InvalidInputError, OutOfBlocksError
 from prefixkv.text import ChatTemplate, Segment, Tokenizer, segment_at
 
-from .read import TraceRequest
+from .read import SkippedLine, TraceRequest
 
 __all__ = [
     "DEFAULT_DTYPE_BYTES",
@@ -52,16 +58,19 @@ class Prepared:
     request: TraceRequest
     tokens: list[int]
     text: str | None = None
-    offsets: list[tuple[int, int]] | None = None
+    # Per token, the character position in `text` where it starts. An array, not the
+    # tokenizer's list of (start, end) tuples: that list costs ~100 bytes a token, and the
+    # analysis keeps every request prepared.
+    starts: array[int] | None = None
     segments: list[Segment] | None = None
 
     def char_at(self, token: int) -> int | None:
         """Character position in `text` where token `token` starts (len(text) past the end)."""
-        if self.text is None or self.offsets is None:
+        if self.text is None or self.starts is None:
             return None
-        if token >= len(self.offsets):
+        if token >= len(self.starts):
             return len(self.text)
-        return self.offsets[token][0]
+        return self.starts[token]
 
     def segment_label(self, token: int) -> str | None:
         char = self.char_at(token)
@@ -79,26 +88,25 @@ class Prepared:
         return segment_at(self.segments, char)
 
 
-def prepare(
-    requests: Sequence[TraceRequest], tokenizer: Tokenizer, template: ChatTemplate
-) -> list[Prepared]:
-    out: list[Prepared] = []
-    for request in requests:
-        if request.tokens is not None:
-            out.append(Prepared(request, list(request.tokens)))
-            continue
-        segments: list[Segment] | None = None
-        if request.messages is not None:
-            text, segments = template.render_with_segments(request.messages, True, request.tools)
-        else:
-            text = request.text or ""
-        tokens, offsets = tokenizer.encode_with_offsets(text)
-        out.append(Prepared(request, tokens, text, offsets, segments))
-    return out
+def prepare(request: TraceRequest, tokenizer: Tokenizer, template: ChatTemplate) -> Prepared:
+    """Render (messages) and tokenize (messages, text) one request. Raises `InvalidInputError`
+    when the chat template refuses it."""
+    if request.tokens is not None:
+        return Prepared(request, list(request.tokens))
+    segments: list[Segment] | None = None
+    if request.messages is not None:
+        text, segments = template.render_with_segments(request.messages, True, request.tools)
+    else:
+        text = request.text or ""
+    tokens, offsets = tokenizer.encode_with_offsets(text)
+    starts = array("q", [start for start, _ in offsets])
+    del offsets
+    return Prepared(request, tokens, text, starts, segments)
 
 
 @dataclass
 class Replay:
+    prepared: list[Prepared] = field(repr=False)  # what was replayed, in order
     capacity_blocks: int
     cached: list[int]  # per request: prefix tokens whose KV was reused
     prompt_tokens: int
@@ -142,6 +150,7 @@ def replay(
         cache.finish(request)
     stats = cache.stats()
     return Replay(
+        prepared=list(prepared),
         capacity_blocks=capacity_blocks,
         cached=cached,
         prompt_tokens=sum(len(p.tokens) for p in prepared),
@@ -163,10 +172,36 @@ class Replayer:
     capacity_blocks: int | None
     context: CacheContext
 
-    def prepare(self, requests: Sequence[TraceRequest]) -> list[Prepared]:
-        return prepare(requests, self.tokenizer, self.template)
+    def prepare_trace(
+        self, requests: Sequence[TraceRequest]
+    ) -> tuple[list[Prepared], list[SkippedLine]]:
+        """The requests the template accepts, prepared; the others as malformed lines."""
+        prepared: list[Prepared] = []
+        refused: list[SkippedLine] = []
+        for request in requests:
+            try:
+                prepared.append(prepare(request, self.tokenizer, self.template))
+            except InvalidInputError as exc:
+                refused.append(SkippedLine(request.line, str(exc)))
+        return prepared, refused
 
-    def replay(self, requests: Sequence[TraceRequest]) -> tuple[list[Prepared], Replay]:
-        prepared = self.prepare(requests)
+    def prepare(
+        self, requests: Sequence[TraceRequest], fallback: Sequence[Prepared]
+    ) -> list[Prepared]:
+        """Rewritten requests, prepared; one the rewrite left alone, or the template refuses,
+        is `fallback[i]`, the same request as the original trace had it (rewrites keep the
+        number and order)."""
+        out: list[Prepared] = []
+        for request, original in zip(requests, fallback, strict=True):
+            if request is original.request:  # not rewritten: no need to render it again
+                out.append(original)
+                continue
+            try:
+                out.append(prepare(request, self.tokenizer, self.template))
+            except InvalidInputError:
+                out.append(original)
+        return out
+
+    def run(self, prepared: Sequence[Prepared]) -> Replay:
         capacity = self.capacity_blocks or blocks_needed(prepared, self.block_size)
-        return prepared, replay(prepared, capacity_blocks=capacity, context=self.context)
+        return replay(prepared, capacity_blocks=capacity, context=self.context)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,9 +18,22 @@ from typing import Any
 from .diagnose import LAYOUT_CAUSES, Diagnosis
 from .read import SkippedLine, TraceRequest
 from .replay import Prepared, Replay, Replayer
-from .whatif import WhatIf, move_variable_last, replay_what_if, rewrite_tools, rewrite_whitespace
+from .whatif import (
+    WhatIf,
+    canonical_tool_order,
+    move_variable_last,
+    replay_what_if,
+    rewrite_whitespace,
+)
 
-__all__ = ["AnalysisReport", "Divergence", "Finding", "build_findings", "format_report"]
+__all__ = [
+    "AnalysisReport",
+    "Divergence",
+    "Finding",
+    "build_findings",
+    "confirm_fix",
+    "format_report",
+]
 
 _CONTEXT_CHARS = 48  # characters of context shown on each side of a divergence
 _CONTEXT_TOKENS = 8  # token ids shown on each side, for token traces
@@ -83,12 +97,26 @@ class AnalysisReport:
     findings: list[Finding] = field(default_factory=list)
     what_if_all: WhatIf | None = None
     skipped_lines: list[SkippedLine] = field(default_factory=list)
+    truncated_at_line: int | None = None  # the first line not read (max_trace_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+        """Strict JSON (RFC 8259): a non-finite number, which JSON cannot hold, is null."""
+        return json.dumps(
+            _finite(self.to_dict()), indent=indent, ensure_ascii=False, allow_nan=False
+        )
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _fix_sentence(cause: str, detail: str) -> str:
@@ -106,7 +134,10 @@ def _fix_sentence(cause: str, detail: str) -> str:
         "system_prompt": "Keep the system prompt byte-identical across requests and put the "
         "per-request part in a later message.",
         "tool_order": "Sort the tool list (for example by name) before rendering, so the same "
-        "tools always give the same prompt.",
+        "tools always give the same prompt."
+        if not detail
+        else "List the tools in one canonical order (for example sorted by name) wherever "
+        "they are written into the prompt, so the same tools always give the same tokens.",
         "whitespace": "Normalise whitespace (trailing spaces, blank lines, indentation) before "
         "rendering, so identical content gives identical tokens.",
         "template": f"The chat template {detail}: pin its variables (a fixed date) or move that "
@@ -167,8 +198,9 @@ def build_findings(
     for d in diagnoses:
         if d.cause in ("ok", "first"):
             continue
-        detail = d.detail if d.cause == "variable_before_stable" else ""
+        detail = d.detail if d.cause in ("variable_before_stable", "tool_order") else ""
         groups[(d.cause, detail)].append(d)
+    tools_in_prompt = any(d.cause == "tool_order" and d.region is not None for d in diagnoses)
 
     findings: list[Finding] = []
     what_if_cache: dict[str, WhatIf] = {}
@@ -180,17 +212,21 @@ def build_findings(
                 what_if_cache["layout"] = replay_what_if(
                     replayer,
                     "variable content moved after the stable content",
-                    move_variable_last(replayer, requests),
+                    move_variable_last(replayer, requests, replay.prepared),
                     replay,
                 )
             what_if = what_if_cache["layout"]
         elif cause == "tool_order":
-            what_if = replay_what_if(
-                replayer,
-                "tools sorted by name in every request",
-                [rewrite_tools(r) for r in requests],
-                replay,
-            )
+            if "tools" not in what_if_cache:
+                what_if_cache["tools"] = replay_what_if(
+                    replayer,
+                    "tool definitions listed in one canonical order in every request"
+                    if tools_in_prompt
+                    else "tools sorted by name in every request",
+                    canonical_tool_order(replayer, requests, replay.prepared, tools_in_prompt),
+                    replay,
+                )
+            what_if = what_if_cache["tools"]
         elif cause == "whitespace":
             what_if = replay_what_if(
                 replayer,
@@ -243,6 +279,21 @@ _NO_GAIN = (
 )
 
 
+def confirm_fix(cause: str, detail: str, what_if: WhatIf | None) -> str:
+    """The fix to print for a finding. A rule of the report: a rewrite whose replay does not
+    raise the hit rate is never advised, whatever the diagnosis said; the finding then says
+    so, and the divergence it shows is the lead to follow."""
+    if what_if is not None and what_if.hit_rate_gain <= 0:
+        return (
+            f"No fix confirmed: the trace rewritten that way ({what_if.description}) replays "
+            f"at a hit rate no better than now ({what_if.hit_rate:.1%}), so it is not advised. "
+            "The divergence below shows where these requests part ways."
+        )
+    if what_if is not None and what_if.hit_rate_gain < 0.01:
+        return _fix_sentence(cause, detail) + _NO_GAIN
+    return _fix_sentence(cause, detail)
+
+
 def _finding(
     cause: str,
     detail: str,
@@ -262,8 +313,7 @@ def _finding(
         recoverable_tokens=recoverable,
         example_ids=[r.request_id for r in examples],
         example_lines=[r.line for r in examples],
-        fix=_fix_sentence(cause, detail)
-        + (_NO_GAIN if what_if is not None and what_if.hit_rate_gain < 0.01 else ""),
+        fix=confirm_fix(cause, detail, what_if),
         divergence=_divergence(members[0], prepared, block_size) if members else None,
         what_if=what_if,
     )
@@ -326,13 +376,27 @@ def format_report(report: AnalysisReport) -> str:
             out.append("  none: every request reuses what an earlier request of its group had")
         for number, finding in enumerate(report.findings, 1):
             out += _format_finding(number, finding, report.hit_rate, report.requests)
-        if report.what_if_all is not None:
-            w = report.what_if_all
+        w = report.what_if_all
+        if w is not None and w.hit_rate_gain > 0:
             out += [
                 "",
                 f"All fixes together ({w.description}): hit rate {report.hit_rate:.1%} "
                 f"-> {w.hit_rate:.1%}",
             ]
+        elif w is not None:
+            out += [
+                "",
+                f"Every rewrite at once ({w.description}) replays at {w.hit_rate:.1%}: no "
+                "gain, not advised",
+            ]
+    if report.truncated_at_line is not None:
+        limit = s.get("max_trace_bytes")
+        out += [
+            "",
+            f"Trace truncated at line {report.truncated_at_line}: reading stopped after "
+            f"{_size(limit) if limit else 'the limit'} (--max-trace-bytes); the lines from there "
+            "on were not analysed",
+        ]
     if report.skipped_lines:
         out += ["", "Skipped lines"]
         out += [f"  line {s.line}: {s.error}" for s in report.skipped_lines[:20]]
@@ -381,8 +445,9 @@ def _format_finding(number: int, f: Finding, hit_rate: float, total: int) -> lis
             lines += [f"       this  > {d.this_tokens}", f"       other > {d.other_tokens}"]
     lines.append(f"     fix: {f.fix}")
     if f.what_if is not None:
+        verdict = "replayed" if f.what_if.hit_rate_gain > 0 else "replayed; no gain, not advised"
         lines.append(
             f"     what-if ({f.what_if.description}): hit rate {hit_rate:.1%} -> "
-            f"{f.what_if.hit_rate:.1%} (replayed)"
+            f"{f.what_if.hit_rate:.1%} ({verdict})"
         )
     return lines
