@@ -594,3 +594,32 @@ def test_hostile_input_through_the_console_shows_no_traceback(tmp_path: Path) ->
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "line 3" in result.stdout and "--max-line-bytes" in result.stdout
+
+
+# -- The shipped samples ----------------------------------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_shipped_tools_in_system_prompt_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    # tests/data/tools_in_system_prompt.jsonl: eight support requests whose system prompt lists
+    # the same four tool schemas (one JSON object a line) in shuffled order.
+    assert main([str(DATA / "tools_in_system_prompt.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "Same tools listed in a different order" in out
+    assert "tool definitions reordered in message 0 (system)" in out
+    assert "one canonical order" in out and "Variable content" not in out
+    report = analyze_trace(DATA / "tools_in_system_prompt.jsonl")
+    f = report.findings[0]
+    assert f.what_if is not None and f.what_if.hit_rate > 0.8 > 0.5 > report.hit_rate
+
+
+def test_shipped_hostile_lines_sample() -> None:
+    # tests/data/hostile_lines.jsonl: a BOM, CRLF, raw U+2028/U+2029/U+0085 inside strings,
+    # a line of Latin-1 and a lone surrogate escape.
+    report = analyze_trace(DATA / "hostile_lines.jsonl")
+    assert report.requests == 3
+    assert [s.line for s in report.skipped_lines] == [3, 4]
+    assert "UTF-8" in report.skipped_lines[0].error
+    assert "surrogate" in report.skipped_lines[1].error
+    assert main([str(DATA / "hostile_lines.jsonl"), "--json"]) == 1

@@ -77,6 +77,19 @@ def test_analyze_names_the_cause() -> None:
     assert "timestamp" in result.stdout and "Variable content placed before" in result.stdout
 
 
+def test_analyze_runs_as_a_module_too() -> None:
+    # `python -m prefixkv.analyze` is the same command as `prefixkv analyze`.
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixkv.analyze", str(DATA / "hostile_lines.jsonl"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["requests"] == 3
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
