@@ -223,6 +223,8 @@ def permuted_region(
 
     The sequences are str or lists of ints. The work is linear in their length (extensions and
     counts are capped), and a divergence that is not a reordering fails on its first run."""
+    if not _occurs(a[start : start + min_run], b, max(0, start - _MAX_HEADER * min_run)):
+        return None  # the usual case, settled without an index: no run begins at the divergence
     width = max(1, (min_run + 1) // 2)  # a run of min_run holds an indexed width-gram of b
     slack = _MAX_HEADER * min_run  # how far a shared header may reach around a piece
     lo = max(0, start - slack)
@@ -244,13 +246,13 @@ def permuted_region(
         for delta in range(min(width, len(a) - cursor - width + 1)):
             for hit in index.get(key_a(cursor + delta), ()):
                 q = hit - delta
-                if q < lo:
+                if q < lo or budget < 0:
                     continue
                 length = common_length(a, cursor, b, q, min(len(a) - cursor, len(b) - q))
                 budget -= length
                 if length > best_length:
                     best_q, best_length = q, length
-        if best_length < min_run:
+        if best_length < min_run or budget < 0:
             break
         if best_q < s:
             if restarts == 3:
@@ -298,6 +300,18 @@ class _Balance:
 
 
 _MAX_HEADER = 8  # how far before the divergence, in min_runs, a shared header may begin
+
+
+def _occurs(probe: Sequence[Any], seq: Sequence[Any], lo: int) -> bool:
+    """Does `probe` occur in seq[lo:]? (C-speed search: str.find, or bytes.find on packed ids
+    at a 4-byte boundary.)"""
+    if isinstance(seq, str):
+        return isinstance(probe, str) and seq.find(probe, lo) >= 0
+    packed, needle = _to_bytes(seq), _to_bytes(probe)
+    pos = packed.find(needle, 4 * lo)
+    while pos >= 0 and pos % 4:
+        pos = packed.find(needle, pos + 1)
+    return pos >= 0
 
 
 def _gram_keys(seq: Sequence[Any], width: int) -> Any:

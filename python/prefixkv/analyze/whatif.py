@@ -1,7 +1,7 @@
 """What-ifs: the trace rewritten as a fix says, and replayed through the same cache.
 
 A finding's advice is only as good as the gain it buys, so each fix is applied to the whole
-trace and the rewritten trace is replayed (`what_if`): variable content moved after the stable
+trace and the rewritten trace is replayed (`replay_what_if`): variable content moved after the stable
 content (`move_variable_last`), tools in one canonical order (`canonical_tool_order`),
 whitespace normalised, or an unbounded cache. The report never presents a what-if that does not
 raise the hit rate as the fix.
