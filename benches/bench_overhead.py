@@ -34,7 +34,10 @@ from python_baseline import PyPrefixCache
 from workloads import BLOCK_SIZE, GENERATORS, Workload, agent, unrelated
 
 from prefixkv import PrefixCache
-from prefixkv.cache import as_token_ids
+from prefixkv.cache import as_token_ids, key_extras
+
+#: The key extras of a request with no salt, adapter or multimodal items (low-level calls).
+NO_EXTRAS = key_extras()
 
 VARIANTS = [
     "prefixkv_list",
@@ -90,7 +93,7 @@ def _replay(workload: Workload) -> dict[str, Any]:
     def run_floor(tokens: Any) -> int:
         # What PrefixCache.begin/lookup do before the core's table walk: convert, then hash.
         t0 = now()
-        floor_cache._core.hash_prompt(as_token_ids(tokens))
+        floor_cache._core.hash_prompt(as_token_ids(tokens), NO_EXTRAS)
         return now() - t0
 
     def run_block_keys(tokens: Any) -> int:
@@ -198,11 +201,11 @@ def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
             )
             / n,
             "prefixkv _core.block_keys, SHA-256 block key (u32 bytes input)": median_ns(
-                lambda: cache._core.block_keys(as_bytes), repeats=15
+                lambda: cache._core.block_keys(as_bytes, NO_EXTRAS), repeats=15
             )
             / n,
             "prefixkv _core.hash_prompt, XXH3-128 table key (u32 bytes input)": median_ns(
-                lambda: cache._core.hash_prompt(as_bytes), repeats=15, number=5
+                lambda: cache._core.hash_prompt(as_bytes, NO_EXTRAS), repeats=15, number=5
             )
             / n,
         }
@@ -239,16 +242,16 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
             lambda: as_token_ids(as_list), repeats=21, number=5
         )
         ns["_core.hash_prompt(bytes): 250 table keys (XXH3-128), nothing else"] = median_ns(
-            lambda: core.hash_prompt(as_bytes), repeats=21, number=10
+            lambda: core.hash_prompt(as_bytes, NO_EXTRAS), repeats=21, number=10
         )
         ns["_core.block_keys(bytes): 250 SHA-256 block keys + 250 PyBytes"] = median_ns(
-            lambda: core.block_keys(as_bytes), repeats=21, number=5
+            lambda: core.block_keys(as_bytes, NO_EXTRAS), repeats=21, number=5
         )
         ns["_core.lookup(bytes), first block misses (call + 1 hash)"] = median_ns(
-            lambda: core.lookup(as_token_ids(miss)), repeats=21, number=20
+            lambda: core.lookup(as_token_ids(miss), NO_EXTRAS), repeats=21, number=20
         )
         ns["_core.lookup(bytes), all cached: 250 table keys + table walk + verify"] = median_ns(
-            lambda: core.lookup(as_bytes), repeats=21, number=5
+            lambda: core.lookup(as_bytes, NO_EXTRAS), repeats=21, number=5
         )
 
         def full(tokens: Any) -> None:
@@ -266,7 +269,7 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
         phases: dict[str, list[int]] = {"begin": [], "commit": [], "finish": []}
         for tokens in fresh:
             t0 = now()
-            rid = core.begin(tokens)[0]
+            rid = core.begin(tokens, NO_EXTRAS).id
             t1 = now()
             core.commit(rid, num_tokens)
             t2 = now()

@@ -37,6 +37,10 @@ from common import md_table
 from python_baseline import PyPrefixCache
 
 from prefixkv import PrefixCache
+from prefixkv.cache import key_extras
+
+#: The key extras of a request with no salt, adapter or multimodal items (low-level calls).
+NO_EXTRAS = key_extras()
 
 PROMPT_TOKENS = 8192
 WRITER_RATE = 100.0  # requests per second
@@ -113,7 +117,7 @@ def _gil_held_share(
     one_block = as_token_ids(rng.integers(0, 128_000, BLOCK_SIZE, dtype=np.int64))
     packed = np.arange(len(prompt) // BLOCK_SIZE, dtype="<u4").tobytes()
     conversion = median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
-    call = median_ns(lambda: cache._core.lookup(one_block), repeats=21, number=20)
+    call = median_ns(lambda: cache._core.lookup(one_block, NO_EXTRAS), repeats=21, number=20)
     wrap = median_ns(
         lambda: PrefixMatch(len(prompt), True, bytes(bytearray(packed))), repeats=21, number=20
     )

@@ -412,7 +412,7 @@ def test_token_id_formats_agree(convert):
 BAD_TOKENS = [
     ([1, -2, 3], InvalidInputError, "position 1"),
     ([1, 2**32], InvalidInputError, "out of range"),
-    ([1, "a"], InvalidInputError, "not an int"),
+    ([1, "a"], InvalidInputError, "must be an int, not str"),
     (np.array([1, -5], dtype=np.int64), InvalidInputError, "negative"),
     (np.array([1, 2**40], dtype=np.int64), InvalidInputError, "out of range"),
     (np.array([1, 2, 2**63], dtype=np.uint64), InvalidInputError, "position 2 is out of range"),
@@ -459,7 +459,7 @@ def test_bad_calls_raise_typed_errors_and_change_nothing():
         (lambda: cache.commit_blocks(list(range(8)), [5, raw[0]]), InvalidBlockError, KeyError),
         (lambda: cache.allocate(-1), InvalidInputError, ValueError),
         (lambda: cache.allocate(100), OutOfBlocksError, MemoryError),
-        (lambda: cache.unpin(42), InvalidInputError, ValueError),
+        (lambda: cache.unpin(42), UnknownRequestError, KeyError),
         (lambda: cache.begin([]), InvalidInputError, ValueError),
         (lambda: cache.begin([1], salt=3), InvalidInputError, ValueError),
         (lambda: cache.begin([1], multimodal=[(0, -1, b"x")]), InvalidInputError, ValueError),

@@ -137,8 +137,13 @@ def paged_prefill_attention(
     head_dim = int(query.shape[2])
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise InvalidInputError(f"scale must be a positive float, got {scale!r}")
+    elif (
+        not isinstance(scale, (int, float))
+        or isinstance(scale, bool)
+        or not math.isfinite(scale)
+        or not scale > 0
+    ):
+        raise InvalidInputError(f"scale must be a positive finite float, got {scale!r}")
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
         or not isinstance(sliding_window, int)

@@ -20,18 +20,26 @@ from __future__ import annotations
 
 import array
 import sys
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from prefixkv import _core
-from prefixkv._core import CacheStats
+from prefixkv._core import CacheStats, KeyExtras, Pin, PrefixMatch, Request
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
 
-__all__ = ["CacheStats", "Pin", "PrefixCache", "PrefixMatch", "Request", "as_token_ids"]
+__all__ = [
+    "CacheStats",
+    "KeyExtras",
+    "Pin",
+    "PrefixCache",
+    "PrefixMatch",
+    "Request",
+    "as_token_ids",
+]
 
 #: What callers may pass as token ids.
 TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is optional here)
@@ -41,48 +49,24 @@ MultimodalItem = tuple[int, int, "bytes | str"]
 # array("I") is 32 bits wide on every platform CPython supports today; checked, not assumed.
 _PACK_LISTS = array.array("I").itemsize == 4
 
+#: The extras of a request that has none: parsed once, shared by every such call.
+_NO_EXTRAS = KeyExtras()
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """The cached prefix of a prompt."""
-
-    #: Tokens whose KV is reused; the engine computes from this position on.
-    num_cached_tokens: int
-    #: Every block is cached: compute only the final token (for its logits), write nothing.
-    full_hit: bool
-    #: The matched block ids as packed little-endian u32 (see `block_ids`).
-    packed_block_ids: bytes
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Cached blocks in prompt order. Unpacked on access: a probe that only wants the hit
-        length never builds a list of Python ints (and holds the GIL less)."""
-        return _unpack_u32(self.packed_block_ids)
+# The result types are the native module's frozen classes (`rust/py/src/results.rs`):
+# `PrefixMatch` (num_cached_tokens, full_hit, block_ids, num_cached_blocks), `Request` (id,
+# block_table, num_cached_tokens, full_hit, num_prompt_tokens, num_tokens_to_compute) and
+# `Pin` (id, num_blocks).
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A live request, as `begin` returned it."""
-
-    id: int
-    #: Blocks covering every prompt token: the shared cached ones first, then private ones.
-    block_table: list[int]
-    num_cached_tokens: int
-    full_hit: bool
-    num_prompt_tokens: int
-
-    @property
-    def num_tokens_to_compute(self) -> int:
-        """Prompt positions the engine must compute (at least one)."""
-        return self.num_prompt_tokens - self.num_cached_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Pin:
-    """A pinned prefix; pass to `PrefixCache.unpin`."""
-
-    id: int
-    num_blocks: int
+def key_extras(
+    salt: str | bytes | None = None,
+    adapter: str | bytes | None = None,
+    multimodal: Sequence[MultimodalItem] | None = None,
+) -> KeyExtras:
+    """Everything besides the token ids that goes into a request's block keys, parsed once."""
+    if salt is None and adapter is None and not multimodal:
+        return _NO_EXTRAS
+    return KeyExtras(salt, adapter, multimodal)
 
 
 def as_token_ids(
@@ -99,6 +83,8 @@ def as_token_ids(
     if isinstance(tokens, np.ndarray):
         return _array_tokens(tokens)
     if type(tokens).__module__.startswith("torch"):
+        if tokens.is_floating_point() or tokens.is_complex() or str(tokens.dtype) == "torch.bool":
+            raise InvalidInputError(f"token ids must have an integer dtype, got {tokens.dtype}")
         if tokens.device.type != "cpu":
             raise InvalidInputError(
                 f"token ids must be on the CPU, got a tensor on {tokens.device}; call .cpu() first"
@@ -121,6 +107,13 @@ def _list_tokens(tokens: list[int] | tuple[int, ...]) -> list[int] | tuple[int, 
         packed = array.array("I", tokens)
     except (OverflowError, TypeError):
         return tokens
+    # array('I') takes True and False as 1 and 0; a bool among token ids is a caller's bug,
+    # refused as the core refuses it. Only the positions holding 0 or 1 can be bools, so one
+    # vectorised pass finds the few to look at (usually none, or the BOS token).
+    values = np.frombuffer(packed, dtype=np.uint32)
+    for position in np.flatnonzero(values <= 1).tolist():
+        if isinstance(tokens[position], bool):
+            raise InvalidInputError(f"token at position {position} must be an int, not bool")
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
@@ -132,19 +125,11 @@ def _array_tokens(values: np.ndarray) -> tuple[bytes, int, bool]:
     # `tobytes` below: the stable ABI for CPython 3.10 has no buffer protocol to read in place.
     if values.ndim != 1:
         raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
-    if values.dtype.kind not in "iu":
+    if values.dtype.kind not in "iu":  # bool is kind "b": refused here too
         raise InvalidInputError(f"token ids must have an integer dtype, got {values.dtype}")
     if values.dtype.byteorder == ">" or (values.dtype.byteorder == "=" and sys.byteorder == "big"):
         values = values.astype(values.dtype.newbyteorder("<"))
     return values.tobytes(), values.dtype.itemsize, values.dtype.kind == "i"
-
-
-def _unpack_u32(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<u4").tolist()
-
-
-def _request_id(request: Request | int) -> int:
-    return request.id if isinstance(request, Request) else int(request)
 
 
 class PrefixCache:
@@ -156,6 +141,11 @@ class PrefixCache:
             `set_context` (or calling `clear`) makes every cached block unreachable.
         block_size: tokens per block; defaults to `context.block_size` and must equal it.
         vocab_size: when given, token ids at or above it are refused.
+
+    Every request-keyed call takes the `Request` that `begin` returned or its int id; an int
+    follows `operator.index` (a float, str, bool or None is an `InvalidInputError`, never
+    rounded to some other request). `salt`, `adapter` and `multimodal` may be given as keywords
+    or, parsed once for several calls, as one `extras=key_extras(...)`.
     """
 
     def __init__(
@@ -167,14 +157,23 @@ class PrefixCache:
         vocab_size: int | None = None,
         _key_bits: int = 128,
     ) -> None:
+        if block_size is not None and (
+            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+        ):
+            raise InvalidInputError(f"block_size must be a positive int, got {block_size!r}")
         if context is None:
-            context = CacheContext(block_size=block_size or 16)
+            context = CacheContext(block_size=16 if block_size is None else block_size)
+        elif not isinstance(context, CacheContext):
+            raise InvalidInputError(f"context must be a CacheContext, not {type(context).__name__}")
         if block_size is not None and block_size != context.block_size:
             raise InvalidInputError(
                 f"block_size {block_size} differs from context.block_size {context.block_size}"
             )
         _check_reuse_safe(context)
         self._context = context
+        # Guards the pair (core context, self._context) so that `context` never names a
+        # context other than the one the core keys blocks under.
+        self._context_lock = threading.Lock()
         self._core = _core.CoreCache(
             num_blocks, context.block_size, context.fingerprint(), vocab_size, _key_bits
         )
@@ -190,7 +189,8 @@ class PrefixCache:
 
     @property
     def context(self) -> CacheContext:
-        return self._context
+        with self._context_lock:
+            return self._context
 
     # -- lookups -------------------------------------------------------------------------
     def lookup(
@@ -200,10 +200,11 @@ class PrefixCache:
         salt: str | bytes | None = None,
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
+        extras: KeyExtras | None = None,
     ) -> PrefixMatch:
         """The cached prefix of `tokens`, without taking references (lock-free probe)."""
-        blocks, cached, full = self._core.lookup(as_token_ids(tokens), salt, adapter, multimodal)
-        return PrefixMatch(cached, full, blocks)
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.lookup(as_token_ids(tokens), keys)
 
     def block_keys(
         self,
@@ -212,9 +213,11 @@ class PrefixCache:
         salt: str | bytes | None = None,
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
+        extras: KeyExtras | None = None,
     ) -> list[bytes]:
         """The 32-byte key of every full block of `tokens` (stable across processes)."""
-        return self._core.block_keys(as_token_ids(tokens), salt, adapter, multimodal)
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.block_keys(as_token_ids(tokens), keys)
 
     # -- a request's life ----------------------------------------------------------------
     def begin(
@@ -225,6 +228,7 @@ class PrefixCache:
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
         priority: int = 0,
+        extras: KeyExtras | None = None,
     ) -> Request:
         """Match the cached prefix, reference it and allocate blocks for the rest.
 
@@ -232,29 +236,27 @@ class PrefixCache:
         `priority` is the retention priority of the request's blocks (lower goes first).
         Raises `OutOfBlocksError` (nothing changed) when the pool cannot hold the prompt.
         """
-        rid, table, cached, full, n = self._core.begin(
-            as_token_ids(tokens), salt, adapter, multimodal, priority
-        )
-        return Request(rid, table, cached, full, n)
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.begin(as_token_ids(tokens), keys, priority)
 
     def append(self, request: Request | int, tokens: TokenIds) -> list[int]:
         """Add generated tokens; returns the blocks newly allocated for them."""
-        return self._core.append(_request_id(request), as_token_ids(tokens))
+        return self._core.append(request, as_token_ids(tokens))
 
     def commit(self, request: Request | int, num_computed_tokens: int) -> int:
         """KV of the first `num_computed_tokens` tokens is written: publish the full blocks.
 
         Returns how many leading blocks of the request are now cached.
         """
-        return self._core.commit(_request_id(request), num_computed_tokens)
+        return self._core.commit(request, num_computed_tokens)
 
     def finish(self, request: Request | int) -> None:
         """Drop the request's references; its cached blocks stay (evictable)."""
-        self._core.finish(_request_id(request))
+        self._core.finish(request)
 
     def block_table(self, request: Request | int) -> list[int]:
         """The request's current block table (prompt and generated tokens)."""
-        return self._core.block_table(_request_id(request))
+        return self._core.block_table(request)
 
     # -- low-level calls -----------------------------------------------------------------
     def match_and_acquire(
@@ -265,16 +267,23 @@ class PrefixCache:
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
         priority: int = 0,
+        extras: KeyExtras | None = None,
     ) -> PrefixMatch:
         """Match the cached prefix and take one reference per matched block, atomically."""
-        blocks, cached, full = self._core.match_and_acquire(
-            as_token_ids(tokens), salt, adapter, multimodal, priority
-        )
-        return PrefixMatch(cached, full, blocks)
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.match_and_acquire(as_token_ids(tokens), keys, priority)
 
     def allocate(self, count: int) -> list[int]:
         """`count` blocks with one reference each, evicting cached blocks if needed."""
         return self._core.allocate(count)
+
+    def blocks_obtainable(self, up_to: int | None = None) -> int:
+        """How many blocks `allocate` could hand out right now, capped at `up_to` (default: the
+        pool size), without changing anything: the free blocks plus every cached block that
+        eviction can reach (unreferenced, unpinned, no held descendant). Cheap when the free
+        list covers `up_to`; otherwise it plans the eviction, so ask for what you need.
+        `stats().blocks_evictable` counts only the leaves evictable at once: a lower bound."""
+        return self._core.blocks_obtainable(self.num_blocks if up_to is None else up_to)
 
     def commit_blocks(
         self,
@@ -285,19 +294,19 @@ class PrefixCache:
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
         priority: int = 0,
+        extras: KeyExtras | None = None,
     ) -> list[int]:
         """Publish blocks the caller filled: `block_ids[i]` holds tokens of block i.
 
         Returns the canonical block per cached position (an existing identical block where
         one was cached first; the caller's copy is then freed at its release).
         """
-        return self._core.commit_blocks(
-            as_token_ids(tokens), list(block_ids), salt, adapter, multimodal, priority
-        )
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.commit_blocks(as_token_ids(tokens), block_ids, keys, priority)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per listed block."""
-        self._core.release(list(block_ids))
+        self._core.release(block_ids)
 
     # -- retention -----------------------------------------------------------------------
     def pin(
@@ -307,13 +316,16 @@ class PrefixCache:
         salt: str | bytes | None = None,
         adapter: str | bytes | None = None,
         multimodal: Sequence[MultimodalItem] | None = None,
+        extras: KeyExtras | None = None,
     ) -> Pin:
         """Keep the cached prefix of `tokens` (e.g. a system prompt) safe from eviction."""
-        pin_id, count = self._core.pin(as_token_ids(tokens), salt, adapter, multimodal)
-        return Pin(pin_id, count)
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.pin(as_token_ids(tokens), keys)
 
     def unpin(self, pin: Pin | int) -> None:
-        self._core.unpin(pin.id if isinstance(pin, Pin) else int(pin))
+        """Release a pin. An unknown id (never taken, already unpinned, or dropped by `clear` /
+        `set_context`, which release every pin) is an `UnknownRequestError` saying which."""
+        self._core.unpin(pin)
 
     # -- reset and observation -----------------------------------------------------------
     def clear(self) -> None:
@@ -323,13 +335,17 @@ class PrefixCache:
 
     def set_context(self, context: CacheContext) -> None:
         """Switch to a new execution context; clears the cache as `clear` does."""
+        if not isinstance(context, CacheContext):
+            raise InvalidInputError(f"context must be a CacheContext, not {type(context).__name__}")
         if context.block_size != self.block_size:
             raise InvalidInputError(
                 f"context.block_size {context.block_size} differs from the cache's {self.block_size}"
             )
         _check_reuse_safe(context)
-        self._core.set_context(context.fingerprint())
-        self._context = context
+        fingerprint = context.fingerprint()
+        with self._context_lock:
+            self._core.set_context(fingerprint)
+            self._context = context
 
     def stats(self) -> CacheStats:
         return self._core.stats()
@@ -346,6 +362,21 @@ class PrefixCache:
 
     def __repr__(self) -> str:
         return f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size})"
+
+
+def _extras(
+    salt: str | bytes | None,
+    adapter: str | bytes | None,
+    multimodal: Sequence[MultimodalItem] | None,
+    extras: KeyExtras | None,
+) -> KeyExtras:
+    if extras is None:
+        return key_extras(salt, adapter, multimodal)
+    if salt is not None or adapter is not None or multimodal is not None:
+        raise InvalidInputError("pass either extras= or salt/adapter/multimodal, not both")
+    if not isinstance(extras, KeyExtras):
+        raise InvalidInputError(f"extras must be a KeyExtras, not {type(extras).__name__}")
+    return extras
 
 
 def _check_reuse_safe(context: CacheContext) -> None:

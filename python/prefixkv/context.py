@@ -16,8 +16,10 @@ The fingerprint is ``SHA-256(b"prefixkv.context.v1\\0" + canonical_bytes)`` (see
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from prefixkv.errors import InvalidInputError
@@ -61,9 +63,15 @@ class AttentionMask:
     sliding_window: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CacheContext:
-    """Every prefix-affecting setting. Two requests share KV only under equal contexts."""
+    """Every prefix-affecting setting. Two requests share KV only under equal contexts.
+
+    Equality and hashing are those of the fingerprint (the canonical serialization), so two
+    contexts compare equal exactly when the cache would share KV between them: `1` and `1.0`
+    in a field are different contexts (the canonical form tags floats), as they are to the
+    cache. `extra` is frozen into a read-only mapping at construction.
+    """
 
     model_id: str = ""
     #: Weights revision or content digest: a fine-tune or a weights update must miss.
@@ -83,8 +91,27 @@ class CacheContext:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise InvalidInputError(f"block_size must be a positive int, got {self.block_size!r}")
+        if (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or not 1 <= self.block_size <= _MAX_U32
+        ):
+            raise InvalidInputError(
+                f"block_size must be an int in 1 ..= {_MAX_U32}, got {self.block_size!r}"
+            )
+        if not isinstance(self.position_encoding, PositionEncoding):
+            raise InvalidInputError(
+                "position_encoding must be a PositionEncoding, not "
+                f"{type(self.position_encoding).__name__}"
+            )
+        if not isinstance(self.attention_mask, AttentionMask):
+            raise InvalidInputError(
+                f"attention_mask must be an AttentionMask, not {type(self.attention_mask).__name__}"
+            )
+        if not isinstance(self.extra, Mapping):
+            raise InvalidInputError(f"extra must be a mapping, not {type(self.extra).__name__}")
+        if isinstance(self.adapters, (str, bytes)):
+            raise InvalidInputError("adapters must be a sequence of str, not one string")
         for name, value in self.extra.items():
             if not isinstance(name, str):
                 raise InvalidInputError(f"extra keys must be str, got {name!r}")
@@ -92,18 +119,43 @@ class CacheContext:
                 raise InvalidInputError(
                     f"extra[{name!r}] must be a str, int, float, bool or None, got {type(value).__name__}"
                 )
-        # Freeze the mapping so the context stays hashable and immutable.
-        object.__setattr__(self, "extra", dict(sorted(self.extra.items())))
+        # A read-only copy: mutating the caller's dict (or this one) cannot change a live
+        # context's fingerprint.
+        object.__setattr__(self, "extra", MappingProxyType(dict(sorted(self.extra.items()))))
         object.__setattr__(self, "adapters", tuple(self.adapters))
+        # Serialize once: refuses what cannot be serialized (a lone surrogate, a NaN, an
+        # unknown type) at construction, with the field named, instead of at first use.
+        object.__setattr__(self, "_canonical", self._serialize())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheContext):
+            return NotImplemented
+        return self.canonical_bytes() == other.canonical_bytes()
 
     def __hash__(self) -> int:
         return hash(self.canonical_bytes())
 
+    def _serialize(self) -> bytes:
+        data = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                value = dict(value)
+            elif hasattr(value, "__dataclass_fields__"):
+                value = asdict(value)
+            data[f.name] = _canonical(value, f.name)
+        data["version"] = 1
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        try:
+            return text.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(
+                f"a CacheContext field holds text that is not valid Unicode: {exc.reason}"
+            ) from None
+
     def canonical_bytes(self) -> bytes:
         """The canonical serialization whose hash is the fingerprint."""
-        data = {f.name: _canonical(asdict(self)[f.name]) for f in fields(self)}
-        data["version"] = 1
-        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return self._canonical  # type: ignore[attr-defined,no-any-return]
 
     def fingerprint(self) -> bytes:
         """32-byte SHA-256 fingerprint: the root of every block key under this context."""
@@ -117,13 +169,20 @@ class CacheContext:
         return not self.position_encoding.length_dependent
 
 
-def _canonical(value: Any) -> Any:
+_MAX_U32 = 2**32 - 1
+
+
+def _canonical(value: Any, where: str) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"CacheContext field {where} is {value}: not a finite number")
         return {"float": value.hex()}
     if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in value.items()}
+        return {str(k): _canonical(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    raise InvalidInputError(f"cannot serialize {type(value).__name__} in a CacheContext")
+        return [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise InvalidInputError(
+        f"cannot serialize {type(value).__name__} in CacheContext field {where}"
+    )

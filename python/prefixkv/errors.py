@@ -20,6 +20,7 @@ __all__ = [
     "ChatTemplateError",
     "InvalidBlockError",
     "InvalidInputError",
+    "KVAllocationError",
     "KVDeviceError",
     "KVDtypeError",
     "KVIndexError",
@@ -100,3 +101,8 @@ class ChatTemplateError(InvalidInputError):
     """A chat template could not be found, compiled or rendered: a syntax error, an error the
     template raised, or a render that broke a limit (time, steps, output size). Templates come
     from checkpoints and users, so every failure while rendering one is this class."""
+
+
+class KVAllocationError(PrefixKVError, MemoryError):
+    """The KV pages asked for cannot be allocated on their device (too large for its memory,
+    or for torch's size limits); the message names the size."""

@@ -41,6 +41,7 @@ value like the others, and one ``except ValueError`` then covers every bad input
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TypeAlias
 
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from prefixkv.errors import (
+    KVAllocationError,
     KVDeviceError,
     KVDtypeError,
     KVIndexError,
@@ -156,12 +158,17 @@ class PagedKVCache:
             raise KVDeviceError(f"pin_memory applies to host caches only, not {self.device}")
         # Zeros, not empty: attention reads whole pages, and garbage past the last token of a
         # partial block could be NaN, which a zero softmax weight does not cancel (0 * NaN = NaN).
-        self.storage = torch.zeros(
-            (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=self.device,
-            pin_memory=pin_memory,
-        )
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        try:
+            self.storage = torch.zeros(
+                shape, dtype=dtype, device=self.device, pin_memory=pin_memory
+            )
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise KVAllocationError(
+                f"cannot allocate {num_bytes:,} bytes of KV pages {list(shape)} ({dtype}) on "
+                f"{self.device}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
         # Reused staging buffer for block copies on this cache's device (grown on demand): a
         # fresh buffer per call pays first-touch page faults that cost more than the copy.
         self._staging: Tensor | None = None
@@ -332,6 +339,12 @@ class PagedKVCache:
                 f"key has {num_keys} tokens, value {num_values}, slot_mapping {slots.numel()}"
             )
         flat_shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        # A source that is a view of these pages (e.g. KV gathered without a copy) would be
+        # read while written: torch refuses that. Copy such a source first.
+        if _shares_memory(key, self.storage):
+            key = key.clone()
+        if _shares_memory(value, self.storage):
+            value = value.clone()
         self.storage[0, layer].view(flat_shape).index_copy_(0, slots, key)
         self.storage[1, layer].view(flat_shape).index_copy_(0, slots, value)
 
@@ -494,6 +507,8 @@ def gather_pages(
     The module-level form of `PagedKVCache.gather`, for callers (the attention reference path)
     that hold a layer's page tensors rather than the cache object.
     """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise KVShapeError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
     num_blocks, block_size = int(key_pages.shape[0]), int(key_pages.shape[1])
     blocks_needed = -(-num_tokens // block_size)
     table_length = len(block_table)
@@ -528,3 +543,11 @@ def _transfer(tensor: Tensor, device: torch.device, *, non_blocking: bool) -> Te
     # Host -> CUDA from pinned memory (see copy_blocks_to) or CUDA -> CUDA: ordered on the
     # current stream, so later kernels see the data without the host waiting.
     return tensor.to(device, non_blocking=non_blocking)
+
+
+def _shares_memory(tensor: Tensor, storage: Tensor) -> bool:
+    """True when `tensor` is a view into `storage`'s memory (same untyped storage)."""
+    return (
+        tensor.device == storage.device
+        and tensor.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+    )

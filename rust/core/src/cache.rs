@@ -301,6 +301,14 @@ impl PrefixCache {
         Ok(matched)
     }
 
+    /// How many blocks `allocate` could hand out right now, capped at `up_to`, changing nothing.
+    /// Costs O(1) when the free list covers `up_to`; otherwise it plans the eviction (about
+    /// O(k log n) for k blocks planned), so ask for what you need rather than the pool size.
+    #[must_use]
+    pub fn blocks_obtainable(&self, up_to: usize) -> usize {
+        self.inner.lock().pool.available(up_to)
+    }
+
     /// Takes `count` free blocks (evicting if needed), each with one reference the caller owns.
     pub fn allocate(&self, count: usize) -> Result<Vec<BlockId>> {
         let mut guard = self.inner.lock();
@@ -434,6 +442,7 @@ impl PrefixCache {
             blocks_in_use: inner.pool.num_in_use(),
             blocks_pinned: inner.pool.num_pinned(),
             blocks_evictable: inner.pool.num_evictable_leaves(),
+            blocks_obtainable: inner.pool.available(inner.pool.num_blocks()),
             requests_live: inner.requests.len(),
         }
     }

@@ -583,8 +583,32 @@ impl Model {
             blocks_evictable: (0..self.blocks.len())
                 .filter(|&b| self.evictable(b, &children))
                 .count(),
+            blocks_obtainable: self.free.len() + self.reachable_by_eviction(),
             requests_live: self.requests.len(),
             ..self.stats.clone()
+        }
+    }
+
+    /// Cached blocks that evicting leaves over and over would free: peel evictable leaves off
+    /// a copy of the child counts until none is left (the slow, obvious way).
+    fn reachable_by_eviction(&self) -> usize {
+        let mut children: Vec<u32> = self.blocks.iter().map(|m| m.children).collect();
+        let mut gone = vec![false; self.blocks.len()];
+        let mut count = 0;
+        loop {
+            let peel: Vec<usize> = (0..self.blocks.len())
+                .filter(|&b| !gone[b] && self.evictable(b, &children))
+                .collect();
+            if peel.is_empty() {
+                return count;
+            }
+            for b in peel {
+                gone[b] = true;
+                count += 1;
+                if let Some(parent) = self.blocks[b].parent {
+                    children[parent as usize] -= 1;
+                }
+            }
         }
     }
 }

@@ -1,0 +1,298 @@
+//! `CoreCache`: the block manager's methods, each a few lines. Arguments arrive converted
+//! (`convert.rs`), results leave as named objects (`results.rs`), and calls that hash or walk a
+//! whole prompt release the GIL. `prefixkv.PrefixCache` (Python) is the documented API on top.
+
+use prefixkv_core::{BlockKey, CacheConfig, PrefixCache};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::convert::{block_id, int_in, BlockIds, KeyExtras, RequestRef, Tokens};
+use crate::errors::{invalid, to_py_err};
+use crate::results::{Pin, PrefixMatch, Request};
+use crate::stats::CacheStats;
+
+const U32_RANGE: &str = "1 ..= 4294967295";
+
+fn fingerprint(bytes: &[u8]) -> PyResult<BlockKey> {
+    let key: [u8; 32] = bytes.try_into().map_err(|_| {
+        invalid(format!(
+            "a context fingerprint is 32 bytes, got {}",
+            bytes.len()
+        ))
+    })?;
+    Ok(BlockKey(key))
+}
+
+fn priority(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    obj.map_or(Ok(0), |p| {
+        int_in(p, "priority", "-2147483648 ..= 2147483647", |_| true)
+    })
+}
+
+fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    int_in(obj, what, "0 ..= 2**64-1", |_| true)
+}
+
+/// The Rust block manager. Use `prefixkv.PrefixCache`, which documents every method.
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct CoreCache(PrefixCache);
+
+#[pymethods]
+impl CoreCache {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None))]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        context_fingerprint: &[u8],
+        vocab_size: Option<&Bound<'_, PyAny>>,
+        key_bits: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let positive = |v: i128| v > 0;
+        let config = CacheConfig {
+            num_blocks: int_in(num_blocks, "num_blocks", U32_RANGE, positive)?,
+            block_size: int_in::<u32>(block_size, "block_size", U32_RANGE, positive)? as usize,
+            vocab_size: vocab_size
+                .filter(|v| !v.is_none())
+                .map(|v| int_in(v, "vocab_size", U32_RANGE, positive))
+                .transpose()?,
+            key_bits: key_bits.map_or(Ok(128), |k| {
+                int_in(k, "key_bits", "1 ..= 128", |v| (1..=128).contains(&v))
+            })?,
+        };
+        PrefixCache::new(config, fingerprint(context_fingerprint)?)
+            .map(Self)
+            .map_err(to_py_err)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.0.config().num_blocks
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.0.config().block_size
+    }
+
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+    ) -> PyResult<PrefixMatch> {
+        let view = tokens.view();
+        let m = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.lookup(&t, &keys.salt, &keys.extras))
+            })
+            .map_err(to_py_err)?;
+        Ok(PrefixMatch {
+            num_cached_tokens: m.num_cached_tokens,
+            full_hit: m.full_hit,
+            block_ids: m.blocks,
+        })
+    }
+
+    #[pyo3(signature = (tokens, keys, priority=None))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Request> {
+        let priority = self::priority(priority)?;
+        let num_prompt_tokens = tokens.len();
+        let view = tokens.view();
+        let r = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.begin(t, &keys.salt, keys.extras.clone(), priority))
+            })
+            .map_err(to_py_err)?;
+        Ok(Request {
+            id: r.request_id,
+            block_table: r.block_table,
+            num_cached_tokens: r.num_cached_tokens,
+            full_hit: r.full_hit,
+            num_prompt_tokens,
+        })
+    }
+
+    fn append(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        tokens: Tokens<'_>,
+    ) -> PyResult<Vec<u32>> {
+        let view = tokens.view();
+        py.detach(|| view.into_vec().and_then(|t| self.0.append(request.0, &t)))
+            .map_err(to_py_err)
+    }
+
+    fn commit(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_computed_tokens, "num_computed_tokens")?;
+        py.detach(|| self.0.commit(request.0, num))
+            .map_err(to_py_err)
+    }
+
+    fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.finish(request.0)).map_err(to_py_err)
+    }
+
+    fn block_table(&self, request: RequestRef) -> PyResult<Vec<u32>> {
+        self.0.block_table(request.0).map_err(to_py_err)
+    }
+
+    fn num_tokens(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.num_tokens(request.0).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (tokens, keys, priority=None))]
+    fn match_and_acquire(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PrefixMatch> {
+        let priority = self::priority(priority)?;
+        let view = tokens.view();
+        let m = py
+            .detach(|| {
+                view.into_vec().and_then(|t| {
+                    self.0
+                        .match_and_acquire(&t, &keys.salt, &keys.extras, priority)
+                })
+            })
+            .map_err(to_py_err)?;
+        Ok(PrefixMatch {
+            num_cached_tokens: m.num_cached_tokens,
+            full_hit: m.full_hit,
+            block_ids: m.blocks,
+        })
+    }
+
+    fn allocate(&self, py: Python<'_>, count: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let count = self::count(count, "count")?;
+        py.detach(|| self.0.allocate(count)).map_err(to_py_err)
+    }
+
+    fn blocks_obtainable(&self, py: Python<'_>, up_to: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let up_to = count(up_to, "up_to")?;
+        Ok(py.detach(|| self.0.blocks_obtainable(up_to)))
+    }
+
+    #[pyo3(signature = (tokens, blocks, keys, priority=None))]
+    fn commit_blocks(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        blocks: BlockIds,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u32>> {
+        let priority = self::priority(priority)?;
+        let view = tokens.view();
+        py.detach(|| {
+            view.into_vec().and_then(|t| {
+                self.0
+                    .commit_blocks(&t, &blocks.0, &keys.salt, &keys.extras, priority)
+            })
+        })
+        .map_err(to_py_err)
+    }
+
+    fn release(&self, py: Python<'_>, blocks: BlockIds) -> PyResult<()> {
+        py.detach(|| self.0.release(&blocks.0)).map_err(to_py_err)
+    }
+
+    fn pin(&self, py: Python<'_>, tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<Pin> {
+        let view = tokens.view();
+        let (id, num_blocks) = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.pin(&t, &keys.salt, &keys.extras))
+            })
+            .map_err(to_py_err)?;
+        Ok(Pin { id, num_blocks })
+    }
+
+    fn unpin(&self, pin: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = match pin.cast::<Pin>() {
+            Ok(pin) => pin.get().id,
+            Err(_) => int_in(pin, "pin", "0 ..= 2**64-1", |_| true)?,
+        };
+        self.0.unpin(id).map_err(to_py_err)
+    }
+
+    fn clear(&self, py: Python<'_>) {
+        py.detach(|| self.0.clear());
+    }
+
+    fn set_context(&self, py: Python<'_>, context_fingerprint: &[u8]) -> PyResult<()> {
+        let key = fingerprint(context_fingerprint)?;
+        py.detach(|| self.0.set_context(key));
+        Ok(())
+    }
+
+    fn block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Tokens<'py>,
+        keys: &KeyExtras,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let view = tokens.view();
+        let block_keys = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.block_keys(&t, &keys.salt, &keys.extras))
+            })
+            .map_err(to_py_err)?;
+        Ok(block_keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
+    }
+
+    /// Hashes every full block with the table hash and does nothing else (benchmark floor).
+    fn hash_prompt(&self, py: Python<'_>, tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<usize> {
+        let view = tokens.view();
+        py.detach(|| {
+            view.into_vec()
+                .map(|t| self.0.hash_prompt(&t, &keys.salt, &keys.extras))
+        })
+        .map_err(to_py_err)
+    }
+
+    fn stats(&self) -> CacheStats {
+        self.0.stats().into()
+    }
+
+    fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.0.ref_count(block_id(block)?).map_err(to_py_err)
+    }
+
+    fn is_cached(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.0.is_cached(block_id(block)?).map_err(to_py_err)
+    }
+
+    /// Raises AssertionError naming the broken invariant (the core panics on it; tests only).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.check_invariants()))
+        })
+        .map_err(|e| {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_else(|| "invariant broken".into());
+            pyo3::exceptions::PyAssertionError::new_err(msg)
+        })
+    }
+}

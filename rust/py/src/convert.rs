@@ -1,0 +1,436 @@
+//! Python values in: token ids, the per-request key extras, integers and block ids.
+//!
+//! Every conversion refuses what a buggy engine could pass by mistake, with an
+//! `InvalidInputError` that names the argument: integers follow `operator.index` (ints and
+//! numpy ints; never `bool`, `float`, `str` or `None`), so `finish(1.9)` cannot retire request 1.
+
+use prefixkv_core::{CacheError, MultimodalItem, RequestExtras};
+use pyo3::exceptions::PyOverflowError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use pyo3::Borrowed;
+
+use crate::errors::{invalid, InvalidBlockError, UnknownRequestError};
+
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+}
+
+/// An integer with `operator.index` semantics, refusing `bool`; `what` names it in errors.
+pub fn index(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i128> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(invalid(format!("{what} must be an int, not bool")));
+    }
+    obj.extract::<i128>().map_err(|err| {
+        if err.is_instance_of::<PyOverflowError>(obj.py()) {
+            invalid(format!("{what} {obj} is out of range"))
+        } else {
+            invalid(format!("{what} must be an int, not {}", type_name(obj)))
+        }
+    })
+}
+
+/// An integer in `T`'s range (further narrowed by `check`), or an error naming `what` and the
+/// accepted `range`.
+pub fn int_in<T: TryFrom<i128>>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    range: &str,
+    check: impl Fn(i128) -> bool,
+) -> PyResult<T> {
+    let value = index(obj, what)?;
+    match T::try_from(value) {
+        Ok(v) if check(value) => Ok(v),
+        _ => Err(invalid(format!("{what} must be in {range}, got {value}"))),
+    }
+}
+
+/// Token ids as received: packed little-endian u32 `bytes` (the form the Python layer gives
+/// lists); `(bytes, width, signed)`, the raw little-endian bytes of an integer array of another
+/// width, checked here; or ints converted one by one from a list or tuple.
+pub enum Tokens<'py> {
+    Packed(Bound<'py, PyBytes>),
+    Wide {
+        data: Bound<'py, PyBytes>,
+        width: usize,
+        signed: bool,
+    },
+    Owned(Vec<u32>),
+}
+
+/// A borrowed view of `Tokens` that can cross into `detach`: unpacking and checking then run
+/// with the GIL released.
+pub enum TokenView<'a> {
+    Packed(&'a [u8]),
+    Wide {
+        data: &'a [u8],
+        width: usize,
+        signed: bool,
+    },
+    Owned(&'a [u32]),
+}
+
+impl<'py> FromPyObject<'_, 'py> for Tokens<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        let obj = obj.to_owned();
+        if let Ok(bytes) = obj.cast::<PyBytes>() {
+            let len = bytes.as_bytes().len();
+            if len % 4 != 0 {
+                return Err(invalid(format!(
+                    "token buffer of {len} bytes is not a whole number of u32"
+                )));
+            }
+            return Ok(Tokens::Packed(bytes.clone()));
+        }
+        if let Ok(tuple) = obj.cast::<PyTuple>() {
+            if tuple.len() == 3 {
+                if let Ok(data) = tuple.get_item(0)?.cast_into::<PyBytes>() {
+                    return wide(data, &tuple.get_item(1)?, &tuple.get_item(2)?);
+                }
+            }
+            return one_by_one(tuple.iter()).map(Tokens::Owned);
+        }
+        if let Ok(list) = obj.cast::<PyList>() {
+            return one_by_one(list.iter()).map(Tokens::Owned);
+        }
+        Err(invalid(format!(
+            "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
+            type_name(&obj)
+        )))
+    }
+}
+
+fn wide<'py>(
+    data: Bound<'py, PyBytes>,
+    width: &Bound<'py, PyAny>,
+    signed: &Bound<'py, PyAny>,
+) -> PyResult<Tokens<'py>> {
+    let header = || invalid("a packed token array is (bytes, width, signed)".into());
+    let width: usize = width.extract().map_err(|_| header())?;
+    let signed: bool = signed.extract().map_err(|_| header())?;
+    let len = data.as_bytes().len();
+    if !matches!(width, 1 | 2 | 4 | 8) || len % width != 0 {
+        return Err(invalid(format!(
+            "a packed token array needs a width of 1, 2, 4 or 8 bytes dividing its {len} bytes, \
+             got {width}"
+        )));
+    }
+    Ok(Tokens::Wide {
+        data,
+        width,
+        signed,
+    })
+}
+
+fn one_by_one<'py>(items: impl Iterator<Item = Bound<'py, PyAny>>) -> PyResult<Vec<u32>> {
+    items
+        .enumerate()
+        .map(|(position, item)| {
+            let value = index(&item, &format!("token at position {position}"))?;
+            u32::try_from(value).map_err(|_| {
+                invalid(format!(
+                    "token id {value} at position {position} is out of range (0 ..= 4294967295)"
+                ))
+            })
+        })
+        .collect()
+}
+
+impl Tokens<'_> {
+    pub fn view(&self) -> TokenView<'_> {
+        match self {
+            Tokens::Packed(data) => TokenView::Packed(data.as_bytes()),
+            Tokens::Wide {
+                data,
+                width,
+                signed,
+            } => TokenView::Wide {
+                data: data.as_bytes(),
+                width: *width,
+                signed: *signed,
+            },
+            Tokens::Owned(tokens) => TokenView::Owned(tokens),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Packed(data) => data.as_bytes().len() / 4,
+            Tokens::Wide { data, width, .. } => data.as_bytes().len() / width,
+            Tokens::Owned(tokens) => tokens.len(),
+        }
+    }
+}
+
+impl TokenView<'_> {
+    /// The token ids, or the first one that is not a valid id.
+    pub fn into_vec(self) -> Result<Vec<u32>, CacheError> {
+        match self {
+            TokenView::Packed(data) => widen(data, 4, false),
+            TokenView::Wide {
+                data,
+                width,
+                signed,
+            } => widen(data, width, signed),
+            TokenView::Owned(tokens) => Ok(tokens.to_vec()),
+        }
+    }
+}
+
+/// Little-endian integers of `width` bytes as token ids. One branch-free pass per width that
+/// the compiler vectorises, flagging any value outside `0 ..= u32::MAX`; only then a second
+/// pass finds the first such value to name it.
+fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
+    fn pass<const W: usize>(
+        data: &[u8],
+        read: impl Fn([u8; W]) -> (u32, bool),
+    ) -> (Vec<u32>, bool) {
+        let mut out = Vec::with_capacity(data.len() / W);
+        let mut valid = true;
+        for chunk in data.chunks_exact(W) {
+            let (value, ok) = read(chunk.try_into().unwrap_or([0; W]));
+            valid &= ok;
+            out.push(value);
+        }
+        (out, valid)
+    }
+    const MAX: u64 = u32::MAX as u64;
+    let (out, valid) = match (width, signed) {
+        (8, false) => pass::<8>(data, |b| {
+            let v = u64::from_le_bytes(b);
+            (v as u32, v <= MAX)
+        }),
+        (8, true) => pass::<8>(data, |b| {
+            let v = i64::from_le_bytes(b);
+            (v as u32, (0..=MAX as i64).contains(&v))
+        }),
+        (4, true) => pass::<4>(data, |b| {
+            let v = i32::from_le_bytes(b);
+            (v as u32, v >= 0)
+        }),
+        (4, false) => pass::<4>(data, |b| (u32::from_le_bytes(b), true)),
+        (2, true) => pass::<2>(data, |b| {
+            let v = i16::from_le_bytes(b);
+            (v as u32, v >= 0)
+        }),
+        (2, false) => pass::<2>(data, |b| (u32::from(u16::from_le_bytes(b)), true)),
+        (_, true) => pass::<1>(data, |b| (b[0] as i8 as u32, b[0] < 0x80)),
+        (_, false) => pass::<1>(data, |b| (u32::from(b[0]), true)),
+    };
+    if valid {
+        return Ok(out);
+    }
+    for (position, bytes) in data.chunks_exact(width).enumerate() {
+        wide_token(position, bytes, signed)?;
+    }
+    Err(CacheError::InvalidInput(
+        "a token id is out of range".into(),
+    ))
+}
+
+/// One little-endian integer of 1, 2, 4 or 8 bytes as a token id.
+fn wide_token(position: usize, bytes: &[u8], signed: bool) -> Result<u32, CacheError> {
+    let mut word = [0u8; 8];
+    word[..bytes.len()].copy_from_slice(bytes);
+    let negative = signed && bytes[bytes.len() - 1] & 0x80 != 0;
+    if negative {
+        // Sign-extend to report the value the caller passed.
+        word[bytes.len()..].fill(0xFF);
+        let value = i64::from_le_bytes(word);
+        return Err(CacheError::InvalidInput(format!(
+            "token id {value} at position {position} is negative"
+        )));
+    }
+    let value = u64::from_le_bytes(word);
+    u32::try_from(value).map_err(|_| {
+        CacheError::InvalidInput(format!(
+            "token id {value} at position {position} is out of range (0 ..= 4294967295)"
+        ))
+    })
+}
+
+/// Everything besides the token ids that goes into a request's block keys: the tenant salt,
+/// the adapter, the multimodal items. Parsed and checked once, frozen, then passed by reference
+/// to every call that hashes the same request (lookup, begin, pin, block_keys...).
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct KeyExtras {
+    pub salt: Vec<u8>,
+    pub extras: RequestExtras,
+}
+
+#[pymethods]
+impl KeyExtras {
+    #[new]
+    #[pyo3(signature = (salt=None, adapter=None, multimodal=None))]
+    fn new(
+        salt: Option<&Bound<'_, PyAny>>,
+        adapter: Option<&Bound<'_, PyAny>>,
+        multimodal: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let salt = text_or_bytes(salt, "salt")?.unwrap_or_default();
+        let adapter = text_or_bytes(adapter, "adapter")?;
+        let multimodal = match multimodal.filter(|m| !m.is_none()) {
+            Some(items) => multimodal_items(items)?,
+            None => Vec::new(),
+        };
+        Ok(Self {
+            salt,
+            extras: RequestExtras {
+                adapter,
+                multimodal,
+            },
+        })
+    }
+
+    #[getter]
+    fn salt<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.salt)
+    }
+
+    #[getter]
+    fn adapter<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.extras.adapter.as_ref().map(|a| PyBytes::new(py, a))
+    }
+
+    #[getter]
+    fn num_multimodal_items(&self) -> usize {
+        self.extras.multimodal.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KeyExtras(salt={} bytes, adapter={}, multimodal={} items)",
+            self.salt.len(),
+            if self.extras.adapter.is_some() {
+                "set"
+            } else {
+                "None"
+            },
+            self.extras.multimodal.len()
+        )
+    }
+}
+
+/// `str` (UTF-8) or `bytes` as raw bytes; `None` as `None`.
+fn text_or_bytes(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<Vec<u8>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(text) = obj.cast::<PyString>() {
+        let text = text
+            .to_str()
+            .map_err(|_| invalid(format!("{what} is not valid UTF-8 text")))?;
+        Ok(Some(text.as_bytes().to_vec()))
+    } else if let Ok(bytes) = obj.cast::<PyBytes>() {
+        Ok(Some(bytes.as_bytes().to_vec()))
+    } else {
+        Err(invalid(format!(
+            "{what} must be str or bytes, not {}",
+            type_name(obj)
+        )))
+    }
+}
+
+fn multimodal_items(items: &Bound<'_, PyAny>) -> PyResult<Vec<MultimodalItem>> {
+    let not_a_sequence = || {
+        invalid(format!(
+            "multimodal must be a sequence of (start, length, hash), not {}",
+            type_name(items)
+        ))
+    };
+    if items.is_instance_of::<PyString>() || items.is_instance_of::<PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    let mut out = Vec::new();
+    for (position, item) in items.try_iter().map_err(|_| not_a_sequence())?.enumerate() {
+        let item = item?;
+        let shape = || {
+            invalid(format!(
+                "multimodal item {position} must be (start, length, hash)"
+            ))
+        };
+        let tuple = item.cast::<PyTuple>().map_err(|_| shape())?;
+        if tuple.len() != 3 {
+            return Err(shape());
+        }
+        let what = format!("multimodal item {position}");
+        let start: u64 = int_in(
+            &tuple.get_item(0)?,
+            &format!("{what} start"),
+            "0 ..= 2**64-1",
+            |_| true,
+        )?;
+        let length: u64 = int_in(
+            &tuple.get_item(1)?,
+            &format!("{what} length"),
+            "1 ..= 2**64-1",
+            |v| v > 0,
+        )?;
+        let hash =
+            text_or_bytes(Some(&tuple.get_item(2)?), &format!("{what} hash"))?.ok_or_else(shape)?;
+        out.push(MultimodalItem {
+            start,
+            length,
+            hash,
+        });
+    }
+    Ok(out)
+}
+
+/// A block id (u32); one outside u32 is outside every pool.
+pub fn block_id(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let value = index(obj, "block id")?;
+    u32::try_from(value).map_err(|_| {
+        InvalidBlockError::new_err(format!("invalid block id {value}: outside the pool"))
+    })
+}
+
+/// Block ids from any iterable of ints.
+pub struct BlockIds(pub Vec<u32>);
+
+impl FromPyObject<'_, '_> for BlockIds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let obj = obj.to_owned();
+        obj.try_iter()
+            .map_err(|_| {
+                invalid(format!(
+                    "block ids must be a sequence of ints, not {}",
+                    type_name(&obj)
+                ))
+            })?
+            .map(|item| block_id(&item?))
+            .collect::<PyResult<_>>()
+            .map(BlockIds)
+    }
+}
+
+/// A request: the `Request` that `begin` returned, or its integer id.
+pub struct RequestRef(pub u64);
+
+impl FromPyObject<'_, '_> for RequestRef {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        if let Ok(request) = obj.cast::<crate::results::Request>() {
+            return Ok(RequestRef(request.get().id));
+        }
+        let obj = obj.to_owned();
+        let value = index(&obj, "request").map_err(|_| {
+            invalid(format!(
+                "request must be a Request or its int id, not {}",
+                type_name(&obj)
+            ))
+        })?;
+        u64::try_from(value).map(RequestRef).map_err(|_| {
+            UnknownRequestError::new_err(format!(
+                "unknown request id {value} (never begun, or already finished)"
+            ))
+        })
+    }
+}

@@ -1,0 +1,270 @@
+"""Hostile arguments at the block manager's entry points (issue 8, items 8-11 and 13).
+
+Every bad argument is a `PrefixKVError` naming the problem and leaves the cache exactly as it
+was; integers follow `operator.index` (never bool, float, str or None), so a buggy engine
+cannot retire or commit some other request by accident.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixkv import CacheContext, PositionEncoding, PrefixCache
+from prefixkv.cache import key_extras
+from prefixkv.errors import InvalidInputError, PrefixKVError, UnknownRequestError
+
+BS = 4
+
+#: Values that are not integers, though Python would happily coerce most of them.
+not_an_int = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.none(),
+    st.just(np.float64(2.0)),
+    st.just([1]),
+)
+#: Integers no size argument accepts.
+out_of_range = st.one_of(st.integers(max_value=0), st.integers(min_value=2**32))
+
+
+def snapshot(cache: PrefixCache, request=None) -> tuple:
+    stats = cache.stats()
+    table = cache.block_table(request) if request is not None else None
+    return (stats.blocks_free, stats.blocks_cached, stats.blocks_in_use, stats.requests_live, table)
+
+
+@pytest.fixture
+def busy_cache():
+    cache = PrefixCache(16, block_size=BS)
+    first = cache.begin(list(range(10)))
+    second = cache.begin(list(range(100, 106)))
+    return cache, first, second
+
+
+@given(bad=not_an_int)
+def test_request_handles_are_never_coerced(bad) -> None:
+    cache = PrefixCache(16, block_size=BS)
+    # Ids 0, 1, 2: whatever int(bad) would give names a live request.
+    live = [cache.begin([i] * 6) for i in range(3)]
+    before = [snapshot(cache, r) for r in live]
+    for call in (
+        lambda: cache.finish(bad),
+        lambda: cache.commit(bad, 4),
+        lambda: cache.append(bad, [1]),
+        lambda: cache.block_table(bad),
+    ):
+        with pytest.raises(InvalidInputError, match="request must be a Request or its int id"):
+            call()
+    assert [snapshot(cache, r) for r in live] == before
+
+
+@given(bad=st.one_of(not_an_int, out_of_range))
+def test_size_arguments_are_typed_errors_naming_the_argument(bad) -> None:
+    for name, build in (
+        ("num_blocks", lambda: PrefixCache(bad)),
+        ("block_size", lambda: PrefixCache(8, block_size=bad)),
+        ("vocab_size", lambda: PrefixCache(8, vocab_size=bad)),
+    ):
+        if name == "block_size" and bad is None:
+            continue  # None means "take the context's"
+        if name == "vocab_size" and bad is None:
+            continue  # None means "no vocabulary check"
+        with pytest.raises(InvalidInputError, match=name):
+            build()
+
+
+@given(bad=st.one_of(st.booleans(), st.floats(), st.text(max_size=3)))
+def test_counts_and_priorities_refuse_non_integers(bad) -> None:
+    cache = PrefixCache(16, block_size=BS)
+    request = cache.begin(list(range(9)))
+    before = snapshot(cache, request)
+    for name, call in (
+        ("num_computed_tokens", lambda: cache.commit(request, bad)),
+        ("count", lambda: cache.allocate(bad)),
+        ("priority", lambda: cache.begin([7] * 5, priority=bad)),
+        ("block id", lambda: cache.release([bad])),
+        ("pin", lambda: cache.unpin(bad)),
+    ):
+        with pytest.raises(InvalidInputError, match=name):
+            call()
+    assert snapshot(cache, request) == before
+
+
+@given(
+    tokens=st.lists(st.integers(0, 50), min_size=1, max_size=20),
+    where=st.integers(0, 19),
+    flag=st.booleans(),
+)
+def test_a_bool_among_token_ids_is_refused(tokens, where, flag) -> None:
+    cache = PrefixCache(16, block_size=BS)
+    where %= len(tokens)
+    tokens[where] = flag
+    with pytest.raises(InvalidInputError, match=rf"position {where}.*bool"):
+        cache.begin(tokens)
+    with pytest.raises(InvalidInputError, match="bool"):
+        cache.lookup(tuple(tokens))
+    assert cache.stats().requests_live == 0
+
+
+def test_token_errors_say_what_is_wrong() -> None:
+    cache = PrefixCache(16, block_size=BS)
+    with pytest.raises(
+        InvalidInputError, match="18446744073709551616 at position 1 is out of range"
+    ):
+        cache.begin([1, 2**64])
+    with pytest.raises(InvalidInputError, match=r"integer dtype.*bfloat16"):
+        cache.begin(torch.tensor([1, 2, 3], dtype=torch.bfloat16))
+    with pytest.raises(InvalidInputError, match="integer dtype"):
+        cache.begin(torch.tensor([True, False]))
+    with pytest.raises(InvalidInputError, match="integer dtype"):
+        cache.begin(np.array([1.0, 2.0]))
+
+
+def test_sizes_that_overflow_are_invalid_input_errors() -> None:
+    for build in (
+        lambda: PrefixCache(2**63),
+        lambda: PrefixCache(8, vocab_size=2**64),
+        lambda: CacheContext(block_size=2**64),
+        lambda: PrefixCache(8, block_size=0),
+    ):
+        with pytest.raises(InvalidInputError):
+            build()
+    with pytest.raises(InvalidInputError, match="block_size must be a positive int, got 0"):
+        PrefixCache(8, block_size=0)
+    with pytest.raises(InvalidInputError, match="vocab_size must be in 1"):
+        PrefixCache(8, vocab_size=0)
+
+
+def test_unpin_after_clear_says_the_clear_dropped_it() -> None:
+    cache = PrefixCache(8, block_size=BS)
+    request = cache.begin(list(range(8)))
+    cache.commit(request, 8)
+    cache.finish(request)
+    pin = cache.pin(list(range(8)))
+    cache.clear()
+    with pytest.raises(UnknownRequestError, match="clear"):
+        cache.unpin(pin)
+    with pytest.raises(UnknownRequestError, match="never taken"):
+        cache.unpin(pin.id + 100)
+
+
+def test_set_context_refuses_what_is_not_a_context() -> None:
+    cache = PrefixCache(8, block_size=BS)
+    for bad in ("x", None, {"block_size": 4}):
+        with pytest.raises(InvalidInputError, match="CacheContext"):
+            cache.set_context(bad)
+    assert cache.context == CacheContext(block_size=BS)
+
+
+def test_extras_parsed_once_match_keyword_extras() -> None:
+    cache = PrefixCache(16, block_size=BS)
+    tokens = list(range(9))
+    request = cache.begin(tokens, salt="tenant-a", adapter="lora-1")
+    cache.commit(request, 9)
+    cache.finish(request)
+    extras = key_extras(salt="tenant-a", adapter="lora-1")
+    assert cache.lookup(tokens, extras=extras).num_cached_tokens == 8
+    assert cache.lookup(tokens, extras=key_extras(salt="tenant-b")).num_cached_tokens == 0
+    assert cache.block_keys(tokens, extras=extras) == cache.block_keys(
+        tokens, salt="tenant-a", adapter="lora-1"
+    )
+    with pytest.raises(InvalidInputError, match="not both"):
+        cache.lookup(tokens, salt="x", extras=extras)
+
+
+def test_results_are_named_and_frozen() -> None:
+    cache = PrefixCache(16, block_size=BS)
+    request = cache.begin(list(range(9)))
+    assert (request.num_prompt_tokens, request.num_cached_tokens) == (9, 0)
+    assert request.num_tokens_to_compute == 9
+    assert len(request.block_table) == 3
+    with pytest.raises(AttributeError):
+        request.id = 5  # type: ignore[misc]
+    match = cache.lookup(list(range(9)))
+    assert (match.num_cached_tokens, match.full_hit, match.block_ids) == (0, False, [])
+
+
+# -- admission: what a cache can give -------------------------------------------------------
+def test_blocks_obtainable_counts_what_eviction_can_reach() -> None:
+    # The engine's repro: one 24-token prompt served leaves a chain of 6 cached blocks, of
+    # which only the last is an evictable leaf; allocation can still evict the whole chain.
+    cache = PrefixCache(8, block_size=BS)
+    request = cache.begin(list(range(24)))
+    cache.commit(request, 24)
+    cache.finish(request)
+    stats = cache.stats()
+    assert stats.blocks_evictable == 1
+    assert stats.blocks_obtainable == 8 == cache.blocks_obtainable()
+    assert cache.blocks_obtainable(3) == 3
+    granted = cache.allocate(5)
+    assert len(granted) == 5
+
+
+@given(
+    prompts=st.lists(st.integers(1, 6), min_size=1, max_size=6),
+    hold=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_blocks_obtainable_is_exactly_what_allocate_grants(prompts, hold) -> None:
+    cache = PrefixCache(12, block_size=BS)
+    held = []
+    for index, num_blocks in enumerate(prompts):
+        tokens = [index] * (num_blocks * BS)
+        try:
+            request = cache.begin(tokens)
+        except PrefixKVError:
+            continue
+        cache.commit(request, len(tokens))
+        if hold[index]:
+            held.append(request)
+        else:
+            cache.finish(request)
+    obtainable = cache.stats().blocks_obtainable
+    assert cache.blocks_obtainable() == obtainable
+    if obtainable < cache.num_blocks:
+        with pytest.raises(PrefixKVError):
+            cache.allocate(obtainable + 1)
+    if obtainable:
+        assert len(cache.allocate(obtainable)) == obtainable
+
+
+# -- CacheContext: equality is the fingerprint's --------------------------------------------
+scalars = st.one_of(st.integers(-3, 3), st.floats(-3, 3, allow_nan=False), st.booleans(), st.none())
+
+
+@given(
+    a=st.dictionaries(st.sampled_from("xyz"), scalars),
+    b=st.dictionaries(st.sampled_from("xyz"), scalars),
+)
+def test_context_equality_and_hash_agree_with_the_fingerprint(a, b) -> None:
+    first, second = CacheContext(extra=a), CacheContext(extra=b)
+    same = first.fingerprint() == second.fingerprint()
+    assert (first == second) == same
+    if same:
+        assert hash(first) == hash(second)
+
+
+def test_context_extra_is_a_read_only_copy() -> None:
+    extra = {"sink_tokens": 4}
+    context = CacheContext(extra=extra)
+    fingerprint = context.fingerprint()
+    extra["sink_tokens"] = 8
+    with pytest.raises(TypeError):
+        context.extra["sink_tokens"] = 8  # type: ignore[index]
+    assert context.fingerprint() == fingerprint
+
+
+def test_context_fields_are_checked_at_construction() -> None:
+    for build in (
+        lambda: CacheContext(position_encoding={"kind": "rope"}),  # type: ignore[arg-type]
+        lambda: CacheContext(model_id="bad \ud800 text"),
+        lambda: CacheContext(extra={"a": float("nan")}),
+        lambda: CacheContext(position_encoding=PositionEncoding(rope_theta=float("inf"))),
+        lambda: CacheContext(block_size=True),
+    ):
+        with pytest.raises(InvalidInputError):
+            build()
