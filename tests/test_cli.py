@@ -124,3 +124,9 @@ def test_console_script_is_installed() -> None:
         [script, "--version"], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0 and "prefixkv" in result.stdout
+
+
+def test_demo_model_sizes_listed_by_the_parser_match_the_demo() -> None:
+    from prefixkv import cli, demo
+
+    assert set(cli.DEMO_MODEL_SIZES) == set(demo.MODEL_SIZES)

@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import prefixkv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,13 +154,6 @@ def test_unrelated_import_errors_are_not_disguised() -> None:
     assert result.stdout.strip() == "prefixkv.no_such_module"
 
 
-# Not strict, so that the cli.py change (issue 9's report) lands without touching this file;
-# once it has, this test XPASSes (listed by -ra) and the marker should go.
-@pytest.mark.xfail(
-    strict=False,
-    reason="cli.py builds its parser from prefixkv.demo (which imports torch) before any "
-    "command runs; needs the cli.py change described in issue 9's report",
-)
 def test_cli_without_torch_names_the_extra() -> None:
     result = _without_optional(
         "from prefixkv.cli import main\n"

@@ -17,13 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from prefixkv._core import __version__
-from prefixkv.cache import CacheStats, Pin, PrefixCache, PrefixMatch, Request, as_token_ids
+from prefixkv.cache import (
+    CacheStats,
+    KeyExtras,
+    Pin,
+    PrefixCache,
+    PrefixMatch,
+    Request,
+    as_token_ids,
+    key_extras,
+)
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import (
     BackendUnavailableError,
     BlockStateError,
     InvalidBlockError,
     InvalidInputError,
+    KVAllocationError,
     MissingDependencyError,
     OutOfBlocksError,
     PagedKVError,
@@ -87,6 +97,8 @@ __all__ = [
     "Engine",
     "InvalidBlockError",
     "InvalidInputError",
+    "KVAllocationError",
+    "KeyExtras",
     "LlamaModel",
     "MissingDependencyError",
     "ModelConfig",
@@ -105,5 +117,6 @@ __all__ = [
     "UnknownRequestError",
     "__version__",
     "as_token_ids",
+    "key_extras",
     "paged_prefill_attention",
 ]

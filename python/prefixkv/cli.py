@@ -46,9 +46,16 @@ def _check_count(text: str) -> int | None:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    from prefixkv.demo import MODEL_SIZES
+#: `prefixkv demo --model-size` choices, spelled out so that the parser (and `--help`,
+#: `--version`) works without torch; `prefixkv.demo.MODEL_SIZES` holds the configs and
+#: tests/test_cli.py checks that the two agree.
+DEMO_MODEL_SIZES = ("base", "small", "tiny")
 
+#: Optional packages `demo` and `selfcheck` import; the `demo` extra brings them all.
+_DEMO_PACKAGES = frozenset({"torch", "safetensors", "tqdm"})
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixkv",
         description="Exact, safe, fast prefix caching for LLM inference engines.",
@@ -71,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
     demo.add_argument(
-        "--model-size", choices=sorted(MODEL_SIZES), default="small", help="default: small"
+        "--model-size", choices=DEMO_MODEL_SIZES, default="small", help="default: small"
     )
     demo.add_argument("--block-size", type=_positive_int, default=16)
     demo.add_argument(
@@ -119,6 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         status = _demo(args) if args.command == "demo" else _selfcheck()
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if package in _DEMO_PACKAGES:
+            message = f"prefixkv {args.command} needs {package}: pip install 'prefixkv[demo]'"
+        else:
+            message = f"prefixkv {args.command}: {exc}"
+        print(message, file=sys.stderr)
+        status = 2
     except (PrefixKVError, ImportError, OSError) as exc:
         print(f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
