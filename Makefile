@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export HYPOTHESIS_PROFILE ?= default
 
-.PHONY: install test lint rust-test loom ci demo bench no-extras release
+.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release
 
 ## Build the Rust extension (release) and install the package with test and lint tools.
 install:
@@ -17,12 +17,11 @@ rust-test:
 	cargo test --workspace
 
 ## Long Rust stress tests (`#[ignore]`d in the default run), in release: their own CI step.
-# (its own .PHONY line, beside it, so it is one self-contained addition)
-.PHONY: rust-stress
 rust-stress:
 	cargo test -p prefixkv-core --release -- --ignored
 
-## loom model of the take-reference / release / evict race (own target dir: other cfg).
+## loom models of the real cache: lock-free lookups racing release / evict / refill and
+## set_context, refcount ownership checked (own target dir: another cfg).
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p prefixkv-core --test loom_pool --release
 
@@ -31,6 +30,7 @@ lint:
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(PYTHON) -m ruff check python tests benches scripts
 	$(PYTHON) -m ruff format --check python tests benches scripts
+	$(PYTHON) -m mypy python/prefixkv
 	$(PYTHON) -m mypy.stubtest prefixkv._core
 
 ## Everything CI runs, with the CI hypothesis profile (more examples).
