@@ -269,12 +269,12 @@ def analyze_main(argv: Sequence[str] | None = None) -> int:
     args = _analyze_parser().parse_args(argv)
     capacity_blocks = args.capacity_blocks
     if args.capacity_bytes is not None:
-        bpb = bytes_per_block(args.block_size, args.model_shape, args.dtype_bytes)
-        capacity_blocks = args.capacity_bytes // bpb
+        block_bytes = bytes_per_block(args.block_size, args.model_shape, args.dtype_bytes)
+        capacity_blocks = args.capacity_bytes // block_bytes
         if capacity_blocks < 1:
             print(
                 f"prefixkv analyze: --capacity-bytes {args.capacity_bytes} is less than one "
-                f"block ({bpb} bytes)",
+                f"block ({block_bytes} bytes)",
                 file=sys.stderr,
             )
             return 2

@@ -132,7 +132,7 @@ def analyze_trace(
         if isinstance(chat_template, ChatTemplate)
         else load_chat_template(chat_template)
     )
-    bpb = bytes_per_block(block_size, model_shape, dtype_bytes)
+    block_bytes = bytes_per_block(block_size, model_shape, dtype_bytes)
     # The tokenizer and template are part of what must match: the same ids from another
     # vocabulary are another prompt.
     context = CacheContext(
@@ -152,7 +152,7 @@ def analyze_trace(
         "block_size": block_size,
         "capacity_blocks": capacity_blocks,
         "capacity_given": capacity_blocks is not None,
-        "bytes_per_block": bpb,
+        "bytes_per_block": block_bytes,
         "prefill_tokens_per_second": prefill_tokens_per_second,
         "tokenizer": tok.name,
         "tokenizer_digest": tok.digest(),
@@ -204,7 +204,7 @@ def analyze_trace(
         prefill_seconds_saved_estimate=replay.hit_tokens / prefill_tokens_per_second,
         cost={
             "peak_blocks": replay.peak_blocks,
-            "peak_bytes": replay.peak_blocks * bpb,
+            "peak_bytes": replay.peak_blocks * block_bytes,
             "evictions": replay.evictions,
             "out_of_blocks_requests": len(replay.out_of_blocks),
         },
