@@ -315,7 +315,7 @@ def test_salt_adapter_and_multimodal_items_isolate():
 
 
 def test_block_keys_follow_the_documented_layout():
-    """Recompute keys from the README's byte layout with hashlib: another component can too."""
+    """Recompute keys from the byte layout in docs/design.md with hashlib: another component can too."""
     context = CacheContext(block_size=BS, model_id="m")
     cache = PrefixCache(4, context=context)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
