@@ -111,9 +111,10 @@ def _list_tokens(tokens: list[int] | tuple[int, ...]) -> list[int] | tuple[int, 
     # refused as the core refuses it. Only the positions holding 0 or 1 can be bools, so one
     # vectorised pass finds the few to look at (usually none, or the BOS token).
     values = np.frombuffer(packed, dtype=np.uint32)
-    for position in np.flatnonzero(values <= 1).tolist():
-        if isinstance(tokens[position], bool):
-            raise InvalidInputError(f"token at position {position} must be an int, not bool")
+    if len(values) and values.min() <= 1:  # ~2 µs for 4k tokens; the scan below is rarer
+        for position in np.flatnonzero(values <= 1).tolist():
+            if isinstance(tokens[position], bool):
+                raise InvalidInputError(f"token at position {position} must be an int, not bool")
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
