@@ -490,29 +490,10 @@ class Engine:
 
     def _can_obtain(self, count: int) -> bool:
         """Whether the pool can hand out `count` more blocks now: free ones plus every cached
-        block no request holds and no pin keeps (eviction reaches all of them, leaf by leaf).
-
-        `CacheStats.blocks_evictable` counts only the evictable *leaves* of the cached trees, a
-        lower bound: a chain of six cached blocks counts one. Until the cache reports the full
-        figure (read here as ``blocks_obtainable`` when it exists), a count the lower bound
-        cannot grant is settled by asking for it: `allocate` either succeeds (the blocks are
-        handed straight back; the cached blocks it evicted would have gone to this request's
-        decode anyway) or raises `OutOfBlocksError` having changed nothing.
-        """
-        if count <= 0:
-            return True
-        stats = self.cache.stats()
-        obtainable = getattr(stats, "blocks_obtainable", None)
-        if obtainable is not None:
-            return int(obtainable) >= count
-        if stats.blocks_free + stats.blocks_evictable >= count:
-            return True
-        try:
-            probe = self.cache.allocate(count)
-        except OutOfBlocksError:
-            return False
-        self.cache.release(probe)
-        return True
+        block eviction can reach (`PrefixCache.blocks_obtainable`, capped at `count` so it
+        stays cheap). Not `stats().blocks_evictable`: that counts only the leaves evictable at
+        once, so a chain of six cached blocks would count one."""
+        return count <= 0 or self.cache.blocks_obtainable(count) >= count
 
     def _admit(
         self,
