@@ -809,7 +809,7 @@ impl Machine {
     /// id begun so far, finished or not, or (one slot past them) an id never begun.
     fn request_id(&self, index: usize) -> u64 {
         let live = &self.model.requests;
-        if index % 4 != 0 && !live.is_empty() {
+        if !index.is_multiple_of(4) && !live.is_empty() {
             return *live.keys().nth(index / 4 % live.len()).unwrap();
         }
         self.requests
@@ -1037,7 +1037,7 @@ impl Machine {
             self.model.finish(id).unwrap();
         }
         let held: Vec<BlockId> = (0..self.model.external.len() as BlockId)
-            .flat_map(|b| std::iter::repeat(b).take(self.model.external[b as usize] as usize))
+            .flat_map(|b| std::iter::repeat_n(b, self.model.external[b as usize] as usize))
             .collect();
         self.real.release(&held).unwrap();
         self.model.release(&held).unwrap();
