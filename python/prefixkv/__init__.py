@@ -39,6 +39,7 @@ from prefixkv.errors import (
     PagedKVError,
     PrefixKVError,
     UnknownRequestError,
+    missing_dependency,
 )
 
 if TYPE_CHECKING:
@@ -60,11 +61,6 @@ _LAZY = {
 }
 
 
-# The optional packages the lazy modules import at load time, and the extra that brings each
-# (pyproject.toml's [project.optional-dependencies] is the other half of this table).
-_EXTRA_FOR_PACKAGE = {"torch": "torch", "safetensors": "torch", "tqdm": "demo"}
-
-
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
@@ -72,13 +68,10 @@ def __getattr__(name: str) -> Any:
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:
-        package = (exc.name or "").partition(".")[0]
-        extra = _EXTRA_FOR_PACKAGE.get(package)
-        if extra is None:  # not a missing optional dependency: a real error, shown as it is
+        missing = missing_dependency(exc, f"prefixkv.{name}")
+        if missing is None:  # not a missing optional dependency: a real error, shown as it is
             raise
-        raise MissingDependencyError(
-            f"prefixkv.{name} needs {package}: pip install 'prefixkv[{extra}]'"
-        ) from exc
+        raise missing from exc
     globals()[name] = value
     return value
 

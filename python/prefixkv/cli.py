@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from prefixkv._core import __version__
-from prefixkv.errors import PrefixKVError
+from prefixkv.errors import PrefixKVError, missing_dependency
 
 __all__ = ["analyze_main", "main"]
 
@@ -50,9 +50,6 @@ def _check_count(text: str) -> int | None:
 #: `--version`) works without torch; `prefixkv.demo.MODEL_SIZES` holds the configs and
 #: tests/test_cli.py checks that the two agree.
 DEMO_MODEL_SIZES = ("base", "small", "tiny")
-
-#: Optional packages `demo` and `selfcheck` import; the `demo` extra brings them all.
-_DEMO_PACKAGES = frozenset({"torch", "safetensors", "tqdm"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,12 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = _demo(args) if args.command == "demo" else _selfcheck()
     except ModuleNotFoundError as exc:
-        package = (exc.name or "").partition(".")[0]
-        if package in _DEMO_PACKAGES:
-            message = f"prefixkv {args.command} needs {package}: pip install 'prefixkv[demo]'"
-        else:
-            message = f"prefixkv {args.command}: {exc}"
-        print(message, file=sys.stderr)
+        # `demo` and `selfcheck` import torch and tqdm: the `demo` extra brings them all.
+        missing = missing_dependency(exc, f"prefixkv {args.command}", extra="demo")
+        print(missing or f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     except (PrefixKVError, ImportError, OSError) as exc:
         print(f"prefixkv {args.command}: {exc}", file=sys.stderr)

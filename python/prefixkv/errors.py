@@ -15,6 +15,7 @@ exact classes; pure-Python modules raise the same ones.
 from __future__ import annotations
 
 __all__ = [
+    "EXTRA_FOR_PACKAGE",
     "BackendUnavailableError",
     "BlockStateError",
     "ChatTemplateError",
@@ -30,6 +31,7 @@ __all__ = [
     "PagedKVError",
     "PrefixKVError",
     "UnknownRequestError",
+    "missing_dependency",
 ]
 
 
@@ -94,6 +96,25 @@ class BackendUnavailableError(PrefixKVError, RuntimeError):
 class MissingDependencyError(PrefixKVError, ImportError):
     """A feature needs an optional dependency that is not installed; the message names the
     extra to install (for example `pip install 'prefixkv[hf]'`)."""
+
+
+#: The optional packages prefixkv's torch-based modules import at load time, and the extra that
+#: brings each (pyproject.toml's [project.optional-dependencies] is the other half of this).
+EXTRA_FOR_PACKAGE = {"torch": "torch", "safetensors": "torch", "tqdm": "demo"}
+
+
+def missing_dependency(
+    exc: ModuleNotFoundError, feature: str, extra: str | None = None
+) -> MissingDependencyError | None:
+    """The `MissingDependencyError` for `feature` when `exc` is a missing optional package, else
+    None (then `exc` is a real error, to be shown as it is). `extra` overrides the table when the
+    feature needs a larger extra than the package alone (`prefixkv demo` needs `demo`)."""
+    package = (exc.name or "").partition(".")[0]
+    if package not in EXTRA_FOR_PACKAGE:
+        return None
+    return MissingDependencyError(
+        f"{feature} needs {package}: pip install 'prefixkv[{extra or EXTRA_FOR_PACKAGE[package]}]'"
+    )
 
 
 # -- chat templates (text.py, jinja_sandbox.py) -------------------------------------------------

@@ -88,11 +88,7 @@ impl CoreCache {
                     .and_then(|t| self.0.lookup(&t, &keys.salt, &keys.extras))
             })
             .map_err(to_py_err)?;
-        Ok(PrefixMatch {
-            num_cached_tokens: m.num_cached_tokens,
-            full_hit: m.full_hit,
-            block_ids: m.blocks,
-        })
+        Ok(m.into())
     }
 
     #[pyo3(signature = (tokens, keys, priority=None))]
@@ -173,11 +169,7 @@ impl CoreCache {
                 })
             })
             .map_err(to_py_err)?;
-        Ok(PrefixMatch {
-            num_cached_tokens: m.num_cached_tokens,
-            full_hit: m.full_hit,
-            block_ids: m.blocks,
-        })
+        Ok(m.into())
     }
 
     fn allocate(&self, py: Python<'_>, count: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {

@@ -41,6 +41,16 @@ impl PrefixMatch {
     }
 }
 
+impl From<prefixkv_core::PrefixMatch> for PrefixMatch {
+    fn from(m: prefixkv_core::PrefixMatch) -> Self {
+        Self {
+            num_cached_tokens: m.num_cached_tokens,
+            full_hit: m.full_hit,
+            block_ids: m.blocks,
+        }
+    }
+}
+
 /// A live request, as `PrefixCache.begin` returned it.
 #[pyclass(frozen, eq, hash, module = "prefixkv._core")]
 #[derive(PartialEq, Eq, Hash)]
