@@ -64,21 +64,28 @@ def test_batch_with_shared_prefix_matches_full_recompute(model: LlamaModel) -> N
     assert engine.cache.stats().requests_live == 0
 
 
-def test_full_hit_computes_one_token_and_writes_nothing(model: LlamaModel) -> None:
-    engine = _engine(model)
+@pytest.mark.parametrize("mode", ["recompute_last_block", "reuse_last_block"])
+def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: str) -> None:
+    engine = _engine(model, full_hit=mode)
     prompt = _prompt(4 * BLOCK, seed=2)
     (first,) = engine.generate([prompt], max_new_tokens=3)
     before = engine.kv_cache.storage.clone()
+    prompt_blocks = engine.cache.lookup(prompt + [0]).block_ids
+    assert len(prompt_blocks) == 4
     (hit,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
     assert hit.full_hit
-    assert (hit.cached_tokens, hit.computed_tokens) == (len(prompt) - 1, 1)
+    if mode == "reuse_last_block":
+        # Every block shared; the last token computed without writing its KV.
+        assert (hit.cached_tokens, hit.computed_tokens) == (len(prompt) - 1, 1)
+    else:
+        # vLLM's way: the last block recomputed into a private copy.
+        assert (hit.cached_tokens, hit.computed_tokens) == (len(prompt) - BLOCK, BLOCK)
     _assert_exact(model, hit, 3)
     assert hit.output_token_ids == first.output_token_ids
     # The prompt's blocks are shared and read-only: not one element of them changed.
-    prompt_blocks = engine.cache.lookup(prompt).block_ids
-    assert len(prompt_blocks) == 4
     after = engine.kv_cache.storage
     assert torch.equal(before[:, :, prompt_blocks], after[:, :, prompt_blocks])
+    assert engine.cache.lookup(prompt + [0]).block_ids == prompt_blocks
 
 
 def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:
@@ -397,8 +404,9 @@ def test_pinned_blocks_are_not_counted_as_obtainable() -> None:
     engine = Engine(num_blocks=8, block_size=4)
     engine.generate([list(range(24))], max_new_tokens=1)
     engine.cache.pin(list(range(24)))
-    with pytest.raises(OutOfBlocksError, match=r"needs 4 blocks .* 6 pinned"):
+    with pytest.raises(OutOfBlocksError, match=r"cannot schedule request 0: .* 6 pinned"):
         engine.generate([list(range(100, 108))], max_new_tokens=8)
     stats = engine.cache.stats()
-    assert (stats.requests_live, stats.blocks_cached) == (0, 6)
+    # It ran until decode needed a third block: its two prompt blocks stay cached.
+    assert (stats.requests_live, stats.blocks_cached, stats.blocks_in_use) == (0, 8, 0)
     engine.cache.check_invariants()

@@ -24,6 +24,7 @@ from prefixkv.cache import (
     PrefixCache,
     PrefixMatch,
     Request,
+    Slots,
     as_token_ids,
     key_extras,
 )
@@ -31,6 +32,7 @@ from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import (
     BackendUnavailableError,
     BlockStateError,
+    DuplicateRequestError,
     InvalidBlockError,
     InvalidInputError,
     KVAllocationError,
@@ -87,6 +89,7 @@ __all__ = [
     "CacheContext",
     "CacheStats",
     "DecodeRequest",
+    "DuplicateRequestError",
     "Engine",
     "InvalidBlockError",
     "InvalidInputError",
@@ -107,6 +110,7 @@ __all__ = [
     "Request",
     "RequestResult",
     "RopeScaling",
+    "Slots",
     "UnknownRequestError",
     "__version__",
     "as_token_ids",

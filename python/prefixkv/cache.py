@@ -6,7 +6,7 @@ answers into small typed objects. All state lives in the core, behind its own lo
 `PrefixCache` may be shared by threads: lookups never block, even while another thread begins,
 commits and finishes requests.
 
-A request's life::
+A request's life, the simple way (the whole prompt at once)::
 
     request = cache.begin(prompt_ids)           # cached prefix referenced, rest allocated
     # compute positions request.num_cached_tokens .. len(prompt)-1 into request.block_table
@@ -14,6 +14,20 @@ A request's life::
     new_blocks = cache.append(request, [next_token])   # decode: room for generated tokens
     cache.commit(request, num_tokens_with_kv)
     cache.finish(request)                       # blocks stay cached, evictable (LRU)
+
+and the way a scheduler drives it, step by step under its own request ids (chunked prefill,
+speculative decoding, preemption; the README has a whole loop)::
+
+    cache.add_request("req-7", prompt_ids)                  # nothing taken yet
+    slots = cache.allocate_slots("req-7", 512)              # prefix hit + room for a chunk
+    # compute positions slots.num_computed_tokens .. +512 into the blocks (slots.block_ids)
+    cache.commit("req-7", slots.num_computed_tokens + 512)
+    cache.append_tokens("req-7", [sampled])                 # decode
+    cache.allocate_slots("req-7", 1, num_lookahead_tokens=4)  # + room for 4 drafts
+    cache.append_tokens("req-7", drafts, draft=True)        # never published while drafts
+    cache.accept_drafts("req-7", num_accepted)              # the rest dropped, blocks freed
+    cache.preempt("req-7")                                   # refs dropped, blocks stay cached
+    cache.finish("req-7")
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from prefixkv import _core
-from prefixkv._core import CacheStats, KeyExtras, Pin, PrefixMatch, Request
+from prefixkv._core import CacheStats, KeyExtras, Pin, PrefixMatch, Request, Slots
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
 
@@ -38,11 +52,18 @@ __all__ = [
     "PrefixCache",
     "PrefixMatch",
     "Request",
+    "RequestRef",
+    "Slots",
     "as_token_ids",
 ]
 
 #: What callers may pass as token ids.
 TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is optional here)
+#: A request for every request-keyed call: the `Request` that `begin` returned, or the
+#: engine's own id for it (an int or a str).
+RequestRef = Request | int | str
+#: How a prompt whose every block is cached is served (see `PrefixCache`).
+FULL_HIT_MODES = ("recompute_last_block", "reuse_last_block")
 #: A multimodal item: (first placeholder position, number of placeholders, content hash).
 MultimodalItem = tuple[int, int, "bytes | str"]
 
@@ -142,10 +163,18 @@ class PrefixCache:
             `set_context` (or calling `clear`) makes every cached block unreachable.
         block_size: tokens per block; defaults to `context.block_size` and must equal it.
         vocab_size: when given, token ids at or above it are refused.
+        full_hit: how a prompt whose every block is cached is served. Some token must still be
+            computed for its logits. ``"recompute_last_block"`` (the default): every block but
+            the last is shared and the last block is recomputed into a private block
+            (``num_cached_tokens`` is ``n - block_size``), as vLLM's runner does; a runner
+            that writes the KV of every token it computes is always right. ``"reuse_last_block"``:
+            every block is shared and only the last token is computed, reading its KV from the
+            shared block; the runner must then *not* write KV for it (``last_token_shared``).
 
-    Every request-keyed call takes the `Request` that `begin` returned or its int id; an int
-    follows `operator.index` (a float, str, bool or None is an `InvalidInputError`, never
-    rounded to some other request). `salt`, `adapter` and `multimodal` may be given as keywords
+    Every request-keyed call takes the `Request` that `begin` returned, or the request's id:
+    the engine's own (an int or a str, given to `add_request` or `begin`), or the int `begin`
+    picked. An int follows `operator.index` (a float, bool or None is an `InvalidInputError`,
+    never rounded to some other request). A live id given twice is a `DuplicateRequestError`. `salt`, `adapter` and `multimodal` may be given as keywords
     or, parsed once for several calls, as one `extras=key_extras(...)`.
     """
 
@@ -156,8 +185,11 @@ class PrefixCache:
         context: CacheContext | None = None,
         block_size: int | None = None,
         vocab_size: int | None = None,
+        full_hit: str = "recompute_last_block",
         _key_bits: int = 128,
     ) -> None:
+        if full_hit not in FULL_HIT_MODES:
+            raise InvalidInputError(f"full_hit must be one of {FULL_HIT_MODES}, got {full_hit!r}")
         if block_size is not None and (
             isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
         ):
@@ -175,8 +207,14 @@ class PrefixCache:
         # Guards the pair (core context, self._context) so that `context` never names a
         # context other than the one the core keys blocks under.
         self._context_lock = threading.Lock()
+        self.full_hit = full_hit
         self._core = _core.CoreCache(
-            num_blocks, context.block_size, context.fingerprint(), vocab_size, _key_bits
+            num_blocks,
+            context.block_size,
+            context.fingerprint(),
+            vocab_size,
+            _key_bits,
+            full_hit == "reuse_last_block",
         )
 
     # -- properties ----------------------------------------------------------------------
@@ -230,34 +268,139 @@ class PrefixCache:
         multimodal: Sequence[MultimodalItem] | None = None,
         priority: int = 0,
         extras: KeyExtras | None = None,
+        request_id: int | str | None = None,
     ) -> Request:
-        """Match the cached prefix, reference it and allocate blocks for the rest.
+        """Match the cached prefix, reference it and allocate blocks for the whole prompt.
 
         `salt` isolates tenants; `adapter` and `multimodal` become per-block extra keys;
-        `priority` is the retention priority of the request's blocks (lower goes first).
+        `priority` is the retention priority of the request's blocks (lower goes first);
+        `request_id` is the engine's id for it (default: an unused int, `Request.id`).
         Raises `OutOfBlocksError` (nothing changed) when the pool cannot hold the prompt.
         """
         keys = _extras(salt, adapter, multimodal, extras)
-        return self._core.begin(as_token_ids(tokens), keys, priority)
+        return self._core.begin(as_token_ids(tokens), keys, priority, request_id)
 
-    def append(self, request: Request | int, tokens: TokenIds) -> list[int]:
-        """Add generated tokens; returns the blocks newly allocated for them."""
+    def add_request(
+        self,
+        request_id: int | str,
+        tokens: TokenIds,
+        *,
+        salt: str | bytes | None = None,
+        adapter: str | bytes | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
+        priority: int = 0,
+        extras: KeyExtras | None = None,
+    ) -> None:
+        """Register a request under the engine's id, taking no blocks (it *waits*).
+
+        Its first `allocate_slots` matches and references its cached prefix. Raises
+        `DuplicateRequestError` if the id is live.
+        """
+        keys = _extras(salt, adapter, multimodal, extras)
+        self._core.add_request(request_id, as_token_ids(tokens), keys, priority)
+
+    def allocate_slots(
+        self,
+        request: RequestRef,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        watermark_blocks: int = 0,
+    ) -> Slots:
+        """Make room to compute the next `num_new_tokens` known tokens of a request, plus
+        `num_lookahead_tokens` slots past them (for draft tokens not proposed yet).
+
+        On a waiting request (just added, or preempted) it first matches and references the
+        cached prefix: `Slots.num_computed_tokens` says where computing starts and
+        `Slots.block_ids` lists the blocks added to the request's table (the cached ones
+        first). `watermark_blocks` more blocks must stay obtainable afterwards (admit new
+        requests with one, so running ones keep room to decode). Raises `OutOfBlocksError`
+        with nothing changed when the pool cannot supply them: wait, or preempt someone.
+        """
+        return self._core.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens, watermark_blocks
+        )
+
+    def can_allocate_slots(
+        self,
+        request: RequestRef,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        watermark_blocks: int = 0,
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed now; changes nothing."""
+        return self._core.can_allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens, watermark_blocks
+        )
+
+    def blocks_needed(
+        self, request: RequestRef, num_new_tokens: int, *, num_lookahead_tokens: int = 0
+    ) -> int:
+        """Blocks `allocate_slots` would take from the pool now (not counting cached prefix
+        blocks it would reference); changes nothing."""
+        return self._core.blocks_needed(request, num_new_tokens, num_lookahead_tokens)
+
+    def append_tokens(self, request: RequestRef, tokens: TokenIds, *, draft: bool = False) -> None:
+        """Add sampled tokens (or, with `draft`, speculative draft tokens) without allocating.
+
+        Draft tokens are never published: blocks holding one stay private until
+        `accept_drafts` verifies them. Verified tokens cannot follow pending drafts.
+        """
+        self._core.append_tokens(request, as_token_ids(tokens), bool(draft))
+
+    def append(self, request: RequestRef, tokens: TokenIds) -> list[int]:
+        """Add generated tokens and allocate slots for them; returns the new blocks."""
         return self._core.append(request, as_token_ids(tokens))
 
-    def commit(self, request: Request | int, num_computed_tokens: int) -> int:
-        """KV of the first `num_computed_tokens` tokens is written: publish the full blocks.
+    def commit(self, request: RequestRef, num_computed_tokens: int) -> int:
+        """KV of the first `num_computed_tokens` tokens is written: publish the full blocks
+        of verified tokens among them (never a block holding a draft).
 
         Returns how many leading blocks of the request are now cached.
         """
         return self._core.commit(request, num_computed_tokens)
 
-    def finish(self, request: Request | int) -> None:
-        """Drop the request's references; its cached blocks stay (evictable)."""
+    def accept_drafts(self, request: RequestRef, num_accepted: int) -> int:
+        """Keep the first `num_accepted` draft tokens as verified, drop the rest (their KV
+        and every block left without tokens goes back). Publishes what became full and
+        verified; returns how many leading blocks are now cached."""
+        return self._core.accept_drafts(request, num_accepted)
+
+    def truncate(self, request: RequestRef, num_tokens: int) -> list[int]:
+        """Drop the request's tokens from position `num_tokens` on, with their KV; returns the
+        blocks freed (those left without tokens). Cutting into a published block is refused:
+        published KV is never rewritten."""
+        return self._core.truncate(request, num_tokens)
+
+    def preempt(self, request: RequestRef) -> None:
+        """Drop every reference the request holds and its KV (and pending drafts); it waits.
+
+        Its committed blocks stay cached (evictable), so its next `allocate_slots` matches
+        them again, usually as a hit, from the block keys it kept (nothing is rehashed).
+        """
+        self._core.preempt(request)
+
+    def finish(self, request: RequestRef) -> None:
+        """Drop the request's references and forget it; its cached blocks stay (evictable)."""
         self._core.finish(request)
 
-    def block_table(self, request: Request | int) -> list[int]:
-        """The request's current block table (prompt and generated tokens)."""
+    def block_table(self, request: RequestRef) -> list[int]:
+        """The request's current block table (empty while it waits)."""
         return self._core.block_table(request)
+
+    def num_tokens(self, request: RequestRef) -> int:
+        """The request's tokens, drafts included."""
+        return self._core.num_tokens(request)
+
+    def num_computed_tokens(self, request: RequestRef) -> int:
+        """The request's tokens whose KV is written (`commit`)."""
+        return self._core.num_computed_tokens(request)
+
+    def request_block_keys(self, request: RequestRef) -> list[bytes]:
+        """The 32-byte key of every full block of the request's verified tokens (what
+        `block_keys` gives for them), each computed once for the life of the request."""
+        return self._core.request_block_keys(request)
 
     # -- low-level calls -----------------------------------------------------------------
     def match_and_acquire(

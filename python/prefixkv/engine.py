@@ -17,27 +17,24 @@ It ties the pieces together the way an inference engine does, and is what `prefi
   still exact: such an engine serves with prefix reuse off (`Engine.prefix_reuse` is False,
   the reason is logged once), every request computed from its first token.
 
-Scheduling, one `LlamaModel.prefill` call per step (prefill and decode mixed, varlen):
-
-* Admit waiting requests in order while the pool can hold them *and* every admitted request's
-  remaining generation (so decode never runs out of blocks mid-flight). A request that would
-  compute a block another request admitted in the same step is also computing waits one step:
-  the other's commit then turns that block into a hit, so requests running together compute a
-  shared prefix once.
-* A new request computes positions ``num_cached_tokens .. n-1``; a full hit computes only the
-  last position and writes nothing (its KV is in a shared, read-only block). A decoding request
-  computes its newest token. Full blocks are committed after every step, generated ones too, so
-  a conversation's next turn reuses the previous answer.
-* Greedy decoding; a request ends after `max_new_tokens` or a stop token, then `finish` hands its
-  blocks back (they stay cached, evictable).
+Scheduling is continuous batching over the cache's step-by-step API (`prefixkv.scheduler` has
+the policy): one `LlamaModel.prefill` call per step over a token budget, decode tokens and
+prompt chunks mixed (varlen). Each request is added to the cache under the engine's own id;
+`allocate_slots` matches its cached prefix and makes room for each chunk as it is scheduled,
+`commit` publishes blocks as they fill (generated ones too, so a conversation's next turn
+reuses the previous answer), a request that cannot get blocks waits, and a running one is
+preempted (its cached blocks stay, so it resumes mostly from cache) when a running request
+older than it needs room. With `num_speculative_tokens`, decode proposes prompt-lookup drafts,
+verifies them in one step and keeps the accepted ones (`accept_drafts`); a rejected draft is
+never published. Greedy decoding; a request ends after `max_new_tokens` or a stop token, then
+`finish` hands its blocks back (they stay cached, evictable).
 
 Time to first token is measured from the `generate` call to the step that produced the token,
 so it includes queueing behind other requests of the same call.
 
 Requests become token ids in `prefixkv.engine_inputs` (with the chat-template and stop-token
-policy); a checkpoint's settings come from `prefixkv.checkpoint`. This module is a little over
-600 lines because admission, the step and the weight-change checks share the engine's state
-and read best in one place.
+policy); a checkpoint's settings come from `prefixkv.checkpoint`. The scheduling loop of one
+`generate` call is `_Run`.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ from typing import Any
 
 import torch
 
-from prefixkv.cache import PrefixCache, Request
+from prefixkv.cache import FULL_HIT_MODES, PrefixCache, Slots
 from prefixkv.checkpoint import checkpoint_eos_token_ids
 from prefixkv.context import CacheContext
 from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
@@ -59,6 +56,13 @@ from prefixkv.errors import InvalidInputError, OutOfBlocksError
 from prefixkv.kv import PagedKVCache
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.model_config import model_context
+from prefixkv.scheduler import (
+    SCHEDULING_POLICIES,
+    SchedulerStats,
+    WaitingCandidate,
+    ngram_drafts,
+    order_waiting,
+)
 from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
 
 __all__ = [
@@ -95,6 +99,11 @@ class RequestResult:
     max_logit_diff: float | None = None
     #: With ``check_exactness=True``: the greedy tokens of the full recompute's logits equal ours.
     tokens_match: bool | None = None
+    #: Times the scheduler preempted it for memory (it resumed from its cached blocks).
+    preemptions: int = 0
+    #: Draft tokens proposed for it, and how many the model accepted (speculative decoding).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -107,19 +116,75 @@ class RequestResult:
 
 @dataclass
 class _Sequence:
-    """A request being served."""
+    """A request being served, as the engine sees it (the cache keeps its own view)."""
 
     index: int
+    request_id: str
     prompt: list[int]
-    request: Request
-    block_table: list[int]
+    #: Prompt, generated and pending draft tokens (what the cache holds for the request).
     tokens: list[int]
-    cached_tokens: int
-    full_hit: bool
+    num_computed: int = 0
+    drafts: list[int] = field(default_factory=list)
     prefilled: bool = False
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     first_token_time: float = 0.0
+    #: The first admission's hit (a resume after preemption does not change it).
+    cached_tokens: int = 0
+    full_hit: bool = False
+    admissions: int = 0
+    #: Position whose KV is already in a shared block (a reuse-last-block full hit): computed
+    #: without writing KV.
+    shared_position: int | None = None
+    #: Steps in which a later arrival was admitted before it.
+    passes: int = 0
+    preemptions: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    scheduled_tokens: int = 0
+
+    def admitted(self, slots: Slots) -> None:
+        if self.admissions == 0:
+            self.cached_tokens = slots.num_cached_tokens
+            self.full_hit = slots.full_hit
+        self.admissions += 1
+        self.num_computed = slots.num_computed_tokens
+        self.shared_position = slots.num_computed_tokens if slots.last_token_shared else None
+        self.passes = 0
+
+    def preempted(self) -> None:
+        """The cache dropped its KV and its drafts."""
+        del self.tokens[len(self.tokens) - len(self.drafts) :]
+        self.drafts = []
+        self.num_computed = 0
+        self.preemptions += 1
+
+    def reset(self) -> None:
+        """Back to the prompt alone (the weights changed under it)."""
+        self.tokens = list(self.prompt)
+        self.num_computed = 0
+        self.drafts = []
+        self.prefilled = False
+        self.generated = []
+        self.logits = []
+        self.admissions = 0
+
+
+@dataclass
+class _Scheduled:
+    """One request's share of a step: compute positions ``start .. start + num_new - 1``."""
+
+    sequence: _Sequence
+    start: int
+    num_new: int
+
+
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def weights_digest(model: LlamaModel) -> str:
@@ -145,6 +210,16 @@ class Engine:
         device / dtype: where and in what precision to run (the model is moved or converted).
         model_id: a human-readable name that goes into the cache context.
         max_batch_size: most requests in flight at once.
+        max_num_batched_tokens: the token budget of one step (prefill chunks and decode
+            tokens together); a longer prompt is prefilled in chunks over several steps.
+        scheduling: ``"cache_aware"`` (default) or ``"fcfs"``; see `prefixkv.scheduler`.
+        max_passes: how many steps a waiting request may be passed over by later arrivals
+            before it goes first (cache-aware ordering's fairness bound).
+        num_speculative_tokens: draft tokens per decode step (prompt-lookup n-gram drafts,
+            verified by the model: greedy outputs are unchanged); 0 turns drafting off.
+        watermark_blocks: blocks kept obtainable for running requests when admitting a new
+            one (default 1% of the pool).
+        full_hit: how a fully cached prompt is served (`PrefixCache`'s ``full_hit``).
     """
 
     def __init__(
@@ -161,6 +236,12 @@ class Engine:
         dtype: torch.dtype | None = None,
         model_id: str = "",
         max_batch_size: int = 64,
+        max_num_batched_tokens: int = 2048,
+        scheduling: str = "cache_aware",
+        max_passes: int = 16,
+        num_speculative_tokens: int = 0,
+        watermark_blocks: int | None = None,
+        full_hit: str = "recompute_last_block",
         _no_chat_template: str | None = None,
     ) -> None:
         if model is None:
@@ -193,6 +274,24 @@ class Engine:
         if max_batch_size < 1:
             raise InvalidInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = _positive_int(
+            max_num_batched_tokens, "max_num_batched_tokens"
+        )
+        self.max_passes = _positive_int(max_passes, "max_passes")
+        self.num_speculative_tokens = _positive_int(
+            num_speculative_tokens, "num_speculative_tokens", minimum=0
+        )
+        if scheduling not in SCHEDULING_POLICIES:
+            raise InvalidInputError(
+                f"scheduling must be one of {SCHEDULING_POLICIES}, got {scheduling!r}"
+            )
+        if full_hit not in FULL_HIT_MODES:
+            raise InvalidInputError(f"full_hit must be one of {FULL_HIT_MODES}, got {full_hit!r}")
+        self.scheduling = scheduling
+        #: Waiting requests looked at per step for cache-aware ordering (each costs a lookup).
+        self.max_waiting_considered = 64
+        self.last_stats = SchedulerStats()
+        self._request_counter = 0
         geometry = (config.num_layers, block_size, config.num_kv_heads, config.head_dim)
         if kv_memory_bytes is not None:
             self.kv_cache = PagedKVCache.from_memory_budget(
@@ -218,7 +317,15 @@ class Engine:
             self.kv_cache.num_blocks,
             context=self._cache_context(),
             vocab_size=config.vocab_size,
+            full_hit=full_hit,
         )
+        if watermark_blocks is None:
+            watermark_blocks = max(1, self.kv_cache.num_blocks // 100)
+        self.watermark_blocks = _positive_int(watermark_blocks, "watermark_blocks", minimum=0)
+
+    def _new_request_id(self) -> str:
+        self._request_counter += 1
+        return f"req-{self._request_counter}"
 
     # ---------------------------------------------------------------- weights
 
@@ -407,14 +514,16 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         on_finish: Callable[[int, RequestResult], None] | None = None,
     ) -> list[RequestResult]:
-        """Serve a batch of requests; results in request order.
+        """Serve a batch of requests by continuous batching; results in request order.
 
         A request ends after `max_new_tokens` or at a stop token: `stop_token_ids` when given
         (``()`` for none), else the engine's `stop_token_ids` (a checkpoint's EOS tokens for
         `from_pretrained`).
 
         `on_finish(index, result)` is called as each request completes (for progress bars).
-        Raises `OutOfBlocksError` when one request alone cannot fit the pool.
+        Raises `OutOfBlocksError` only for a request that could never fit the pool, however
+        long it waited; every other request waits, or is preempted and resumed, until it fits.
+        `last_stats` then says what the scheduler did.
         """
         if isinstance(requests, (str, Mapping)) or not isinstance(requests, Sequence):
             raise InvalidInputError("requests must be a list of requests")
@@ -425,7 +534,9 @@ class Engine:
         start = time.perf_counter()
         prompts = [self.encode(request) for request in requests]
         for index, prompt in enumerate(prompts):
-            needed = self._blocks_for(len(prompt) + max_new_tokens - 1)
+            needed = self._blocks_for(
+                len(prompt) + max_new_tokens - 1 + self.num_speculative_tokens
+            )
             if needed > self.kv_cache.num_blocks:
                 raise OutOfBlocksError(
                     f"request {index}: {len(prompt)} prompt tokens plus {max_new_tokens} new "
@@ -433,156 +544,29 @@ class Engine:
                     f"{self.kv_cache.num_blocks} (raise num_blocks or kv_memory_bytes)"
                 )
         if stop_token_ids is None:
-            stops = set(self.stop_token_ids)
+            stops = frozenset(self.stop_token_ids)
         else:
-            stops = set(stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids"))
-        waiting = list(range(len(prompts)))
-        running: list[_Sequence] = []
-        results: list[RequestResult | None] = [None] * len(prompts)
-        # Every cache request begun and not yet finished, by id: whatever goes wrong (a model
-        # error, an on_finish callback raising, Ctrl-C), exactly these are finished on the way out.
-        live: dict[int, Request] = {}
+            stops = frozenset(
+                stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
+            )
+        run = _Run(
+            engine=self,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            stops=stops,
+            start=start,
+            check_exactness=check_exactness,
+            on_finish=on_finish,
+        )
+        self.last_stats = run.stats
         try:
-            while waiting or running:
-                if self._sync_with_model() and running:
-                    # The weights changed under requests in flight (a callback edited them):
-                    # their KV is stale, so they start again from their prompts.
-                    for sequence in running:
-                        del live[sequence.request.id]
-                        self.cache.finish(sequence.request)
-                    waiting = sorted(waiting + [sequence.index for sequence in running])
-                    running = []
-                adapter = self._adapter_key
-                admitted = self._admit(waiting, prompts, running, max_new_tokens, adapter, live)
-                if not admitted and not running:
-                    stats = self.cache.stats()  # only pinned or leaked blocks get here
-                    raise OutOfBlocksError(
-                        f"cannot admit request {waiting[0]}: it needs "
-                        f"{self._blocks_for(len(prompts[waiting[0]]) + max_new_tokens - 1)} "
-                        f"blocks and the pool cannot supply them ({stats.blocks_free} free, "
-                        f"{stats.blocks_pinned} pinned, {stats.blocks_in_use} in use)"
-                    )
-                running.extend(admitted)
-                self._step(running, start, check_exactness)
-                still_running = []
-                for sequence in running:
-                    last = sequence.generated[-1]
-                    if len(sequence.generated) < max_new_tokens and last not in stops:
-                        sequence.block_table.extend(self.cache.append(sequence.request, [last]))
-                        sequence.tokens.append(last)
-                        still_running.append(sequence)
-                        continue
-                    del live[sequence.request.id]
-                    self.cache.finish(sequence.request)
-                    result = self._result(sequence, check_exactness)
-                    results[sequence.index] = result
-                    if on_finish is not None:
-                        on_finish(sequence.index, result)
-                running = still_running
+            return run.serve()
         except BaseException:
-            for request in live.values():
-                self.cache.finish(request)
+            run.abandon()
             raise
-        return [result for result in results if result is not None]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.kv_cache.block_size)
-
-    def _can_obtain(self, count: int) -> bool:
-        """Whether the pool can hand out `count` more blocks now: free ones plus every cached
-        block eviction can reach (`PrefixCache.blocks_obtainable`, capped at `count` so it
-        stays cheap). Not `stats().blocks_evictable`: that counts only the leaves evictable at
-        once, so a chain of six cached blocks would count one."""
-        return count <= 0 or self.cache.blocks_obtainable(count) >= count
-
-    def _admit(
-        self,
-        waiting: list[int],
-        prompts: list[list[int]],
-        running: list[_Sequence],
-        max_new_tokens: int,
-        adapter: str | None,
-        live: dict[int, Request],
-    ) -> list[_Sequence]:
-        """Begin as many waiting requests as fit; removes them from `waiting`, records each
-        begun request in `live` at once."""
-        # Blocks the running requests will still allocate while they decode.
-        reserved = sum(
-            self._blocks_for(len(s.prompt) + max_new_tokens - 1) - len(s.block_table)
-            for s in running
-        )
-        in_flight: set[bytes] = set()  # keys of blocks that requests admitted now will compute
-        reuse = self.prefix_reuse
-        admitted: list[_Sequence] = []
-        for index in list(waiting):
-            if len(running) + len(admitted) >= self.max_batch_size:
-                break
-            prompt = prompts[index]
-            keys: list[bytes] = []
-            if reuse:
-                keys = self.cache.block_keys(prompt, adapter=adapter)
-                cached_blocks = len(self.cache.lookup(prompt, adapter=adapter).block_ids)
-                if cached_blocks < len(keys) and keys[cached_blocks] in in_flight:
-                    continue  # an earlier request computes this block now: reuse it next step
-            try:
-                request = self.cache.begin(prompt, adapter=adapter)
-            except OutOfBlocksError:
-                break
-            live[request.id] = request
-            growth = self._blocks_for(len(prompt) + max_new_tokens - 1) - len(request.block_table)
-            if not self._can_obtain(reserved + growth):
-                del live[request.id]
-                self.cache.finish(request)  # would starve a decode later: wait for blocks
-                break
-            reserved += growth
-            in_flight.update(keys[request.num_cached_tokens // self.kv_cache.block_size :])
-            waiting.remove(index)
-            admitted.append(
-                _Sequence(
-                    index=index,
-                    prompt=prompt,
-                    request=request,
-                    block_table=list(request.block_table),
-                    tokens=list(prompt),
-                    cached_tokens=request.num_cached_tokens,
-                    full_hit=request.full_hit,
-                )
-            )
-        return admitted
-
-    def _step(self, running: list[_Sequence], start: float, check_exactness: bool) -> None:
-        """One model call: prefill the new requests, decode one token for the others."""
-        batch = []
-        for sequence in running:
-            if sequence.prefilled:
-                cached = len(sequence.tokens) - 1
-                write_kv = True
-            else:
-                cached = sequence.cached_tokens
-                write_kv = not sequence.full_hit
-            batch.append(
-                PrefillRequest(
-                    sequence.tokens,
-                    sequence.block_table,
-                    num_cached_tokens=cached,
-                    write_kv=write_kv,
-                )
-            )
-        logits = self.model.prefill(self.kv_cache, batch)
-        reuse = self.prefix_reuse
-        now = time.perf_counter()
-        next_tokens = logits.argmax(dim=-1).tolist()
-        for sequence, row, token in zip(running, logits, next_tokens, strict=True):
-            if not sequence.prefilled:
-                sequence.prefilled = True
-                sequence.first_token_time = now - start
-            if check_exactness:
-                sequence.logits.append(row.detach().to("cpu", torch.float64))
-            sequence.generated.append(int(token))
-            # Every position now has KV in the pages: publish the blocks that are full (unless
-            # reuse is off, when nothing is ever published; see `_cache_context`).
-            if reuse:
-                self.cache.commit(sequence.request, len(sequence.tokens))
 
     def _result(self, sequence: _Sequence, check_exactness: bool) -> RequestResult:
         result = RequestResult(
@@ -595,10 +579,14 @@ class Engine:
                 None if self.tokenizer is None else self.tokenizer.decode(sequence.generated)
             ),
             full_hit=sequence.full_hit,
+            preemptions=sequence.preemptions,
+            draft_tokens=sequence.draft_tokens,
+            accepted_draft_tokens=sequence.accepted_draft_tokens,
         )
         if check_exactness:
             # One full recompute over prompt + output[:-1] gives the logits of every step.
-            full = self.model.forward_full(sequence.tokens).to("cpu", torch.float64)
+            full_sequence = sequence.prompt + sequence.generated[:-1]
+            full = self.model.forward_full(full_sequence).to("cpu", torch.float64)
             ours = torch.stack(sequence.logits)
             reference = full[len(sequence.prompt) - 1 :]
             result.max_logit_diff = float((ours - reference).abs().max())
@@ -610,3 +598,326 @@ class Engine:
             f"Engine(model={self.context.model_id or 'LlamaModel'}, "
             f"num_blocks={self.kv_cache.num_blocks}, block_size={self.kv_cache.block_size})"
         )
+
+
+class _Run:
+    """One `generate` call: the queues, the steps, and the cache calls that go with them."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stops: frozenset[int],
+        start: float,
+        check_exactness: bool,
+        on_finish: Callable[[int, RequestResult], None] | None,
+    ) -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        self.max_new_tokens = max_new_tokens
+        self.stops = stops
+        self.start = start
+        self.check_exactness = check_exactness
+        self.on_finish = on_finish
+        self.stats = SchedulerStats()
+        self.sequences = [
+            _Sequence(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
+            for i, p in enumerate(prompts)
+        ]
+        self.waiting: list[_Sequence] = list(self.sequences)
+        self.running: list[_Sequence] = []
+        self.results: list[RequestResult | None] = [None] * len(prompts)
+        # Every request added to the cache and not yet finished: exactly these are finished if
+        # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
+        self.live: dict[str, _Sequence] = {}
+        self.block_size = engine.kv_cache.block_size
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def serve(self) -> list[RequestResult]:
+        engine = self.engine
+        for sequence in self.waiting:
+            self._add(sequence)
+        while self.waiting or self.running:
+            if engine._sync_with_model():
+                self._restart_all()
+            scheduled = self._schedule()
+            if not scheduled:
+                self._refuse_stuck()
+            self._step(scheduled)
+        return [result for result in self.results if result is not None]
+
+    def abandon(self) -> None:
+        for sequence in self.live.values():
+            self.cache.finish(sequence.request_id)
+        self.live.clear()
+
+    # -- cache bookkeeping ---------------------------------------------------------------
+
+    def _add(self, sequence: _Sequence) -> None:
+        self.cache.add_request(
+            sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key
+        )
+        self.live[sequence.request_id] = sequence
+
+    def _restart_all(self) -> None:
+        """The weights changed under requests in flight: their KV is stale, and so is what
+        they generated from it, so each starts again from its prompt, under the new context."""
+        for sequence in list(self.live.values()):
+            self.cache.finish(sequence.request_id)
+            del self.live[sequence.request_id]
+            sequence.reset()
+        self.waiting = sorted(self.waiting + self.running, key=lambda s: s.index)
+        self.running = []
+        for sequence in self.waiting:
+            self._add(sequence)
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        self.cache.preempt(sequence.request_id)
+        sequence.preempted()
+        self.running.remove(sequence)
+        self.waiting.insert(0, sequence)
+        self.stats.preemptions += 1
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _schedule(self) -> list[_Scheduled]:
+        engine = self.engine
+        budget = engine.max_num_batched_tokens
+        lookahead = engine.num_speculative_tokens
+        scheduled: list[_Scheduled] = []
+        # 1. Running requests, oldest first; preempt the newest when the pool runs short.
+        for sequence in list(self.running):
+            if sequence not in self.running or budget == 0:
+                continue  # preempted below to make room for an older one
+            num_new = len(sequence.tokens) - sequence.num_computed
+            if num_new > budget and sequence.drafts:
+                self._drop_drafts(sequence)  # verification is never split across steps
+                num_new = len(sequence.tokens) - sequence.num_computed
+            num_new = min(num_new, budget)
+            while True:
+                try:
+                    self.cache.allocate_slots(
+                        sequence.request_id, num_new, num_lookahead_tokens=lookahead
+                    )
+                    break
+                except OutOfBlocksError:
+                    victim = self.running[-1]
+                    if victim in (s.sequence for s in scheduled):
+                        scheduled = [s for s in scheduled if s.sequence is not victim]
+                        budget += victim.scheduled_tokens
+                    self._preempt(victim)
+                    if victim is sequence:
+                        break
+            if sequence in self.running:
+                sequence.scheduled_tokens = num_new
+                scheduled.append(_Scheduled(sequence, sequence.num_computed, num_new))
+                budget -= num_new
+        # 2. Waiting requests, in the policy's order, while budget and blocks allow.
+        in_flight = self._blocks_in_flight(scheduled)
+        candidates = self.waiting[: engine.max_waiting_considered]
+        infos = [self._candidate(s, in_flight) for s in candidates]
+        order = order_waiting(infos, engine.scheduling, engine.max_passes)
+        admitted: list[_Sequence] = []
+        for position in order:
+            sequence = candidates[position]
+            if budget == 0 or len(self.running) >= engine.max_batch_size:
+                break
+            info = infos[position]
+            if (
+                engine.scheduling == "cache_aware"
+                and info.passes < engine.max_passes
+                and self._next_block_in_flight(sequence, info.cached_tokens, in_flight)
+            ):
+                continue  # computed by a request scheduled now: a hit next step
+            cached = infos[position].cached_tokens
+            num_new = min(len(sequence.tokens) - cached, budget)
+            try:
+                slots = self.cache.allocate_slots(
+                    sequence.request_id,
+                    num_new,
+                    num_lookahead_tokens=lookahead,
+                    watermark_blocks=engine.watermark_blocks if self.running else 0,
+                )
+            except OutOfBlocksError:
+                break  # wait for blocks; nothing changed
+            sequence.admitted(slots)
+            self.stats.admitted_tokens += len(sequence.tokens)
+            self.stats.cached_tokens += slots.num_cached_tokens
+            self.waiting.remove(sequence)
+            self.running.append(sequence)
+            admitted.append(sequence)
+            sequence.scheduled_tokens = num_new
+            scheduled.append(_Scheduled(sequence, slots.num_computed_tokens, num_new))
+            budget -= num_new
+            in_flight |= self._sequence_blocks_in_flight(
+                sequence, slots.num_computed_tokens, num_new
+            )
+        # Whoever was passed over by a later arrival this step is one step closer to the front.
+        if admitted:
+            newest = max(s.index for s in admitted)
+            for sequence in self.waiting:
+                if sequence.index < newest:
+                    sequence.passes += 1
+        return scheduled
+
+    def _drop_drafts(self, sequence: _Sequence) -> None:
+        verified = len(sequence.tokens) - len(sequence.drafts)
+        self.cache.truncate(sequence.request_id, verified)
+        del sequence.tokens[verified:]
+        sequence.drafts = []
+
+    def _candidate(self, sequence: _Sequence, in_flight: set[bytes]) -> WaitingCandidate:
+        cached = 0
+        if self.engine.prefix_reuse:
+            match = self.cache.lookup(sequence.tokens, adapter=self.engine._adapter_key)
+            cached = match.num_cached_tokens
+        return WaitingCandidate(
+            arrival=sequence.index,
+            cached_tokens=cached,
+            next_block_in_flight=self._next_block_in_flight(sequence, cached, in_flight),
+            passes=sequence.passes,
+        )
+
+    def _next_block_in_flight(
+        self, sequence: _Sequence, cached_tokens: int, in_flight: set[bytes]
+    ) -> bool:
+        """Whether the first block `sequence` would compute is computed this step by another
+        request (the block keys come from the cache, each hashed once per request)."""
+        if not in_flight or not self.engine.prefix_reuse:
+            return False
+        keys = self.cache.request_block_keys(sequence.request_id)
+        next_block = cached_tokens // self.block_size
+        return next_block < len(keys) and keys[next_block] in in_flight
+
+    def _blocks_in_flight(self, scheduled: list[_Scheduled]) -> set[bytes]:
+        keys: set[bytes] = set()
+        for item in scheduled:
+            keys |= self._sequence_blocks_in_flight(item.sequence, item.start, item.num_new)
+        return keys
+
+    def _sequence_blocks_in_flight(
+        self, sequence: _Sequence, start: int, num_new: int
+    ) -> set[bytes]:
+        """Keys of the full prompt blocks this step computes for `sequence`."""
+        if not self.engine.prefix_reuse or sequence.prefilled:
+            return set()
+        keys = self.cache.request_block_keys(sequence.request_id)
+        first = start // self.block_size
+        last = (start + num_new) // self.block_size
+        return set(keys[first:last])
+
+    def _refuse_stuck(self) -> None:
+        """Nothing could be scheduled: only blocks that never come back (pins, or references
+        held outside the engine) can cause it, since a lone request always fits the pool."""
+        sequence = self.waiting[0]
+        stats = self.cache.stats()
+        raise OutOfBlocksError(
+            f"cannot schedule request {sequence.index}: the pool cannot supply its blocks "
+            f"({stats.blocks_free} free, {stats.blocks_pinned} pinned, {stats.blocks_in_use} "
+            "in use) and nothing running can be preempted"
+        )
+
+    # -- one model call ------------------------------------------------------------------
+
+    def _step(self, scheduled: list[_Scheduled]) -> None:
+        engine = self.engine
+        self.stats.steps += 1
+        self.stats.tokens_per_step.append(sum(item.num_new for item in scheduled))
+        batch = []
+        for item in scheduled:
+            sequence = item.sequence
+            table = self.cache.block_table(sequence.request_id)
+            end = item.start + item.num_new
+            # A reuse-last-block full hit: the last token's KV is already in a shared block.
+            write_kv = item.start != sequence.shared_position
+            sequence.shared_position = None
+            batch.append(
+                PrefillRequest(
+                    sequence.tokens,
+                    table,
+                    num_cached_tokens=item.start,
+                    num_tokens=end,
+                    write_kv=write_kv,
+                )
+            )
+            if not sequence.prefilled:
+                self.stats.prefill_chunks += 1
+        rows: Sequence[torch.Tensor]
+        if engine.num_speculative_tokens:
+            # Drafts are verified from the logits of every position they follow.
+            rows = engine.model.prefill(engine.kv_cache, batch, return_all_logits=True)
+        else:
+            # Only the last position's logits: a vocabulary-wide projection of every prompt
+            # position would cost more than the attention.
+            last = engine.model.prefill(engine.kv_cache, batch)
+            rows = [last[i : i + 1] for i in range(len(batch))]
+        now = time.perf_counter()
+        reuse = engine.prefix_reuse
+        for item, logits in zip(scheduled, rows, strict=True):
+            sequence = item.sequence
+            sequence.num_computed = item.start + item.num_new
+            if reuse:
+                self.cache.commit(sequence.request_id, sequence.num_computed)
+            if sequence.num_computed < len(sequence.tokens):
+                continue  # a prompt chunk: nothing to sample yet
+            self._sample(sequence, logits, now)
+
+    def _sample(self, sequence: _Sequence, logits: torch.Tensor, now: float) -> None:
+        """Greedy sampling of a request that computed its last known token; under speculative
+        decoding, verification of its drafts first."""
+        engine = self.engine
+        num_drafts = len(sequence.drafts)
+        rows = logits[-(num_drafts + 1) :]
+        predicted = rows.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < num_drafts and predicted[accepted] == sequence.drafts[accepted]:
+            accepted += 1
+        new_tokens = [*sequence.drafts[:accepted], int(predicted[accepted])]
+        if num_drafts:
+            self.cache.accept_drafts(sequence.request_id, accepted)
+            sequence.tokens = sequence.tokens[: len(sequence.tokens) - num_drafts + accepted]
+            sequence.num_computed = len(sequence.tokens)
+            sequence.draft_tokens += num_drafts
+            sequence.accepted_draft_tokens += accepted
+            self.stats.draft_tokens += num_drafts
+            self.stats.accepted_draft_tokens += accepted
+            sequence.drafts = []
+        if not sequence.prefilled:
+            sequence.prefilled = True
+            sequence.first_token_time = now - self.start
+        done = False
+        kept: list[int] = []
+        for row, token in zip(rows[: len(new_tokens)], new_tokens, strict=True):
+            kept.append(token)
+            if self.check_exactness:
+                sequence.logits.append(row.detach().to("cpu", torch.float64))
+            if len(sequence.generated) + len(kept) >= self.max_new_tokens or token in self.stops:
+                done = True
+                break
+        sequence.generated.extend(kept)
+        if done:
+            self._finish(sequence)
+            return
+        # The accepted drafts are in the KV already; the new token is not (computed next step).
+        bonus = kept[-1]
+        self.cache.append_tokens(sequence.request_id, [bonus])
+        sequence.tokens.append(bonus)
+        if engine.num_speculative_tokens:
+            room = self.max_new_tokens - len(sequence.generated) - 1
+            drafts = ngram_drafts(sequence.tokens, min(engine.num_speculative_tokens, room))
+            if drafts:
+                self.cache.append_tokens(sequence.request_id, drafts, draft=True)
+                sequence.tokens.extend(drafts)
+                sequence.drafts = drafts
+
+    def _finish(self, sequence: _Sequence) -> None:
+        self.cache.finish(sequence.request_id)
+        del self.live[sequence.request_id]
+        self.running.remove(sequence)
+        result = self.engine._result(sequence, self.check_exactness)
+        self.results[sequence.index] = result
+        if self.on_finish is not None:
+            self.on_finish(sequence.index, result)

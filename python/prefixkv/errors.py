@@ -19,6 +19,7 @@ __all__ = [
     "BackendUnavailableError",
     "BlockStateError",
     "ChatTemplateError",
+    "DuplicateRequestError",
     "InvalidBlockError",
     "InvalidInputError",
     "KVAllocationError",
@@ -53,6 +54,10 @@ class InvalidInputError(PrefixKVError, ValueError):
 class UnknownRequestError(PrefixKVError, _ReadableKeyError):
     """A request or pin id that is not live: never begun, already finished, or dropped by
     `clear()`."""
+
+
+class DuplicateRequestError(PrefixKVError, ValueError):
+    """`add_request` or `begin` with a request id that is already live; nothing was changed."""
 
 
 class InvalidBlockError(PrefixKVError, _ReadableKeyError):

@@ -153,11 +153,11 @@ fn main() {
     let mut seed = 100;
     let request = |tokens: Vec<u32>| -> [u128; 3] {
         let t0 = Instant::now();
-        let r = cache.begin(tokens, b"", RequestExtras::default(), 0).expect("begin");
+        let r = cache.begin(None, tokens, b"", RequestExtras::default(), 0).expect("begin");
         let t1 = Instant::now();
-        cache.commit(r.request_id, n).expect("commit");
+        cache.commit(&r.request_id, n).expect("commit");
         let t2 = Instant::now();
-        cache.finish(r.request_id).expect("finish");
+        cache.finish(&r.request_id).expect("finish");
         [t1.duration_since(t0).as_nanos(), t2.duration_since(t1).as_nanos(), t2.elapsed().as_nanos()]
     };
     for (name, shared_blocks) in [("shares 95% of its blocks", 238usize), ("shares nothing", 0)] {

@@ -58,7 +58,7 @@ use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
 use crate::table::{Anchor, Parent, SharedTable};
 
-pub use crate::request::BeginResult;
+pub use crate::request::{BeginResult, RequestId, Slots};
 
 /// Fixed settings of a cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,6 +71,23 @@ pub struct CacheConfig {
     pub vocab_size: Option<u32>,
     /// Bits of each table key kept: 128 in production; tests lower it to force collisions.
     pub key_bits: u32,
+    /// How a prompt whose every block is cached is served (`request.rs`, "Full hits").
+    pub full_hit: FullHit,
+}
+
+/// How a full hit (every block of the prompt cached) is handed to the engine. Some token must
+/// still be computed for its logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FullHit {
+    /// Share every block but the last; the last block is recomputed into a private block. A
+    /// standard paged-attention runner, which writes the KV of every token it computes, is
+    /// always right with this (vLLM does the same).
+    #[default]
+    RecomputeLastBlock,
+    /// Share every block; only the last token is computed, reading its KV from the shared
+    /// block and writing nothing (`last_token_shared`). Saves a block of compute; the runner
+    /// must honour "do not write".
+    ReuseLastBlock,
 }
 
 impl CacheConfig {
@@ -82,6 +99,7 @@ impl CacheConfig {
             block_size,
             vocab_size: None,
             key_bits: TableHasher::BITS,
+            full_hit: FullHit::default(),
         }
     }
 }
@@ -93,8 +111,14 @@ pub struct PrefixMatch {
     pub blocks: Vec<BlockId>,
     /// Tokens whose KV can be read from the cache: the engine computes from this position.
     pub num_cached_tokens: usize,
-    /// Every block of the prompt is cached: compute only the final token, write nothing.
+    /// Every block of the prompt is cached. How it is served depends on `FullHit`: with
+    /// `RecomputeLastBlock`, `blocks` stops one block short and `num_cached_tokens` is
+    /// `n - block_size`; with `ReuseLastBlock`, `blocks` has every block and
+    /// `num_cached_tokens` is `n - 1`.
     pub full_hit: bool,
+    /// The last prompt token's KV is already in a shared block (`ReuseLastBlock` full hits):
+    /// compute its logits reading that KV, and do not write it.
+    pub last_token_shared: bool,
 }
 
 #[derive(Default)]
@@ -360,13 +384,13 @@ impl PrefixCache {
             }
         }
         // Published exactly as a request's commit would publish them (`request.rs`).
-        let mut sequence = Request::new(
+        let mut sequence = Request::computed(
             tokens[..blocks.len() * bs].to_vec(),
             blocks.to_vec(),
             root_key(&self.context.load(), salt),
+            inner.epoch,
             extras.clone(),
             priority,
-            Vec::new(),
         );
         inner.tick += 1;
         self.publish(inner, &mut sequence, blocks.len());
@@ -580,17 +604,15 @@ impl PrefixCache {
         }
     }
 
-    pub(crate) fn prefix_match(&self, blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
-        let bs = self.config.block_size;
-        let cached = blocks.len() * bs;
-        // Every prompt token is cached: recompute only the last one (the engine needs its
-        // logits), reading its KV from the shared block.
-        let full_hit = cached == num_tokens && num_tokens > 0;
-        let num_cached_tokens = if full_hit { num_tokens - 1 } else { cached };
+    pub(crate) fn prefix_match(&self, mut blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
+        let shape = self.hit_shape(blocks.len(), num_tokens);
+        blocks.truncate(self.hit_blocks(shape));
+        let (num_cached_tokens, full_hit, last_token_shared) = shape;
         PrefixMatch {
             blocks,
             num_cached_tokens,
             full_hit,
+            last_token_shared,
         }
     }
 
@@ -691,12 +713,12 @@ pub(crate) mod tests {
         let c = cache(8, 2);
         let prompt = vec![1, 2, 3, 4, 5];
         // Two requests compute the same prefix side by side: both miss, both get own blocks.
-        let a = c.begin(prompt.clone(), b"", no_extras(), 0).unwrap();
-        let b = c.begin(prompt.clone(), b"", no_extras(), 0).unwrap();
+        let a = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+        let b = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
         assert_eq!((a.num_cached_tokens, b.num_cached_tokens), (0, 0));
-        assert_eq!(c.commit(a.request_id, 5).unwrap(), 2);
+        assert_eq!(c.commit(&a.request_id, 5).unwrap(), 2);
         // The second commit finds both keys taken by identical content: it deduplicates.
-        assert_eq!(c.commit(b.request_id, 5).unwrap(), 2);
+        assert_eq!(c.commit(&b.request_id, 5).unwrap(), 2);
         let stats = c.stats();
         assert_eq!((stats.committed_blocks, stats.deduplicated_blocks), (2, 2));
         for position in 0..2 {
@@ -708,9 +730,9 @@ pub(crate) mod tests {
         assert_eq!(hit.blocks, a.block_table[..2]);
         // b's duplicates go back to the free list at finish; a's stay cached.
         let free = c.stats().blocks_free;
-        c.finish(b.request_id).unwrap();
+        c.finish(&b.request_id).unwrap();
         assert_eq!(c.stats().blocks_free, free + 3);
-        c.finish(a.request_id).unwrap();
+        c.finish(&a.request_id).unwrap();
         assert_eq!(c.stats().blocks_cached, 2);
         c.check_invariants();
     }
@@ -778,8 +800,9 @@ pub(crate) mod tests {
         c.commit_blocks(&[1, 2, 3, 4], &blocks, b"", &no_extras(), 0)
             .unwrap();
         let held = c
-            .match_and_acquire(&[1, 2, 3, 4], b"", &no_extras(), 0)
+            .match_and_acquire(&[1, 2, 3, 4, 5], b"", &no_extras(), 0)
             .unwrap();
+        assert_eq!(held.blocks, blocks);
         c.release(&blocks).unwrap();
         c.clear();
         // Detached, still held: neither cached nor publishable again.
@@ -796,7 +819,7 @@ pub(crate) mod tests {
     #[test]
     fn release_cannot_drop_a_reference_a_request_owns() {
         let c = cache(8, 2);
-        let request = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        let request = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
         let own = request.block_table[0];
         let before = c.stats();
         let err = c.release(&[own]).unwrap_err();
@@ -806,7 +829,7 @@ pub(crate) mod tests {
         );
         assert_eq!(c.stats(), before);
         // A block both the request and the caller hold: the caller may drop only its own.
-        c.commit(request.request_id, 3).unwrap();
+        c.commit(&request.request_id, 3).unwrap();
         let held = c
             .match_and_acquire(&[1, 2, 3], b"", &no_extras(), 0)
             .unwrap();
@@ -824,7 +847,7 @@ pub(crate) mod tests {
         c.release(&[own]).unwrap();
         assert_eq!(c.ref_count(own).unwrap(), 1);
         assert!(c.release(&[own]).is_err(), "a double release");
-        c.finish(request.request_id).unwrap();
+        c.finish(&request.request_id).unwrap();
         assert_eq!(c.ref_count(own).unwrap(), 0);
         assert!(c.is_cached(own).unwrap());
         c.check_invariants();
@@ -868,18 +891,18 @@ pub(crate) mod tests {
     #[test]
     fn eviction_removes_the_table_entry_before_reuse() {
         let c = cache(2, 1);
-        let first = c.begin(vec![1, 2], b"", no_extras(), 0).unwrap();
-        c.commit(first.request_id, 2).unwrap();
-        c.finish(first.request_id).unwrap();
+        let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+        c.commit(&first.request_id, 2).unwrap();
+        c.finish(&first.request_id).unwrap();
         // The same two blocks, now holding other KV: the old prefix must miss.
-        let second = c.begin(vec![3, 4], b"", no_extras(), 0).unwrap();
+        let second = c.begin(None, vec![3, 4], b"", no_extras(), 0).unwrap();
         assert_eq!(c.stats().evictions, 2);
         assert!(c
             .lookup(&[1, 2], b"", &no_extras())
             .unwrap()
             .blocks
             .is_empty());
-        c.finish(second.request_id).unwrap();
+        c.finish(&second.request_id).unwrap();
         c.check_invariants();
     }
 }

@@ -3,6 +3,8 @@
 
 use thiserror::Error;
 
+use crate::request::RequestId;
+
 /// Everything a cache call can refuse.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum CacheError {
@@ -10,9 +12,13 @@ pub enum CacheError {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
-    /// The request id is not live: never begun, or already finished.
-    #[error("unknown request id {0} (never begun, or already finished)")]
-    UnknownRequest(u64),
+    /// The request id is not live: never added, or already finished.
+    #[error("unknown request id {0} (never added, or already finished)")]
+    UnknownRequest(RequestId),
+
+    /// `add_request` or `begin` with an id that is already live.
+    #[error("request id {0} is already live (finish it before reusing its id)")]
+    DuplicateRequest(RequestId),
 
     /// The pin id is not live: never taken, already unpinned, or dropped by `clear()` or
     /// `set_context()`, which release every pin (`reason` says which). The same kind of error as

@@ -24,7 +24,7 @@ pub mod stats;
 mod sync;
 pub mod table;
 
-pub use cache::{BeginResult, CacheConfig, PrefixCache, PrefixMatch};
+pub use cache::{BeginResult, CacheConfig, FullHit, PrefixCache, PrefixMatch, RequestId, Slots};
 pub use error::{CacheError, Result};
 pub use key::{block_key, context_fingerprint, root_key, BlockKey, MultimodalItem, RequestExtras};
 pub use pool::BlockId;

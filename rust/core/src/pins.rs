@@ -109,9 +109,9 @@ mod tests {
     use crate::PrefixCache;
 
     fn serve(c: &PrefixCache, tokens: &[u32]) {
-        let r = c.begin(tokens.to_vec(), b"", no_extras(), 0).unwrap();
-        c.commit(r.request_id, tokens.len()).unwrap();
-        c.finish(r.request_id).unwrap();
+        let r = c.begin(None, tokens.to_vec(), b"", no_extras(), 0).unwrap();
+        c.commit(&r.request_id, tokens.len()).unwrap();
+        c.finish(&r.request_id).unwrap();
     }
 
     fn message(result: Result<(), CacheError>) -> String {
@@ -135,7 +135,10 @@ mod tests {
         ));
         let held = c.allocate(2).unwrap();
         assert_eq!(
-            c.lookup(&[1, 2], b"", &no_extras()).unwrap().blocks.len(),
+            c.lookup(&[1, 2, 3], b"", &no_extras())
+                .unwrap()
+                .blocks
+                .len(),
             2
         );
         c.unpin(pin).unwrap();

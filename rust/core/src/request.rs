@@ -1,27 +1,62 @@
-//! A request's life in the cache, and how its blocks are published.
+//! A request's life in the cache, step by step as a scheduler drives it, and how its blocks
+//! are published.
 //!
 //! ## The life
-//! 1. `begin` matches the longest chain of cached full blocks of the prompt, takes a reference
-//!    on each, and allocates private blocks for the rest, as one step under the mutex. If every
-//!    block of the prompt is cached, the request is a *full hit*: only the final token is
-//!    recomputed (to get its logits), reading its KV from the shared block, and nothing is
-//!    written into that block.
-//! 2. The engine writes KV into the request's private blocks.
-//! 3. `commit` publishes every block that has become full (prompt and generated tokens alike),
-//!    so the next turn of a chat hits the previous answer.
-//! 4. `append` adds generated tokens, allocating blocks as they are needed.
-//! 5. `finish` drops the request's references and forgets the request. Its cached blocks stay,
-//!    evictable in LRU order; its private blocks go back to the free list.
+//! A request is a sequence of tokens (its prompt, then what it generates) under an id the
+//! engine chooses. It is *waiting* while it holds no blocks, *scheduled* while it does.
+//! 1. `add_request` registers it: no blocks, no hashing, nothing referenced.
+//! 2. `allocate_slots(n, lookahead)` makes room for the next `n` tokens to compute (a chunk
+//!    of the prompt, or decode tokens) plus `lookahead` slots for draft tokens not yet known.
+//!    The first call on a waiting request first matches its cached prefix and references it,
+//!    so the hit and the room for the first chunk are taken in one step under the mutex: a
+//!    chunk that does not fit fails with nothing changed, and the scheduler can wait or
+//!    preempt. A prompt never needs all its blocks at once.
+//! 3. The engine writes KV into the slots and says so with `commit(num_computed_tokens)`,
+//!    which publishes every block that is now full and *verified* (below).
+//! 4. `append_tokens` adds sampled tokens, or draft tokens (`draft = true`) for speculative
+//!    decoding. After verification `accept_drafts(k)` keeps the first `k` drafts and drops
+//!    the rest; `truncate` drops any unpublished tail. Blocks left without tokens go back.
+//! 5. `preempt` drops every reference the request holds and forgets its KV: its committed
+//!    blocks stay cached (evictable), so the next `allocate_slots` re-matches them, usually as
+//!    a hit, from the block keys the request kept (no rehashing).
+//! 6. `finish` drops its references and forgets it. Its cached blocks stay, evictable in LRU
+//!    order; its private blocks go back to the free list.
 //!
-//! A request id is live from `begin` to `finish`; every other call on an id that is not live is
-//! `UnknownRequest` and changes nothing. Ids are never reused. The request owns one reference on
-//! each block of its block table and is the only one that may drop it (`cache.rs`), so its
-//! blocks, shared or private, cannot be evicted or reused while it is live.
+//! `begin` (add + slots for the whole prompt) and `append` (tokens + their slots) keep the
+//! simple whole-prompt loop for callers that want it.
+//!
+//! An id is live from `add_request`/`begin` to `finish`; a second `add_request` of a live id
+//! is `DuplicateRequest`, every other call on an id that is not live is `UnknownRequest`, and
+//! both change nothing. The request owns one reference on each block of its block table and
+//! is the only one that may drop it (`cache.rs`), so its blocks, shared or private, cannot be
+//! evicted or reused while it holds them.
+//!
+//! ## Full hits
+//! When every block of the prompt is cached, something must still compute the last token (its
+//! logits start generation). Two ways, chosen per cache (`FullHit`):
+//! - `RecomputeLastBlock` (the default): the match stops one block short, so the last block is
+//!   recomputed into a private block, as vLLM's runner does. The runner writes KV as always;
+//!   nothing it does can touch a shared block. The private copy deduplicates at commit.
+//! - `ReuseLastBlock`: every block is shared and `num_cached_tokens` is `n - 1`; the runner
+//!   computes the last token reading its KV from the shared block and must *not* write it
+//!   (`last_token_shared`). One token instead of a block, for a runner that honours that.
+//!
+//! ## Drafts are never published
+//! Draft tokens sit at the tail until `accept_drafts` (or a `truncate` that removes them).
+//! `commit` may record KV written for them (the verification pass writes it), but publishes
+//! only blocks whose every token is verified: no hit can ever come from a rejected draft. A
+//! block once published is never written again, so `truncate` refuses to cut into one.
+//!
+//! ## Keys, computed once
+//! A request keeps the table key of each full block it has hashed (`keys`), in order: the
+//! first match, each commit, re-matching after `preempt` and exporting SHA-256 keys extend
+//! them, never rehash. A reset (`clear`, `set_context`) changes every key; a waiting request
+//! notices at its next match and starts over under the new context.
 //!
 //! ## Publishing, and two inserts of the same key
 //! A request remembers, as *anchors*, the canonical entry of each position it has committed, in
-//! order; a commit extends them. For the next position it computes the table key chained on the
-//! last anchor's and inserts an entry for its own block with one probe of the table:
+//! order; a commit extends them. For the next position it takes the table key (chained on the
+//! previous one) and inserts an entry for its own block with one probe of the table:
 //! - the key is free: the block is published, child of the previous anchor's block;
 //! - the key holds an entry that verifies (same parent entry, tokens and extras): another
 //!   sequence published this block first. That copy stays canonical and becomes the anchor, so
@@ -39,79 +74,198 @@
 //! own copies.
 //!
 //! ## Non-cacheable requests
-//! A request stops publishing for good after a collision, and after a `clear` or `set_context`
-//! while it is live: its KV was computed under the old weights or context and must never be
+//! A scheduled request stops publishing for good after a collision, and after a `clear` or
+//! `set_context`: its KV was computed under the old weights or context and must never be
 //! published under the new one (`cache.rs`, on epochs). It keeps its blocks and its references;
-//! `commit` then reports the positions still committed (none after a reset).
+//! `commit` then reports the positions still committed (none after a reset). Once preempted it
+//! holds no KV, so it computes afresh under the new context and may publish again.
 
 use std::collections::HashMap;
+use std::fmt;
 
-use crate::cache::{block_extras, Inner, PrefixCache};
+use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
-use crate::key::{BlockKey, RequestExtras};
+use crate::key::{block_key_with, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Entry, Parent};
+
+/// An engine's own name for a request: an integer or a string.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RequestId {
+    /// An integer id (`begin` without an id picks the next unused one).
+    Int(i64),
+    /// A string id, as most engines use.
+    Str(Box<str>),
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Int(id) => write!(f, "{id}"),
+            Self::Str(id) => write!(f, "{id:?}"),
+        }
+    }
+}
+
+impl From<i64> for RequestId {
+    fn from(id: i64) -> Self {
+        Self::Int(id)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(id: &str) -> Self {
+        Self::Str(id.into())
+    }
+}
 
 /// What `begin` hands the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BeginResult {
-    /// Id for the other request calls.
-    pub request_id: u64,
+    /// The request's id: the one given, or one `begin` picked.
+    pub request_id: RequestId,
     /// Blocks covering every prompt token: the cached ones, then the request's own.
     pub block_table: Vec<BlockId>,
     /// Tokens whose KV is already in the cached blocks.
     pub num_cached_tokens: usize,
     /// See `PrefixMatch::full_hit`.
     pub full_hit: bool,
+    /// See `PrefixMatch::last_token_shared`.
+    pub last_token_shared: bool,
 }
 
-/// One live request: a sequence of tokens, the blocks holding its KV, and what it has
-/// published. `commit_blocks` publishes through a short-lived one of these.
+/// What `allocate_slots` hands the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slots {
+    /// Blocks this call appended to the request's block table, in order: when it matched the
+    /// cached prefix (the first call after `add_request` or `preempt`), those blocks first.
+    pub block_ids: Vec<BlockId>,
+    /// Tokens whose KV the request has: the scheduled tokens start at this position.
+    pub num_computed_tokens: usize,
+    /// Tokens of the cached prefix this call matched (0 when it matched nothing or did not
+    /// match, being a later call).
+    pub num_cached_tokens: usize,
+    /// This call matched every block of the prompt (see `PrefixMatch::full_hit`).
+    pub full_hit: bool,
+    /// See `PrefixMatch::last_token_shared`.
+    pub last_token_shared: bool,
+}
+
+/// One request: its tokens, the blocks holding their KV, and what it has published.
+/// `commit_blocks` publishes through a short-lived one of these.
 pub(crate) struct Request {
+    /// Prompt, generated and draft tokens, in order.
     tokens: Vec<u32>,
-    /// One block per started block of `tokens`; the request holds a reference on each.
+    /// How many of the last `tokens` are unverified drafts.
+    num_drafts: usize,
+    /// Tokens whose KV is written (`commit`).
+    num_computed: usize,
+    /// One slot block per `block_size` positions; the request holds a reference on each.
     block_table: Vec<BlockId>,
+    /// False while waiting (no blocks held, no prefix matched).
+    scheduled: bool,
+    salt: Box<[u8]>,
+    /// Root key of context and salt, for the epoch below.
     root: BlockKey,
+    /// The epoch `root` and `keys` belong to.
+    epoch: u64,
     extras: RequestExtras,
     priority: i32,
     /// The canonical cached entry of each committed position, in order (see the module docs).
     pub(crate) anchors: Vec<Anchor>,
+    /// Table key of each leading full block hashed so far (prefix-closed, never rehashed).
+    keys: Vec<TableKey>,
+    /// SHA-256 key of each leading full block exported so far.
+    export_keys: Vec<BlockKey>,
     /// False once the request may no longer publish (after a collision, `clear`, `set_context`).
     cacheable: bool,
 }
 
 impl Request {
-    pub(crate) fn new(
+    fn waiting(
         tokens: Vec<u32>,
-        block_table: Vec<BlockId>,
+        salt: &[u8],
         root: BlockKey,
+        epoch: u64,
         extras: RequestExtras,
         priority: i32,
-        anchors: Vec<Anchor>,
     ) -> Self {
         Self {
             tokens,
-            block_table,
+            num_drafts: 0,
+            num_computed: 0,
+            block_table: Vec::new(),
+            scheduled: false,
+            salt: salt.into(),
             root,
+            epoch,
             extras,
             priority,
-            anchors,
+            anchors: Vec::new(),
+            keys: Vec::new(),
+            export_keys: Vec::new(),
             cacheable: true,
         }
     }
+
+    /// A sequence whose KV is all in `block_table` already (the low-level `commit_blocks`).
+    pub(crate) fn computed(
+        tokens: Vec<u32>,
+        block_table: Vec<BlockId>,
+        root: BlockKey,
+        epoch: u64,
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Self {
+        let mut request = Self::waiting(tokens, b"", root, epoch, extras, priority);
+        request.num_computed = request.tokens.len();
+        request.block_table = block_table;
+        request.scheduled = true;
+        request
+    }
+
+    fn num_verified(&self) -> usize {
+        self.tokens.len() - self.num_drafts
+    }
+}
+
+/// The table key of block `position` of `tokens`, from `keys` when already computed, else
+/// computed from the previous one and appended. Positions are visited in order, so `position`
+/// is at most `keys.len()`.
+fn table_key(
+    hasher: &TableHasher,
+    scratch: &mut Vec<u8>,
+    keys: &mut Vec<TableKey>,
+    root: &BlockKey,
+    chunk: &[u32],
+    block_extras: &[u8],
+    position: usize,
+) -> TableKey {
+    if let Some(&key) = keys.get(position) {
+        return key;
+    }
+    debug_assert_eq!(position, keys.len());
+    let parent = match position {
+        0 => hasher.root(root),
+        _ => keys[position - 1],
+    };
+    let key = hasher.block(scratch, parent, chunk, block_extras);
+    keys.push(key);
+    key
 }
 
 /// The live requests, by id.
 pub(crate) struct Requests {
-    live: HashMap<u64, Request>,
-    next_id: u64,
+    live: HashMap<RequestId, Request>,
+    /// Next id `begin` tries when given none.
+    next_auto: i64,
 }
 
 impl Default for Requests {
     fn default() -> Self {
         Self {
             live: HashMap::new(),
-            next_id: 1,
+            next_auto: 1,
         }
     }
 }
@@ -121,16 +275,46 @@ impl Requests {
         self.live.len()
     }
 
-    fn get(&self, id: u64) -> Result<&Request> {
-        self.live.get(&id).ok_or(CacheError::UnknownRequest(id))
+    fn get(&self, id: &RequestId) -> Result<&Request> {
+        self.live
+            .get(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
     }
 
-    fn get_mut(&mut self, id: u64) -> Result<&mut Request> {
-        self.live.get_mut(&id).ok_or(CacheError::UnknownRequest(id))
+    fn get_mut(&mut self, id: &RequestId) -> Result<&mut Request> {
+        self.live
+            .get_mut(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
     }
 
-    fn remove(&mut self, id: u64) -> Result<Request> {
-        self.live.remove(&id).ok_or(CacheError::UnknownRequest(id))
+    /// Takes a request out of the map (its key with it, so putting it back clones nothing).
+    fn take(&mut self, id: &RequestId) -> Result<(RequestId, Request)> {
+        self.live
+            .remove_entry(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+    }
+
+    fn put(&mut self, id: RequestId, request: Request) {
+        self.live.insert(id, request);
+    }
+
+    fn check_new(&self, id: &RequestId) -> Result<()> {
+        if self.live.contains_key(id) {
+            return Err(CacheError::DuplicateRequest(id.clone()));
+        }
+        Ok(())
+    }
+
+    /// The id `begin` gives a request that came without one: never a live id, and never one
+    /// it gave before.
+    fn auto_id(&mut self) -> RequestId {
+        loop {
+            let id = RequestId::Int(self.next_auto);
+            self.next_auto += 1;
+            if !self.live.contains_key(&id) {
+                return id;
+            }
+        }
     }
 
     /// Every block reference the live requests hold, one item per reference.
@@ -140,134 +324,599 @@ impl Requests {
             .flat_map(|r| r.block_table.iter().copied())
     }
 
-    /// At a reset: no live request may publish again, and none still anchors on the table.
+    /// At a reset: no scheduled request may publish again, and none still anchors on the
+    /// table. (Waiting ones hold no KV: they re-key at their next match, `epoch` tells them.)
     pub(crate) fn forget_cached_prefixes(&mut self) {
         for request in self.live.values_mut() {
-            request.cacheable = false;
+            if request.scheduled {
+                request.cacheable = false;
+            }
             request.anchors.clear();
         }
     }
 }
 
+/// What a match (or a dry run of one) found, before anything is referenced.
+struct Plan {
+    anchors: Vec<Anchor>,
+    /// Position the scheduled tokens start at.
+    start: usize,
+    num_cached: usize,
+    full_hit: bool,
+    last_token_shared: bool,
+    /// Fresh blocks to allocate.
+    fresh: usize,
+}
+
 impl PrefixCache {
-    /// Starts a request: matches its cached prefix, references it, allocates the rest.
+    // ----- starting -------------------------------------------------------------------------
+
+    /// Registers a request under the engine's id: no blocks taken, nothing hashed yet.
+    pub fn add_request(
+        &self,
+        id: RequestId,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Result<()> {
+        self.check_prompt(&tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        inner.requests.check_new(&id)?;
+        let request = Request::waiting(
+            tokens,
+            salt,
+            self.root_key(salt),
+            inner.epoch,
+            extras,
+            priority,
+        );
+        inner.requests.put(id, request);
+        Ok(())
+    }
+
+    /// Starts a request with slots for its whole prompt: `add_request` and `allocate_slots`
+    /// for every prompt token in one step. `id` None picks an unused integer id.
     pub fn begin(
         &self,
+        id: Option<RequestId>,
         tokens: Vec<u32>,
         salt: &[u8],
         extras: RequestExtras,
         priority: i32,
     ) -> Result<BeginResult> {
-        self.check_tokens(&tokens)?;
-        if tokens.is_empty() {
-            return Err(CacheError::InvalidInput(
-                "a request needs at least one token".into(),
-            ));
-        }
+        self.check_prompt(&tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let root = self.root_key(salt);
-        let mut anchors = Vec::new();
-        self.match_chain(&mut inner.scratch, root, &tokens, &extras, |anchor| {
-            anchors.push(anchor);
-        });
-        let hits: Vec<BlockId> = anchors.iter().map(|e| e.block).collect();
-        let total_blocks = tokens.len().div_ceil(self.config.block_size);
-        let fresh = self.acquire_and_allocate(inner, &hits, total_blocks - hits.len())?;
-
-        inner.tick += 1;
-        for &block in &hits {
-            inner.pool.touch(block, inner.tick, priority);
+        if let Some(id) = &id {
+            inner.requests.check_new(id)?;
         }
-        let matched = self.prefix_match(hits, tokens.len());
-        inner.counters.lookups += 1;
-        inner.counters.lookup_tokens += tokens.len() as u64;
-        inner.counters.hit_tokens += matched.num_cached_tokens as u64;
-
-        let mut block_table = matched.blocks;
-        block_table.extend_from_slice(&fresh);
-        let requests = &mut inner.requests;
-        let request_id = requests.next_id;
-        requests.next_id += 1;
-        let request = Request::new(tokens, block_table.clone(), root, extras, priority, anchors);
-        requests.live.insert(request_id, request);
+        let mut request = Request::waiting(
+            tokens,
+            salt,
+            self.root_key(salt),
+            inner.epoch,
+            extras,
+            priority,
+        );
+        let slots = self.allocate_locked(inner, &mut request, None, 0, 0)?;
+        let request_id = id.unwrap_or_else(|| inner.requests.auto_id());
+        inner.requests.put(request_id.clone(), request);
         Ok(BeginResult {
             request_id,
-            block_table,
-            num_cached_tokens: matched.num_cached_tokens,
-            full_hit: matched.full_hit,
+            block_table: slots.block_ids,
+            num_cached_tokens: slots.num_cached_tokens,
+            full_hit: slots.full_hit,
+            last_token_shared: slots.last_token_shared,
         })
     }
 
-    /// Adds generated tokens to a request, allocating blocks for them. Returns the new blocks.
-    pub fn append(&self, request_id: u64, tokens: &[u32]) -> Result<Vec<BlockId>> {
+    // ----- scheduling -----------------------------------------------------------------------
+
+    /// Makes room for the next `num_new_tokens` tokens of a request (they must be known:
+    /// prompt, sampled or draft tokens) plus `num_lookahead_tokens` slots past them, keeping at
+    /// least `watermark` blocks obtainable afterwards. On a waiting request it first matches
+    /// and references the cached prefix. Fails with nothing changed (`OutOfBlocks`) when the
+    /// pool cannot supply the blocks.
+    pub fn allocate_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<Slots> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (key, mut request) = inner.requests.take(id)?;
+        let result = self.allocate_locked(
+            inner,
+            &mut request,
+            Some(num_new_tokens),
+            num_lookahead_tokens,
+            watermark,
+        );
+        inner.requests.put(key, request);
+        result
+    }
+
+    /// Whether `allocate_slots` with these arguments would succeed now. Changes nothing.
+    pub fn can_allocate_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<bool> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (key, mut request) = inner.requests.take(id)?;
+        let plan = self.plan(
+            inner,
+            &mut request,
+            Some(num_new_tokens),
+            num_lookahead_tokens,
+        );
+        inner.requests.put(key, request);
+        let plan = plan?;
+        Ok(
+            self.obtainable_with(inner, &plan.anchors, plan.fresh + watermark)
+                >= plan.fresh + watermark,
+        )
+    }
+
+    /// Blocks `allocate_slots(id, num_new_tokens, num_lookahead_tokens)` would take from the
+    /// pool now (cached prefix blocks it would reference are not counted). Changes nothing.
+    pub fn blocks_needed(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (key, mut request) = inner.requests.take(id)?;
+        let plan = self.plan(
+            inner,
+            &mut request,
+            Some(num_new_tokens),
+            num_lookahead_tokens,
+        );
+        inner.requests.put(key, request);
+        Ok(plan?.fresh)
+    }
+
+    /// Adds tokens to a request without allocating: sampled tokens, or with `draft` unverified
+    /// draft tokens for speculative decoding. Verified tokens cannot follow drafts: resolve
+    /// them first (`accept_drafts`, `truncate`).
+    pub fn append_tokens(&self, id: &RequestId, tokens: &[u32], draft: bool) -> Result<()> {
+        self.check_tokens(tokens)?;
+        let mut guard = self.inner.lock();
+        let request = guard.requests.get_mut(id)?;
+        if !draft {
+            no_pending_drafts(id, request)?;
+        }
+        request.tokens.extend_from_slice(tokens);
+        if draft {
+            request.num_drafts += tokens.len();
+        }
+        Ok(())
+    }
+
+    /// Adds verified tokens and allocates slots for them: `append_tokens` and
+    /// `allocate_slots` in one step, for the whole-prompt loop. Returns the new blocks.
+    pub fn append(&self, id: &RequestId, tokens: &[u32]) -> Result<Vec<BlockId>> {
         self.check_tokens(tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let request = inner.requests.get(request_id)?;
-        let total = request.tokens.len() + tokens.len();
-        let needed = total
-            .div_ceil(self.config.block_size)
-            .saturating_sub(request.block_table.len());
+        let request = inner.requests.get(id)?;
+        no_pending_drafts(id, request)?;
+        let needed = if request.scheduled {
+            (request.tokens.len() + tokens.len())
+                .div_ceil(self.config.block_size)
+                .saturating_sub(request.block_table.len())
+        } else {
+            0
+        };
         let fresh = self.acquire_and_allocate(inner, &[], needed)?;
-        let request = inner.requests.get_mut(request_id)?;
+        let request = inner.requests.get_mut(id)?;
         request.tokens.extend_from_slice(tokens);
         request.block_table.extend_from_slice(&fresh);
         Ok(fresh)
     }
 
-    /// Publishes every full block among the first `num_computed_tokens` tokens of a request,
-    /// whose KV the engine has written. Returns how many positions are now committed.
-    pub fn commit(&self, request_id: u64, num_computed_tokens: usize) -> Result<usize> {
+    /// Records that the KV of the first `num_computed_tokens` tokens is written, and publishes
+    /// every full block of verified tokens among them. Returns how many leading positions of
+    /// the request are now committed.
+    pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let len = inner.requests.get(request_id)?.tokens.len();
+        let request = inner.requests.get(id)?;
+        let len = request.tokens.len();
         if num_computed_tokens > len {
             return Err(CacheError::InvalidInput(format!(
                 "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
             )));
         }
-        // Out of the map while publishing: `publish` borrows the rest of `inner` mutably.
-        let mut request = inner.requests.remove(request_id)?;
-        if request.cacheable {
-            inner.tick += 1;
-            self.publish(
-                inner,
-                &mut request,
-                num_computed_tokens / self.config.block_size,
-            );
+        let slots = request.block_table.len() * self.config.block_size;
+        if num_computed_tokens > slots {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
+                 no KV can have been written past them (allocate_slots first)"
+            )));
         }
+        // Out of the map while publishing: `publish` borrows the rest of `inner` mutably.
+        let (key, mut request) = inner.requests.take(id)?;
+        request.num_computed = request.num_computed.max(num_computed_tokens);
+        self.publish_verified(inner, &mut request);
         let committed = request.anchors.len();
-        inner.requests.live.insert(request_id, request);
+        inner.requests.put(key, request);
         Ok(committed)
     }
 
-    /// Ends a request: drops its references. Cached blocks stay, now evictable.
-    pub fn finish(&self, request_id: u64) -> Result<()> {
+    /// Keeps the first `num_accepted` draft tokens as verified and drops the others (their
+    /// KV and every block left without tokens, as `truncate`). Publishes what became full and
+    /// verified. Returns how many leading positions are now committed.
+    pub fn accept_drafts(&self, id: &RequestId, num_accepted: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let request = inner.requests.remove(request_id)?;
+        let request = inner.requests.get(id)?;
+        if num_accepted > request.num_drafts {
+            return Err(CacheError::InvalidInput(format!(
+                "num_accepted {num_accepted} exceeds the request's {} draft tokens",
+                request.num_drafts
+            )));
+        }
+        let keep = request.num_verified() + num_accepted;
+        let (key, mut request) = inner.requests.take(id)?;
+        self.truncate_locked(inner, &mut request, keep);
+        request.num_drafts = 0;
+        self.publish_verified(inner, &mut request);
+        let committed = request.anchors.len();
+        inner.requests.put(key, request);
+        Ok(committed)
+    }
+
+    /// Drops every token from position `num_tokens` on (drafts or not), their KV, and every
+    /// block left without tokens (returned, now freed). Refuses to cut into a published
+    /// block: published KV is never rewritten.
+    pub fn truncate(&self, id: &RequestId, num_tokens: usize) -> Result<Vec<BlockId>> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let request = inner.requests.get(id)?;
+        let len = request.tokens.len();
+        let published = request.anchors.len() * self.config.block_size;
+        if num_tokens > len || num_tokens == 0 {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: the request has {len}, and keeps at \
+                 least one"
+            )));
+        }
+        if num_tokens < published {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: the first {published} are in published \
+                 blocks, which are never rewritten"
+            )));
+        }
+        let (key, mut request) = inner.requests.take(id)?;
+        let freed = self.truncate_locked(inner, &mut request, num_tokens);
+        inner.requests.put(key, request);
+        Ok(freed)
+    }
+
+    /// Drops every reference the request holds and its KV; its drafts are dropped too. The
+    /// blocks it committed stay cached (evictable), so its next `allocate_slots` matches them
+    /// again. Preempting a waiting request changes nothing.
+    pub fn preempt(&self, id: &RequestId) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (key, mut request) = inner.requests.take(id)?;
+        if request.scheduled {
+            inner.tick += 1;
+            self.release_table(inner, &request);
+            let verified = request.num_verified();
+            request.tokens.truncate(verified);
+            request.num_drafts = 0;
+            request.block_table.clear();
+            request.anchors.clear();
+            request.num_computed = 0;
+            request.scheduled = false;
+            // Its KV is gone: computed afresh, it may publish again (a collision is found
+            // again; a reset is noticed by the epoch at the next match).
+            request.cacheable = true;
+        }
+        inner.requests.put(key, request);
+        Ok(())
+    }
+
+    /// Ends a request: drops its references. Cached blocks stay, now evictable.
+    pub fn finish(&self, id: &RequestId) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (_, request) = inner.requests.take(id)?;
         inner.tick += 1;
-        for &block in &request.block_table {
-            if inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, request.priority);
-            }
-            // The reference the request took: only `finish` drops it (see `cache.rs`).
-            inner.pool.release(block);
+        self.release_table(inner, &request);
+        Ok(())
+    }
+
+    // ----- observation ----------------------------------------------------------------------
+
+    /// A live request's block table (empty while it waits).
+    pub fn block_table(&self, id: &RequestId) -> Result<Vec<BlockId>> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.block_table.clone())
+    }
+
+    /// A live request's token count (drafts included).
+    pub fn num_tokens(&self, id: &RequestId) -> Result<usize> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.tokens.len())
+    }
+
+    /// A live request's tokens with KV written.
+    pub fn num_computed_tokens(&self, id: &RequestId) -> Result<usize> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.num_computed)
+    }
+
+    /// SHA-256 keys of every full block of a request's verified tokens (see `block_keys`),
+    /// each computed once for the life of the request (after a reset, once more for a request
+    /// that waits: it is re-keyed under the new context).
+    pub fn request_block_keys(&self, id: &RequestId) -> Result<Vec<BlockKey>> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (key, mut request) = inner.requests.take(id)?;
+        if !request.scheduled {
+            self.refresh_epoch(inner, &mut request);
+        }
+        let bs = self.config.block_size;
+        let target = request.num_verified() / bs;
+        let mut buffer = std::mem::take(&mut inner.scratch);
+        for position in request.export_keys.len()..target {
+            let parent = request.export_keys.last().copied().unwrap_or(request.root);
+            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let extras = block_extras(&request.extras, position, bs);
+            let block_key = block_key_with(&mut buffer, &parent, chunk, &extras);
+            request.export_keys.push(block_key);
+        }
+        inner.scratch = buffer;
+        let keys = request.export_keys[..target].to_vec();
+        inner.requests.put(key, request);
+        Ok(keys)
+    }
+
+    // ----- internals ------------------------------------------------------------------------
+
+    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
+        self.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Err(CacheError::InvalidInput(
+                "a request needs at least one token".into(),
+            ));
         }
         Ok(())
     }
 
-    /// A live request's block table.
-    pub fn block_table(&self, request_id: u64) -> Result<Vec<BlockId>> {
-        let inner = self.inner.lock();
-        Ok(inner.requests.get(request_id)?.block_table.clone())
+    /// A waiting request keyed under an older epoch starts over under the current one.
+    fn refresh_epoch(&self, inner: &Inner, request: &mut Request) {
+        if request.epoch != inner.epoch {
+            request.root = self.root_key(&request.salt);
+            request.epoch = inner.epoch;
+            request.keys.clear();
+            request.export_keys.clear();
+            request.cacheable = true;
+        }
     }
 
-    /// A live request's token count.
-    pub fn num_tokens(&self, request_id: u64) -> Result<usize> {
-        let inner = self.inner.lock();
-        Ok(inner.requests.get(request_id)?.tokens.len())
+    /// Matches a waiting request's cached prefix under the mutex, from its kept keys.
+    fn match_request(&self, inner: &mut Inner, request: &mut Request) -> Vec<Anchor> {
+        self.refresh_epoch(inner, request);
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        let mut anchors = Vec::new();
+        let mut parent = Parent::Root(request.root);
+        for position in 0..request.num_verified() / bs {
+            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let block_extras = block_extras(&request.extras, position, bs);
+            let key = table_key(
+                &self.hasher,
+                &mut inner.scratch,
+                &mut request.keys,
+                &request.root,
+                chunk,
+                &block_extras,
+                position,
+            );
+            match self.table.get(&key, &guard) {
+                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
+                    anchors.push(entry.anchor(key));
+                    parent = Parent::Entry(entry.id);
+                }
+                _ => break,
+            }
+        }
+        anchors
+    }
+
+    /// What allocating `num_new` (None: every known token not yet computed) plus `lookahead`
+    /// slots for `request` would take. Touches nothing but the request's key memo.
+    fn plan(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        num_new: Option<usize>,
+        lookahead: usize,
+    ) -> Result<Plan> {
+        let bs = self.config.block_size;
+        let mut plan = Plan {
+            anchors: Vec::new(),
+            start: request.num_computed,
+            num_cached: 0,
+            full_hit: false,
+            last_token_shared: false,
+            fresh: 0,
+        };
+        let held = if request.scheduled {
+            request.block_table.len()
+        } else {
+            plan.anchors = self.match_request(inner, request);
+            let verified = request.num_verified();
+            let (num_cached, full_hit, shared) = self.hit_length(&mut plan.anchors, verified);
+            plan.num_cached = num_cached;
+            plan.full_hit = full_hit;
+            plan.last_token_shared = shared;
+            plan.start = num_cached;
+            plan.anchors.len()
+        };
+        let known = request.tokens.len() - plan.start;
+        let num_new = num_new.unwrap_or(known);
+        if num_new > known {
+            return Err(CacheError::InvalidInput(format!(
+                "num_new_tokens {num_new} is more than the request's {known} tokens not yet \
+                 computed (append them first)"
+            )));
+        }
+        plan.fresh = (plan.start + num_new + lookahead)
+            .div_ceil(bs)
+            .saturating_sub(held);
+        Ok(plan)
+    }
+
+    /// How many blocks of `anchors` a hit uses, by the cache's `FullHit` mode; returns
+    /// (cached tokens, full hit, last token shared) and drops the anchor the mode recomputes.
+    pub(crate) fn hit_length(
+        &self,
+        anchors: &mut Vec<Anchor>,
+        num_tokens: usize,
+    ) -> (usize, bool, bool) {
+        let shape = self.hit_shape(anchors.len(), num_tokens);
+        anchors.truncate(self.hit_blocks(shape));
+        shape
+    }
+
+    /// Blocks a hit of this shape uses: every cached token's, and the shared last block.
+    pub(crate) fn hit_blocks(&self, (cached, _, shared): (usize, bool, bool)) -> usize {
+        let bs = self.config.block_size;
+        if shared {
+            cached / bs + 1
+        } else {
+            cached / bs
+        }
+    }
+
+    /// (cached tokens, full hit, last token shared) for `matched` leading cached blocks of a
+    /// `num_tokens` prompt under the cache's `FullHit` mode.
+    pub(crate) fn hit_shape(&self, matched: usize, num_tokens: usize) -> (usize, bool, bool) {
+        let bs = self.config.block_size;
+        let full_hit = num_tokens > 0 && matched * bs == num_tokens;
+        match (full_hit, self.config.full_hit) {
+            (false, _) => (matched * bs, false, false),
+            (true, FullHit::RecomputeLastBlock) => (num_tokens - bs, true, false),
+            (true, FullHit::ReuseLastBlock) => (num_tokens - 1, true, true),
+        }
+    }
+
+    /// Blocks the pool could hand out after referencing `hits`, capped at `want`.
+    fn obtainable_with(&self, inner: &mut Inner, hits: &[Anchor], want: usize) -> usize {
+        for anchor in hits {
+            inner.pool.acquire(anchor.block);
+        }
+        let available = inner.pool.available(want);
+        // Releasing restores each hit's exact eviction position: nothing was touched.
+        for anchor in hits {
+            inner.pool.release(anchor.block);
+        }
+        available
+    }
+
+    fn allocate_locked(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        num_new: Option<usize>,
+        lookahead: usize,
+        watermark: usize,
+    ) -> Result<Slots> {
+        let was_waiting = !request.scheduled;
+        let plan = self.plan(inner, request, num_new, lookahead)?;
+        if watermark > 0 {
+            let want = plan.fresh + watermark;
+            let available = self.obtainable_with(inner, &plan.anchors, want);
+            if available < want {
+                return Err(CacheError::OutOfBlocks {
+                    needed: want,
+                    available,
+                });
+            }
+        }
+        let hits: Vec<BlockId> = plan.anchors.iter().map(|a| a.block).collect();
+        let fresh = self.acquire_and_allocate(inner, &hits, plan.fresh)?;
+        if was_waiting {
+            inner.tick += 1;
+            for &block in &hits {
+                inner.pool.touch(block, inner.tick, request.priority);
+            }
+            inner.counters.lookups += 1;
+            inner.counters.lookup_tokens += request.num_verified() as u64;
+            inner.counters.hit_tokens += plan.num_cached as u64;
+            request.anchors = plan.anchors;
+            request.num_computed = plan.start;
+            request.scheduled = true;
+        }
+        let mut block_ids = hits;
+        block_ids.extend_from_slice(&fresh);
+        request.block_table.extend_from_slice(&block_ids);
+        Ok(Slots {
+            block_ids,
+            num_computed_tokens: plan.start,
+            num_cached_tokens: plan.num_cached,
+            full_hit: plan.full_hit,
+            last_token_shared: plan.last_token_shared,
+        })
+    }
+
+    fn truncate_locked(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        num_tokens: usize,
+    ) -> Vec<BlockId> {
+        let bs = self.config.block_size;
+        let removed = request.tokens.len() - num_tokens;
+        request.tokens.truncate(num_tokens);
+        request.num_drafts = request.num_drafts.saturating_sub(removed);
+        request.num_computed = request.num_computed.min(num_tokens);
+        request.keys.truncate(num_tokens / bs);
+        request.export_keys.truncate(num_tokens / bs);
+        let keep = num_tokens.div_ceil(bs);
+        if !request.scheduled || request.block_table.len() <= keep {
+            return Vec::new();
+        }
+        let freed = request.block_table.split_off(keep);
+        for &block in &freed {
+            // Past every published position: private blocks, freed right here.
+            inner.pool.release(block);
+        }
+        freed
+    }
+
+    fn release_table(&self, inner: &mut Inner, request: &Request) {
+        for &block in &request.block_table {
+            if inner.pool.is_cached(block) {
+                inner.pool.touch(block, inner.tick, request.priority);
+            }
+            // The reference the request took: only it drops it (see `cache.rs`).
+            inner.pool.release(block);
+        }
+    }
+
+    /// Publishes the full blocks of verified tokens with KV written, if the request may.
+    fn publish_verified(&self, inner: &mut Inner, request: &mut Request) {
+        if request.cacheable {
+            inner.tick += 1;
+            let target = request.num_computed.min(request.num_verified()) / self.config.block_size;
+            self.publish(inner, request, target);
+        }
     }
 
     /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
@@ -286,23 +935,26 @@ impl PrefixCache {
         let guard = self.table.guard();
         while request.anchors.len() < target {
             let position = request.anchors.len();
-            let (parent, parent_key, parent_block) = match request.anchors.last() {
-                Some(e) => (Parent::Entry(e.id), e.key, Some(e.block)),
-                None => (
-                    Parent::Root(request.root),
-                    self.hasher.root(&request.root),
-                    None,
-                ),
+            let (parent, parent_block) = match request.anchors.last() {
+                Some(e) => (Parent::Entry(e.id), Some(e.block)),
+                None => (Parent::Root(request.root), None),
             };
             let chunk = &request.tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = self
-                .hasher
-                .block(&mut inner.scratch, parent_key, chunk, &block_extras);
+            let key = table_key(
+                &self.hasher,
+                &mut inner.scratch,
+                &mut request.keys,
+                &request.root,
+                chunk,
+                &block_extras,
+                position,
+            );
             let own_block = request.block_table[position];
             if inner.pool.is_cached(own_block) {
-                // Only through `commit_blocks`: the caller passed a block that is already
-                // cached. Fine if it is exactly this entry; it cannot stand anywhere else.
+                // A shared block of the request's own hit (reuse-last-block full hits), or a
+                // block `commit_blocks` was passed that is already cached. Fine if it is
+                // exactly this entry; it cannot stand anywhere else.
                 match self.table.get(&key, &guard) {
                     Some(e)
                         if e.block == own_block && e.verifies(&parent, chunk, &block_extras) =>
@@ -352,24 +1004,44 @@ impl PrefixCache {
     }
 }
 
+fn no_pending_drafts(id: &RequestId, request: &Request) -> Result<()> {
+    if request.num_drafts > 0 {
+        return Err(CacheError::InvalidInput(format!(
+            "request {id} has {} draft tokens: accept_drafts or truncate them before appending \
+             verified tokens",
+            request.num_drafts
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    use super::RequestId;
     use crate::cache::tests::{cache, no_extras};
     use crate::error::CacheError;
     use crate::key::context_fingerprint;
-    use crate::PrefixCache;
+    use crate::{CacheConfig, FullHit, PrefixCache};
 
     #[test]
     fn calls_on_an_id_that_is_not_live_are_unknown_request_and_change_nothing() {
         let c = cache(8, 2);
-        let r = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
-        c.finish(r.request_id).unwrap();
+        let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        c.finish(&r.request_id).unwrap();
         let before = c.stats();
-        for id in [r.request_id, r.request_id + 1, 0] {
-            let unknown = CacheError::UnknownRequest(id);
+        for id in [r.request_id, RequestId::Int(99), "x".into()] {
+            let unknown = CacheError::UnknownRequest(id.clone());
+            let id = &id;
             assert_eq!(c.finish(id), Err(unknown.clone()));
             assert_eq!(c.commit(id, 0), Err(unknown.clone()));
             assert_eq!(c.append(id, &[1]), Err(unknown.clone()));
+            assert_eq!(c.append_tokens(id, &[1], true), Err(unknown.clone()));
+            assert_eq!(c.allocate_slots(id, 0, 0, 0), Err(unknown.clone()));
+            assert_eq!(c.can_allocate_slots(id, 0, 0, 0), Err(unknown.clone()));
+            assert_eq!(c.truncate(id, 1), Err(unknown.clone()));
+            assert_eq!(c.accept_drafts(id, 0), Err(unknown.clone()));
+            assert_eq!(c.preempt(id), Err(unknown.clone()));
+            assert_eq!(c.request_block_keys(id), Err(unknown.clone()));
             assert_eq!(c.block_table(id), Err(unknown.clone()));
             assert_eq!(c.num_tokens(id), Err(unknown));
         }
@@ -380,15 +1052,15 @@ mod tests {
     #[test]
     fn request_ids_are_never_reused() {
         let c = cache(8, 2);
-        let a = c.begin(vec![1], b"", no_extras(), 0).unwrap();
-        c.finish(a.request_id).unwrap();
-        let b = c.begin(vec![1], b"", no_extras(), 0).unwrap();
+        let a = c.begin(None, vec![1], b"", no_extras(), 0).unwrap();
+        c.finish(&a.request_id).unwrap();
+        let b = c.begin(None, vec![1], b"", no_extras(), 0).unwrap();
         assert_ne!(a.request_id, b.request_id);
         assert_eq!(
-            c.finish(a.request_id),
+            c.finish(&a.request_id),
             Err(CacheError::UnknownRequest(a.request_id))
         );
-        c.finish(b.request_id).unwrap();
+        c.finish(&b.request_id).unwrap();
     }
 
     #[test]
@@ -402,67 +1074,67 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(
-            c.begin(vec![], b"", no_extras(), 0),
+            c.begin(None, vec![], b"", no_extras(), 0),
             Err(CacheError::InvalidInput(_))
         ));
         assert!(matches!(
-            c.begin(vec![1, 10], b"", no_extras(), 0),
+            c.begin(None, vec![1, 10], b"", no_extras(), 0),
             Err(CacheError::InvalidInput(_))
         ));
-        let r = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
         let before = c.stats();
         assert!(matches!(
-            c.commit(r.request_id, 4),
+            c.commit(&r.request_id, 4),
             Err(CacheError::InvalidInput(_))
         ));
         assert!(matches!(
-            c.append(r.request_id, &[3, 11]),
+            c.append(&r.request_id, &[3, 11]),
             Err(CacheError::InvalidInput(_))
         ));
         assert_eq!(c.stats(), before);
         assert_eq!(
-            c.num_tokens(r.request_id),
+            c.num_tokens(&r.request_id),
             Ok(3),
             "the request is still live"
         );
-        c.finish(r.request_id).unwrap();
+        c.finish(&r.request_id).unwrap();
         c.check_invariants();
     }
 
     #[test]
     fn out_of_blocks_leaves_the_request_as_it_was() {
         let c = cache(2, 2);
-        let r = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
         assert_eq!(
-            c.append(r.request_id, &[4, 5]),
+            c.append(&r.request_id, &[4, 5]),
             Err(CacheError::OutOfBlocks {
                 needed: 1,
                 available: 0
             })
         );
-        assert_eq!(c.num_tokens(r.request_id), Ok(3));
-        assert_eq!(c.block_table(r.request_id).unwrap().len(), 2);
+        assert_eq!(c.num_tokens(&r.request_id), Ok(3));
+        assert_eq!(c.block_table(&r.request_id).unwrap().len(), 2);
         // Room for the last token of the current block needs no new block.
-        assert_eq!(c.append(r.request_id, &[4]), Ok(vec![]));
-        c.finish(r.request_id).unwrap();
+        assert_eq!(c.append(&r.request_id, &[4]), Ok(vec![]));
+        c.finish(&r.request_id).unwrap();
         c.check_invariants();
     }
 
     #[test]
     fn commit_is_idempotent_and_publishes_only_full_blocks() {
         let c = cache(8, 2);
-        let r = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
-        assert_eq!(c.commit(r.request_id, 1), Ok(0));
-        assert_eq!(c.commit(r.request_id, 3), Ok(1));
-        assert_eq!(c.commit(r.request_id, 3), Ok(1));
+        let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        assert_eq!(c.commit(&r.request_id, 1), Ok(0));
+        assert_eq!(c.commit(&r.request_id, 3), Ok(1));
+        assert_eq!(c.commit(&r.request_id, 3), Ok(1));
         assert_eq!(c.stats().committed_blocks, 1);
-        c.append(r.request_id, &[4, 5]).unwrap();
+        c.append(&r.request_id, &[4, 5]).unwrap();
         assert_eq!(
-            c.commit(r.request_id, 5),
+            c.commit(&r.request_id, 5),
             Ok(2),
             "generated tokens publish too"
         );
-        c.finish(r.request_id).unwrap();
+        c.finish(&r.request_id).unwrap();
         assert_eq!(
             c.lookup(&[1, 2, 3, 4, 5], b"", &no_extras())
                 .unwrap()
@@ -478,39 +1150,52 @@ mod tests {
             c.set_context(context_fingerprint(b"other"))
         }] {
             let c = cache(8, 2);
-            let r = c.begin(vec![1, 2, 3, 4], b"", no_extras(), 0).unwrap();
-            assert_eq!(c.commit(r.request_id, 2), Ok(1));
+            let r = c
+                .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+                .unwrap();
+            assert_eq!(c.commit(&r.request_id, 2), Ok(1));
             reset(&c);
             assert_eq!(
-                c.commit(r.request_id, 4),
+                c.commit(&r.request_id, 4),
                 Ok(0),
                 "nothing is committed any more"
             );
-            c.append(r.request_id, &[5, 6]).unwrap();
+            c.append(&r.request_id, &[5, 6]).unwrap();
             assert_eq!(
-                c.commit(r.request_id, 6),
+                c.commit(&r.request_id, 6),
                 Ok(0),
                 "not even blocks allocated after"
             );
             assert_eq!(c.stats().blocks_cached, 0);
-            c.finish(r.request_id).unwrap();
+            c.finish(&r.request_id).unwrap();
             assert_eq!(c.stats().blocks_free, 8, "its blocks are freed, not cached");
             c.check_invariants();
         }
     }
 
     #[test]
-    fn a_full_hit_shares_every_block_and_recomputes_one_token() {
-        let c = cache(8, 2);
-        let a = c.begin(vec![1, 2, 3, 4], b"", no_extras(), 0).unwrap();
-        c.commit(a.request_id, 4).unwrap();
-        let b = c.begin(vec![1, 2, 3, 4], b"", no_extras(), 0).unwrap();
-        assert!(b.full_hit);
+    fn a_full_hit_in_reuse_mode_shares_every_block_and_recomputes_one_token() {
+        let c = PrefixCache::new(
+            CacheConfig {
+                full_hit: FullHit::ReuseLastBlock,
+                ..CacheConfig::new(8, 2)
+            },
+            context_fingerprint(b"unit"),
+        )
+        .unwrap();
+        let a = c
+            .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+            .unwrap();
+        c.commit(&a.request_id, 4).unwrap();
+        let b = c
+            .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+            .unwrap();
+        assert!(b.full_hit && b.last_token_shared);
         assert_eq!(b.num_cached_tokens, 3);
         assert_eq!(b.block_table, a.block_table);
         assert_eq!(c.ref_count(a.block_table[1]), Ok(2));
-        c.finish(a.request_id).unwrap();
-        c.finish(b.request_id).unwrap();
+        c.finish(&a.request_id).unwrap();
+        c.finish(&b.request_id).unwrap();
         c.check_invariants();
     }
 
@@ -534,47 +1219,52 @@ mod tests {
                 key(&a) == key(&b)
             })
             .expect("half the seeds collide");
-        let first = c.begin(a.clone(), b"", no_extras(), 0).unwrap();
-        assert_eq!(c.commit(first.request_id, 2), Ok(1));
-        let second = c.begin(b.clone(), b"", no_extras(), 0).unwrap();
+        let first = c.begin(None, a.clone(), b"", no_extras(), 0).unwrap();
+        assert_eq!(c.commit(&first.request_id, 2), Ok(1));
+        let second = c.begin(None, b.clone(), b"", no_extras(), 0).unwrap();
         assert_eq!(
             second.num_cached_tokens, 0,
             "the colliding entry does not verify"
         );
-        assert_eq!(c.commit(second.request_id, 2), Ok(0));
+        assert_eq!(c.commit(&second.request_id, 2), Ok(0));
         assert_eq!(c.stats().collisions, 1);
-        c.finish(first.request_id).unwrap();
-        c.finish(second.request_id).unwrap();
+        c.finish(&first.request_id).unwrap();
+        c.finish(&second.request_id).unwrap();
+        let probe = |t: &[u32]| [t, &[0]].concat();
         assert_eq!(
-            c.lookup(&a, b"", &no_extras()).unwrap().blocks,
+            c.lookup(&probe(&a), b"", &no_extras()).unwrap().blocks,
             first.block_table
         );
-        assert!(c.lookup(&b, b"", &no_extras()).unwrap().blocks.is_empty());
+        assert!(c
+            .lookup(&probe(&b), b"", &no_extras())
+            .unwrap()
+            .blocks
+            .is_empty());
         c.check_invariants();
     }
 
     #[test]
     fn an_evicted_deduplicated_anchor_is_recommitted_from_the_own_copy() {
         let c = cache(5, 1);
-        let a = c.begin(vec![1, 2], b"", no_extras(), 0).unwrap();
-        let b = c.begin(vec![1, 2, 3], b"", no_extras(), 0).unwrap();
-        c.commit(a.request_id, 2).unwrap();
-        c.commit(b.request_id, 1).unwrap(); // anchors on a's first block
-        c.finish(a.request_id).unwrap();
+        let a = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+        let b = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+        c.commit(&a.request_id, 2).unwrap();
+        c.commit(&b.request_id, 1).unwrap(); // anchors on a's first block
+        c.finish(&a.request_id).unwrap();
         // Pressure evicts a's cached chain (b holds only its own, uncached copies).
         let pressure = c.allocate(2).unwrap();
         assert_eq!(c.stats().evictions, 2);
         assert_eq!(
-            c.commit(b.request_id, 3),
+            c.commit(&b.request_id, 3),
             Ok(3),
             "b republishes from its own blocks"
         );
         assert_eq!(
-            c.lookup(&[1, 2, 3], b"", &no_extras()).unwrap().blocks,
+            c.lookup(&[1, 2, 3, 0], b"", &no_extras()).unwrap().blocks,
             b.block_table
         );
         c.release(&pressure).unwrap();
-        c.finish(b.request_id).unwrap();
+        c.finish(&b.request_id).unwrap();
         c.check_invariants();
     }
 }

@@ -94,10 +94,10 @@ fn cache(num_blocks: u32, context: BlockKey, seed: u64) -> PrefixCache {
 
 fn serve(cache: &PrefixCache, prompt: &[u32]) -> Vec<BlockId> {
     let r = cache
-        .begin(prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
         .unwrap();
-    cache.commit(r.request_id, prompt.len()).unwrap();
-    cache.finish(r.request_id).unwrap();
+    cache.commit(&r.request_id, prompt.len()).unwrap();
+    cache.finish(&r.request_id).unwrap();
     r.block_table
 }
 

@@ -21,8 +21,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use prefixkv_core::key::{TableHasher, TableKey};
 use prefixkv_core::{
-    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, CacheError, CacheStats,
-    PrefixCache, RequestExtras,
+    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, CacheError, CacheStats, FullHit,
+    PrefixCache, RequestExtras, RequestId,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -91,6 +91,8 @@ impl KeyOracle {
 
 struct Model {
     bs: usize,
+    /// The cache's `FullHit` mode is `ReuseLastBlock` (else `RecomputeLastBlock`).
+    reuse_last_block: bool,
     blocks: Vec<Meta>,
     free: Vec<BlockId>,
     table: HashMap<Content, ModelEntry>,
@@ -114,10 +116,11 @@ struct Model {
 type Matched = (Vec<BlockId>, usize, bool);
 
 impl Model {
-    fn new(num_blocks: u32, bs: usize, oracle: KeyOracle) -> Self {
+    fn new(num_blocks: u32, bs: usize, reuse_last_block: bool, oracle: KeyOracle) -> Self {
         let n = num_blocks as usize;
         Self {
             bs,
+            reuse_last_block,
             blocks: vec![Meta::default(); n],
             free: (0..num_blocks).rev().collect(),
             table: HashMap::new(),
@@ -158,10 +161,27 @@ impl Model {
         out
     }
 
-    fn result(&self, blocks: Vec<BlockId>, n: usize) -> Matched {
+    /// What a match of `blocks` leading cached blocks gives a prompt of `n` tokens: a full hit
+    /// shares every block and recomputes the last token (`ReuseLastBlock`), or recomputes the
+    /// last block (`RecomputeLastBlock`).
+    fn result(&self, mut blocks: Vec<BlockId>, n: usize) -> Matched {
         let cached = blocks.len() * self.bs;
         let full = cached == n && n > 0;
-        (blocks, if full { n - 1 } else { cached }, full)
+        if !full {
+            return (blocks, cached, false);
+        }
+        if self.reuse_last_block {
+            return (blocks, n - 1, true);
+        }
+        blocks.pop();
+        (blocks, n - self.bs, true)
+    }
+
+    /// The matched entries a request or `match_and_acquire` references (see `result`).
+    fn used_hits(&self, mut hits: Vec<ModelEntry>, n: usize) -> Vec<ModelEntry> {
+        let used = self.result(vec![0; hits.len()], n).0.len();
+        hits.truncate(used);
+        hits
     }
 
     fn evictable(&self, b: usize, children: &[u32]) -> bool {
@@ -345,7 +365,12 @@ impl Model {
         if tokens.is_empty() {
             return Err(CacheError::InvalidInput(String::new()));
         }
-        let hits = self.matched(tokens, root);
+        let matched = self.matched(tokens, root);
+        // The hit's shape is what the match found, before allocating (which may evict the
+        // block a `RecomputeLastBlock` full hit does not use).
+        let (_, cached, full) =
+            self.result(matched.iter().map(|e| e.block).collect(), tokens.len());
+        let hits = self.used_hits(matched, tokens.len());
         for e in &hits {
             self.blocks[e.block as usize].refs += 1;
         }
@@ -362,8 +387,7 @@ impl Model {
         for e in &hits {
             self.touch(e.block, priority);
         }
-        let (mut table, cached, full) =
-            self.result(hits.iter().map(|e| e.block).collect(), tokens.len());
+        let mut table: Vec<BlockId> = hits.iter().map(|e| e.block).collect();
         self.count_lookup(tokens.len(), cached);
         table.extend(fresh);
         let id = self.next_request;
@@ -386,7 +410,7 @@ impl Model {
         let req = self
             .requests
             .get(&id)
-            .ok_or(CacheError::UnknownRequest(id))?;
+            .ok_or(CacheError::UnknownRequest(rid(id)))?;
         let need = (req.tokens.len() + tokens.len())
             .div_ceil(self.bs)
             .saturating_sub(req.table.len());
@@ -401,7 +425,7 @@ impl Model {
         let mut req = self
             .requests
             .remove(&id)
-            .ok_or(CacheError::UnknownRequest(id))?;
+            .ok_or(CacheError::UnknownRequest(rid(id)))?;
         if n > req.tokens.len() {
             self.requests.insert(id, req);
             return Err(CacheError::InvalidInput(String::new()));
@@ -419,7 +443,7 @@ impl Model {
         let req = self
             .requests
             .remove(&id)
-            .ok_or(CacheError::UnknownRequest(id))?;
+            .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
         for &b in &req.table {
             if self.blocks[b as usize].cached {
@@ -432,13 +456,13 @@ impl Model {
 
     fn match_and_acquire(&mut self, tokens: &[u32], root: Root, priority: i32) -> Matched {
         let blocks: Vec<BlockId> = self.matched(tokens, root).iter().map(|e| e.block).collect();
+        let result = self.result(blocks, tokens.len());
         self.tick += 1;
-        for &b in &blocks {
+        for &b in &result.0 {
             self.blocks[b as usize].refs += 1;
             self.external[b as usize] += 1;
             self.touch(b, priority);
         }
-        let result = self.result(blocks, tokens.len());
         self.count_lookup(tokens.len(), result.1);
         result
     }
@@ -764,6 +788,11 @@ struct Machine {
 
 /// Same outcome: equal values, or errors of the same kind (`InvalidInput` messages are the
 /// real cache's to word; every other error must be equal field by field).
+/// The core's name for the model's request id.
+fn rid(id: u64) -> RequestId {
+    RequestId::Int(i64::try_from(id).expect("small ids"))
+}
+
 fn same<T: PartialEq + std::fmt::Debug>(
     op: &Op,
     real: &Result<T, CacheError>,
@@ -776,13 +805,24 @@ fn same<T: PartialEq + std::fmt::Debug>(
 }
 
 impl Machine {
-    fn new(num_blocks: u32, block_size: usize, key_bits: u32, seed: u64) -> Self {
+    fn new(
+        num_blocks: u32,
+        block_size: usize,
+        key_bits: u32,
+        seed: u64,
+        reuse_last_block: bool,
+    ) -> Self {
         let contexts = [
             context_fingerprint(b"model a"),
             context_fingerprint(b"model b"),
         ];
         let config = CacheConfig {
             key_bits,
+            full_hit: if reuse_last_block {
+                FullHit::ReuseLastBlock
+            } else {
+                FullHit::RecomputeLastBlock
+            },
             ..CacheConfig::new(num_blocks, block_size)
         };
         let real = PrefixCache::with_table_seed(config, contexts[0], seed).unwrap();
@@ -793,7 +833,7 @@ impl Machine {
         };
         Self {
             real,
-            model: Model::new(num_blocks, block_size, oracle),
+            model: Model::new(num_blocks, block_size, reuse_last_block, oracle),
             contexts,
             requests: Vec::new(),
             held: Vec::new(),
@@ -823,15 +863,22 @@ impl Machine {
         let real = self
             .real
             .begin(
+                None,
                 tokens.to_vec(),
                 salt_bytes,
                 RequestExtras::default(),
                 priority,
             )
             .map(|r| (r.request_id, r.block_table, r.num_cached_tokens, r.full_hit));
-        let model = self.model.begin(tokens, self.root(salt), priority);
+        let model = self
+            .model
+            .begin(tokens, self.root(salt), priority)
+            .map(|(id, table, cached, full)| (rid(id), table, cached, full));
         same(op, &real, &model);
-        let (id, _, cached, _) = real.ok()?;
+        let (RequestId::Int(id), _, cached, _) = real.ok()? else {
+            unreachable!("begin without an id picks an int")
+        };
+        let id = u64::try_from(id).expect("positive ids");
         assert!(
             cached < tokens.len(),
             "at least one token is left to compute"
@@ -841,19 +888,23 @@ impl Machine {
     }
 
     fn commit(&mut self, op: &Op, id: u64, n: usize) {
-        same(op, &self.real.commit(id, n), &self.model.commit(id, n));
+        same(
+            op,
+            &self.real.commit(&rid(id), n),
+            &self.model.commit(id, n),
+        );
     }
 
     fn append(&mut self, op: &Op, id: u64, tokens: &[u32]) {
         same(
             op,
-            &self.real.append(id, tokens),
+            &self.real.append(&rid(id), tokens),
             &self.model.append(id, tokens),
         );
     }
 
     fn finish(&mut self, op: &Op, id: u64) {
-        same(op, &self.real.finish(id), &self.model.finish(id));
+        same(op, &self.real.finish(&rid(id)), &self.model.finish(id));
     }
 
     fn apply(&mut self, op: &Op) {
@@ -1023,7 +1074,7 @@ impl Machine {
         }
         for (&id, request) in &self.model.requests {
             assert_eq!(
-                self.real.block_table(id).as_ref(),
+                self.real.block_table(&rid(id)).as_ref(),
                 Ok(&request.table),
                 "after {op:?}"
             );
@@ -1033,7 +1084,7 @@ impl Machine {
     /// Every request finishes and every external reference is released: nothing may stay.
     fn teardown(mut self) {
         for id in self.model.requests.keys().copied().collect::<Vec<_>>() {
-            self.real.finish(id).unwrap();
+            self.real.finish(&rid(id)).unwrap();
             self.model.finish(id).unwrap();
         }
         let held: Vec<BlockId> = (0..self.model.external.len() as BlockId)
@@ -1052,8 +1103,15 @@ impl Machine {
     }
 }
 
-fn run(num_blocks: u32, block_size: usize, key_bits: u32, seed: u64, ops: &[Op]) {
-    let mut machine = Machine::new(num_blocks, block_size, key_bits, seed);
+fn run(
+    num_blocks: u32,
+    block_size: usize,
+    key_bits: u32,
+    seed: u64,
+    reuse_last_block: bool,
+    ops: &[Op],
+) {
+    let mut machine = Machine::new(num_blocks, block_size, key_bits, seed, reuse_last_block);
     for op in ops {
         machine.apply(op);
         machine.check(op);
@@ -1076,9 +1134,10 @@ proptest! {
         block_size in 1..=4usize,
         key_bits in key_bits(),
         seed in any::<u64>(),
+        reuse_last_block in any::<bool>(),
         ops in vec(op(), 1..50),
     ) {
-        run(num_blocks, block_size, key_bits, seed, &ops);
+        run(num_blocks, block_size, key_bits, seed, reuse_last_block, &ops);
     }
 }
 
@@ -1093,16 +1152,17 @@ proptest! {
         block_size in 1..=4usize,
         key_bits in key_bits(),
         seed in any::<u64>(),
+        reuse_last_block in any::<bool>(),
         ops in vec(op(), 1..200),
     ) {
-        run(num_blocks, block_size, key_bits, seed, &ops);
+        run(num_blocks, block_size, key_bits, seed, reuse_last_block, &ops);
     }
 }
 
 /// The generator reaches the interesting states: collisions, deduplication, eviction, pins.
 #[test]
 fn tiny_keys_collide_and_shared_stems_deduplicate() {
-    let mut machine = Machine::new(6, 2, 1, 3);
+    let mut machine = Machine::new(6, 2, 1, 3, false);
     let prompt = STEMS[0].to_vec();
     let ops = [
         Op::Begin {

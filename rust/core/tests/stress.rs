@@ -59,7 +59,8 @@ fn concurrent_lookups_never_report_a_block_of_another_prefix() {
     let mut written: std::collections::HashMap<u32, Vec<u32>> = std::collections::HashMap::new();
     for round in 0..ROUNDS {
         let prompt = &prompts[(round * 5) % prompts.len()];
-        let Ok(request) = cache.begin(prompt.clone(), b"", RequestExtras::default(), 0) else {
+        let Ok(request) = cache.begin(None, prompt.clone(), b"", RequestExtras::default(), 0)
+        else {
             continue;
         };
         let hit_blocks = request.num_cached_tokens.div_ceil(BLOCK);
@@ -76,8 +77,8 @@ fn concurrent_lookups_never_report_a_block_of_another_prefix() {
                 written.insert(block, prompt[..end].to_vec());
             }
         }
-        cache.commit(request.request_id, prompt.len()).unwrap();
-        cache.finish(request.request_id).unwrap();
+        cache.commit(&request.request_id, prompt.len()).unwrap();
+        cache.finish(&request.request_id).unwrap();
         if round % 50_000 == 25_000 {
             cache.clear();
         }

@@ -2,13 +2,13 @@
 //! (`convert.rs`), results leave as named objects (`results.rs`), and calls that hash or walk a
 //! whole prompt release the GIL. `prefixkv.PrefixCache` (Python) is the documented API on top.
 
-use prefixkv_core::{BlockKey, CacheConfig, PrefixCache};
+use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::convert::{block_id, int_in, BlockIds, KeyExtras, RequestRef, Tokens};
 use crate::errors::{invalid, to_py_err};
-use crate::results::{Pin, PrefixMatch, Request};
+use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
 
 const U32_RANGE: &str = "1 ..= 4294967295";
@@ -40,13 +40,14 @@ pub struct CoreCache(PrefixCache);
 #[pymethods]
 impl CoreCache {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None))]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None, reuse_last_block=false))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         context_fingerprint: &[u8],
         vocab_size: Option<&Bound<'_, PyAny>>,
         key_bits: Option<&Bound<'_, PyAny>>,
+        reuse_last_block: bool,
     ) -> PyResult<Self> {
         let positive = |v: i128| v > 0;
         let config = CacheConfig {
@@ -59,6 +60,11 @@ impl CoreCache {
             key_bits: key_bits.map_or(Ok(128), |k| {
                 int_in(k, "key_bits", "1 ..= 128", |v| (1..=128).contains(&v))
             })?,
+            full_hit: if reuse_last_block {
+                FullHit::ReuseLastBlock
+            } else {
+                FullHit::RecomputeLastBlock
+            },
         };
         PrefixCache::new(config, fingerprint(context_fingerprint)?)
             .map(Self)
@@ -91,21 +97,25 @@ impl CoreCache {
         Ok(m.into())
     }
 
-    #[pyo3(signature = (tokens, keys, priority=None))]
+    #[pyo3(signature = (tokens, keys, priority=None, request=None))]
     fn begin(
         &self,
         py: Python<'_>,
         tokens: Tokens<'_>,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
+        request: Option<RequestRef>,
     ) -> PyResult<Request> {
         let priority = self::priority(priority)?;
         let num_prompt_tokens = tokens.len();
         let view = tokens.view();
+        let id = request.map(|r| r.0);
         let r = py
             .detach(|| {
-                view.into_vec()
-                    .and_then(|t| self.0.begin(t, &keys.salt, keys.extras.clone(), priority))
+                view.into_vec().and_then(|t| {
+                    self.0
+                        .begin(id, t, &keys.salt, keys.extras.clone(), priority)
+                })
             })
             .map_err(to_py_err)?;
         Ok(Request {
@@ -113,8 +123,83 @@ impl CoreCache {
             block_table: r.block_table,
             num_cached_tokens: r.num_cached_tokens,
             full_hit: r.full_hit,
+            last_token_shared: r.last_token_shared,
             num_prompt_tokens,
         })
+    }
+
+    #[pyo3(signature = (request, tokens, keys, priority=None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let priority = self::priority(priority)?;
+        let view = tokens.view();
+        py.detach(|| {
+            view.into_vec().and_then(|t| {
+                self.0
+                    .add_request(request.0, t, &keys.salt, keys.extras.clone(), priority)
+            })
+        })
+        .map_err(to_py_err)
+    }
+
+    // The per-step calls below take a few hundred nanoseconds: they keep the GIL (STYLE.md).
+
+    fn allocate_slots(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<Slots> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let watermark = count(watermark, "watermark_blocks")?;
+        self.0
+            .allocate_slots(&request.0, new, lookahead, watermark)
+            .map(Slots::from)
+            .map_err(to_py_err)
+    }
+
+    fn can_allocate_slots(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let watermark = count(watermark, "watermark_blocks")?;
+        self.0
+            .can_allocate_slots(&request.0, new, lookahead, watermark)
+            .map_err(to_py_err)
+    }
+
+    fn blocks_needed(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        self.0
+            .blocks_needed(&request.0, new, lookahead)
+            .map_err(to_py_err)
+    }
+
+    fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {
+        tokens
+            .view()
+            .into_vec()
+            .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
+            .map_err(to_py_err)
     }
 
     fn append(
@@ -124,31 +209,60 @@ impl CoreCache {
         tokens: Tokens<'_>,
     ) -> PyResult<Vec<u32>> {
         let view = tokens.view();
-        py.detach(|| view.into_vec().and_then(|t| self.0.append(request.0, &t)))
+        py.detach(|| view.into_vec().and_then(|t| self.0.append(&request.0, &t)))
             .map_err(to_py_err)
     }
 
     fn commit(
         &self,
-        py: Python<'_>,
         request: RequestRef,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        py.detach(|| self.0.commit(request.0, num))
-            .map_err(to_py_err)
+        self.0.commit(&request.0, num).map_err(to_py_err)
+    }
+
+    fn accept_drafts(
+        &self,
+        request: RequestRef,
+        num_accepted: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_accepted, "num_accepted")?;
+        self.0.accept_drafts(&request.0, num).map_err(to_py_err)
+    }
+
+    fn truncate(&self, request: RequestRef, num_tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let num = count(num_tokens, "num_tokens")?;
+        self.0.truncate(&request.0, num).map_err(to_py_err)
+    }
+
+    fn preempt(&self, request: RequestRef) -> PyResult<()> {
+        self.0.preempt(&request.0).map_err(to_py_err)
     }
 
     fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
-        py.detach(|| self.0.finish(request.0)).map_err(to_py_err)
+        py.detach(|| self.0.finish(&request.0)).map_err(to_py_err)
     }
 
     fn block_table(&self, request: RequestRef) -> PyResult<Vec<u32>> {
-        self.0.block_table(request.0).map_err(to_py_err)
+        self.0.block_table(&request.0).map_err(to_py_err)
     }
 
     fn num_tokens(&self, request: RequestRef) -> PyResult<usize> {
-        self.0.num_tokens(request.0).map_err(to_py_err)
+        self.0.num_tokens(&request.0).map_err(to_py_err)
+    }
+
+    fn num_computed_tokens(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.num_computed_tokens(&request.0).map_err(to_py_err)
+    }
+
+    fn request_block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        request: RequestRef,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let keys = self.0.request_block_keys(&request.0).map_err(to_py_err)?;
+        Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
 
     #[pyo3(signature = (tokens, keys, priority=None))]

@@ -4,13 +4,13 @@
 //! `InvalidInputError` that names the argument: integers follow `operator.index` (ints and
 //! numpy ints; never `bool`, `float`, `str` or `None`), so `finish(1.9)` cannot retire request 1.
 
-use prefixkv_core::{CacheError, MultimodalItem, RequestExtras};
+use prefixkv_core::{CacheError, MultimodalItem, RequestExtras, RequestId};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
-use crate::errors::{invalid, InvalidBlockError, UnknownRequestError};
+use crate::errors::{invalid, InvalidBlockError};
 
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
@@ -410,27 +410,41 @@ impl FromPyObject<'_, '_> for BlockIds {
     }
 }
 
-/// A request: the `Request` that `begin` returned, or its integer id.
-pub struct RequestRef(pub u64);
+/// A request: the `Request` that `begin` returned, or the engine's id for it, an int (with
+/// `operator.index` semantics, so never a bool or float) or a str.
+pub struct RequestRef(pub RequestId);
 
 impl FromPyObject<'_, '_> for RequestRef {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
         if let Ok(request) = obj.cast::<crate::results::Request>() {
-            return Ok(RequestRef(request.get().id));
+            return Ok(RequestRef(request.get().id.clone()));
+        }
+        if let Ok(name) = obj.cast::<PyString>() {
+            return Ok(RequestRef(RequestId::Str(name.to_str()?.into())));
         }
         let obj = obj.to_owned();
         let value = index(&obj, "request").map_err(|_| {
             invalid(format!(
-                "request must be a Request or its int id, not {}",
+                "request must be a Request or its id (an int or a str), not {}",
                 type_name(&obj)
             ))
         })?;
-        u64::try_from(value).map(RequestRef).map_err(|_| {
-            UnknownRequestError::new_err(format!(
-                "unknown request id {value} (never begun, or already finished)"
-            ))
-        })
+        i64::try_from(value)
+            .map(|id| RequestRef(RequestId::Int(id)))
+            .map_err(|_| {
+                invalid(format!(
+                    "request id {value} is outside the 64-bit signed range"
+                ))
+            })
     }
+}
+
+/// A request id, as Python sees it.
+pub fn request_id_to_py<'py>(py: Python<'py>, id: &RequestId) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match id {
+        RequestId::Int(value) => value.into_pyobject(py)?.into_any(),
+        RequestId::Str(name) => PyString::new(py, name).into_any(),
+    })
 }

@@ -9,6 +9,7 @@ use pyo3::PyErr;
 
 pyo3::import_exception!(prefixkv.errors, InvalidInputError);
 pyo3::import_exception!(prefixkv.errors, UnknownRequestError);
+pyo3::import_exception!(prefixkv.errors, DuplicateRequestError);
 pyo3::import_exception!(prefixkv.errors, InvalidBlockError);
 pyo3::import_exception!(prefixkv.errors, BlockStateError);
 pyo3::import_exception!(prefixkv.errors, OutOfBlocksError);
@@ -22,6 +23,7 @@ pub fn to_py_err(err: CacheError) -> PyErr {
         CacheError::UnknownRequest(_) | CacheError::UnknownPin { .. } => {
             UnknownRequestError::new_err(message)
         }
+        CacheError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
         CacheError::InvalidBlock { .. } => InvalidBlockError::new_err(message),
         CacheError::BlockState { .. } => BlockStateError::new_err(message),
         CacheError::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),

@@ -28,6 +28,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<results::PrefixMatch>()?;
     module.add_class::<results::Request>()?;
     module.add_class::<results::Pin>()?;
+    module.add_class::<results::Slots>()?;
     module.add_class::<stats::CacheStats>()?;
     module.add_function(wrap_pyfunction!(context_fingerprint, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -2,7 +2,10 @@
 //! silently swap two fields). Block lists stay Rust vectors until Python reads them: a probe
 //! that only wants the hit length never builds a list of Python ints.
 
+use prefixkv_core::RequestId;
 use pyo3::prelude::*;
+
+use crate::convert::request_id_to_py;
 
 /// The cached prefix of a prompt (`PrefixCache.lookup`, `match_and_acquire`).
 #[pyclass(frozen, eq, hash, module = "prefixkv._core")]
@@ -11,9 +14,12 @@ pub struct PrefixMatch {
     /// Tokens whose KV is reused; the engine computes from this position on.
     #[pyo3(get)]
     pub num_cached_tokens: usize,
-    /// Every block is cached: compute only the final token (for its logits), write nothing.
+    /// Every block of the prompt is cached (see `PrefixCache`'s `full_hit` setting).
     #[pyo3(get)]
     pub full_hit: bool,
+    /// The last token's KV is in a shared block: compute it without writing KV.
+    #[pyo3(get)]
+    pub last_token_shared: bool,
     pub block_ids: Vec<u32>,
 }
 
@@ -46,6 +52,7 @@ impl From<prefixkv_core::PrefixMatch> for PrefixMatch {
         Self {
             num_cached_tokens: m.num_cached_tokens,
             full_hit: m.full_hit,
+            last_token_shared: m.last_token_shared,
             block_ids: m.blocks,
         }
     }
@@ -55,9 +62,7 @@ impl From<prefixkv_core::PrefixMatch> for PrefixMatch {
 #[pyclass(frozen, eq, hash, module = "prefixkv._core")]
 #[derive(PartialEq, Eq, Hash)]
 pub struct Request {
-    /// The handle to pass to `append`, `commit`, `finish` (the request itself works too).
-    #[pyo3(get)]
-    pub id: u64,
+    pub id: RequestId,
     pub block_table: Vec<u32>,
     /// Prompt tokens whose KV is reused.
     #[pyo3(get)]
@@ -65,12 +70,22 @@ pub struct Request {
     /// Every block of the prompt was cached (see `PrefixCache.begin`).
     #[pyo3(get)]
     pub full_hit: bool,
+    /// The last prompt token's KV is in a shared block: compute it without writing KV.
+    #[pyo3(get)]
+    pub last_token_shared: bool,
     #[pyo3(get)]
     pub num_prompt_tokens: usize,
 }
 
 #[pymethods]
 impl Request {
+    /// The handle for every other call (the request itself works too): the engine's id, or
+    /// the int `begin` picked.
+    #[getter]
+    fn id<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        request_id_to_py(py, &self.id)
+    }
+
     /// Blocks covering every prompt token at `begin`: the shared cached ones first, then
     /// private ones. (`PrefixCache.block_table` gives the current table after appends.)
     #[getter]
@@ -108,5 +123,46 @@ pub struct Pin {
 impl Pin {
     fn __repr__(&self) -> String {
         format!("Pin(id={}, num_blocks={})", self.id, self.num_blocks)
+    }
+}
+
+/// Room made for a request's next tokens (`PrefixCache.allocate_slots`).
+#[pyclass(frozen, eq, hash, get_all, module = "prefixkv._core")]
+#[derive(PartialEq, Eq, Hash)]
+pub struct Slots {
+    /// Blocks appended to the request's block table, in order (on the call that matched the
+    /// cached prefix: those blocks first, then fresh ones).
+    pub block_ids: Vec<u32>,
+    /// Tokens with KV already: the scheduled tokens start at this position.
+    pub num_computed_tokens: usize,
+    /// Tokens of the cached prefix this call matched (0 on later calls).
+    pub num_cached_tokens: usize,
+    /// This call matched every block of the prompt.
+    pub full_hit: bool,
+    /// The last prompt token's KV is in a shared block: compute it without writing KV.
+    pub last_token_shared: bool,
+}
+
+#[pymethods]
+impl Slots {
+    fn __repr__(&self) -> String {
+        format!(
+            "Slots(num_computed_tokens={}, num_cached_tokens={}, new_blocks={})",
+            self.num_computed_tokens,
+            self.num_cached_tokens,
+            self.block_ids.len()
+        )
+    }
+}
+
+impl From<prefixkv_core::Slots> for Slots {
+    fn from(s: prefixkv_core::Slots) -> Self {
+        Self {
+            block_ids: s.block_ids,
+            num_computed_tokens: s.num_computed_tokens,
+            num_cached_tokens: s.num_cached_tokens,
+            full_hit: s.full_hit,
+            last_token_shared: s.last_token_shared,
+        }
     }
 }
