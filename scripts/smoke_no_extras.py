@@ -67,10 +67,11 @@ def _block_manager() -> None:
     assert again.num_tokens_to_compute == 2
     cache.finish(again)
 
-    # A full hit: every block is cached, the last token is still computed for its logits.
+    # A full hit: every block is cached; the last block is recomputed into a private copy
+    # (the default `full_hit="recompute_last_block"`), so the runner never writes a shared one.
     match = cache.lookup(np.asarray(prompt[:12], dtype=np.int32))
-    assert match.full_hit and match.num_cached_tokens == 11, match
-    assert match.block_ids == first.block_table[:3]
+    assert match.full_hit and match.num_cached_tokens == 8, match
+    assert match.block_ids == first.block_table[:2]
     assert cache.lookup(prompt, salt="another tenant").num_cached_tokens == 0
 
     try:

@@ -68,18 +68,35 @@ def test_second_request_reuses_full_blocks_only():
     assert cache.stats().hit_tokens == 8
 
 
-def test_full_hit_recomputes_only_the_last_token_and_allocates_nothing():
+def test_full_hit_by_default_recomputes_the_last_block_into_a_private_copy():
     cache = PrefixCache(16, block_size=BS)
+    first = serve(cache, list(range(8)))
+    again = cache.begin(list(range(8)))
+    assert again.full_hit and not again.last_token_shared
+    assert again.num_cached_tokens == 8 - BS
+    assert again.num_tokens_to_compute == BS
+    assert again.block_table[0] == first.block_table[0]
+    assert not cache.is_cached(again.block_table[1]), "the runner writes into a private block"
+    assert cache.commit(again, 8) == 2
+    assert cache.stats().deduplicated_blocks == 1, "the recomputed block is the cached one"
+    cache.finish(again)
+    cache.check_invariants()
+
+
+def test_full_hit_in_reuse_mode_recomputes_only_the_last_token_and_allocates_nothing():
+    cache = PrefixCache(16, block_size=BS, full_hit="reuse_last_block")
     serve(cache, list(range(8)))
     free_before = cache.stats().blocks_free
     again = cache.begin(list(range(8)))
-    assert again.full_hit
+    assert again.full_hit and again.last_token_shared
     assert again.num_cached_tokens == 7
     assert again.num_tokens_to_compute == 1
     assert len(again.block_table) == 2
     assert all(cache.is_cached(b) for b in again.block_table)
     assert cache.stats().blocks_free == free_before, "a full hit needs no private block"
     cache.finish(again)
+    with pytest.raises(InvalidInputError, match="full_hit"):
+        PrefixCache(16, block_size=BS, full_hit="share")
 
 
 def test_next_chat_turn_hits_the_previous_answer():
@@ -275,7 +292,7 @@ def test_salt_adapter_and_multimodal_items_isolate():
         cache.lookup(
             tokens, salt="tenant-a", adapter="lora-1", multimodal=[(4, 4, b"img-1")]
         ).num_cached_tokens
-        == 11
+        == 12 - BS  # a full hit recomputes its last block
     )
     assert (
         cache.lookup(tokens, adapter="lora-1", multimodal=[(4, 4, b"img-1")]).num_cached_tokens == 0
@@ -359,9 +376,9 @@ def test_forced_collisions_never_give_a_wrong_hit():
         salt = str(int(rng.integers(0, 2)))
         request = cache.begin(stem, salt=salt)
         for i, block in enumerate(
-            request.block_table[: request.num_cached_tokens // 2 + request.full_hit]
+            request.block_table[: request.num_cached_tokens // 2 + request.last_token_shared]
         ):
-            if i * 2 < request.num_cached_tokens or request.full_hit:
+            if i * 2 < request.num_cached_tokens or request.last_token_shared:
                 assert content[block] == (salt, tuple(stem[: (i + 1) * 2])), "wrong KV returned"
         for i, block in enumerate(request.block_table):
             if not cache.is_cached(block):
@@ -550,10 +567,12 @@ def test_huge_counts_raise_instead_of_aborting():
 
 def test_integer_arguments_out_of_range_raise_prefixkv_errors():
     cache = PrefixCache(8, block_size=BS)
-    for bad in (-1, 2**64, 2**100):
-        with pytest.raises(UnknownRequestError):
+    with pytest.raises(UnknownRequestError):
+        cache.finish(-1)  # a valid id, never added
+    for bad in (2**64, 2**100):
+        with pytest.raises(InvalidInputError, match="64-bit signed range"):
             cache.finish(bad)
-        with pytest.raises(UnknownRequestError):
+        with pytest.raises(InvalidInputError, match="64-bit signed range"):
             cache.commit(bad, 0)
     with pytest.raises(InvalidInputError, match="priority"):
         cache.begin([1, 2], priority=2**31)

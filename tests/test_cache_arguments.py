@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from prefixkv import CacheContext, PositionEncoding, PrefixCache
 from prefixkv.cache import key_extras
-from prefixkv.errors import InvalidInputError, PrefixKVError, UnknownRequestError
+from prefixkv.errors import (
+    DuplicateRequestError,
+    InvalidInputError,
+    PrefixKVError,
+    UnknownRequestError,
+)
 
 BS = 4
 
@@ -46,7 +51,7 @@ def busy_cache():
     return cache, first, second
 
 
-@given(bad=not_an_int)
+@given(bad=not_an_int.filter(lambda value: not isinstance(value, str)))
 def test_request_handles_are_never_coerced(bad) -> None:
     cache = PrefixCache(16, block_size=BS)
     # Ids 0, 1, 2: whatever int(bad) would give names a live request.
@@ -58,9 +63,25 @@ def test_request_handles_are_never_coerced(bad) -> None:
         lambda: cache.append(bad, [1]),
         lambda: cache.block_table(bad),
     ):
-        with pytest.raises(InvalidInputError, match="request must be a Request or its int id"):
+        with pytest.raises(InvalidInputError, match="request must be a Request or its id"):
             call()
     assert [snapshot(cache, r) for r in live] == before
+
+
+@given(name=st.text(max_size=4))
+def test_a_string_id_is_its_own_name_never_an_int(name: str) -> None:
+    """Engines name requests with strings: "1" is not request 1."""
+    cache = PrefixCache(16, block_size=BS)
+    live = [cache.begin([i] * 6) for i in range(3)]
+    before = [snapshot(cache, r) for r in live]
+    with pytest.raises(UnknownRequestError, match="never added"):
+        cache.finish(name)
+    assert [snapshot(cache, r) for r in live] == before
+    cache.add_request(name, [1, 2, 3])
+    with pytest.raises(DuplicateRequestError):
+        cache.add_request(name, [4])
+    assert cache.num_tokens(name) == 3
+    cache.finish(name)
 
 
 @given(bad=st.one_of(not_an_int, out_of_range))

@@ -70,7 +70,7 @@ def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: st
     prompt = _prompt(4 * BLOCK, seed=2)
     (first,) = engine.generate([prompt], max_new_tokens=3)
     before = engine.kv_cache.storage.clone()
-    prompt_blocks = engine.cache.lookup(prompt + [0]).block_ids
+    prompt_blocks = engine.cache.lookup([*prompt, 0]).block_ids
     assert len(prompt_blocks) == 4
     (hit,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
     assert hit.full_hit
@@ -85,7 +85,7 @@ def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: st
     # The prompt's blocks are shared and read-only: not one element of them changed.
     after = engine.kv_cache.storage
     assert torch.equal(before[:, :, prompt_blocks], after[:, :, prompt_blocks])
-    assert engine.cache.lookup(prompt + [0]).block_ids == prompt_blocks
+    assert engine.cache.lookup([*prompt, 0]).block_ids == prompt_blocks
 
 
 def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:

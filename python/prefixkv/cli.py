@@ -375,7 +375,10 @@ def _selfcheck() -> int:
     check(longer.cached_tokens >= 20, f"a longer prompt reuses the prefix ({longer.cached_tokens})")
     check(first.output_token_ids == again.output_token_ids, "cached and uncached outputs agree")
     full_hit = engine.generate([prompt[:20]], max_new_tokens=2, check_exactness=True)[0]
-    check(full_hit.full_hit and full_hit.computed_tokens == 1, "a full hit computes one token")
+    check(
+        full_hit.full_hit and full_hit.computed_tokens == 4,
+        "a full hit recomputes only its last block, into a private copy",
+    )
     worst = max(r.max_logit_diff or 0.0 for r in (first, again, longer, full_hit))
     check(worst < 1e-3, f"logits equal a full recompute (max |diff| {worst:.1e})")
     matches = all(r.tokens_match for r in (first, again, longer, full_hit))
