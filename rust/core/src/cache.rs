@@ -312,13 +312,14 @@ impl PrefixCache {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
+        // Only the blocks the hit uses (a `RecomputeLastBlock` full hit leaves the last out).
+        let matched = self.prefix_match(blocks, tokens.len());
         inner.tick += 1;
-        for &block in &blocks {
+        for &block in &matched.blocks {
             inner.pool.acquire(block);
             inner.external_refs[block as usize] += 1;
             inner.pool.touch(block, inner.tick, priority);
         }
-        let matched = self.prefix_match(blocks, tokens.len());
         inner.counters.lookups += 1;
         inner.counters.lookup_tokens += tokens.len() as u64;
         inner.counters.hit_tokens += matched.num_cached_tokens as u64;

@@ -428,6 +428,24 @@ impl PrefixCache {
     ) -> Result<Slots> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
+        // The common decode step: a scheduled request whose slots already cover the tokens.
+        let request = inner.requests.get(id)?;
+        if request.scheduled && watermark == 0 {
+            let start = request.num_computed;
+            let end = start + num_new_tokens;
+            if end <= request.tokens.len()
+                && (end + num_lookahead_tokens).div_ceil(self.config.block_size)
+                    <= request.block_table.len()
+            {
+                return Ok(Slots {
+                    block_ids: Vec::new(),
+                    num_computed_tokens: start,
+                    num_cached_tokens: 0,
+                    full_hit: false,
+                    last_token_shared: false,
+                });
+            }
+        }
         let (key, mut request) = inner.requests.take(id)?;
         let result = self.allocate_locked(
             inner,
@@ -544,6 +562,21 @@ impl PrefixCache {
                 "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
                  no KV can have been written past them (allocate_slots first)"
             )));
+        }
+        // Nothing new to publish (most decode steps): no need to take the request out.
+        let target = num_computed_tokens
+            .max(request.num_computed)
+            .min(request.num_verified())
+            / self.config.block_size;
+        let tip_live = request.anchors.last().is_none_or(|last| {
+            inner.entries[last.block as usize]
+                .as_ref()
+                .is_some_and(|e| e.id == last.id)
+        });
+        if tip_live && (!request.cacheable || target <= request.anchors.len()) {
+            let request = inner.requests.get_mut(id)?;
+            request.num_computed = request.num_computed.max(num_computed_tokens);
+            return Ok(request.anchors.len());
         }
         // Out of the map while publishing: `publish` borrows the rest of `inner` mutably.
         let (key, mut request) = inner.requests.take(id)?;
