@@ -65,6 +65,8 @@ struct ModelRequest {
     priority: i32,
     anchors: Vec<ModelEntry>,
     cacheable: bool,
+    /// Tokens with KV written: the most any commit said (a commit never takes KV back).
+    computed: usize,
 }
 
 /// Which table key a content takes in the real cache: the one fact the model borrows.
@@ -401,6 +403,7 @@ impl Model {
                 priority,
                 anchors: hits,
                 cacheable: true,
+                computed: cached,
             },
         );
         Ok((id, table, cached, full))
@@ -430,9 +433,11 @@ impl Model {
             self.requests.insert(id, req);
             return Err(CacheError::InvalidInput(String::new()));
         }
+        req.computed = req.computed.max(n);
         if req.cacheable {
             self.tick += 1;
-            self.extend(&mut req, n / self.bs);
+            let target = req.computed / self.bs;
+            self.extend(&mut req, target);
         }
         let committed = req.anchors.len();
         self.requests.insert(id, req);
@@ -517,6 +522,7 @@ impl Model {
             priority,
             anchors: Vec::new(),
             cacheable: true,
+            computed: blocks.len() * self.bs,
         };
         self.tick += 1;
         self.extend(&mut req, blocks.len());
