@@ -49,7 +49,8 @@ use loom::thread;
 use prefixkv_core::key::TableHasher;
 use prefixkv_core::pool::BlockPool;
 use prefixkv_core::{
-    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, PrefixCache, RequestExtras,
+    context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, FullHit, PrefixCache,
+    RequestExtras,
 };
 
 /// Preemptions loom may insert per execution. Each race the models target needs at most two
@@ -87,6 +88,8 @@ fn seed_where(pick: impl Fn(&TableHasher) -> bool) -> u64 {
 fn cache(num_blocks: u32, context: BlockKey, seed: u64) -> PrefixCache {
     let config = CacheConfig {
         key_bits: 1,
+        // Lookups here are probes of what is cached: a full hit reports every block.
+        full_hit: FullHit::ReuseLastBlock,
         ..CacheConfig::new(num_blocks, 1)
     };
     PrefixCache::with_table_seed(config, context, seed).unwrap()
