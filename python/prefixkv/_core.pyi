@@ -11,6 +11,7 @@ __all__ = [
     "Pin",
     "PrefixMatch",
     "Request",
+    "Slots",
     "__version__",
     "context_fingerprint",
 ]
