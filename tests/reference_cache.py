@@ -40,11 +40,15 @@ class ModelRequest:
     priority: int
     anchors: list[Entry] = field(default_factory=list)
     cacheable: bool = True
+    #: Tokens with KV written: the most any commit said.
+    computed: int = 0
 
 
 class ReferenceCache:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reuse_last_block: bool = False) -> None:
         self.bs = block_size
+        #: The cache's full-hit mode: share every block (else recompute the last one).
+        self.reuse_last_block = reuse_last_block
         self.blocks = [Meta() for _ in range(num_blocks)]
         self.free = list(range(num_blocks))[::-1]
         self.table: dict[tuple, Entry] = {}
@@ -71,7 +75,11 @@ class ReferenceCache:
     def _result(self, blocks: list[int], n: int) -> tuple[list[int], int, bool]:
         cached = len(blocks) * self.bs
         full = cached == n and n > 0
-        return blocks, (n - 1 if full else cached), full
+        if not full:
+            return blocks, cached, False
+        if self.reuse_last_block:
+            return blocks, n - 1, True
+        return blocks[:-1], n - self.bs, True
 
     def _evictable(self, b: int) -> bool:
         m = self.blocks[b]
@@ -166,7 +174,11 @@ class ReferenceCache:
 
     def begin(self, tokens: list[int], salt: str | None = None, priority: int = 0):
         root = self.root(salt)
-        hits = self._match(tokens, root)
+        matched = self._match(tokens, root)
+        # The hit's shape is what the match found, before allocating (which may evict the
+        # block a recompute-last-block full hit leaves out).
+        blocks, cached, full = self._result([e.block for e in matched], len(tokens))
+        hits = matched[: len(blocks)]
         total = -(-len(tokens) // self.bs)
         for e in hits:
             self.blocks[e.block].ref += 1
@@ -178,13 +190,14 @@ class ReferenceCache:
         self.tick += 1
         for e in hits:
             self._touch(e.block, priority)
-        blocks, cached, full = self._result([e.block for e in hits], len(tokens))
         self.lookups += 1
         self.lookup_tokens += len(tokens)
         self.hit_tokens += cached
         rid = self.next_request
         self.next_request += 1
-        self.requests[rid] = ModelRequest(list(tokens), blocks + fresh, root, priority, list(hits))
+        self.requests[rid] = ModelRequest(
+            list(tokens), blocks + fresh, root, priority, list(hits), computed=cached
+        )
         return rid, blocks + fresh, cached, full
 
     def append(self, rid: int, tokens: list[int]) -> list[int] | None:
@@ -199,9 +212,10 @@ class ReferenceCache:
 
     def commit(self, rid: int, n: int) -> int:
         req = self.requests[rid]
+        req.computed = max(req.computed, n)
         if req.cacheable:
             self.tick += 1
-            self._extend(req, n // self.bs)
+            self._extend(req, req.computed // self.bs)
         return len(req.anchors)
 
     def finish(self, rid: int) -> None:

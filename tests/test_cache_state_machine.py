@@ -38,14 +38,18 @@ class CacheMachine(RuleBasedStateMachine):
     raw_blocks = Bundle("raw_blocks")
     pins = Bundle("pins")
 
-    @initialize(num_blocks=st.integers(3, 16), block_size=st.sampled_from([1, 2, 3, 4]))
-    def create(self, num_blocks: int, block_size: int) -> None:
+    @initialize(
+        num_blocks=st.integers(3, 16),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        full_hit=st.sampled_from(["recompute_last_block", "reuse_last_block"]),
+    )
+    def create(self, num_blocks: int, block_size: int, full_hit: str) -> None:
         self.contexts = [
             CacheContext(block_size=block_size),
             CacheContext(block_size=block_size, model_id="other"),
         ]
-        self.cache = prefixkv.PrefixCache(num_blocks, context=self.contexts[0])
-        self.model = ReferenceCache(num_blocks, block_size)
+        self.cache = prefixkv.PrefixCache(num_blocks, context=self.contexts[0], full_hit=full_hit)
+        self.model = ReferenceCache(num_blocks, block_size, full_hit == "reuse_last_block")
         self.live: dict[int, int] = {}  # real request id -> model request id
         self.num_blocks = num_blocks
         self.raw_held: list[list[int]] = []
