@@ -38,6 +38,9 @@ def sharp_model(seed: int = 0) -> LlamaModel:
 
 
 MODEL = sharp_model()
+#: float32 noise from batching and chunking (a wrong block moves logits by far more: see the
+#: planted-bug test).
+TOLERANCE = 1e-3
 
 
 def prompts_from(seed: int, count: int, length: int, shared: int) -> list[list[int]]:
@@ -49,7 +52,7 @@ def prompts_from(seed: int, count: int, length: int, shared: int) -> list[list[i
 def assert_exact(results) -> None:  # type: ignore[no-untyped-def]
     for result in results:
         assert result.tokens_match, result
-        assert result.max_logit_diff is not None and result.max_logit_diff < 1e-4
+        assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
 
 
 # -- the value format ---------------------------------------------------------------------------
@@ -136,11 +139,12 @@ def test_a_planted_wrong_host_block_is_caught_by_the_exactness_check() -> None:
     engine.tiers.host.pool.storage.add_(0.5)
     results = engine.generate(prompts, max_new_tokens=3, check_exactness=True)
     assert engine.tiers.stats.host_hit_blocks > 0
-    assert max(r.max_logit_diff or 0.0 for r in results) > 1e-3
+    assert max(r.max_logit_diff or 0.0 for r in results) > 1e-1
 
 
 def test_host_blocks_are_not_served_under_another_context_or_adapter() -> None:
-    engine = Engine(MODEL, num_blocks=12, block_size=4, host_tier_bytes=1 << 20)
+    # Its own model: the test changes the weights.
+    engine = Engine(sharp_model(seed=5), num_blocks=12, block_size=4, host_tier_bytes=1 << 20)
     prompts = prompts_from(2, 4, 20, shared=0)
     engine.generate(prompts, max_new_tokens=2)
     assert engine.tiers is not None and len(engine.tiers.host or ()) > 0

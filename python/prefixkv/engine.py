@@ -750,6 +750,7 @@ class _Run:
         infos = [self._candidate(s, in_flight) for s in candidates]
         order = order_waiting(infos, engine.scheduling, engine.max_passes)
         admitted: list[_Sequence] = []
+        tier_loaded = False
         for position in order:
             sequence = candidates[position]
             if budget == 0 or len(self.running) >= engine.max_batch_size:
@@ -762,6 +763,8 @@ class _Run:
             ):
                 continue  # computed by a request scheduled now: a hit next step
             cached = infos[position].cached_tokens
+            if tier_loaded:  # an earlier admission published blocks from a tier: look again
+                cached = self._candidate(sequence, in_flight).cached_tokens
             num_new = min(len(sequence.tokens) - cached, budget)
             try:
                 slots = self.cache.allocate_slots(
@@ -775,6 +778,7 @@ class _Run:
             self._tiers_save_evicted()
             sequence.admitted(slots)
             start = self._tiers_load(sequence, slots, num_new)
+            tier_loaded |= start > slots.num_computed_tokens
             self.stats.admitted_tokens += len(sequence.tokens)
             self.stats.cached_tokens += start - slots.num_computed_tokens + slots.num_cached_tokens
             num_new -= start - slots.num_computed_tokens
