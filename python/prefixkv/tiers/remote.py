@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from prefixkv.errors import InvalidInputError, MissingDependencyError, PrefixKVError
+from prefixkv.errors import InvalidInputError, PrefixKVError, missing_dependency
 from prefixkv.tiers.format import BlockFormatError, decode_block, encode_block
 from prefixkv.tiers.host import BlockRecord
 
@@ -61,10 +61,11 @@ class RedisStore:
     def __init__(self, url: str, *, timeout: float = 0.05, ttl: float | None = None) -> None:
         try:
             import redis
-        except ModuleNotFoundError:
-            raise MissingDependencyError(
-                "RedisStore needs redis-py: pip install 'prefixkv[redis]'"
-            ) from None
+        except ModuleNotFoundError as exc:
+            error = missing_dependency(exc, "RedisStore")
+            if error is None:
+                raise
+            raise error from None
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
         self.url = url
