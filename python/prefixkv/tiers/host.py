@@ -80,16 +80,17 @@ class HostTier:
         todo = todo[-self.pool.num_blocks :]  # the newest, when more than the pool holds
         if not todo:
             return
-        slots = []
-        for _, record in todo:
-            if not self._free:
-                _, (_, slot) = self._entries.popitem(last=False)
-                self._free.append(slot)
-                self.evicted_blocks += 1
-            slot = self._free.pop()
+        while len(self._free) < len(todo):
+            _, (_, slot) = self._entries.popitem(last=False)
+            self._free.append(slot)
+            self.evicted_blocks += 1
+        # Lowest free slots, ascending: a batch lands in runs of consecutive slots, which the
+        # copies move with one strided operation per run (and a later load reads in runs).
+        self._free.sort(reverse=True)
+        slots = [self._free.pop() for _ in todo]
+        for (_, record), slot in zip(todo, slots, strict=True):
             self._entries[record.key] = (record, slot)
-            slots.append(slot)
-        device_pool.copy_blocks_to(self.pool, [block for block, _ in todo], slots)
+        _copy_blocks(device_pool, [block for block, _ in todo], self.pool, slots)
         self.saved_blocks += len(todo)
 
     def match(self, records: Sequence[BlockRecord]) -> int:
@@ -108,7 +109,7 @@ class HostTier:
     ) -> None:
         """Move the blocks `records` (all matched) into device blocks `block_ids`."""
         slots = [self._entries[record.key][1] for record in records]
-        self.pool.copy_blocks_to(device_pool, slots, list(block_ids))
+        _copy_blocks(self.pool, slots, device_pool, list(block_ids))
         for record, slot in zip(records, slots, strict=True):
             del self._entries[record.key]
             self._free.append(slot)
@@ -120,3 +121,36 @@ class HostTier:
     def clear(self) -> None:
         self._free.extend(slot for _, slot in self._entries.values())
         self._entries.clear()
+
+
+def _copy_blocks(
+    source: PagedKVCache, source_ids: list[int], target: PagedKVCache, target_ids: list[int]
+) -> None:
+    """Blocks ``source[source_ids[i]] -> target[target_ids[i]]``. Across devices: the pool's
+    batched copy (one gather, one transfer, one scatter). Host to host: one strided copy per
+    run of consecutive target blocks (`index_select` into the run), which reads and writes each byte once: a gather and a scatter would move it twice
+    (benches/RESULTS-tiers.md)."""
+    if source.device.type != "cpu" or target.device.type != "cpu":
+        source.copy_blocks_to(target, source_ids, target_ids)
+        return
+    source_view, target_view = source._blocks_view(), target._blocks_view()
+    # index_copy_ out of a run would be one pass too, but is several times slower on CPU.
+    for start, stop in _runs(target_ids):
+        if stop - start == 1:  # a lone block: a plain strided copy costs less to set up
+            target_view[:, target_ids[start]].copy_(source_view[:, source_ids[start]])
+            continue
+        index = torch.tensor(source_ids[start:stop], dtype=torch.long)
+        first = target_ids[start]
+        out = target_view[:, first : first + stop - start]
+        torch.index_select(source_view, 1, index, out=out)
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive ids (``ids[i + 1] == ids[i] + 1``)."""
+    runs = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
