@@ -116,6 +116,26 @@ def test_truncated_corrupted_or_foreign_values_are_refused() -> None:
             decode(bytes(corrupted))
 
 
+def test_eviction_log_names_the_blocks_an_allocation_evicted() -> None:
+    from prefixkv import PrefixCache
+
+    cache = PrefixCache(2, block_size=1)
+    first = cache.begin([1, 2])
+    table = cache.block_table(first.id)
+    cache.commit(first.id, 2)
+    cache.finish(first.id)
+    cache.set_eviction_log(True)
+    second = cache.begin([3])
+    evicted = cache.drain_evicted()
+    assert len(evicted) == 1 and evicted[0] in table
+    assert cache.block_table(second.id) == evicted
+    assert cache.drain_evicted() == []
+    cache.finish(second.id)
+    cache.set_eviction_log(False)
+    cache.finish(cache.begin([5, 6]).id)
+    assert cache.drain_evicted() == []
+
+
 # -- the host tier through the engine ------------------------------------------------------------
 
 
