@@ -293,3 +293,14 @@ def test_redis_store_without_redis_py_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "prefixkv[redis]" in out.stdout
     assert issubclass(MissingDependencyError, ImportError)
+
+
+def test_demo_shows_every_tier(
+    server: RedisServer, client: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixkv.tiers.demo import main
+
+    assert main(["--redis-url", server.url, "--prompt-tokens", "128"]) == 0
+    out = capsys.readouterr().out
+    for row in ("recompute", "device hit", "host hit", "remote hit"):
+        assert row in out
