@@ -112,6 +112,10 @@ class FaultProxy:
                 client.close()
                 continue
             self._sockets += [client, upstream]
+            if self._closed:  # close() ran while this connection was being set up
+                client.close()
+                upstream.close()
+                return
             threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 

@@ -43,8 +43,19 @@ def client(server: RedisServer) -> Iterator[redis.Redis]:
     raw.close()
 
 
+_STORES: list[RedisStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    yield
+    while _STORES:
+        _STORES.pop().close()
+
+
 def engine_for(url: str, *, timeout: float = 0.2, **settings_: object) -> Engine:
     store = RedisStore(url, timeout=timeout)
+    _STORES.append(store)
     options: dict[str, object] = dict(num_blocks=16, block_size=4, remote_store=store)
     options.update(settings_)
     return Engine(MODEL, **options)  # type: ignore[arg-type]
@@ -57,6 +68,7 @@ def remote(engine: Engine):  # type: ignore[no-untyped-def]
 
 def test_store_round_trip_and_missing_keys(server: RedisServer, client: redis.Redis) -> None:
     store = RedisStore(server.url)
+    _STORES.append(store)
     store.put_many([("a", b"1"), ("b", b"\x00\xff")])
     assert store.get_many(["a", "x", "b"]) == [b"1", None, b"\x00\xff"]
 
@@ -89,6 +101,7 @@ def test_another_namespace_or_context_is_never_served(
     assert remote(other_namespace).stats.hits == 0
     # The same weights under another model id: another context fingerprint, other keys.
     store = RedisStore(server.url, timeout=0.2)
+    _STORES.append(store)
     other_context = Engine(MODEL, num_blocks=16, block_size=4, remote_store=store, model_id="x")
     assert_exact(other_context.generate(prompts, max_new_tokens=2, check_exactness=True))
     assert remote(other_context).stats.hits == 0
@@ -304,3 +317,25 @@ def test_demo_shows_every_tier(
     out = capsys.readouterr().out
     for row in ("recompute", "device hit", "host hit", "remote hit"):
         assert row in out
+
+
+def test_a_dropped_engine_stops_its_writer_thread(server: RedisServer, client: redis.Redis) -> None:
+    import gc
+    import threading
+
+    def writers() -> int:
+        return sum(t.name == "prefixkv-remote-writer" for t in threading.enumerate())
+
+    gc.collect()
+    time.sleep(0.05)
+    before = writers()
+    engine = engine_for(server.url)
+    engine.generate(prompts_from(12, 1, 20, 0), max_new_tokens=1)
+    assert writers() == before + 1
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while writers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writers() == before
+    assert client.keys("prefixkv:*")  # queued writes were made before the thread stopped

@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -79,6 +80,8 @@ class RedisStore:
             retry_on_timeout=False,
             retry=None,
         )
+        # Closes the connections when the store is dropped (a collected socket warns).
+        self._closer = weakref.finalize(self, self._client.close)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         try:
@@ -97,7 +100,7 @@ class RedisStore:
             raise StoreError(f"{self.url}: {type(exc).__name__}: {exc}") from None
 
     def close(self) -> None:
-        self._client.close()
+        self._closer()
 
 
 @dataclass
@@ -145,11 +148,17 @@ class RemoteTier:
         self._queue: queue.Queue[tuple[str, BlockRecord, bytes, torch.Tensor] | None] = queue.Queue(
             maxsize=queue_size
         )
-        self._lock = threading.Lock()
+        # The thread holds the queue, the store and the counters, not the tier, so a tier
+        # nobody holds is collected, and its finalizer stops the thread (queued writes first).
         self._writer = threading.Thread(
-            target=self._write_loop, name="prefixkv-remote", daemon=True
+            target=_write_loop,
+            args=(self._queue, store, self.stats),
+            name="prefixkv-remote-writer",
+            daemon=True,
         )
         self._writer.start()
+        # Also at interpreter exit: the thread must not be inside torch while Python tears down.
+        self._finalizer = weakref.finalize(self, _stop_writer, self._queue, self._writer)
 
     def store_key(self, key: bytes) -> str:
         return f"{self.namespace}:{key.hex()}"
@@ -222,34 +231,44 @@ class RemoteTier:
 
     def close(self) -> None:
         """Stop the writer thread (queued writes are attempted first)."""
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
+        self._finalizer()
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch = [item]
-            while item is not None and len(batch) < 64:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                batch.append(item)
-            stop = batch[-1] is None
-            writes = [entry for entry in batch if entry is not None]
+
+def _stop_writer(pending: queue.Queue[Any], writer: threading.Thread) -> None:
+    pending.put(None)
+    if writer is not threading.current_thread():
+        writer.join()
+
+
+def _write_loop(
+    pending: queue.Queue[tuple[str, BlockRecord, bytes, torch.Tensor] | None],
+    store: RemoteStore,
+    stats: RemoteStats,
+) -> None:
+    """Drains the queue in batches of up to 64, one pipelined round trip each, until None."""
+    while True:
+        item = pending.get()
+        batch = [item]
+        while item is not None and len(batch) < 64:
             try:
-                if writes:
-                    values = [
-                        (key, encode_block(r.key, r.parent, r.tokens, context, kv))
-                        for key, r, context, kv in writes
-                    ]
-                    self.store.put_many(values)
-                    self.stats.writes += len(values)
-            except (StoreError, BlockFormatError):
-                self.stats.write_errors += len(writes)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if stop:
-                return
+                item = pending.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(item)
+        stop = batch[-1] is None
+        writes = [entry for entry in batch if entry is not None]
+        try:
+            if writes:
+                values = [
+                    (key, encode_block(r.key, r.parent, r.tokens, context, kv))
+                    for key, r, context, kv in writes
+                ]
+                store.put_many(values)
+                stats.writes += len(values)
+        except (StoreError, BlockFormatError):
+            stats.write_errors += len(writes)
+        finally:
+            for _ in batch:
+                pending.task_done()
+        if stop:
+            return
