@@ -183,16 +183,16 @@ def test_bad_tier_settings_are_refused() -> None:
 
 
 @given(
-    num_blocks=st.integers(12, 24),
+    extra_blocks=st.integers(0, 8),
     host_blocks=st.integers(1, 40),
     block_size=st.sampled_from([2, 4]),
     shared=st.integers(0, 16),
-    rounds=st.integers(1, 3),
+    rounds=st.integers(2, 6),
     speculative=st.sampled_from([0, 2]),
     seed=st.integers(0, 2**16),
 )
 def test_host_tier_outputs_equal_full_recompute(
-    num_blocks: int,
+    extra_blocks: int,
     host_blocks: int,
     block_size: int,
     shared: int,
@@ -200,19 +200,23 @@ def test_host_tier_outputs_equal_full_recompute(
     speculative: int,
     seed: int,
 ) -> None:
+    """A pool that holds one request and a few blocks more, three 24-token prompts taking
+    turns, so rounds evict blocks a later round wants (measured: about a third of the
+    examples are served blocks by the host tier, the rest check that evictions and saves
+    alone change nothing)."""
     per_block = 2 * CONFIG.num_layers * block_size * CONFIG.num_kv_heads * CONFIG.head_dim * 4
     engine = Engine(
         MODEL,
-        num_blocks=num_blocks,
+        num_blocks=-(-(24 + 4) // block_size) + 2 + extra_blocks,
         block_size=block_size,
         host_tier_bytes=host_blocks * per_block,
         num_speculative_tokens=speculative,
         max_num_batched_tokens=32,
     )
     rng = random.Random(seed)
-    pool = prompts_from(seed, 5, 18, shared=min(shared, 17))
+    pool = prompts_from(seed, 3, 24, shared=shared)
     for _ in range(rounds):
-        batch = [rng.choice(pool) for _ in range(rng.randint(1, 3))]
+        batch = [rng.choice(pool) for _ in range(rng.randint(1, 2))]
         assert_exact(engine.generate(batch, max_new_tokens=rng.randint(1, 4), check_exactness=True))
     assert engine.tiers is not None and engine.tiers.host is not None
     host = engine.tiers.host
