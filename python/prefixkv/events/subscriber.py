@@ -19,6 +19,7 @@ loses nothing while the publishers still keep the batches in between.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -163,6 +164,17 @@ class EventSubscriber:
             dealer.close(linger=0)
 
     # ------------------------------------------------------------------ control
+
+    def wait_for(self, instance: str, seq: int, timeout: float = 10.0) -> bool:
+        """Waits until `instance`'s batch `seq` has been applied; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            applied = self.index.applied_seq[instance]
+            if applied is not None and applied >= seq:
+                return True
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.0005)
 
     def close(self) -> None:
         """Stops the thread (the index keeps its state and `applied_seq`)."""
