@@ -8,6 +8,7 @@ __all__ = [
     "CacheStats",
     "CoreCache",
     "CoreEvent",
+    "EventCounters",
     "EventDrain",
     "KeyExtras",
     "Pin",
@@ -20,6 +21,7 @@ __all__ = [
     "disable_events",
     "drain_events",
     "enable_events",
+    "event_counters",
     "events_enabled",
     "prompt_hashes",
 ]
@@ -197,6 +199,16 @@ class EventDrain:
     @property
     def overflows(self) -> int: ...
 
+@final
+class EventCounters:
+    @property
+    def recorded_blocks(self) -> int: ...
+    @property
+    def dropped_blocks(self) -> int: ...
+    @property
+    def overflows(self) -> int: ...
+
+def event_counters(cache: CoreCache) -> EventCounters: ...
 def enable_events(cache: CoreCache, capacity: int, token_ids: str) -> None: ...
 def disable_events(cache: CoreCache) -> None: ...
 def events_enabled(cache: CoreCache) -> bool: ...

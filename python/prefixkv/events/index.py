@@ -52,6 +52,18 @@ def prompt_hashes(
     return _core.prompt_hashes(fingerprint, block_size, as_token_ids(tokens), keys)
 
 
+def _hashes(hashes: Iterable[bytes | int]) -> list[int]:
+    """64-bit hashes, or `InvalidInputError` naming what is wrong."""
+    out = []
+    for h in hashes:
+        if isinstance(h, bool) or not isinstance(h, (int, bytes)):
+            raise InvalidInputError(f"a block hash is an int or bytes, got {type(h).__name__}")
+        if isinstance(h, int) and not 0 <= h < 1 << 64:
+            raise InvalidInputError(f"an int block hash is in 0 .. 2**64-1, got {h}")
+        out.append(hash64(h))
+    return out
+
+
 class PrefixIndex:
     """Which of N instances holds which block, and how much of a prompt each holds.
 
@@ -80,11 +92,11 @@ class PrefixIndex:
 
     def store(self, instance: str, hashes: Iterable[bytes | int]) -> None:
         """`instance` now holds these blocks."""
-        self._core.store(self._id(instance), [hash64(h) for h in hashes])
+        self._core.store(self._id(instance), _hashes(hashes))
 
     def remove(self, instance: str, hashes: Iterable[bytes | int]) -> None:
         """`instance` no longer holds these blocks (unknown ones are ignored)."""
-        self._core.remove(self._id(instance), [hash64(h) for h in hashes])
+        self._core.remove(self._id(instance), _hashes(hashes))
 
     def clear(self, instance: str) -> None:
         """`instance` holds nothing."""
@@ -107,11 +119,11 @@ class PrefixIndex:
 
     def score(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading blocks of the prompt (its `prompt_hashes`) it holds."""
-        return dict(zip(self.instances, self._core.score(list(hashes)), strict=True))
+        return dict(zip(self.instances, self._core.score(_hashes(hashes)), strict=True))
 
     def best(self, hashes: Sequence[int]) -> tuple[str, int]:
         """The instance holding the longest prefix (the first such, on a tie) and its length."""
-        scores = self._core.score(list(hashes))
+        scores = self._core.score(_hashes(hashes))
         best = max(range(len(scores)), key=scores.__getitem__)
         return self.instances[best], scores[best]
 

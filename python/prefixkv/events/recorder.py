@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from prefixkv import _core
-from prefixkv._core import EventDrain
+from prefixkv._core import EventCounters, EventDrain
 from prefixkv.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -59,6 +59,10 @@ class EventRecorder:
     def drain(self) -> EventDrain:
         """The events since the last drain, with the recorder's counters."""
         return _core.drain_events(self._core)
+
+    def counters(self) -> EventCounters:
+        """Blocks recorded, blocks dropped by overflows, and overflows, since the cache began."""
+        return _core.event_counters(self._core)
 
     def cached_keys(self) -> list[bytes]:
         """The SHA-256 block key of every block the cache holds now."""

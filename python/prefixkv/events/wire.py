@@ -3,8 +3,8 @@
 A payload is one msgpack value, encoded with msgspec exactly as vLLM's
 `vllm/distributed/kv_events.py` encodes it:
 
-- `KVEventBatch` is a positional array `[ts, events, data_parallel_rank]` (`array_like`), the
-  rank left out when None (`omit_defaults`);
+- `KVEventBatch` is a positional array `[ts, events, data_parallel_rank]` (`array_like`; the
+  rank is nil when unset: msgspec's `omit_defaults` leaves fields out of maps, not arrays);
 - each event is a msgpack map tagged by class name under ``"type"`` (`tag=True`), with every
   field in declaration order and the fields that have a default left out while at it.
 

@@ -316,6 +316,17 @@ impl PrefixCache {
         self.inner.lock().events.recorder.is_some()
     }
 
+    /// The recorder's counters now (kept across disable and enable).
+    #[must_use]
+    pub fn event_counters(&self) -> EventCounters {
+        let inner = self.inner.lock();
+        inner
+            .events
+            .recorder
+            .as_ref()
+            .map_or(inner.events.counters, |r| r.counters)
+    }
+
     /// The events recorded since the last drain (empty when events are off).
     pub fn drain_events(&self) -> EventDrain {
         let mut guard = self.inner.lock();

@@ -123,6 +123,25 @@ impl EventDrain {
     }
 }
 
+/// The recorder's counters: blocks recorded, blocks dropped by overflows, overflows.
+#[pyclass(frozen, get_all, module = "prefixkv._core")]
+pub struct EventCounters {
+    recorded_blocks: u64,
+    dropped_blocks: u64,
+    overflows: u64,
+}
+
+/// `cache`'s event counters now (they survive disable and enable).
+#[pyfunction]
+pub fn event_counters(cache: &CoreCache) -> EventCounters {
+    let c = cache.0.event_counters();
+    EventCounters {
+        recorded_blocks: c.recorded_blocks,
+        dropped_blocks: c.dropped_blocks,
+        overflows: c.overflows,
+    }
+}
+
 /// Starts (or reconfigures) event recording on `cache`.
 #[pyfunction]
 pub fn enable_events(

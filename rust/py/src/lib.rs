@@ -36,6 +36,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(context_fingerprint, module)?)?;
     module.add_class::<events::CoreEvent>()?;
     module.add_class::<events::EventDrain>()?;
+    module.add_class::<events::EventCounters>()?;
+    module.add_function(wrap_pyfunction!(events::event_counters, module)?)?;
     module.add_function(wrap_pyfunction!(events::enable_events, module)?)?;
     module.add_function(wrap_pyfunction!(events::disable_events, module)?)?;
     module.add_function(wrap_pyfunction!(events::events_enabled, module)?)?;
