@@ -337,6 +337,37 @@ def test_vllm_shaped_batches_round_trip_through_the_index() -> None:
     assert index.score(prompt_hashes(cache, [1, 2, 3, 4, 5])) == {"vllm": 0, "prefixkv": 2}
 
 
+@pytest.mark.parametrize("hashes", ["int64", "bytes"])
+@pytest.mark.parametrize("medium", ["GPU", None])
+def test_the_rust_encoding_is_msgspecs_byte_for_byte(hashes: str, medium: str | None) -> None:
+    from prefixkv import _core
+    from prefixkv.events import EventRecorder
+    from prefixkv.events.wire import batch_payload
+
+    c = small_cache(num_blocks=64, block_size=16)
+    recorder = EventRecorder(c)
+    long_adapter = "adapter-" + "x" * 40  # a str8, not a fixstr
+    tokens = [t * 977 % 200_000 for t in range(20 * 16)]  # every int width, array16 lists
+    request = c.begin(tokens, adapter=long_adapter, multimodal=[(3, 40, "img")])
+    c.commit(request, len(tokens))
+    c.finish(request)
+    c.clear()
+    request = c.begin(tokens[:40], salt="s")
+    c.commit(request, 40)
+    c.finish(request)
+    serve_all = c.begin(list(range(64 * 16)))  # evicts everything else
+    c.finish(serve_all)
+    events = recorder.drain().events
+    assert {e.kind for e in events} == {"stored", "removed", "cleared"}
+    structs = wire_events(events, block_size=16, hashes=hashes, medium=medium)  # type: ignore[arg-type]
+    for rank in (None, 0, 300):
+        expected = encode_batch(KVEventBatch(ts=123.25, events=structs, data_parallel_rank=rank))
+        encoded = _core.encode_events(events, 16, hashes, medium)
+        assert batch_payload(123.25, encoded, rank) == expected
+    with pytest.raises(InvalidInputError):
+        _core.encode_events(events, 16, "hex", medium)
+
+
 def test_malformed_payloads_are_typed_errors() -> None:
     with pytest.raises(InvalidInputError):
         decode_batch(b"\x93\x01")

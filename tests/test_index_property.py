@@ -23,11 +23,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from prefixkv import CacheContext, PrefixCache
+from prefixkv import CacheContext, PrefixCache, _core
 from prefixkv.errors import OutOfBlocksError
 from prefixkv.events import EventRecorder, PrefixIndex, hash64, prompt_hashes
 from prefixkv.events.publisher import wire_events
-from prefixkv.events.wire import KVEventBatch, decode_batch, encode_batch
+from prefixkv.events.wire import KVEventBatch, batch_payload, decode_batch, encode_batch
 
 BLOCK_SIZE = 2
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=9)
@@ -47,7 +47,11 @@ class IndexMatchesCache(RuleBasedStateMachine):
         drain = self.recorder.drain()
         if drain.events:
             events = wire_events(drain.events, block_size=BLOCK_SIZE, medium="GPU")
-            self.buffer.append(encode_batch(KVEventBatch(ts=0.0, events=events)))
+            payload = encode_batch(KVEventBatch(ts=0.0, events=events))
+            # The publisher's Rust encoding is byte for byte msgspec's encoding of the structs.
+            encoded = _core.encode_events(drain.events, BLOCK_SIZE, "int64", "GPU")
+            assert batch_payload(0.0, encoded) == payload
+            self.buffer.append(payload)
         if self.connected:
             self.catch_up()
 

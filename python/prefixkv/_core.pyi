@@ -21,6 +21,7 @@ __all__ = [
     "disable_events",
     "drain_events",
     "enable_events",
+    "encode_events",
     "event_counters",
     "events_enabled",
     "prompt_hashes",
@@ -214,6 +215,9 @@ def disable_events(cache: CoreCache) -> None: ...
 def events_enabled(cache: CoreCache) -> bool: ...
 def drain_events(cache: CoreCache) -> EventDrain: ...
 def cached_keys(cache: CoreCache) -> list[bytes]: ...
+def encode_events(
+    events: Sequence[CoreEvent], block_size: int, hashes: str, medium: str | None
+) -> bytes: ...
 
 # ----- prefix index (rust/py/src/index.rs) ----------------------------------------------------
 

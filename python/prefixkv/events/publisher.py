@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 import zmq
 
+from prefixkv import _core
 from prefixkv.errors import InvalidInputError
 from prefixkv.events.recorder import DEFAULT_CAPACITY, EventRecorder, TokenIds
 from prefixkv.events.wire import (
@@ -31,6 +32,7 @@ from prefixkv.events.wire import (
     ExternalBlockHash,
     KVEvent,
     KVEventBatch,
+    batch_payload,
     encode_batch,
 )
 
@@ -145,12 +147,20 @@ class ZmqEventPublisher:
 
     def publish(self, events: list[KVEvent], ts: float | None = None) -> int:
         """Sends one batch of `events`; returns its sequence number."""
-        if not self._running:
-            raise InvalidInputError("the publisher is closed")
         batch = KVEventBatch(
             ts=time.time() if ts is None else ts, events=events, data_parallel_rank=self._rank
         )
-        payload = encode_batch(batch)
+        return self.publish_payload(encode_batch(batch))
+
+    def publish_encoded(self, events_msgpack: bytes, ts: float | None = None) -> int:
+        """Sends one batch whose events are already encoded (`_core.encode_events`)."""
+        ts = time.time() if ts is None else ts
+        return self.publish_payload(batch_payload(ts, events_msgpack, self._rank))
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Sends one encoded batch; returns its sequence number."""
+        if not self._running:
+            raise InvalidInputError("the publisher is closed")
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
@@ -266,14 +276,13 @@ class KVEventPublisher:
             self.resynchronisations += 1
         if not drain.events:
             return 0
-        events = wire_events(
-            drain.events,
-            block_size=self.recorder.block_size,
-            hashes=self.hashes,
-            medium=self.medium,
+        # Encoded in Rust: byte for byte what `wire_events` and msgspec give
+        # (tests/test_events_wire.py), at a fraction of the cost.
+        encoded = _core.encode_events(
+            drain.events, self.recorder.block_size, self.hashes, self.medium
         )
-        self.socket.publish(events)
-        return len(events)
+        self.socket.publish_encoded(encoded)
+        return len(drain.events)
 
     def close(self) -> None:
         """Publishes what is pending, stops recording, closes the sockets."""

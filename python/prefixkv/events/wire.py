@@ -15,6 +15,7 @@ batch decodes even when an engine sets them). Block hashes are ints (the 64-bit 
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -85,6 +86,14 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload of one batch."""
     return _encoder.encode(batch)
+
+
+def batch_payload(ts: float, events_msgpack: bytes, data_parallel_rank: int | None = None) -> bytes:
+    """The payload of a batch whose events are already msgpack (`_core.encode_events`): the
+    same bytes `encode_batch` writes for those events, without building the structs."""
+    return (
+        b"\x93\xcb" + struct.pack(">d", ts) + events_msgpack + _encoder.encode(data_parallel_rank)
+    )
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

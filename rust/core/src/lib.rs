@@ -31,7 +31,9 @@ pub mod table;
 
 pub use cache::{BeginResult, CacheConfig, PrefixCache, PrefixMatch};
 pub use error::{CacheError, Result};
-pub use events::{EventConfig, EventCounters, EventDrain, KvEvent, TokenIds};
+pub use events::{
+    encode_events, EventConfig, EventCounters, EventDrain, HashForm, KvEvent, TokenIds,
+};
 pub use key::{block_key, context_fingerprint, root_key, BlockKey, MultimodalItem, RequestExtras};
 pub use pool::BlockId;
 pub use stats::CacheStats;

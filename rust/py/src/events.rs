@@ -2,7 +2,7 @@
 //! Free functions over the cache (not methods) so that this concern stays in its own file;
 //! `prefixkv.events.EventRecorder` is the documented API on top.
 
-use prefixkv_core::{EventConfig, EventDrain as CoreDrain, KvEvent, TokenIds};
+use prefixkv_core::{EventConfig, EventDrain as CoreDrain, HashForm, KvEvent, TokenIds};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -190,4 +190,30 @@ pub fn drain_events(py: Python<'_>, cache: &CoreCache) -> PyResult<EventDrain> {
 pub fn cached_keys<'py>(py: Python<'py>, cache: &CoreCache) -> Vec<Bound<'py, PyBytes>> {
     let keys = py.detach(|| cache.0.cached_keys());
     keys.iter().map(|k| PyBytes::new(py, &k.0)).collect()
+}
+
+/// `events` as the msgpack array of vLLM's `KVEventBatch.events` (see
+/// `prefixkv_core::encode_events`); `hashes` is "int64" or "bytes".
+#[pyfunction]
+#[pyo3(signature = (events, block_size, hashes, medium))]
+pub fn encode_events<'py>(
+    py: Python<'py>,
+    events: Vec<Bound<'py, CoreEvent>>,
+    block_size: &Bound<'py, PyAny>,
+    hashes: &str,
+    medium: Option<&str>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let block_size: u32 = int_in(block_size, "block_size", "1 ..= 4294967295", |v| v > 0)?;
+    let form = match hashes {
+        "int64" => HashForm::Int64,
+        "bytes" => HashForm::Bytes,
+        other => {
+            return Err(invalid(format!(
+                "hashes must be 'int64' or 'bytes', got {other:?}"
+            )))
+        }
+    };
+    let refs: Vec<&KvEvent> = events.iter().map(|e| &e.get().0).collect();
+    let encoded = prefixkv_core::encode_events(&refs, block_size as usize, form, medium);
+    Ok(PyBytes::new(py, &encoded))
 }

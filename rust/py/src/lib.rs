@@ -43,6 +43,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(events::events_enabled, module)?)?;
     module.add_function(wrap_pyfunction!(events::drain_events, module)?)?;
     module.add_function(wrap_pyfunction!(events::cached_keys, module)?)?;
+    module.add_function(wrap_pyfunction!(events::encode_events, module)?)?;
     module.add_class::<index::PrefixIndex>()?;
     module.add_function(wrap_pyfunction!(index::prompt_hashes, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
