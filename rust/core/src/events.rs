@@ -106,6 +106,9 @@ pub(crate) struct Events {
     recorder: Option<Box<Recorder>>,
     /// Survives disable/enable, so counters are monotonic (Prometheus counters must be).
     counters: EventCounters,
+    /// Set once events were on: enabling again must resynchronise consumers, whose view may
+    /// miss what happened while events were off (or was queued and discarded).
+    was_enabled: bool,
 }
 
 impl Events {
@@ -296,8 +299,14 @@ impl PrefixCache {
             counters,
         });
         recorder.keys = self.cached_block_keys(inner);
-        // Announce the blocks already cached as a resynchronisation does.
-        recorder.snapshot_pending = recorder.keys.iter().any(Option::is_some);
+        // Announce the blocks already cached as a resynchronisation does; after an earlier
+        // recorder, also tell consumers to forget what they learned from it.
+        recorder.snapshot_pending =
+            inner.events.was_enabled || recorder.keys.iter().any(Option::is_some);
+        if let Some(previous) = inner.events.recorder.take() {
+            recorder.counters = previous.counters;
+        }
+        inner.events.was_enabled = true;
         inner.events.recorder = Some(recorder);
     }
 
@@ -717,6 +726,24 @@ mod tests {
         assert_eq!(drain.events[0], KvEvent::Cleared);
         assert_eq!(drain.events.len(), 5);
         assert!(!c.drain_events().resynchronised);
+    }
+
+    #[test]
+    fn enabling_again_resynchronises_what_happened_while_off() {
+        let c = cache(2, 1);
+        c.enable_events(config(64, TokenIds::All));
+        let r = c.begin(vec![1, 2], b"", no_extras(), 0).unwrap();
+        c.commit(r.request_id, 2).unwrap();
+        c.finish(r.request_id).unwrap();
+        assert_eq!(c.drain_events().events.len(), 1);
+        c.disable_events();
+        // Unseen: both blocks evicted, the cache is empty of them.
+        let r = c.begin(vec![7, 8], b"", no_extras(), 0).unwrap();
+        c.finish(r.request_id).unwrap();
+        c.enable_events(config(64, TokenIds::All));
+        let drain = c.drain_events();
+        assert!(drain.resynchronised);
+        assert_eq!(drain.events, vec![KvEvent::Cleared]);
     }
 
     #[test]
