@@ -98,6 +98,8 @@ pub(crate) struct Recorder {
     /// Set when enabled over a non-empty cache: the next drain is a snapshot.
     snapshot_pending: bool,
     counters: EventCounters,
+    /// Reused hashing buffer.
+    scratch: Vec<u8>,
 }
 
 /// The hook point the cache calls: a no-op unless events are on.
@@ -186,12 +188,8 @@ impl Recorder {
         let parent = parent_block.map(|b| {
             self.keys[b as usize].expect("a cached parent has its block key while events are on")
         });
-        let key = block_key_with(
-            &mut Vec::new(),
-            parent.as_ref().unwrap_or(root),
-            tokens,
-            extras,
-        );
+        let parent_key = parent.as_ref().unwrap_or(root);
+        let key = block_key_with(&mut self.scratch, parent_key, tokens, extras);
         self.keys[block as usize] = Some(key);
         let with_tokens = match self.config.token_ids {
             TokenIds::All => true,
@@ -297,6 +295,7 @@ impl PrefixCache {
             overflowed: false,
             snapshot_pending: false,
             counters,
+            scratch: Vec::new(),
         });
         recorder.keys = self.cached_block_keys(inner);
         // Announce the blocks already cached as a resynchronisation does; after an earlier
