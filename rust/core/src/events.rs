@@ -469,6 +469,15 @@ impl PrefixCache {
     }
 }
 
+/// The 64-bit form of a block key that routers use: its last 8 bytes as a big-endian integer
+/// (`int.from_bytes(key, "big") & (2**64 - 1)`, vLLM's conversion of its own hashes).
+#[must_use]
+pub fn hash64(key: &BlockKey) -> u64 {
+    let mut low = [0u8; 8];
+    low.copy_from_slice(&key.0[24..]);
+    u64::from_be_bytes(low)
+}
+
 // ----- the wire encoding -----------------------------------------------------------------------
 
 /// How block hashes go on the wire.
@@ -495,7 +504,7 @@ pub fn encode_events(
     let mut out = Vec::with_capacity(64 + 16 * events.len());
     msgpack::array_header(&mut out, events.len());
     let hash = |out: &mut Vec<u8>, key: &BlockKey| match hashes {
-        HashForm::Int64 => msgpack::uint(out, crate::index::hash64(key)),
+        HashForm::Int64 => msgpack::uint(out, hash64(key)),
         HashForm::Bytes => msgpack::bin(out, &key.0),
     };
     let optional_str = |out: &mut Vec<u8>, value: Option<&str>| match value {

@@ -31,14 +31,7 @@ use crate::key::{block_key_with, root_key, BlockKey, RequestExtras};
 /// Most instances one index tracks.
 pub const MAX_INSTANCES: usize = 64;
 
-/// The 64-bit form of a block key that routers use: its last 8 bytes as a big-endian integer
-/// (`int.from_bytes(key, "big") & (2**64 - 1)`, vLLM's conversion of its own hashes).
-#[must_use]
-pub fn hash64(key: &BlockKey) -> u64 {
-    let mut low = [0u8; 8];
-    low.copy_from_slice(&key.0[24..]);
-    u64::from_be_bytes(low)
-}
+pub use crate::events::hash64;
 
 /// The 64-bit hashes of every full block of a prompt, as a prefixkv instance under context
 /// `context` publishes them: what a router scores with.
