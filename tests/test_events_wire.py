@@ -373,3 +373,52 @@ def test_malformed_payloads_are_typed_errors() -> None:
         decode_batch(b"\x93\x01")
     with pytest.raises(InvalidInputError):
         decode_batch(vllm_encoder.encode([1.0, [{"type": "Nope"}]]))
+
+
+def test_a_subscriber_clears_a_view_it_cannot_trust() -> None:
+    from prefixkv.events import Endpoint, EventSubscriber, ZmqEventPublisher
+
+    stored = [
+        BlockStored(
+            block_hashes=[n],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=16,
+            lora_id=None,
+            medium=None,
+            lora_name=None,
+        )
+        for n in (1, 2, 3)
+    ]
+    with ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=1) as pub:
+        assert pub.replay_endpoint is not None
+        for event in stored:  # only the last is kept for replay
+            pub.publish([event])
+        index = PrefixIndex(["a"])
+        endpoint = {"a": Endpoint(pub.endpoint, pub.replay_endpoint)}
+        with EventSubscriber(index, endpoint) as subscriber:
+            assert subscriber.wait_for("a", 2)
+            # Batches 0 and 1 are gone for good: the view restarts from what follows.
+            assert subscriber.unrecoverable_gaps == 1
+            assert index.blocks_of("a") == [3]
+            seq = pub.publish_payload(b"\xc1 not msgpack")
+            assert subscriber.wait_for("a", seq)
+            assert subscriber.decode_errors == 1
+            assert index.blocks_of("a") == []
+
+
+def test_a_batch_lost_last_is_recovered_after_a_quiet_spell() -> None:
+    from prefixkv.events import Endpoint, EventSubscriber, ZmqEventPublisher
+
+    with (
+        ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        ZmqEventPublisher("tcp://127.0.0.1:*") as silent,
+    ):
+        assert pub.replay_endpoint is not None
+        index = PrefixIndex(["a"])
+        # Live frames come from a socket that never sends: only replays can deliver.
+        endpoint = {"a": Endpoint(silent.endpoint, pub.replay_endpoint)}
+        with EventSubscriber(index, endpoint, idle_replay=0.1) as subscriber:
+            seq = pub.publish([BlockRemoved(block_hashes=[1], medium=None), AllBlocksCleared()])
+            assert subscriber.wait_for("a", seq, timeout=5)
+            assert subscriber.replayed_batches == 1

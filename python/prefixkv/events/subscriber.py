@@ -10,10 +10,14 @@ socket per instance for replay. Per instance the subscriber expects sequence num
 - a gap the publisher can no longer replay (it kept fewer batches): the instance's view is
   cleared and rebuilt from what follows, so the index may miss blocks but never claims one the
   instance does not hold; counted in `unrecoverable_gaps`;
-- sequence 0 after a higher one: the publisher restarted; its view is cleared first.
+- sequence 0 after a higher one: the publisher restarted; its view is cleared first (a restart
+  whose sequence 0 was lost is not recognised: vLLM's format has no publisher epoch);
+- a payload that does not decode: the view is cleared (`decode_errors`), never guessed.
 
 It resumes from `index.applied_seq`, so a subscriber killed and started again on the same index
-loses nothing while the publishers still keep the batches in between.
+loses nothing while the publishers still keep the batches in between. After a quiet spell it
+asks the replay sockets for anything newer, so a batch lost last (no later batch shows the gap)
+is not lost for good.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class EventSubscriber:
         index: the index to keep in step; its instance names must include every endpoint's.
         endpoints: each instance's addresses.
         replay_timeout: seconds to wait for a replay to end before giving up on it.
+        idle_replay: when no batch has come for this many seconds, ask each instance's replay
+            socket for anything newer (the last batches before a quiet spell may have been
+            dropped, or sent before the subscription landed, and no later batch reveals the
+            gap). None: never.
     """
 
     def __init__(
@@ -53,6 +61,7 @@ class EventSubscriber:
         endpoints: dict[str, Endpoint],
         *,
         replay_timeout: float = 5.0,
+        idle_replay: float | None = 0.5,
     ) -> None:
         unknown = set(endpoints) - set(index.instances)
         if unknown:
@@ -60,6 +69,7 @@ class EventSubscriber:
         self.index = index
         self.endpoints = dict(endpoints)
         self.replay_timeout = replay_timeout
+        self.idle_replay = idle_replay
         self.applied_batches = 0
         self.replayed_batches = 0
         self.unrecoverable_gaps = 0
@@ -88,13 +98,22 @@ class EventSubscriber:
             # Catch up on whatever was published before we connected (or since we last ran).
             for name in self.endpoints:
                 self._replay(name)
+            quiet_since = time.monotonic()
             while not self._stop.is_set():
-                for sub, _ in poller.poll(50):
+                ready = poller.poll(50)
+                for sub, _ in ready:
                     frames = sub.recv_multipart()
                     if len(frames) != 3 or len(frames[1]) != 8:
                         self.decode_errors += 1
                         continue
                     self._receive(subs[sub], int.from_bytes(frames[1], "big"), frames[2])
+                now = time.monotonic()
+                if ready:
+                    quiet_since = now
+                elif self.idle_replay is not None and now - quiet_since >= self.idle_replay:
+                    for name in self.endpoints:
+                        self._replay(name)
+                    quiet_since = now
         finally:
             self._ready.set()
             for sub in subs:
@@ -123,7 +142,9 @@ class EventSubscriber:
         try:
             batch = decode_batch(payload)
         except InvalidInputError:
+            # Its changes are unknown: start the view again rather than guess.
             self.decode_errors += 1
+            self._lost(name)
             batch = KVEventBatch(ts=0.0, events=[])
         self.index.apply(name, batch, seq)
         self.applied_batches += 1

@@ -240,6 +240,32 @@ mod tests {
     }
 
     #[test]
+    fn readers_score_without_waiting_while_a_writer_churns() {
+        let index = std::sync::Arc::new(PrefixIndex::new(2).unwrap());
+        let chain: Vec<u64> = (1..=64).collect();
+        index.store(0, &chain).unwrap();
+        let writer = {
+            let index = std::sync::Arc::clone(&index);
+            let chain = chain.clone();
+            std::thread::spawn(move || {
+                for round in 0..200 {
+                    let upto = (round % 64) + 1;
+                    index.store(1, &chain[..upto]).unwrap();
+                    index.remove(1, &chain[..upto]).unwrap();
+                }
+            })
+        };
+        for _ in 0..2000 {
+            let scores = index.score(&chain);
+            // Instance 0 never changes; instance 1 only ever holds a prefix of the chain.
+            assert_eq!(scores[0], 64);
+            assert!(scores[1] <= 64);
+        }
+        writer.join().unwrap();
+        assert_eq!(index.score(&chain), vec![64, 0]);
+    }
+
+    #[test]
     fn a_duplicate_store_needs_two_removals() {
         let index = PrefixIndex::new(1).unwrap();
         index.store(0, &[7, 7]).unwrap();
