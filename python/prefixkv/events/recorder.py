@@ -1,7 +1,7 @@
 """Recording a `PrefixCache`'s KV events (needs no optional package).
 
 The core records every stored, removed and cleared block under the cache's lock
-(`rust/core/src/events.rs`); an `EventRecorder` turns that on for one cache and drains it.
+(`rust/core/src/events/mod.rs`); an `EventRecorder` turns that on for one cache and drains it.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ pub(crate) struct Inner {
     /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
     /// ones `release` may drop.
     pub(crate) external_refs: Vec<u32>,
-    /// KV event recording (`events.rs`): a no-op unless enabled.
+    /// KV event recording (`events/`): a no-op unless enabled.
     pub(crate) events: Events,
 }
 
