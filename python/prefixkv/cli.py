@@ -103,6 +103,18 @@ def _parser() -> argparse.ArgumentParser:
         help="find what breaks prefix reuse in a request trace (see `prefixkv analyze -h`)",
         add_help=False,
     )
+    route = commands.add_parser(
+        "route-demo",
+        help="engine processes publishing KV events, routed by prefix vs round-robin",
+        description="Start engine instances as separate processes publishing KV events (ZMQ, "
+        "vLLM's format), route an agent workload between them with a prefix index fed by those "
+        "events, then round-robin, and compare hit rate and time to first token.",
+    )
+    route.add_argument("--instances", type=_positive_int, default=2, help="default: 2")
+    route.add_argument("--agents", type=_positive_int, default=4, help="default: 4")
+    route.add_argument("--rounds", type=_positive_int, default=4, help="requests per agent")
+    route.add_argument("--model-size", choices=DEMO_MODEL_SIZES, default="small")
+    route.add_argument("--seed", type=int, default=0)
     commands.add_parser(
         "selfcheck",
         help="a quick end-to-end check: cache, paged KV, engine vs full recompute",
@@ -122,16 +134,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        status = _demo(args) if args.command == "demo" else _selfcheck()
+        if args.command == "route-demo":
+            status = _route_demo(args)
+        else:
+            status = _demo(args) if args.command == "demo" else _selfcheck()
     except ModuleNotFoundError as exc:
         # `demo` and `selfcheck` import torch and tqdm: the `demo` extra brings them all.
-        missing = missing_dependency(exc, f"prefixkv {args.command}", extra="demo")
+        extra = None if args.command == "route-demo" else "demo"  # route-demo: torch, events
+        missing = missing_dependency(exc, f"prefixkv {args.command}", extra=extra)
         print(missing or f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     except (PrefixKVError, ImportError, OSError) as exc:
         print(f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     return status
+
+
+def _route_demo(args: argparse.Namespace) -> int:
+    from prefixkv.route_demo import format_route_table, run_route_demo
+
+    result = run_route_demo(
+        instances=args.instances,
+        agents=args.agents,
+        rounds=args.rounds,
+        model_size=args.model_size,
+        seed=args.seed,
+    )
+    print(format_route_table(result))
+    return 0
 
 
 # -- prefixkv analyze ----------------------------------------------------------------------

@@ -50,6 +50,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
+use crate::events::Events;
 use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
@@ -160,6 +161,8 @@ pub(crate) struct Inner {
     /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
     /// ones `release` may drop.
     pub(crate) external_refs: Vec<u32>,
+    /// KV event recording (`events/`): a no-op unless enabled.
+    pub(crate) events: Events,
 }
 
 /// The prefix cache's block manager. `Sync`: share it between threads by reference.
@@ -222,6 +225,7 @@ impl PrefixCache {
                 epoch: 0,
                 block_epoch: per_block(num_blocks, 0)?,
                 external_refs: per_block(num_blocks, 0)?,
+                events: Events::default(),
             }),
             probes: AtomicU64::new(0),
             config,
@@ -640,6 +644,7 @@ impl PrefixCache {
                         .take()
                         .expect("evicted a cached block");
                     self.table.remove(&entry.key, &guard);
+                    inner.events.removed(block);
                     inner.counters.evictions += 1;
                 }
                 Ok(fresh)
@@ -655,6 +660,7 @@ impl PrefixCache {
     }
 
     fn clear_locked(&self, inner: &mut Inner, reset: Reset) {
+        inner.events.cleared(&self.context());
         inner.epoch += 1;
         inner.requests.forget_cached_prefixes();
         inner.pins.drop_all(reset);

@@ -1014,6 +1014,10 @@ impl PrefixCache {
                 Ok(inserted) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, parent_block);
+                    let origin = (&request.root, &request.extras);
+                    inner
+                        .events
+                        .stored(own_block, parent_block, origin, chunk, &inserted.extras);
                     let anchor = inserted.anchor(key);
                     inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;
