@@ -283,8 +283,10 @@ mod tests {
             capacity: 64,
             token_ids: TokenIds::All,
         });
-        let r = c.begin(vec![5, 6, 7, 8, 9], b"s", no_extras(), 0).unwrap();
-        c.commit(r.request_id, 5).unwrap();
+        let r = c
+            .begin(None, vec![5, 6, 7, 8, 9], b"s", no_extras(), 0)
+            .unwrap();
+        c.commit(&r.request_id, 5).unwrap();
         let Some(KvEvent::Stored { keys, .. }) = c.drain_events().events.pop() else {
             panic!("a stored event");
         };

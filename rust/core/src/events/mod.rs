@@ -399,8 +399,10 @@ mod tests {
     fn a_commit_is_one_stored_event_with_chained_sha256_keys() {
         let c = cache(8, 2);
         c.enable_events(config(64, TokenIds::All));
-        let r = c.begin(vec![1, 2, 3, 4, 5], b"", no_extras(), 0).unwrap();
-        c.commit(r.request_id, 5).unwrap();
+        let r = c
+            .begin(None, vec![1, 2, 3, 4, 5], b"", no_extras(), 0)
+            .unwrap();
+        c.commit(&r.request_id, 5).unwrap();
         let drain = c.drain_events();
         let expected = c.block_keys(&[1, 2, 3, 4], b"", &no_extras()).unwrap();
         assert_eq!(
@@ -425,14 +427,16 @@ mod tests {
         let c = cache(2, 2);
         c.enable_events(config(64, TokenIds::Unsalted));
         let r = c
-            .begin(vec![1, 2, 3, 4], b"tenant", no_extras(), 0)
+            .begin(None, vec![1, 2, 3, 4], b"tenant", no_extras(), 0)
             .unwrap();
-        c.commit(r.request_id, 4).unwrap();
-        c.finish(r.request_id).unwrap();
+        c.commit(&r.request_id, 4).unwrap();
+        c.finish(&r.request_id).unwrap();
         let salted = c
             .block_keys(&[1, 2, 3, 4], b"tenant", &no_extras())
             .unwrap();
-        let r = c.begin(vec![7, 8, 9, 10], b"", no_extras(), 0).unwrap();
+        let r = c
+            .begin(None, vec![7, 8, 9, 10], b"", no_extras(), 0)
+            .unwrap();
         let events = c.drain_events().events;
         assert!(matches!(&events[0], KvEvent::Stored { token_ids, .. } if token_ids.is_empty()));
         let mut removed = match &events[1] {
@@ -443,7 +447,7 @@ mod tests {
         let mut want = salted;
         want.sort();
         assert_eq!(removed, want);
-        c.finish(r.request_id).unwrap();
+        c.finish(&r.request_id).unwrap();
         c.set_context(context_fingerprint(b"other"));
         assert_eq!(c.drain_events().events, vec![KvEvent::Cleared]);
     }
@@ -453,9 +457,9 @@ mod tests {
         let c = cache(16, 1);
         c.enable_events(config(2, TokenIds::All));
         for t in 0..4u32 {
-            let r = c.begin(vec![100 + t], b"", no_extras(), 0).unwrap();
-            c.commit(r.request_id, 1).unwrap();
-            c.finish(r.request_id).unwrap();
+            let r = c.begin(None, vec![100 + t], b"", no_extras(), 0).unwrap();
+            c.commit(&r.request_id, 1).unwrap();
+            c.finish(&r.request_id).unwrap();
         }
         let drain = c.drain_events();
         assert!(drain.resynchronised);
@@ -470,14 +474,14 @@ mod tests {
     fn enabling_again_resynchronises_what_happened_while_off() {
         let c = cache(2, 1);
         c.enable_events(config(64, TokenIds::All));
-        let r = c.begin(vec![1, 2], b"", no_extras(), 0).unwrap();
-        c.commit(r.request_id, 2).unwrap();
-        c.finish(r.request_id).unwrap();
+        let r = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+        c.commit(&r.request_id, 2).unwrap();
+        c.finish(&r.request_id).unwrap();
         assert_eq!(c.drain_events().events.len(), 1);
         c.disable_events();
         // Unseen: both blocks evicted, the cache is empty of them.
-        let r = c.begin(vec![7, 8], b"", no_extras(), 0).unwrap();
-        c.finish(r.request_id).unwrap();
+        let r = c.begin(None, vec![7, 8], b"", no_extras(), 0).unwrap();
+        c.finish(&r.request_id).unwrap();
         c.enable_events(config(64, TokenIds::All));
         let drain = c.drain_events();
         assert!(drain.resynchronised);
@@ -487,12 +491,14 @@ mod tests {
     #[test]
     fn enabling_late_snapshots_what_is_cached() {
         let c = cache(8, 2);
-        let r = c.begin(vec![1, 2, 3, 4], b"", no_extras(), 0).unwrap();
-        c.commit(r.request_id, 4).unwrap();
+        let r = c
+            .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+            .unwrap();
+        c.commit(&r.request_id, 4).unwrap();
         c.enable_events(config(64, TokenIds::None));
         // A child of a block cached before events were on still gets its chained key.
-        c.append(r.request_id, &[5, 6]).unwrap();
-        c.commit(r.request_id, 6).unwrap();
+        c.append(&r.request_id, &[5, 6]).unwrap();
+        c.commit(&r.request_id, 6).unwrap();
         let drain = c.drain_events();
         assert!(drain.resynchronised);
         assert_eq!(drain.counters.dropped_blocks, 0);
