@@ -116,7 +116,6 @@ def test_bad_arguments_are_typed_errors() -> None:
         index.store("b", [1])
     with pytest.raises(InvalidInputError):
         index.score([-1])  # type: ignore[list-item]
-    pytest.importorskip("zmq")
     from prefixkv.events import KVEventPublisher
 
     with pytest.raises(InvalidInputError):
@@ -157,7 +156,6 @@ def test_a_missing_extra_is_a_missing_dependency_error(
 
 
 def test_a_publisher_without_subscribers_never_blocks() -> None:
-    pytest.importorskip("zmq")
     from prefixkv.events import KVEventPublisher
 
     c = cache(num_blocks=256, block_size=1)

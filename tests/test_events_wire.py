@@ -15,16 +15,15 @@ import struct
 import time
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
 
-msgspec = pytest.importorskip("msgspec")
-zmq = pytest.importorskip("zmq")
-
-from prefixkv import CacheContext, PrefixCache  # noqa: E402
-from prefixkv.errors import InvalidInputError  # noqa: E402
-from prefixkv.events import PrefixIndex, hash64, prompt_hashes  # noqa: E402
-from prefixkv.events.publisher import KVEventPublisher, wire_events  # noqa: E402
-from prefixkv.events.wire import (  # noqa: E402
+from prefixkv import CacheContext, PrefixCache
+from prefixkv.errors import InvalidInputError
+from prefixkv.events import PrefixIndex, hash64, prompt_hashes
+from prefixkv.events.publisher import KVEventPublisher, wire_events
+from prefixkv.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

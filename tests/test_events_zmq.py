@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import msgspec  # noqa: F401  (the test extra installs the events extra: a missing one fails)
 import pytest
-
-pytest.importorskip("zmq")
-pytest.importorskip("msgspec")
-pytest.importorskip("torch")
+import torch  # noqa: F401
+import zmq  # noqa: F401
 
 from prefixkv.events import EventSubscriber, PrefixIndex, prompt_hashes
 from prefixkv.route_demo import WorkerHandle, start_workers

@@ -10,10 +10,7 @@ and reconnect, catching up from the buffer as the replay socket would.
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("msgspec")
-
+import msgspec  # noqa: F401
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

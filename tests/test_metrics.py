@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
+import prometheus_client  # noqa: F401
 import pytest
-
-pytest.importorskip("prometheus_client")
-
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixkv import CacheContext, PrefixCache

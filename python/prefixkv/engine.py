@@ -292,6 +292,8 @@ class Engine:
         self.max_waiting_considered = 64
         self.last_stats = SchedulerStats()
         self._request_counter = 0
+        #: The KV event publisher, once `publish_kv_events` started one.
+        self.kv_events: Any = None
         geometry = (config.num_layers, block_size, config.num_kv_heads, config.head_dim)
         if kv_memory_bytes is not None:
             self.kv_cache = PagedKVCache.from_memory_budget(
@@ -322,6 +324,62 @@ class Engine:
         if watermark_blocks is None:
             watermark_blocks = max(1, self.kv_cache.num_blocks // 100)
         self.watermark_blocks = _positive_int(watermark_blocks, "watermark_blocks", minimum=0)
+
+    # ---------------------------------------------------------------- observability
+
+    def publish_kv_events(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        *,
+        topic: str | None = None,
+        token_ids: str = "all",
+        hashes: str = "int64",
+    ) -> Any:
+        """Publish this engine's KV events in vLLM's format (`prefixkv.events`, needs the
+        ``events`` extra): a ZMQ PUB socket at `endpoint`, replays at `replay_endpoint`, one
+        batch per scheduler step. `topic` defaults to llm-d's ``kv@<host>@<model_id>``;
+        `token_ids` (``"all"``, ``"unsalted"``, ``"none"``) limits what tenants' events reveal.
+        Returns the `KVEventPublisher` (also `kv_events`); `close()` stops it."""
+        import socket
+
+        from prefixkv.events import KVEventPublisher
+
+        if self.kv_events is not None:
+            raise InvalidInputError("this engine already publishes KV events (close() first)")
+        self.kv_events = KVEventPublisher(
+            self.cache,
+            endpoint,
+            replay_endpoint,
+            topic=topic if topic is not None else f"kv@{socket.gethostname()}@{self._model_id}",
+            medium="GPU" if self.model.device.type == "cuda" else "CPU",
+            token_ids=token_ids,  # type: ignore[arg-type]
+            hashes=hashes,  # type: ignore[arg-type]
+        )
+        return self.kv_events
+
+    def metrics_collector(self, labels: Mapping[str, str] | None = None) -> Any:
+        """A Prometheus collector of this engine's cache figures (`prefixkv.metrics`, needs the
+        ``metrics`` extra), with the event counters when events are published; register it
+        with ``prometheus_client.REGISTRY.register(...)``."""
+        from prefixkv.metrics import PrefixCacheCollector
+
+        return PrefixCacheCollector(
+            self.cache,
+            publisher=self.kv_events,
+            labels=dict(labels) if labels is not None else {"model_name": self._model_id},
+        )
+
+    def flush_kv_events(self) -> None:
+        """Send what the cache recorded since the last step (the engine does it every step)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def close(self) -> None:
+        """Stop publishing KV events (the engine itself holds nothing else to release)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _new_request_id(self) -> str:
         self._request_counter += 1
@@ -420,6 +478,7 @@ class Engine:
         self._adapter_key = self.model.adapter_digest()
         self.context = self._build_context()
         self.cache.set_context(self._cache_context())
+        self.flush_kv_events()  # routers drop this instance's blocks now, not at the next step
 
     def _sync_with_model(self) -> bool:
         """Act on a weight or adapter change torch recorded since the last check; True if
@@ -647,12 +706,14 @@ class _Run:
             if not scheduled:
                 self._refuse_stuck()
             self._step(scheduled)
+            engine.flush_kv_events()
         return [result for result in self.results if result is not None]
 
     def abandon(self) -> None:
         for sequence in self.live.values():
             self.cache.finish(sequence.request_id)
         self.live.clear()
+        self.engine.flush_kv_events()
 
     # -- cache bookkeeping ---------------------------------------------------------------
 
