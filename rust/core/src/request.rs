@@ -631,6 +631,19 @@ impl PrefixCache {
                  blocks, which are never rewritten"
             )));
         }
+        // Every block the cut touches must be the request's alone. After a reset a block of a
+        // prefix hit is no longer published (no anchor) but still shared with other requests:
+        // writing into it, or freeing it, would corrupt them.
+        let first = num_tokens / self.config.block_size;
+        if let Some(&shared) = request.block_table.get(first..).and_then(|tail| {
+            tail.iter()
+                .find(|&&b| inner.pool.is_cached(b) || inner.pool.ref_count(b) != Some(1))
+        }) {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: block {shared} holding them is shared \
+                 with another request, and is never rewritten"
+            )));
+        }
         let (key, mut request) = inner.requests.take(id)?;
         let freed = self.truncate_locked(inner, &mut request, num_tokens);
         inner.requests.put(key, request);
