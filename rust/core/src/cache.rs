@@ -182,8 +182,8 @@ impl PrefixCache {
         let num_blocks = config.num_blocks as usize;
         let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
-            // Pre-size for speed up to a million entries; the map grows past that on its own.
-            table: SharedTable::with_capacity(num_blocks.min(1 << 20)),
+            // One entry slot per block, allocated now: the table never grows (`table.rs`).
+            table: SharedTable::new(num_blocks, config.block_size),
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
@@ -569,13 +569,16 @@ impl PrefixCache {
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
             let block_extras = block_extras(extras, index, bs);
             let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
-            match self.table.get(&key, &guard) {
-                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    on_hit(entry.anchor(key));
-                    parent = Parent::Entry(entry.id);
+            match self
+                .table
+                .get_verified(&key, &parent, chunk, &block_extras, &guard)
+            {
+                Some(anchor) => {
+                    on_hit(anchor);
+                    parent = Parent::Entry(anchor.id);
                     parent_key = key;
                 }
-                _ => break,
+                None => break,
             }
         }
     }
