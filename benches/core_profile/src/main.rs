@@ -349,5 +349,5 @@ fn main() {
         );
     }
     decode(20_000);
-    pressure(200, 16_384);
+    pressure(600, 16_384);
 }
