@@ -25,11 +25,32 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
 
 /// Position of a block in the pool.
 pub type BlockId = u32;
+
+/// Hashes a block id for the planner's scratch map: one multiply (Fibonacci hashing), where
+/// std's SipHash took 6% of a pressure run's time (`benches/PROFILE.md`). Ids are not chosen
+/// by callers in a way that could flood it: they are the pool's own.
+#[derive(Default)]
+struct BlockIdHasher(u64);
+
+impl Hasher for BlockIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 << 8 | u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// Eviction order key: (priority, last access tick, id). Smallest is evicted first.
 type EvictionKey = (i32, u64, BlockId);
@@ -318,7 +339,12 @@ impl BlockPool {
     #[must_use]
     pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
         let mut plan = Vec::with_capacity(want.min(self.blocks.len()));
-        let mut children_left: HashMap<BlockId, u32> = HashMap::new();
+        // Parents met so far (at most one per planned block): sized once, no rehash mid-plan.
+        let mut children_left: HashMap<BlockId, u32, BuildHasherDefault<BlockIdHasher>> =
+            HashMap::with_capacity_and_hasher(
+                want.min(self.num_cached),
+                BuildHasherDefault::default(),
+            );
         let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
         let mut leaves = self.evictable.iter().peekable();
         while plan.len() < want {
