@@ -158,20 +158,26 @@ fn profile_loop(mode: &str, seconds: f64) {
     match mode {
         "loop-miss" => {
             let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+            let mut count = 0;
             while start.elapsed().as_secs_f64() < seconds {
                 seed += 1;
                 run_request(&cache, &tokens(seed, 4000));
+                count += 1;
             }
+            eprintln!("requests: {count}");
         }
         "loop-hit" => {
             let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
             let shared = tokens(1, 3808);
+            let mut count = 0;
             while start.elapsed().as_secs_f64() < seconds {
                 seed += 1;
                 let mut prompt = shared.clone();
                 prompt.extend(tokens(seed, 192));
                 run_request(&cache, &prompt);
+                count += 1;
             }
+            eprintln!("requests: {count}");
         }
         "loop-pressure" => {
             let cache = PrefixCache::new(CacheConfig::new(16_384, BLOCK_SIZE), context).expect("cache");

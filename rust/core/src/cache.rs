@@ -50,7 +50,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
 use crate::request::{Request, Requests};
@@ -566,19 +566,37 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut parent_key = self.hasher.root(&root);
         let mut parent = Parent::Root(root);
-        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs);
-            let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
-            match self
-                .table
-                .get_verified(&key, &parent, chunk, &block_extras, &guard)
-            {
-                Some(anchor) => {
-                    on_hit(anchor);
-                    parent = Parent::Entry(anchor.id);
-                    parent_key = key;
+        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
+        // and its index reads started together: their cache misses overlap instead of queueing.
+        let mut keys = [TableKey(0); LOOKAHEAD];
+        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
+            let first = batch_index * LOOKAHEAD;
+            let mut key = parent_key;
+            let mut batch_len = 0;
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
+                let block_extras = block_extras(extras, first + offset, bs);
+                key = self.hasher.block(buffer, key, chunk, &block_extras);
+                keys[offset] = key;
+                batch_len += 1;
+            }
+            // Back to back, after the hashing: the loads are then in flight together.
+            for key in &keys[..batch_len] {
+                self.table.prefetch(key, None);
+            }
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
+                let key = keys[offset];
+                let block_extras = block_extras(extras, first + offset, bs);
+                match self
+                    .table
+                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
+                {
+                    Some(anchor) => {
+                        on_hit(anchor);
+                        parent = Parent::Entry(anchor.id);
+                        parent_key = key;
+                    }
+                    None => return,
                 }
-                None => break,
             }
         }
     }
@@ -615,6 +633,12 @@ impl PrefixCache {
                     inner.block_epoch[block as usize] = inner.epoch;
                 }
                 let guard = self.table.guard();
+                // Start every index read first, so the removals' cache misses overlap.
+                for &block in &evicted {
+                    if let Some(entry) = &inner.entries[block as usize] {
+                        self.table.prefetch(&entry.key, None);
+                    }
+                }
                 for block in evicted {
                     let entry = inner.entries[block as usize]
                         .take()
@@ -647,6 +671,9 @@ impl PrefixCache {
         }
     }
 }
+
+/// Blocks whose table keys a walk over a prompt hashes ahead of its table reads.
+pub(crate) const LOOKAHEAD: usize = 16;
 
 /// The encoded extra keys of block `index` (see `key.rs`).
 pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {

@@ -288,6 +288,24 @@ impl Table {
         })
     }
 
+    /// Starts the memory reads that a `get` or `try_insert` of `key` will need, without
+    /// waiting for them: the index word at its home slot and, for `try_insert`, the slot and
+    /// token row of `block`. The table is several MiB and keys are random, so each probe is a
+    /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
+    /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
+        let home = index_hash(*key) as usize & self.mask;
+        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
+            std::hint::black_box(slot.id.load(Ordering::Relaxed));
+            let start = block.unwrap_or_default() as usize * self.block_size;
+            if let Some(cell) = self.tokens.get(start) {
+                std::hint::black_box(cell.load(Ordering::Relaxed));
+            }
+        }
+    }
+
     /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,
     /// until it answers `Yes` (found) or `No` (the key's entry, refused); a miss at the end of
     /// the run probes again if a backward shift raced it (module docs).
@@ -566,7 +584,7 @@ pub(crate) use shared::SharedTable;
 
 #[cfg(not(loom))]
 mod shared {
-    use super::{Anchor, Entry, Occupied, Parent, Table, TableKey};
+    use super::{Anchor, BlockId, Entry, Occupied, Parent, Table, TableKey};
 
     /// Nothing to pin: a reader gets an owned snapshot. Kept so the cache's call sites read the
     /// same under loom, whose stand-in hands out references.
@@ -612,6 +630,10 @@ mod shared {
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.remove(key);
         }
+        #[inline]
+        pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
+            self.0.prefetch(key, block);
+        }
         pub(crate) fn len(&self) -> usize {
             self.0.len()
         }
@@ -622,7 +644,7 @@ mod shared {
 mod shared {
     use std::collections::HashMap;
 
-    use super::{Anchor, Entry, Occupied, Parent, TableKey};
+    use super::{Anchor, BlockId, Entry, Occupied, Parent, TableKey};
 
     /// Nothing to pin: entries are handed out as owned snapshots, as by the real table.
     pub(crate) struct TableGuard;
@@ -672,6 +694,8 @@ mod shared {
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.write().unwrap().remove(key);
         }
+        /// Only a hint to the hardware in the real table: nothing to model.
+        pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()
         }
