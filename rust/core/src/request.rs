@@ -46,9 +46,9 @@
 
 use std::collections::HashMap;
 
-use crate::cache::{block_extras, Inner, PrefixCache};
+use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
-use crate::key::{BlockKey, RequestExtras};
+use crate::key::{BlockKey, RequestExtras, TableKey};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Entry, Parent};
 
@@ -284,6 +284,10 @@ impl PrefixCache {
         }
         let bs = self.config.block_size;
         let guard = self.table.guard();
+        // Keys of the next few positions, hashed ahead (they chain on keys, whatever the table
+        // holds) so their index, slot and token-row reads start together (`match_chain`).
+        let mut keys = [TableKey(0); LOOKAHEAD];
+        let mut keys_from = usize::MAX;
         while request.anchors.len() < target {
             let position = request.anchors.len();
             let (parent, parent_key, parent_block) = match request.anchors.last() {
@@ -294,11 +298,25 @@ impl PrefixCache {
                     None,
                 ),
             };
+            if !(keys_from..keys_from.saturating_add(LOOKAHEAD)).contains(&position) {
+                let ahead = position..target.min(position + LOOKAHEAD);
+                let mut key = parent_key;
+                for (slot, p) in keys.iter_mut().zip(ahead.clone()) {
+                    let chunk = &request.tokens[p * bs..(p + 1) * bs];
+                    let block_extras = block_extras(&request.extras, p, bs);
+                    key = self
+                        .hasher
+                        .block(&mut inner.scratch, key, chunk, &block_extras);
+                    *slot = key;
+                }
+                for (key, p) in keys.iter().zip(ahead) {
+                    self.table.prefetch(key, Some(request.block_table[p]));
+                }
+                keys_from = position;
+            }
             let chunk = &request.tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = self
-                .hasher
-                .block(&mut inner.scratch, parent_key, chunk, &block_extras);
+            let key = keys[position - keys_from];
             let own_block = request.block_table[position];
             if inner.pool.is_cached(own_block) {
                 // Only through `commit_blocks`: the caller passed a block that is already
