@@ -295,7 +295,7 @@ fn main() {
     // with the core's own entry type into a table sized like the cache's (200,000 blocks), fresh
     // keys each round, each block's old entry removed first as eviction would: what the table
     // itself costs, with no pool or request bookkeeping.
-    let table = Table::new(200_000, BLOCK_SIZE);
+    let table = Table::new(200_000, BLOCK_SIZE).expect("table");
     let mut keys_of_block = vec![None; 200_000];
     let mut next_key = 0x9E37_79B9_7F4A_7C15_u64;
     let mut next_id = 0u64;

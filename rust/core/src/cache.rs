@@ -183,7 +183,12 @@ impl PrefixCache {
         let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
             // One entry slot per block, allocated now: the table never grows (`table.rs`).
-            table: SharedTable::new(num_blocks, config.block_size),
+            table: SharedTable::new(num_blocks, config.block_size).ok_or(
+                CacheError::OutOfBlocks {
+                    needed: num_blocks,
+                    available: 0,
+                },
+            )?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {

@@ -232,6 +232,14 @@ pub struct Occupied {
     pub not_inserted: Entry,
 }
 
+/// `len` values made by `make`, or `None` if the allocation fails (never an abort).
+fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
+    let mut values = Vec::new();
+    values.try_reserve_exact(len).ok()?;
+    values.extend(std::iter::repeat_with(make).take(len));
+    Some(values.into_boxed_slice())
+}
+
 /// What a probe found in a slot.
 enum Verified<T> {
     /// The key's entry, and it is the block looked for.
@@ -246,25 +254,24 @@ enum Verified<T> {
 const PROBE_ROUNDS: usize = 4;
 
 impl Table {
-    /// A table for a pool of `num_blocks` blocks of `block_size` tokens, allocated in full now.
-    ///
-    /// # Panics
-    /// If `num_blocks` is zero or the pool is larger than a 64-bit address space can index.
+    /// A table for a pool of `num_blocks` blocks of `block_size` tokens, allocated in full now;
+    /// `None` when that memory cannot be had (the cache reports it as `OutOfBlocks`, as it does
+    /// for the pool's own metadata).
     #[must_use]
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        assert!(num_blocks > 0 && num_blocks <= u32::MAX as usize);
+    pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        if num_blocks == 0 || num_blocks > u32::MAX as usize {
+            return None;
+        }
         let capacity = (2 * num_blocks).next_power_of_two().min(1 << 32);
-        Self {
-            index: (0..capacity).map(|_| AtomicU64::new(EMPTY)).collect(),
+        Some(Self {
+            index: filled(capacity, || AtomicU64::new(EMPTY))?,
             mask: capacity - 1,
-            slots: (0..num_blocks).map(|_| Slot::default()).collect(),
-            tokens: (0..num_blocks * block_size)
-                .map(|_| AtomicU32::new(0))
-                .collect(),
+            slots: filled(num_blocks, Slot::default)?,
+            tokens: filled(num_blocks.checked_mul(block_size)?, || AtomicU32::new(0))?,
             block_size,
             shifts: AtomicU64::new(0),
             len: AtomicUsize::new(0),
-        }
+        })
     }
 
     /// Entries published now.
@@ -594,8 +601,8 @@ mod shared {
     pub(crate) struct SharedTable(Table);
 
     impl SharedTable {
-        pub(crate) fn new(num_blocks: usize, block_size: usize) -> Self {
-            Self(Table::new(num_blocks, block_size))
+        pub(crate) fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+            Table::new(num_blocks, block_size).map(Self)
         }
         #[inline]
         pub(crate) fn guard(&self) -> TableGuard {
@@ -653,8 +660,8 @@ mod shared {
     pub(crate) struct SharedTable(loom::sync::RwLock<HashMap<TableKey, Entry>>);
 
     impl SharedTable {
-        pub(crate) fn new(_num_blocks: usize, _block_size: usize) -> Self {
-            Self(loom::sync::RwLock::new(HashMap::new()))
+        pub(crate) fn new(_num_blocks: usize, _block_size: usize) -> Option<Self> {
+            Some(Self(loom::sync::RwLock::new(HashMap::new())))
         }
         pub(crate) fn guard(&self) -> TableGuard {
             TableGuard
@@ -726,7 +733,7 @@ mod tests {
     fn removals_shift_back_and_keep_every_other_entry_reachable() {
         // Four-bit keys on a 64-block table: long probe runs of colliding index hashes, then
         // random removals and refills, checked against a plain map after every step.
-        let table = Table::new(64, 2);
+        let table = Table::new(64, 2).unwrap();
         let mut model: std::collections::HashMap<u128, Entry> = Default::default();
         let mut next_id = 1;
         let mut state = 12345u64;
@@ -773,7 +780,7 @@ mod tests {
     #[test]
     fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
         // Every entry's tokens are derived from its id, so a torn snapshot would not match.
-        let table = std::sync::Arc::new(Table::new(32, 4));
+        let table = std::sync::Arc::new(Table::new(32, 4).unwrap());
         let key_of = |id: u64| TableKey(u128::from(id % 48) << 122);
         let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
