@@ -23,7 +23,8 @@
 //! fields, then the id again after an `Acquire` fence, and keeps the snapshot only if both ids
 //! are the same nonzero id. Entry ids are never reused, so an unchanged id means the fields were
 //! not rewritten in between (the seqlock pattern of Boehm, "Can seqlocks get along with
-//! programming language memory models?", MSPC 2012). A slot being rewritten reads as "no entry".
+//! programming language memory models?", MSPC 2012). A slot being rewritten, or whose entry was
+//! removed (`remove` zeroes the id), reads as "no entry".
 //!
 //! An index word is only a hint: the reader compares the slot's full table key, then verifies
 //! the entry (below). A word read just before the writer moved it (backward shift) can make a
@@ -322,7 +323,9 @@ impl Table {
         for _ in 0..PROBE_ROUNDS {
             let shifts = self.shifts.load(Ordering::Acquire);
             let mut i = hash as usize & self.mask;
-            loop {
+            // At most half the index is ever in use, so an empty word ends every run; the bound
+            // only makes termination evident.
+            for _ in 0..=self.mask {
                 let word = self.index[i].load(Ordering::Acquire);
                 if word == EMPTY {
                     break;
@@ -346,6 +349,11 @@ impl Table {
 
     /// Publishes `entry` under `key` unless the key is taken; then hands back the entry
     /// holding it and `entry`. Writer only (the cache's mutex).
+    ///
+    /// # Panics
+    /// If the key is free but `entry.block` already holds a published entry: a block holds one
+    /// entry at a time (the cache removes the old one before reusing a block), which is what
+    /// keeps at most half of the index in use.
     #[allow(clippy::result_large_err)] // the entry not inserted goes back, as papaya's did
     pub fn try_insert(&self, key: TableKey, entry: Entry) -> Result<Entry, Occupied> {
         let hash = index_hash(key);
@@ -366,6 +374,12 @@ impl Table {
             }
             i = (i + 1) & self.mask;
         }
+        assert_eq!(
+            self.slots[entry.block as usize].id.load(Ordering::Relaxed),
+            0,
+            "block {} already holds a published entry",
+            entry.block
+        );
         self.write(key, &entry);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
         self.len.fetch_add(1, Ordering::Relaxed);
@@ -382,6 +396,10 @@ impl Table {
                 return;
             }
             if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
+                // No entry any more: a reader holding the old word now finds none.
+                self.slots[word_block(word) as usize]
+                    .id
+                    .store(0, Ordering::Release);
                 break;
             }
             hole = (hole + 1) & self.mask;
