@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
 use crate::events::Events;
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
 use crate::request::{Request, Requests};
@@ -209,8 +209,13 @@ impl PrefixCache {
         let num_blocks = config.num_blocks as usize;
         let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
-            // Pre-size for speed up to a million entries; the map grows past that on its own.
-            table: SharedTable::with_capacity(num_blocks.min(1 << 20)),
+            // One entry slot per block, allocated now: the table never grows (`table.rs`).
+            table: SharedTable::new(num_blocks, config.block_size).ok_or(
+                CacheError::OutOfBlocks {
+                    needed: num_blocks,
+                    available: 0,
+                },
+            )?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
@@ -595,16 +600,37 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut parent_key = self.hasher.root(&root);
         let mut parent = Parent::Root(root);
-        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs);
-            let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
-            match self.table.get(&key, &guard) {
-                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    on_hit(entry.anchor(key));
-                    parent = Parent::Entry(entry.id);
-                    parent_key = key;
+        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
+        // and its index reads started together: their cache misses overlap instead of queueing.
+        let mut keys = [TableKey(0); LOOKAHEAD];
+        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
+            let first = batch_index * LOOKAHEAD;
+            let mut key = parent_key;
+            let mut batch_len = 0;
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
+                let block_extras = block_extras(extras, first + offset, bs);
+                key = self.hasher.block(buffer, key, chunk, &block_extras);
+                keys[offset] = key;
+                batch_len += 1;
+            }
+            // Back to back, after the hashing: the loads are then in flight together.
+            for key in &keys[..batch_len] {
+                self.table.prefetch(key, None);
+            }
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
+                let key = keys[offset];
+                let block_extras = block_extras(extras, first + offset, bs);
+                match self
+                    .table
+                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
+                {
+                    Some(anchor) => {
+                        on_hit(anchor);
+                        parent = Parent::Entry(anchor.id);
+                        parent_key = key;
+                    }
+                    None => return,
                 }
-                _ => break,
             }
         }
     }
@@ -639,6 +665,12 @@ impl PrefixCache {
                     inner.block_epoch[block as usize] = inner.epoch;
                 }
                 let guard = self.table.guard();
+                // Start every index read first, so the removals' cache misses overlap.
+                for &block in &evicted {
+                    if let Some(entry) = &inner.entries[block as usize] {
+                        self.table.prefetch(&entry.key, None);
+                    }
+                }
                 for block in evicted {
                     let entry = inner.entries[block as usize]
                         .take()
@@ -673,6 +705,9 @@ impl PrefixCache {
         }
     }
 }
+
+/// Blocks whose table keys a walk over a prompt hashes ahead of its table reads.
+pub(crate) const LOOKAHEAD: usize = 16;
 
 /// The encoded extra keys of block `index` (see `key.rs`).
 pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
