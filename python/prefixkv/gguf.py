@@ -27,8 +27,7 @@ it; a file the reader cannot parse is refused the same way. Never a guess:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +39,10 @@ from prefixkv.model_config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
     from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
-    from prefixkv.model import LlamaModel
+    from prefixkv.checkpoint import Checkpoint
     from prefixkv.text import HFTokenizer
 
-__all__ = ["SUPPORTED_TYPES", "GGUFCheckpoint", "is_gguf", "load_gguf"]
+__all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
 
 #: Tensor types loaded (dequantized to float32), by their ``GGMLQuantizationType`` name.
 SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
@@ -124,29 +123,12 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class GGUFCheckpoint:
-    """What a GGUF file holds, ready for `prefixkv.Engine`:
-    ``Engine(checkpoint.model, tokenizer=checkpoint.tokenizer,
-    chat_template=checkpoint.chat_template, stop_token_ids=checkpoint.eos_token_ids)``."""
-
-    model: LlamaModel
-    tokenizer: HFTokenizer
-    #: None when the file has no ``tokenizer.chat_template``.
-    chat_template: JinjaChatTemplate | ChatTemplateSet | None
-    eos_token_ids: tuple[int, ...]
-    #: ``general.name``, else the file name.
-    name: str
-    #: Tensor counts by stored type, e.g. ``{"Q4_1": 210, "F32": 61, "Q8_0": 1}``.
-    tensor_types: Mapping[str, int]
-
-
 def load_gguf(
     path: str | os.PathLike[str],
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> GGUFCheckpoint:
+) -> Checkpoint:
     """Load a GGUF file: the model (dequantized, then cast to `dtype`), its tokenizer, chat
     template and stop tokens. Raises `InvalidInputError` naming the problem for a file that is
     not a readable GGUF, an architecture, metadata key, tensor or tensor type this decoder does
@@ -155,6 +137,7 @@ def load_gguf(
         import gguf
     except ImportError as exc:
         raise _missing_gguf() from exc
+    from prefixkv.checkpoint import Checkpoint
     from prefixkv.model import LlamaModel
 
     path = Path(path)
@@ -198,7 +181,9 @@ def load_gguf(
         raise InvalidInputError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} ids, the model {config.vocab_size}"
         )
-    return GGUFCheckpoint(
+    return Checkpoint(
+        path=path,
+        format="gguf",
         model=model,
         tokenizer=tokenizer,
         chat_template=_chat_template(metadata, path),
@@ -479,9 +464,3 @@ def _eos_token_ids(metadata: _Metadata, vocab_size: int) -> tuple[int, ...]:
         if value is not None and 0 <= int(value) < vocab_size and int(value) not in ids:
             ids.append(int(value))
     return tuple(ids)
-
-
-def describe(checkpoint: GGUFCheckpoint) -> str:
-    """One line for logs: name and stored tensor types."""
-    types = ", ".join(f"{count} {name}" for name, count in sorted(checkpoint.tensor_types.items()))
-    return f"{checkpoint.name} ({types})"
