@@ -71,6 +71,7 @@ from prefixkv.batch import (
 )
 from prefixkv.checkpoint import load_pretrained, save_pretrained
 from prefixkv.context import CacheContext
+from prefixkv.decode_attention import paged_decode_attention
 from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
 from prefixkv.kv import PagedKVCache
 from prefixkv.lora import AdapterSet, random_adapter
@@ -540,6 +541,13 @@ class LlamaModel(nn.Module):
         total = packed.tokens.numel()
         cos, sin = packed.cos, packed.sin
         attention_factor = rope_attention_factor(config)
+        # A decode step (every request computes one position) takes the batched decode path
+        # (`prefixkv.decode_attention`) where the torch backend would run; explicit
+        # "reference" / "triton" and CUDA's auto choice keep theirs.
+        one_query_each = all(length == 1 for length in packed.query_lens) and (
+            attention_backend == "torch"
+            or (attention_backend == "auto" and packed.tokens.device.type == "cpu")
+        )
 
         hidden = self.model.embed_tokens(packed.tokens)
         for index, layer in enumerate(self.model.layers):
@@ -559,18 +567,29 @@ class LlamaModel(nn.Module):
                 kv_cache.write(
                     index, key[rows], value[rows], packed.slot_mapping, check_bounds=False
                 )
-            attended = paged_prefill_attention(
-                query,
-                kv_cache.key_pages[index],
-                kv_cache.value_pages[index],
-                packed.block_tables,
-                packed.query_lens,
-                packed.seq_lens,
-                scale=config.head_dim**-0.5,
-                sliding_window=config.sliding_window,
-                backend=attention_backend,
-                check_bounds=False,
-            )
+            if one_query_each:
+                attended = paged_decode_attention(
+                    query,
+                    kv_cache.key_pages[index],
+                    kv_cache.value_pages[index],
+                    packed.block_tables,
+                    packed.seq_lens,
+                    scale=config.head_dim**-0.5,
+                    sliding_window=config.sliding_window,
+                )
+            else:
+                attended = paged_prefill_attention(
+                    query,
+                    kv_cache.key_pages[index],
+                    kv_cache.value_pages[index],
+                    packed.block_tables,
+                    packed.query_lens,
+                    packed.seq_lens,
+                    scale=config.head_dim**-0.5,
+                    sliding_window=config.sliding_window,
+                    backend=attention_backend,
+                    check_bounds=False,
+                )
             hidden = hidden + self._project(index, "o_proj", attended.reshape(total, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
