@@ -270,6 +270,62 @@ def bench_decode(
     return row
 
 
+def bench_threads_under_load(
+    model: str, tokens: int, thread_counts: list[int], busy: list[int], timeout: float
+) -> list[dict[str, Any]]:
+    """One `tokens`-token prefill, in a fresh process per run, with each torch thread count,
+    while `busy` other processes spin on the CPUs (started and stopped here). Wall time: what a
+    user waits. A run past `timeout` seconds is stopped and reported as such."""
+    import subprocess
+
+    rows = []
+    for hogs in busy:
+        spinners = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)
+        ]
+        try:
+            time.sleep(1.0 if hogs else 0.0)
+            for threads in thread_counts:
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--model",
+                    model,
+                    "--prefill-once",
+                    str(tokens),
+                ]
+                command += ["--threads", str(threads)]
+                try:
+                    done = subprocess.run(
+                        command, capture_output=True, text=True, timeout=timeout, check=True
+                    )
+                    seconds: float | None = float(done.stdout.split()[-1])
+                except subprocess.TimeoutExpired:
+                    seconds = None
+                rows.append(
+                    {"other_busy_processes": hogs, "threads": threads, "prefill_s": seconds}
+                )
+                shown = (
+                    f"{seconds:.1f} s" if seconds is not None else f"> {timeout:.0f} s (stopped)"
+                )
+                print(f"  {hogs} busy processes, {threads} thread(s): {shown}", file=sys.stderr)
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
+    return rows
+
+
+def _prefill_once(model_path: str, tokens: int) -> None:
+    """Child of `bench_threads_under_load`: prints the wall seconds of one prefill."""
+    checkpoint = load_checkpoint(model_path)
+    ids = _prompt_ids(checkpoint.tokenizer, checkpoint.chat_template, tokens)
+    kv, table = _pages(checkpoint.model, tokens)
+    start = time.perf_counter()
+    checkpoint.model.prefill(kv, [PrefillRequest(ids, table)])
+    print(f"{time.perf_counter() - start:.3f}")
+
+
 def _table(result: dict[str, Any]) -> str:
     lines = [
         f"model: {result['model']}; {result['device']}, {result['threads']} thread(s), float32; clock: {result['clock']}",
@@ -315,7 +371,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="512-2048 tokens, 1 repetition")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--only-threads",
+        action="store_true",
+        help="only the thread-count-under-load section (results/real_model_threads.json)",
+    )
+    parser.add_argument("--prefill-once", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.prefill_once:
+        torch.set_num_threads(args.threads)
+        _prefill_once(args.model, args.prefill_once)
+        return 0
+    if args.only_threads:
+        from prefixkv.threads import available_cpus
+
+        cpus = available_cpus()
+        rows = bench_threads_under_load(args.model, 1487, sorted({1, cpus}), [0, cpus], 300.0)
+        output = RESULTS.with_name("real_model_threads.json")
+        output.write_text(
+            json.dumps({"cpus": cpus, "prefill_tokens": 1487, "rows": rows}, indent=2) + "\n"
+        )
+        return 0
 
     import transformers
 

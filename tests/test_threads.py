@@ -58,3 +58,9 @@ def test_configure_lowers_only_and_the_environment_wins(monkeypatch: pytest.Monk
         assert configure_torch_threads() == 4  # only the first call acts
     finally:
         torch.set_num_threads(before)
+
+
+def test_busy_cpus_now_is_a_share_of_the_machine() -> None:
+    import os
+
+    assert 0.0 <= threads.busy_cpus_now(0.02) <= (os.cpu_count() or 1) + 1e-9

@@ -11,10 +11,11 @@ runs at the pace of the slowest time slice, not of the cores. On a shared 2-core
 only gives up the speedup of cores that are idle.
 
 So the default counts the cores that are idle: the CPUs this process may run on (its affinity
-mask and its cgroup's CPU quota) minus the 1-minute load average, rounded, at least 1. A busy
-small machine gets 1 thread; an idle 16-core machine gets 16. The load average is a coarse
-signal (it lags by a minute and counts processes, not their intensity), so the choice is made
-once, when the first engine starts. It only ever lowers torch's count (a smaller
+mask and its cgroup's CPU quota) minus how many are busy, rounded, at least 1. Busy is the
+larger of the 1-minute load average (slow: it lags by a minute) and the CPU time other
+processes used over the last 0.1 s (``/proc/stat``; quick, but one sample). A busy small
+machine gets 1 thread; an idle 16-core machine gets 16. The choice is made once, when the
+first engine starts. It only ever lowers torch's count (a smaller
 `torch.set_num_threads` made before is kept), and the environment wins: ``OMP_NUM_THREADS``
 leaves torch alone, ``PREFIXKV_TORCH_THREADS=N`` sets N (also to use more threads than idle
 cores).
@@ -24,9 +25,15 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
-__all__ = ["available_cpus", "configure_torch_threads", "default_torch_threads"]
+__all__ = [
+    "available_cpus",
+    "busy_cpus_now",
+    "configure_torch_threads",
+    "default_torch_threads",
+]
 
 #: Environment variables that fix the thread count (prefixkv's own first).
 THREAD_ENV_VARS = ("PREFIXKV_TORCH_THREADS", "OMP_NUM_THREADS")
@@ -53,8 +60,8 @@ def available_cpus() -> int:
 def default_torch_threads(*, cpus: int | None = None, load: float | None = None) -> int:
     """The idle cores: ``round(cpus - load)``, between 1 and `cpus`.
 
-    `cpus` defaults to `available_cpus`, `load` to the 1-minute load average (0 where the
-    platform has none).
+    `cpus` defaults to `available_cpus`; `load` (busy CPUs) to the larger of the 1-minute
+    load average and `busy_cpus_now` (0 where the platform has neither).
     """
     if cpus is None:
         cpus = available_cpus()
@@ -63,9 +70,32 @@ def default_torch_threads(*, cpus: int | None = None, load: float | None = None)
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             load = 0.0
+        load = max(load, busy_cpus_now())
     if not math.isfinite(load) or load < 0:
         load = 0.0
     return max(1, min(cpus, math.floor(cpus - load + 0.5)))
+
+
+def busy_cpus_now(interval: float = 0.1) -> float:
+    """CPUs kept busy by all processes over the next `interval` seconds (this one sleeps
+    meanwhile), from two reads of ``/proc/stat``; 0 where it cannot be read."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle  # user..steal; guest time is already in user
+
+    try:
+        total_before, idle_before = sample()
+        time.sleep(interval)
+        total_after, idle_after = sample()
+        cpus = os.cpu_count() or 1
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    total = total_after - total_before
+    if total <= 0:
+        return 0.0
+    return cpus * (total - (idle_after - idle_before)) / total
 
 
 def configure_torch_threads() -> int:
