@@ -11,6 +11,10 @@ each time:
   system prompt (and a one-line user turn pointing at them). Every prompt diverges within its
   first blocks, so nearly everything is recomputed.
 
+``--model PATH`` serves a real checkpoint instead (a Hugging Face directory or a GGUF file,
+`prefixkv.checkpoint.load_checkpoint`), rendered with its own chat template and stopped at its
+own end-of-turn tokens, and shows its first answers.
+
 Requests arrive one at a time (as turns of independent agent sessions), so a request's time to
 first token is the latency of its own prefill. Every figure is measured, none is modelled: hit
 rate and prefill tokens come from the cache's answers, times from the wall clock, and the logit
@@ -23,9 +27,11 @@ fingerprint, so the cache refuses the reuse).
 JSON output (``--json``), one object:
 
 ``workload``: requests, max_new_tokens, seed, mean_prompt_tokens, shared_prefix_tokens,
-checked_requests (indices of the requests compared with a full recompute, in both layouts).
-``model``: name, parameters, layers, hidden size, heads, KV heads, head dim, dtype, device,
-block size, torch threads.
+checked_requests (indices of the requests compared with a full recompute, in both layouts),
+tools_in_system_prompt (the model's template cannot render tools, so the schemas are text at
+the end of the system prompt).
+``model``: name, size (built-in) or path (``--model``), parameters, layers, hidden size, heads,
+KV heads, head dim, dtype, device, block size, torch threads.
 ``layouts.stable_first`` / ``layouts.query_first``: ``hit_rate`` (cached / total prompt tokens),
 ``prefill_tokens_computed``, ``prefill_tokens_total``, ``ttft_median_s``, ``ttft_s`` (per
 request, in order), ``max_logit_diff`` (largest |logit difference| against full recompute over
@@ -35,6 +41,8 @@ the checked requests' prefill and every generated token; null when none is check
 ``max_logit_diff``: the larger of the two layouts'.
 ``wrong_context``: ``rope_theta`` and ``other_rope_theta``, ``max_logit_diff`` of reusing KV
 across them, ``fingerprints_differ`` (the cache would refuse the reuse).
+``answers``: with ``--model``, the first stable-first requests' ``query`` and greedy
+``answer`` (decoded, without the stop token); empty for the built-in model.
 """
 
 from __future__ import annotations

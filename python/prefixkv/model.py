@@ -16,7 +16,7 @@ What a cached KV block depends on, besides the tokens before it (the cache key m
 these, and the negative tests in `tests/test_model_negative.py` show each one matters):
 
 * the weights, including the active LoRA adapter (it changes the k/v projections);
-* `rope_theta` and `rope_scaling`;
+* `rope_theta` and `rope_scaling` (YaRN's attention factor too: it scales the rotated keys);
 * `position_offset` (the absolute position of token 0);
 * for dynamic NTK scaling only, the *total* length of the sequence being computed: the RoPE base
   grows with it once it exceeds `max_position_embeddings`, so KV computed for a shorter prompt is

@@ -2,8 +2,9 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` refuses architectures it would compute wrongly
-(biases, other activations, unknown RoPE scalings) rather than load them. `model_context` is
+decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 configs (with their
+projection biases and any static RoPE scaling: linear, NTK, Llama 3, YaRN) and refuses the rest
+by name (another activation, an unknown field or RoPE parameter) rather than load it. `model_context` is
 the one place that says which settings change the KV a model writes (the essay of
 `prefixkv.model` says why each does).
 """
