@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         from prefixkv.threads import available_cpus
 
         cpus = available_cpus()
-        rows = bench_threads_under_load(args.model, 1487, sorted({1, cpus}), [0, cpus], 300.0)
+        rows = bench_threads_under_load(args.model, 1487, sorted({1, cpus}), [0, cpus], 150.0)
         output = RESULTS.with_name("real_model_threads.json")
         output.write_text(
             json.dumps({"cpus": cpus, "prefill_tokens": 1487, "rows": rows}, indent=2) + "\n"

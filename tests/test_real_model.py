@@ -50,6 +50,8 @@ def checkpoint(gguf_path: Path) -> Checkpoint:
 
 @pytest.fixture(scope="module")
 def theirs(gguf_path: Path) -> tuple[object, object]:
+    # transformers loads a GGUF model only with accelerate installed; a visible skip (-ra).
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
