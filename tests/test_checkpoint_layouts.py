@@ -132,3 +132,23 @@ def test_our_bias_checkpoints_round_trip(tmp_path: Path) -> None:
         loaded = LlamaModel.from_pretrained(tmp_path / str(index))
         assert loaded.config == ours.config
         torch.testing.assert_close(loaded.forward_full(TOKENS), ours.forward_full(TOKENS))
+
+
+def test_smollm2_style_config_fields_load(tmp_path: Path) -> None:
+    """SmolLM2's published config.json carries nanotron and transformers.js fields."""
+    LlamaModel.random(ModelConfig(), seed=0).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(
+        {
+            "is_llama_config": True,
+            "rope_interleaved": False,
+            "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}},
+        }
+    )
+    path.write_text(json.dumps(raw))
+    assert LlamaModel.from_pretrained(tmp_path).config == ModelConfig()
+    raw["rope_interleaved"] = True
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InvalidInputError, match="rope_interleaved"):
+        LlamaModel.from_pretrained(tmp_path)

@@ -260,6 +260,9 @@ class ModelConfig:
             raise InvalidInputError(
                 f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
             )
+        if hf.get("rope_interleaved", False):
+            # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
+            raise InvalidInputError("rope_interleaved=true is unsupported")
         if hf.get("pretraining_tp", 1) != 1:
             # transformers itself ignores it at inference; a value other than 1 means weights
             # sliced for tensor parallelism, which we would load as if whole.
@@ -400,7 +403,7 @@ KNOWN_HF_CONFIG_FIELDS = frozenset(
         "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
         "max_position_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
         "layer_types", "tie_word_embeddings", "attention_bias", "mlp_bias", "pretraining_tp",
-        "model_type", "torch_dtype", "dtype",
+        "model_type", "torch_dtype", "dtype", "rope_interleaved",
         "prefixkv_position_offset", "prefixkv_lora_rank", "prefixkv_lora_alpha",
         # inert at inference
         "architectures", "_name_or_path", "transformers_version", "bos_token_id",
@@ -408,6 +411,8 @@ KNOWN_HF_CONFIG_FIELDS = frozenset(
         "initializer_range", "use_cache", "attention_dropout", "output_attentions",
         "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
         "id2label", "label2id", "problem_type", "tokenizer_class", "use_bidirectional_attention",
+        # SmolLM2's (nanotron's) markers, and transformers.js runtime settings
+        "is_llama_config", "transformers.js_config",
     }
 )  # fmt: skip
 
