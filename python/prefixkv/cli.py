@@ -46,6 +46,10 @@ def _check_count(text: str) -> int | None:
     return value
 
 
+#: `--check`'s default, told apart from an explicit "all" (None): all for the built-in model, a
+#: sample for a real one.
+_CHECK_DEFAULT = -1  # not a string: argparse would run it through _check_count
+
 #: `prefixkv demo --model-size` choices, spelled out so that the parser (and `--help`,
 #: `--version`) works without torch; `prefixkv.demo.MODEL_SIZES` holds the configs and
 #: tests/test_cli.py checks that the two agree.
@@ -69,9 +73,22 @@ def _parser() -> argparse.ArgumentParser:
         "and timestamp first, and report hit rate, prefill work, time to first token and the "
         "logit difference against a full recompute.",
     )
-    demo.add_argument("-n", "--requests", type=_positive_int, default=12, help="default: 12")
     demo.add_argument(
-        "--max-new-tokens", type=_positive_int, default=4, help="greedy tokens per request"
+        "--model",
+        metavar="PATH",
+        help="serve a real checkpoint instead of the built-in random model: a Hugging Face "
+        "directory (config.json, *.safetensors, tokenizer.json, a chat template) or a .gguf "
+        "file, rendered with its own chat template; its first answers are shown",
+    )
+    demo.add_argument(
+        "-n", "--requests", type=_positive_int, default=None, help="default: 12 (8 with --model)"
+    )
+    demo.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help="greedy tokens per request (default: 4; 48 with --model, ending earlier at its "
+        "end-of-turn token)",
     )
     demo.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
     demo.add_argument(
@@ -81,10 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--check",
         type=_check_count,
-        default=None,
+        default=_CHECK_DEFAULT,
         metavar="K|all",
         help="compare K requests of each layout (spread from first to last) with a full "
-        "recompute without cache; 0 skips it (default: all)",
+        "recompute without cache; 0 skips it (default: all; 3 with --model)",
     )
     demo.add_argument(
         "--threads",
@@ -361,13 +378,23 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    real = args.model is not None
+    if real and not Path(args.model).exists():
+        print(f"prefixkv demo: --model {args.model}: no such file or directory", file=sys.stderr)
+        return 2
+    check = args.check
+    if check == _CHECK_DEFAULT:
+        check = 3 if real else None
+    # A real model costs a real prefill per request: fewer requests and a sample of checks
+    # keep it to a couple of minutes on one CPU thread; longer outputs make the answers readable.
     result = run_demo(
-        num_requests=args.requests,
-        max_new_tokens=args.max_new_tokens,
+        num_requests=args.requests or (8 if real else 12),
+        max_new_tokens=args.max_new_tokens or (48 if real else 4),
         seed=args.seed,
         model_size=args.model_size,
+        model_path=args.model,
         block_size=args.block_size,
-        checked_requests=args.check,
+        checked_requests=check,
         progress=not args.quiet,
     )
     if args.plot is not None:
