@@ -271,6 +271,24 @@ def test_chat_through_the_engine_gives_transformers_apply_chat_template_ids(
     assert checkpoint.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
 
 
+def test_engine_from_pretrained_serves_a_gguf_file_as_its_metadata_says(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    model = _model(tokenizer)
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer)
+    engine = Engine.from_pretrained(path, num_blocks=64, block_size=4)
+    checkpoint = load_gguf(path)
+    assert engine.stop_token_ids == checkpoint.eos_token_ids
+    assert engine.encode(MESSAGES) == Engine(**checkpoint.engine_options()).encode(MESSAGES)
+    (result,) = engine.generate([MESSAGES], max_new_tokens=3, check_exactness=True)
+    assert result.tokens_match
+    # An explicit argument wins over the file's metadata.
+    assert Engine.from_pretrained(path, stop_token_ids=()).stop_token_ids == ()
+    bare = write_gguf(tmp_path / "bare.gguf", model, tokenizer, chat_template=None)
+    with pytest.raises(InvalidInputError, match="has no chat template"):
+        Engine.from_pretrained(bare).encode(MESSAGES)
+
+
 def test_a_file_without_a_template_has_none(tmp_path: Path, tokenizer: Tokenizer) -> None:
     path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer, chat_template=None)
     assert load_gguf(path).chat_template is None

@@ -64,6 +64,7 @@ from prefixkv.scheduler import (
     order_waiting,
 )
 from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
+from prefixkv.threads import configure_torch_threads
 
 __all__ = [
     "Engine",
@@ -253,6 +254,10 @@ class Engine:
         if dtype is not None and dtype != model.dtype:
             model = model.with_config(dtype=dtype)
         self.model = model.to(device=torch.device(device))
+        if self.model.device.type == "cpu":
+            # torch's default (one thread per core) on a machine other work also uses can make
+            # one prefill 100x slower; use the idle cores only (`prefixkv.threads`).
+            configure_torch_threads()
         config = self.model.config
         if tokenizer is None:
             byte_tokenizer = ByteTokenizer()
@@ -507,7 +512,8 @@ class Engine:
         **engine_options: Any,
     ) -> Engine:
         """An engine over a local Hugging Face Llama checkpoint (``config.json`` plus
-        ``*.safetensors``), served as the checkpoint says it should be:
+        ``*.safetensors``) or a ``.gguf`` file (`prefixkv.gguf`; its tokenizer, chat template
+        and stop tokens come from its metadata), served as the checkpoint says it should be:
 
         * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
         * chat template: the checkpoint's (`prefixkv.checkpoint.find_chat_template`: the
@@ -521,9 +527,29 @@ class Engine:
           without one; an int or a list) when `stop_token_ids` is None. Any explicit value,
           ``()`` included, wins.
         """
-        from prefixkv.checkpoint import CHECKPOINT_TEMPLATE_SOURCES, find_chat_template
+        from prefixkv.checkpoint import (
+            CHECKPOINT_TEMPLATE_SOURCES,
+            find_chat_template,
+            load_checkpoint,
+        )
+        from prefixkv.gguf import is_gguf
         from prefixkv.text import HFTokenizer
 
+        if is_gguf(directory):
+            # A .gguf file: weights, tokenizer, chat template and stop tokens from its metadata.
+            checkpoint = load_checkpoint(directory, dtype=dtype, device=device)
+            options = checkpoint.engine_options()
+            for name, value in (
+                ("tokenizer", tokenizer),
+                ("chat_template", chat_template),
+                ("stop_token_ids", stop_token_ids),
+            ):
+                if value is not None:
+                    options[name] = value  # an explicit argument wins
+            if options["chat_template"] is None:
+                options["_no_chat_template"] = f"the GGUF file {directory} has no chat template"
+            options["model_id"] = engine_options.pop("model_id", options["model_id"])
+            return cls(device=device, **options, **engine_options)
         directory = Path(directory)
         model = LlamaModel.from_pretrained(directory, dtype=dtype, device=device)
         if tokenizer is None and (directory / "tokenizer.json").is_file():
