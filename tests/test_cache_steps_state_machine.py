@@ -46,11 +46,11 @@ verified_tokens = st.lists(st.integers(0, 9), min_size=1, max_size=4)
 salts = st.sampled_from([None, "tenant"])
 ids = st.sampled_from(IDS)
 DRAFT_BASE = 1000
-# A known core bug (see the test at the end): after `clear`/`set_context`, `truncate` may cut
-# into a block the request shares with another live request (the reset dropped the published
-# marks that protect it). Until it is fixed the machine steers around it; once fixed, set this to
-# True: the machine then expects such a truncate to be refused with nothing changed.
-STALE_TRUNCATE_FIXED = False
+# A core bug this machine found (the test at the end reproduces it): after `clear` /
+# `set_context`, `truncate` could cut into a block the request shares with another live request
+# (the reset dropped the published marks that protected it). Fixed: such a truncate is refused
+# with nothing changed, and the machine checks that. (False steers around the case.)
+STALE_TRUNCATE_FIXED = True
 
 STAT_FIELDS = (
     "lookups",

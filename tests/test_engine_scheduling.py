@@ -64,7 +64,7 @@ class _Driver:
         self.cache.finish(request_id)
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(data=st.data())
 def test_any_schedule_equals_full_recompute(model: LlamaModel, data: st.DataObject) -> None:
     mode = data.draw(st.sampled_from(FULL_HIT_MODES), label="full_hit")

@@ -84,7 +84,7 @@ def test_invalid_configs_are_refused(changes: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "factor"), [("yarn", 2.0), ("linear", 0.5), ("linear", float("nan"))]
+    ("kind", "factor"), [("longrope", 2.0), ("linear", 0.5), ("linear", float("nan"))]
 )
 def test_invalid_rope_scalings_are_refused(kind: str, factor: float) -> None:
     with pytest.raises(InvalidInputError):
@@ -162,12 +162,20 @@ def test_from_hf_config_reads_transformers_5_rope_parameters() -> None:
         {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
         {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
         {"rope_scaling": "linear"},
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
         {"rope_scaling": {"rope_type": "linear"}},
-        {"attention_bias": True},
+        # A parameter the decoder does not implement, inside an implemented scaling.
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "short_factor": [1.0]}},
         {"hidden_act": "gelu"},
-        {"model_type": "qwen2"},
+        {"model_type": "gemma"},
+        # Qwen2's window on some layers only; any layer kind but one.
+        {"model_type": "qwen2", "use_sliding_window": True},
+        {"layer_types": ["full_attention", "sliding_attention"]},
+        {"pretraining_tp": 2},
+        # Fields the decoder does not know: refused by name, never ignored.
+        {"quantization_config": {"quant_method": "gptq"}},
+        {"logit_softcapping": 30.0},
         {"torch_dtype": "int8"},
         {"vocab_size": None},
     ],

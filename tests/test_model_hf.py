@@ -44,11 +44,41 @@ def load_with_transformers(directory: Path) -> Any:
         # Llama 3.1-style scaling, with an original length short enough that all three bands
         # (kept, blended, interpolated) occur among the default head_dim's frequencies.
         {"rope_scaling": RopeScaling("llama3", 8.0, 1.0, 4.0, 64)},
+        # YaRN with a short original length, so the ramp spans several pairs, and a factor
+        # large enough that the attention factor (1.23) is far from 1.
+        {"rope_scaling": RopeScaling("yarn", 10.0, original_max_position_embeddings=64)},
+        {
+            "rope_scaling": RopeScaling(
+                "yarn",
+                4.0,
+                original_max_position_embeddings=32,
+                beta_fast=16.0,
+                beta_slow=2.0,
+                attention_factor=1.5,
+                truncate=False,
+            )
+        },
         {"tie_word_embeddings": True},
         {"dtype": torch.bfloat16},
         {"sliding_window": 5},
+        # Llama's attention_bias (q/k/v/o) and mlp_bias; Qwen2's q/k/v-only biases.
+        {"attention_qkv_bias": True, "attention_output_bias": True, "mlp_bias": True},
+        {"attention_qkv_bias": True, "rope_theta": 1000000.0},
     ],
-    ids=["plain", "gqa8to1", "linear", "dynamic_ntk", "llama3", "tied", "bf16", "mistral_window"],
+    ids=[
+        "plain",
+        "gqa8to1",
+        "linear",
+        "dynamic_ntk",
+        "llama3",
+        "yarn",
+        "yarn_explicit",
+        "tied",
+        "bf16",
+        "mistral_window",
+        "llama_biases",
+        "qwen2",
+    ],
 )
 def test_our_checkpoint_in_transformers_gives_our_logits(
     tmp_path: Path, changes: dict[str, Any]

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +27,89 @@ from prefixkv.model_config import ModelConfig
 if TYPE_CHECKING:
     from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
     from prefixkv.model import LlamaModel
+    from prefixkv.text import HFTokenizer
 
 __all__ = [
     "CHECKPOINT_TEMPLATE_SOURCES",
+    "Checkpoint",
     "checkpoint_eos_token_ids",
     "find_chat_template",
+    "load_checkpoint",
     "load_pretrained",
     "save_pretrained",
 ]
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model as published, with what serving it needs: `load_checkpoint` reads one from a
+    Hugging Face directory or a GGUF file. Serve it with
+    ``Engine(c.model, tokenizer=c.tokenizer, chat_template=c.chat_template,
+    stop_token_ids=c.eos_token_ids, model_id=c.name)`` (or ``Engine(**c.engine_options())``).
+    """
+
+    path: Path
+    #: "hf" (a directory) or "gguf" (a file).
+    format: str
+    model: LlamaModel
+    #: None for a directory without ``tokenizer.json`` (then requests must be token ids).
+    tokenizer: HFTokenizer | None
+    #: None when the checkpoint ships no template: chat requests are then refused.
+    chat_template: JinjaChatTemplate | ChatTemplateSet | None
+    eos_token_ids: tuple[int, ...]
+    name: str
+    #: GGUF only: tensor counts by stored type, e.g. ``{"Q4_1": 210, "F32": 61}``.
+    tensor_types: Mapping[str, int] = field(default_factory=dict)
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments for `prefixkv.Engine` (add num_blocks, block_size...)."""
+        return {
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+            "chat_template": self.chat_template,
+            "stop_token_ids": self.eos_token_ids,
+            "model_id": self.name,
+        }
+
+    def describe(self) -> str:
+        """One line: name, format and (GGUF) stored tensor types."""
+        types = ", ".join(f"{count} {kind}" for kind, count in sorted(self.tensor_types.items()))
+        return f"{self.name} ({self.format}{': ' + types if types else ''})"
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> Checkpoint:
+    """A Hugging Face checkpoint directory or a ``.gguf`` file (`prefixkv.gguf.load_gguf`),
+    with its tokenizer, chat template (`find_chat_template`) and end-of-sequence tokens
+    (`checkpoint_eos_token_ids`). Offline; strict, as `load_pretrained` and `load_gguf` are."""
+    from prefixkv.gguf import is_gguf, load_gguf
+    from prefixkv.model import LlamaModel
+    from prefixkv.text import HFTokenizer
+
+    path = Path(path)
+    if path.is_file() and is_gguf(path):
+        return load_gguf(path, dtype=dtype or torch.float32, device=device)
+    if not path.is_dir():
+        raise InvalidInputError(
+            f"{path} is neither a Hugging Face checkpoint directory nor a GGUF file"
+        )
+    model = LlamaModel.from_pretrained(path, dtype=dtype, device=device)
+    tokenizer_path = path / "tokenizer.json"
+    return Checkpoint(
+        path=path,
+        format="hf",
+        model=model,
+        tokenizer=HFTokenizer(tokenizer_path) if tokenizer_path.is_file() else None,
+        chat_template=find_chat_template(path),
+        eos_token_ids=checkpoint_eos_token_ids(path),
+        name=path.name,
+    )
 
 
 def save_pretrained(model: LlamaModel, directory: str | Path) -> None:

@@ -46,6 +46,10 @@ def _check_count(text: str) -> int | None:
     return value
 
 
+#: `--check`'s default, told apart from an explicit "all" (None): all for the built-in model, a
+#: sample for a real one.
+_CHECK_DEFAULT = -1  # not a string: argparse would run it through _check_count
+
 #: `prefixkv demo --model-size` choices, spelled out so that the parser (and `--help`,
 #: `--version`) works without torch; `prefixkv.demo.MODEL_SIZES` holds the configs and
 #: tests/test_cli.py checks that the two agree.
@@ -69,9 +73,22 @@ def _parser() -> argparse.ArgumentParser:
         "and timestamp first, and report hit rate, prefill work, time to first token and the "
         "logit difference against a full recompute.",
     )
-    demo.add_argument("-n", "--requests", type=_positive_int, default=12, help="default: 12")
     demo.add_argument(
-        "--max-new-tokens", type=_positive_int, default=4, help="greedy tokens per request"
+        "--model",
+        metavar="PATH",
+        help="serve a real checkpoint instead of the built-in random model: a Hugging Face "
+        "directory (config.json, *.safetensors, tokenizer.json, a chat template) or a .gguf "
+        "file, rendered with its own chat template; its first answers are shown",
+    )
+    demo.add_argument(
+        "-n", "--requests", type=_positive_int, default=None, help="default: 12 (8 with --model)"
+    )
+    demo.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help="greedy tokens per request (default: 4; 48 with --model, ending earlier at its "
+        "end-of-turn token)",
     )
     demo.add_argument("--seed", type=int, default=0, help="model weights and workload seed")
     demo.add_argument(
@@ -81,10 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--check",
         type=_check_count,
-        default=None,
+        default=_CHECK_DEFAULT,
         metavar="K|all",
         help="compare K requests of each layout (spread from first to last) with a full "
-        "recompute without cache; 0 skips it (default: all)",
+        "recompute without cache; 0 skips it (default: all; 3 with --model)",
     )
     demo.add_argument(
         "--threads",
@@ -103,6 +120,18 @@ def _parser() -> argparse.ArgumentParser:
         help="find what breaks prefix reuse in a request trace (see `prefixkv analyze -h`)",
         add_help=False,
     )
+    route = commands.add_parser(
+        "route-demo",
+        help="engine processes publishing KV events, routed by prefix vs round-robin",
+        description="Start engine instances as separate processes publishing KV events (ZMQ, "
+        "vLLM's format), route an agent workload between them with a prefix index fed by those "
+        "events, then round-robin, and compare hit rate and time to first token.",
+    )
+    route.add_argument("--instances", type=_positive_int, default=2, help="default: 2")
+    route.add_argument("--agents", type=_positive_int, default=4, help="default: 4")
+    route.add_argument("--rounds", type=_positive_int, default=4, help="requests per agent")
+    route.add_argument("--model-size", choices=DEMO_MODEL_SIZES, default="small")
+    route.add_argument("--seed", type=int, default=0)
     commands.add_parser(
         "selfcheck",
         help="a quick end-to-end check: cache, paged KV, engine vs full recompute",
@@ -122,16 +151,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        status = _demo(args) if args.command == "demo" else _selfcheck()
+        if args.command == "route-demo":
+            status = _route_demo(args)
+        else:
+            status = _demo(args) if args.command == "demo" else _selfcheck()
     except ModuleNotFoundError as exc:
         # `demo` and `selfcheck` import torch and tqdm: the `demo` extra brings them all.
-        missing = missing_dependency(exc, f"prefixkv {args.command}", extra="demo")
+        extra = None if args.command == "route-demo" else "demo"  # route-demo: torch, events
+        missing = missing_dependency(exc, f"prefixkv {args.command}", extra=extra)
         print(missing or f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     except (PrefixKVError, ImportError, OSError) as exc:
         print(f"prefixkv {args.command}: {exc}", file=sys.stderr)
         status = 2
     return status
+
+
+def _route_demo(args: argparse.Namespace) -> int:
+    from prefixkv.route_demo import format_route_table, run_route_demo
+
+    result = run_route_demo(
+        instances=args.instances,
+        agents=args.agents,
+        rounds=args.rounds,
+        model_size=args.model_size,
+        seed=args.seed,
+    )
+    print(format_route_table(result))
+    return 0
 
 
 # -- prefixkv analyze ----------------------------------------------------------------------
@@ -331,13 +378,23 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    real = args.model is not None
+    if real and not Path(args.model).exists():
+        print(f"prefixkv demo: --model {args.model}: no such file or directory", file=sys.stderr)
+        return 2
+    check = args.check
+    if check == _CHECK_DEFAULT:
+        check = 3 if real else None
+    # A real model costs a real prefill per request: fewer requests and a sample of checks
+    # keep it to a couple of minutes on one CPU thread; longer outputs make the answers readable.
     result = run_demo(
-        num_requests=args.requests,
-        max_new_tokens=args.max_new_tokens,
+        num_requests=args.requests or (8 if real else 12),
+        max_new_tokens=args.max_new_tokens or (48 if real else 4),
         seed=args.seed,
         model_size=args.model_size,
+        model_path=args.model,
         block_size=args.block_size,
-        checked_requests=args.check,
+        checked_requests=check,
         progress=not args.quiet,
     )
     if args.plot is not None:

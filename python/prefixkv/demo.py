@@ -11,6 +11,10 @@ each time:
   system prompt (and a one-line user turn pointing at them). Every prompt diverges within its
   first blocks, so nearly everything is recomputed.
 
+``--model PATH`` serves a real checkpoint instead (a Hugging Face directory or a GGUF file,
+`prefixkv.checkpoint.load_checkpoint`), rendered with its own chat template and stopped at its
+own end-of-turn tokens, and shows its first answers.
+
 Requests arrive one at a time (as turns of independent agent sessions), so a request's time to
 first token is the latency of its own prefill. Every figure is measured, none is modelled: hit
 rate and prefill tokens come from the cache's answers, times from the wall clock, and the logit
@@ -23,9 +27,11 @@ fingerprint, so the cache refuses the reuse).
 JSON output (``--json``), one object:
 
 ``workload``: requests, max_new_tokens, seed, mean_prompt_tokens, shared_prefix_tokens,
-checked_requests (indices of the requests compared with a full recompute, in both layouts).
-``model``: name, parameters, layers, hidden size, heads, KV heads, head dim, dtype, device,
-block size, torch threads.
+checked_requests (indices of the requests compared with a full recompute, in both layouts),
+tools_in_system_prompt (the model's template cannot render tools, so the schemas are text at
+the end of the system prompt).
+``model``: name, size (built-in) or path (``--model``), parameters, layers, hidden size, heads,
+KV heads, head dim, dtype, device, block size, torch threads.
 ``layouts.stable_first`` / ``layouts.query_first``: ``hit_rate`` (cached / total prompt tokens),
 ``prefill_tokens_computed``, ``prefill_tokens_total``, ``ttft_median_s``, ``ttft_s`` (per
 request, in order), ``max_logit_diff`` (largest |logit difference| against full recompute over
@@ -35,6 +41,8 @@ the checked requests' prefill and every generated token; null when none is check
 ``max_logit_diff``: the larger of the two layouts'.
 ``wrong_context``: ``rope_theta`` and ``other_rope_theta``, ``max_logit_diff`` of reusing KV
 across them, ``fingerprints_differ`` (the cache would refuse the reuse).
+``answers``: with ``--model``, the first stable-first requests' ``query`` and greedy
+``answer`` (decoded, without the stop token); empty for the built-in model.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,11 +168,16 @@ _QUERIES = [
 ]
 
 
-def build_workload(num_requests: int, seed: int, *, stable_first: bool) -> list[dict[str, Any]]:
+def build_workload(
+    num_requests: int, seed: int, *, stable_first: bool, tools_in_system_prompt: bool = False
+) -> list[dict[str, Any]]:
     """The agent requests as chat requests (``{"messages": ..., "tools": ...}``).
 
     Both layouts carry the same content in another order; query-first adds a one-line user
-    turn that points at the query (about 1% more prompt tokens).
+    turn that points at the query (about 1% more prompt tokens). With
+    `tools_in_system_prompt` the tool schemas are written at the end of the system prompt as
+    JSON (what agent frameworks do for a chat template that has no tool support) and the
+    requests carry no ``tools``.
     """
     rng = random.Random(seed)
     start = dt.datetime(2025, 3, 14, 9, 0, 0, tzinfo=dt.timezone.utc)
@@ -175,15 +188,22 @@ def build_workload(num_requests: int, seed: int, *, stable_first: bool) -> list[
         )
         stamp = start + dt.timedelta(seconds=37 * i + rng.randrange(30))
         timestamp = f"Current time: {stamp.isoformat(timespec='seconds')}"
+        base = _SYSTEM_PROMPT
+        if tools_in_system_prompt:
+            base += "\nTools (answer with one JSON call when a tool is needed):\n"
+            base += "\n".join(json.dumps(tool) for tool in _TOOLS) + "\n"
         if stable_first:
-            system = _SYSTEM_PROMPT
+            system = base
             user = f"{query}\n{timestamp}"
         else:
-            system = f"{timestamp}\nUser request: {query}\n\n{_SYSTEM_PROMPT}"
+            system = f"{timestamp}\nUser request: {query}\n\n{base}"
             user = "Please handle the user request above."
         messages = [{"role": "system", "content": system}, *_FEW_SHOT]
         messages.append({"role": "user", "content": user})
-        requests.append({"messages": messages, "tools": _TOOLS})
+        request: dict[str, Any] = {"messages": messages}
+        if not tools_in_system_prompt:
+            request["tools"] = _TOOLS
+        requests.append(request)
     return requests
 
 
@@ -246,6 +266,8 @@ class DemoResult:
     stable_first: LayoutResult
     query_first: LayoutResult
     wrong_context: dict[str, Any] | None
+    #: With a real model: the first stable-first requests' queries and greedy answers.
+    answers: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -271,6 +293,7 @@ class DemoResult:
             "speedup": self.speedup,
             "max_logit_diff": self.max_logit_diff,
             "wrong_context": self.wrong_context,
+            "answers": self.answers,
         }
 
 
@@ -338,44 +361,112 @@ def _wrong_theta_error(model: LlamaModel, prompt: list[int], block_size: int) ->
     }
 
 
+@dataclass
+class _Served:
+    """The model a demo serves, and how its engines are built."""
+
+    model: LlamaModel
+    name: str
+    engine_options: dict[str, Any]
+    encode: Callable[[dict[str, Any]], list[int]]
+    tools_in_system_prompt: bool
+
+
+def _random_model(model_size: str, seed: int) -> _Served:
+    if model_size not in MODEL_SIZES:
+        raise ValueError(f"model size must be one of {sorted(MODEL_SIZES)}, got {model_size!r}")
+    model = LlamaModel.random(MODEL_SIZES[model_size], seed=seed)
+    return _Served(
+        model=model,
+        name=f"random Llama ({model_size})",
+        engine_options={"model_id": f"prefixkv-demo-{model_size}"},
+        encode=lambda request: ByteTokenizer().encode(_render(request)),
+        tools_in_system_prompt=False,
+    )
+
+
+def _checkpoint_model(path: str | Path) -> _Served:
+    """A real checkpoint (HF directory or GGUF file), served with its own tokenizer, chat
+    template and stop tokens; refused when it lacks a tokenizer or a template, since the
+    demo's requests are chats and another template would be a wrong prompt."""
+    from prefixkv.checkpoint import CHECKPOINT_TEMPLATE_SOURCES, load_checkpoint
+    from prefixkv.errors import ChatTemplateError, InvalidInputError
+
+    checkpoint = load_checkpoint(path)
+    if checkpoint.tokenizer is None:
+        raise InvalidInputError(f"prefixkv demo --model: {path} has no tokenizer.json")
+    template, tokenizer = checkpoint.chat_template, checkpoint.tokenizer
+    if template is None:
+        where = (
+            "tokenizer.chat_template"
+            if checkpoint.format == "gguf"
+            else (", ".join(CHECKPOINT_TEMPLATE_SOURCES))
+        )
+        raise ChatTemplateError(
+            f"prefixkv demo --model: {path} has no chat template (looked for {where}); the "
+            "demo serves chats and will not render them with another model's template"
+        )
+    probe = [{"role": "user", "content": "hi"}]
+    tools_rendered = template.render(probe, tools=_TOOLS) != template.render(probe)
+    return _Served(
+        model=checkpoint.model,
+        name=checkpoint.describe(),
+        engine_options={
+            key: value for key, value in checkpoint.engine_options().items() if key != "model"
+        },
+        encode=lambda request: tokenizer.encode(
+            template.render(request["messages"], tools=request.get("tools"))
+        ),
+        tools_in_system_prompt=not tools_rendered,
+    )
+
+
 def run_demo(
     *,
     num_requests: int = 12,
     max_new_tokens: int = 4,
     seed: int = 0,
     model_size: str = "small",
+    model_path: str | Path | None = None,
     block_size: int = 16,
     checked_requests: int | None = None,
     wrong_context: bool = True,
     progress: bool = True,
+    answers_shown: int = 3,
 ) -> DemoResult:
     """Serve the agent workload in both layouts and measure it.
 
-    `checked_requests` requests of each layout (None: all) are compared with a full recompute.
-    The oracle recomputes the whole sequence with dense attention, about as costly as an
-    uncached prefill, so a sample keeps a large run short.
+    `model_path` (a Hugging Face directory or a GGUF file) serves that checkpoint with its own
+    chat template instead of the random reference model of `model_size`; its first
+    `answers_shown` stable-first answers are reported. `checked_requests` requests of each
+    layout (None: all) are compared with a full recompute. The oracle recomputes the whole
+    sequence with dense attention, about as costly as an uncached prefill, so a sample keeps a
+    large run short.
     """
     from tqdm import tqdm
 
-    if model_size not in MODEL_SIZES:
-        raise ValueError(f"model size must be one of {sorted(MODEL_SIZES)}, got {model_size!r}")
-    config = MODEL_SIZES[model_size]
-    model = LlamaModel.random(config, seed=seed)
+    served = _checkpoint_model(model_path) if model_path else _random_model(model_size, seed)
+    model = served.model
+    config = model.config
     layouts = {
-        name: build_workload(num_requests, seed, stable_first=name == "stable-first")
+        name: build_workload(
+            num_requests,
+            seed,
+            stable_first=name == "stable-first",
+            tools_in_system_prompt=served.tools_in_system_prompt,
+        )
         for name in ("stable-first", "query-first")
     }
     # Room for every prompt of a layout plus its output, so no layout is measured with eviction.
-    tokens_per_layout = sum(
-        len(ByteTokenizer().encode(_render(req))) + max_new_tokens for req in layouts["query-first"]
-    )
+    query_first_ids = [served.encode(request) for request in layouts["query-first"]]
+    tokens_per_layout = sum(len(ids) + max_new_tokens for ids in query_first_ids)
     num_blocks = tokens_per_layout // block_size + 2 * num_requests + 8
 
     # Warm up torch (thread pools, first allocations of prompt-sized buffers) on a throwaway
     # engine and a prompt of the workload's length, so the first measured request is not
     # charged for them.
-    warm_up = [i % 256 for i in range(tokens_per_layout // num_requests)]
-    Engine(model, num_blocks=len(warm_up) // block_size + 4, block_size=block_size).generate(
+    warm_up = query_first_ids[0]
+    Engine(model, num_blocks=(len(warm_up) + 2) // block_size + 4, block_size=block_size).generate(
         [warm_up], 2
     )
 
@@ -387,16 +478,20 @@ def run_demo(
         for name, requests in layouts.items():
             bar.set_postfix_str(name)
             engine = Engine(
-                model,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                model_id=f"prefixkv-demo-{model_size}",
+                model, num_blocks=num_blocks, block_size=block_size, **served.engine_options
             )
             measured[name] = _serve(
                 engine, requests, max_new_tokens, checked, lambda: bar.update(1)
             )
 
-    prompts = [r.prompt_token_ids for r in measured["stable-first"].results]
+    stable = measured["stable-first"]
+    answers = []
+    if model_path:
+        pairs = zip(layouts["stable-first"], stable.results, strict=True)
+        for request, result in list(pairs)[:answers_shown]:
+            query = str(request["messages"][-1]["content"]).split("\n")[0]
+            answers.append({"query": query, "answer": _answer_text(result, served)})
+    prompts = [r.prompt_token_ids for r in stable.results]
     shared = _common_prefix(prompts) if len(prompts) > 1 else len(prompts[0])
     return DemoResult(
         workload={
@@ -406,11 +501,13 @@ def run_demo(
             "mean_prompt_tokens": statistics.mean(len(p) for p in prompts),
             "shared_prefix_tokens": shared,
             "checked_requests": sorted(checked),
+            "tools_in_system_prompt": served.tools_in_system_prompt,
         },
         model={
-            "name": f"random Llama ({model_size})",
-            "size": model_size,
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "name": served.name,
+            "size": None if model_path else model_size,
+            "path": str(model_path) if model_path else None,
+            "parameters": _parameter_count(model),
             "layers": config.num_layers,
             "hidden_size": config.hidden_size,
             "heads": config.num_heads,
@@ -421,16 +518,33 @@ def run_demo(
             "block_size": block_size,
             "torch_threads": torch.get_num_threads(),
         },
-        stable_first=measured["stable-first"],
+        stable_first=stable,
         query_first=measured["query-first"],
         wrong_context=_wrong_theta_error(model, prompts[0], block_size) if wrong_context else None,
+        answers=answers,
     )
+
+
+def _parameter_count(model: LlamaModel) -> int:
+    """Distinct parameters (a tied head is the embedding, counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _answer_text(result: RequestResult, served: _Served) -> str:
+    """The decoded answer without its stop token, on one line."""
+    ids = list(result.output_token_ids)
+    stops = set(served.engine_options.get("stop_token_ids", ()))
+    if ids and ids[-1] in stops:
+        ids = ids[:-1]
+    tokenizer = served.engine_options.get("tokenizer")
+    text = tokenizer.decode(ids) if tokenizer is not None else str(ids)
+    return " ".join(text.split())
 
 
 def _render(request: dict[str, Any]) -> str:
     from prefixkv.text import SimpleChatTemplate
 
-    return SimpleChatTemplate().render(request["messages"], tools=request["tools"])
+    return SimpleChatTemplate().render(request["messages"], tools=request.get("tools"))
 
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
@@ -479,7 +593,8 @@ def format_table(result: DemoResult) -> str:
         f"prefixkv demo: {workload['requests']} agent requests, "
         f"{workload['mean_prompt_tokens']:.0f} prompt tokens each on average "
         f"({workload['shared_prefix_tokens']} shared: system prompt, "
-        f"{len(_TOOLS)} tool schemas, {_plural(len(_FEW_SHOT) // 2, 'few-shot example')}), "
+        f"{len(_TOOLS)} tool schemas{' in it' if workload.get('tools_in_system_prompt') else ''}, "
+        f"{_plural(len(_FEW_SHOT) // 2, 'few-shot example')}), "
         f"{workload['max_new_tokens']} new tokens each",
         f"model: {model['name']}, {model['parameters'] / 1e6:.1f}M parameters, "
         f"{model['layers']} layers, hidden {model['hidden_size']}, "
@@ -503,7 +618,15 @@ def format_table(result: DemoResult) -> str:
             f"{wrong['other_rope_theta']:g} would shift logits by up to "
             f"{wrong['max_logit_diff']:.2f}; the cache context {refused}"
         )
+    if result.answers:
+        lines += ["", "answers (stable-first layout, greedy, as served from the cache):"]
+        for item in result.answers:
+            lines += [f"  Q: {item['query']}", f"  A: {_shorten(item['answer'], 200)}"]
     return "\n".join(lines)
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def save_plot(result: DemoResult, path: str | Path) -> None:

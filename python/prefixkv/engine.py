@@ -64,6 +64,7 @@ from prefixkv.scheduler import (
     order_waiting,
 )
 from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
+from prefixkv.threads import configure_torch_threads
 from prefixkv.tiers.manager import KVTiers
 from prefixkv.tiers.remote import RemoteStore, RemoteTier
 
@@ -266,6 +267,10 @@ class Engine:
         if dtype is not None and dtype != model.dtype:
             model = model.with_config(dtype=dtype)
         self.model = model.to(device=torch.device(device))
+        if self.model.device.type == "cpu":
+            # torch's default (one thread per core) on a machine other work also uses can make
+            # one prefill 100x slower; use the idle cores only (`prefixkv.threads`).
+            configure_torch_threads()
         config = self.model.config
         if tokenizer is None:
             byte_tokenizer = ByteTokenizer()
@@ -305,6 +310,8 @@ class Engine:
         self.max_waiting_considered = 64
         self.last_stats = SchedulerStats()
         self._request_counter = 0
+        #: The KV event publisher, once `publish_kv_events` started one.
+        self.kv_events: Any = None
         geometry = (config.num_layers, block_size, config.num_kv_heads, config.head_dim)
         if kv_memory_bytes is not None:
             self.kv_cache = PagedKVCache.from_memory_budget(
@@ -350,6 +357,62 @@ class Engine:
                 write_policy=remote_write,
             )
             self.cache.set_eviction_log(self.tiers.needs_eviction_log)
+
+    # ---------------------------------------------------------------- observability
+
+    def publish_kv_events(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        *,
+        topic: str | None = None,
+        token_ids: str = "all",
+        hashes: str = "int64",
+    ) -> Any:
+        """Publish this engine's KV events in vLLM's format (`prefixkv.events`, needs the
+        ``events`` extra): a ZMQ PUB socket at `endpoint`, replays at `replay_endpoint`, one
+        batch per scheduler step. `topic` defaults to llm-d's ``kv@<host>@<model_id>``;
+        `token_ids` (``"all"``, ``"unsalted"``, ``"none"``) limits what tenants' events reveal.
+        Returns the `KVEventPublisher` (also `kv_events`); `close()` stops it."""
+        import socket
+
+        from prefixkv.events import KVEventPublisher
+
+        if self.kv_events is not None:
+            raise InvalidInputError("this engine already publishes KV events (close() first)")
+        self.kv_events = KVEventPublisher(
+            self.cache,
+            endpoint,
+            replay_endpoint,
+            topic=topic if topic is not None else f"kv@{socket.gethostname()}@{self._model_id}",
+            medium="GPU" if self.model.device.type == "cuda" else "CPU",
+            token_ids=token_ids,  # type: ignore[arg-type]
+            hashes=hashes,  # type: ignore[arg-type]
+        )
+        return self.kv_events
+
+    def metrics_collector(self, labels: Mapping[str, str] | None = None) -> Any:
+        """A Prometheus collector of this engine's cache figures (`prefixkv.metrics`, needs the
+        ``metrics`` extra), with the event counters when events are published; register it
+        with ``prometheus_client.REGISTRY.register(...)``."""
+        from prefixkv.metrics import PrefixCacheCollector
+
+        return PrefixCacheCollector(
+            self.cache,
+            publisher=self.kv_events,
+            labels=dict(labels) if labels is not None else {"model_name": self._model_id},
+        )
+
+    def flush_kv_events(self) -> None:
+        """Send what the cache recorded since the last step (the engine does it every step)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def close(self) -> None:
+        """Stop publishing KV events (the engine itself holds nothing else to release)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _new_request_id(self) -> str:
         self._request_counter += 1
@@ -448,6 +511,7 @@ class Engine:
         self._adapter_key = self.model.adapter_digest()
         self.context = self._build_context()
         self.cache.set_context(self._cache_context())
+        self.flush_kv_events()  # routers drop this instance's blocks now, not at the next step
 
     def _sync_with_model(self) -> bool:
         """Act on a weight or adapter change torch recorded since the last check; True if
@@ -476,7 +540,8 @@ class Engine:
         **engine_options: Any,
     ) -> Engine:
         """An engine over a local Hugging Face Llama checkpoint (``config.json`` plus
-        ``*.safetensors``), served as the checkpoint says it should be:
+        ``*.safetensors``) or a ``.gguf`` file (`prefixkv.gguf`; its tokenizer, chat template
+        and stop tokens come from its metadata), served as the checkpoint says it should be:
 
         * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
         * chat template: the checkpoint's (`prefixkv.checkpoint.find_chat_template`: the
@@ -490,9 +555,29 @@ class Engine:
           without one; an int or a list) when `stop_token_ids` is None. Any explicit value,
           ``()`` included, wins.
         """
-        from prefixkv.checkpoint import CHECKPOINT_TEMPLATE_SOURCES, find_chat_template
+        from prefixkv.checkpoint import (
+            CHECKPOINT_TEMPLATE_SOURCES,
+            find_chat_template,
+            load_checkpoint,
+        )
+        from prefixkv.gguf import is_gguf
         from prefixkv.text import HFTokenizer
 
+        if is_gguf(directory):
+            # A .gguf file: weights, tokenizer, chat template and stop tokens from its metadata.
+            checkpoint = load_checkpoint(directory, dtype=dtype, device=device)
+            options = checkpoint.engine_options()
+            for name, value in (
+                ("tokenizer", tokenizer),
+                ("chat_template", chat_template),
+                ("stop_token_ids", stop_token_ids),
+            ):
+                if value is not None:
+                    options[name] = value  # an explicit argument wins
+            if options["chat_template"] is None:
+                options["_no_chat_template"] = f"the GGUF file {directory} has no chat template"
+            options["model_id"] = engine_options.pop("model_id", options["model_id"])
+            return cls(device=device, **options, **engine_options)
         directory = Path(directory)
         model = LlamaModel.from_pretrained(directory, dtype=dtype, device=device)
         if tokenizer is None and (directory / "tokenizer.json").is_file():
@@ -675,12 +760,14 @@ class _Run:
             if not scheduled:
                 self._refuse_stuck()
             self._step(scheduled)
+            engine.flush_kv_events()
         return [result for result in self.results if result is not None]
 
     def abandon(self) -> None:
         for sequence in self.live.values():
             self.cache.finish(sequence.request_id)
         self.live.clear()
+        self.engine.flush_kv_events()
 
     # -- cache bookkeeping ---------------------------------------------------------------
 

@@ -105,7 +105,15 @@ class MissingDependencyError(PrefixKVError, ImportError):
 
 #: The optional packages prefixkv's torch-based modules import at load time, and the extra that
 #: brings each (pyproject.toml's [project.optional-dependencies] is the other half of this).
-EXTRA_FOR_PACKAGE = {"torch": "torch", "safetensors": "torch", "tqdm": "demo", "redis": "redis"}
+EXTRA_FOR_PACKAGE = {
+    "torch": "torch",
+    "safetensors": "torch",
+    "tqdm": "demo",
+    "zmq": "events",
+    "msgspec": "events",
+    "prometheus_client": "metrics",
+    "redis": "redis",
+}
 
 
 def missing_dependency(

@@ -16,7 +16,7 @@ What a cached KV block depends on, besides the tokens before it (the cache key m
 these, and the negative tests in `tests/test_model_negative.py` show each one matters):
 
 * the weights, including the active LoRA adapter (it changes the k/v projections);
-* `rope_theta` and `rope_scaling`;
+* `rope_theta` and `rope_scaling` (YaRN's attention factor too: it scales the rotated keys);
 * `position_offset` (the absolute position of token 0);
 * for dynamic NTK scaling only, the *total* length of the sequence being computed: the RoPE base
   grows with it once it exceeds `max_position_embeddings`, so KV computed for a shorter prompt is
@@ -71,12 +71,13 @@ from prefixkv.batch import (
 )
 from prefixkv.checkpoint import load_pretrained, save_pretrained
 from prefixkv.context import CacheContext
+from prefixkv.decode_attention import paged_decode_attention
 from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
 from prefixkv.kv import PagedKVCache
 from prefixkv.lora import AdapterSet, random_adapter
 from prefixkv.model_config import ModelConfig, RopeScaling, model_context
 from prefixkv.rope import apply_rotate_half_rope as _apply_rotate_half_rope
-from prefixkv.rope import rope_inverse_frequencies
+from prefixkv.rope import rope_attention_factor, rope_inverse_frequencies
 
 if TYPE_CHECKING:
     from prefixkv.text import ChatTemplate, Tokenizer
@@ -117,22 +118,30 @@ class RMSNorm(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
+        qkv_bias = config.attention_qkv_bias
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_heads * config.head_dim, bias=qkv_bias
+        )
         self.k_proj = nn.Linear(
-            config.hidden_size, config.num_kv_heads * config.head_dim, bias=False
+            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
         )
         self.v_proj = nn.Linear(
-            config.hidden_size, config.num_kv_heads * config.head_dim, bias=False
+            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.attention_output_bias,
+        )
 
 
 class SwiGLU(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
@@ -220,6 +229,18 @@ class LlamaModel(nn.Module):
                 layer.mlp.down_proj.weight.copy_(
                     normal(tuple(layer.mlp.down_proj.weight.shape), config.intermediate_size**-0.5)
                 )
+                # Biases large enough to move the logits, so a dropped one is visible.
+                for projection in (
+                    attention.q_proj,
+                    attention.k_proj,
+                    attention.v_proj,
+                    attention.o_proj,
+                    layer.mlp.gate_proj,
+                    layer.mlp.up_proj,
+                    layer.mlp.down_proj,
+                ):
+                    if projection.bias is not None:
+                        projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
                 # Norm weights away from 1, so a dropped or misapplied norm is visible.
                 layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
                 layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
@@ -420,8 +441,10 @@ class LlamaModel(nn.Module):
         # by explicit halves, GQA by repeating KV heads, a dense boolean mask.
         positions = torch.arange(n, dtype=torch.float64) + config.position_offset
         angles = positions[:, None] * rope_inverse_frequencies(config, config.position_offset + n)
-        cos = torch.cos(angles).to(self.device, self.dtype)  # [n, dim/2]
-        sin = torch.sin(angles).to(self.device, self.dtype)
+        # YaRN's attention factor scales cos and sin (1 for every other RoPE).
+        attention_factor = rope_attention_factor(config)
+        cos = (torch.cos(angles) * attention_factor).to(self.device, self.dtype)  # [n, dim/2]
+        sin = (torch.sin(angles) * attention_factor).to(self.device, self.dtype)
         query_index = torch.arange(n, device=self.device)[:, None]
         key_index = torch.arange(n, device=self.device)[None, :]
         allowed = key_index <= query_index
@@ -517,6 +540,14 @@ class LlamaModel(nn.Module):
         config = self.config
         total = packed.tokens.numel()
         cos, sin = packed.cos, packed.sin
+        attention_factor = rope_attention_factor(config)
+        # A decode step (every request computes one position) takes the batched decode path
+        # (`prefixkv.decode_attention`) where the torch backend would run; explicit
+        # "reference" / "triton" and CUDA's auto choice keep theirs.
+        one_query_each = all(length == 1 for length in packed.query_lens) and (
+            attention_backend == "torch"
+            or (attention_backend == "auto" and packed.tokens.device.type == "cpu")
+        )
 
         hidden = self.model.embed_tokens(packed.tokens)
         for index, layer in enumerate(self.model.layers):
@@ -527,6 +558,8 @@ class LlamaModel(nn.Module):
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
             query = _apply_rotate_half_rope(query, cos, sin)
             key = _apply_rotate_half_rope(key, cos, sin)
+            if attention_factor != 1.0:
+                query, key = query * attention_factor, key * attention_factor
             if packed.written_rows is None:
                 kv_cache.write(index, key, value, packed.slot_mapping, check_bounds=False)
             elif packed.written_rows.numel() > 0:
@@ -534,18 +567,29 @@ class LlamaModel(nn.Module):
                 kv_cache.write(
                     index, key[rows], value[rows], packed.slot_mapping, check_bounds=False
                 )
-            attended = paged_prefill_attention(
-                query,
-                kv_cache.key_pages[index],
-                kv_cache.value_pages[index],
-                packed.block_tables,
-                packed.query_lens,
-                packed.seq_lens,
-                scale=config.head_dim**-0.5,
-                sliding_window=config.sliding_window,
-                backend=attention_backend,
-                check_bounds=False,
-            )
+            if one_query_each:
+                attended = paged_decode_attention(
+                    query,
+                    kv_cache.key_pages[index],
+                    kv_cache.value_pages[index],
+                    packed.block_tables,
+                    packed.seq_lens,
+                    scale=config.head_dim**-0.5,
+                    sliding_window=config.sliding_window,
+                )
+            else:
+                attended = paged_prefill_attention(
+                    query,
+                    kv_cache.key_pages[index],
+                    kv_cache.value_pages[index],
+                    packed.block_tables,
+                    packed.query_lens,
+                    packed.seq_lens,
+                    scale=config.head_dim**-0.5,
+                    sliding_window=config.sliding_window,
+                    backend=attention_backend,
+                    check_bounds=False,
+                )
             hidden = hidden + self._project(index, "o_proj", attended.reshape(total, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 

@@ -2,8 +2,9 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` refuses architectures it would compute wrongly
-(biases, other activations, unknown RoPE scalings) rather than load them. `model_context` is
+decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 configs (with their
+projection biases and any static RoPE scaling: linear, NTK, Llama 3, YaRN) and refuses the rest
+by name (another activation, an unknown field or RoPE parameter) rather than load it. `model_context` is
 the one place that says which settings change the KV a model writes (the essay of
 `prefixkv.model` says why each does).
 """
@@ -26,7 +27,7 @@ from prefixkv.rope import rope_base
 if TYPE_CHECKING:
     from prefixkv.text import ChatTemplate, Tokenizer
 
-__all__ = ["ModelConfig", "RopeScaling", "model_context"]
+__all__ = ["KNOWN_HF_CONFIG_FIELDS", "ModelConfig", "RopeScaling", "model_context"]
 
 
 @dataclass(frozen=True)
@@ -43,20 +44,38 @@ class RopeScaling:
         ``"llama3"``: Llama 3.1's static per-frequency scaling: wavelengths longer than
         ``original_max_position_embeddings / low_freq_factor`` are divided by `factor`, those
         shorter than ``... / high_freq_factor`` kept, the band between interpolated smoothly.
+        ``"yarn"``: YaRN (Qwen2.5, DeepSeek): frequencies blended between kept and divided by
+        `factor` along a ramp set by `beta_fast` / `beta_slow` rotations over
+        ``original_max_position_embeddings``, and cos/sin multiplied by `attention_factor`.
+        Static: no length enters, so cached KV stays exact.
     """
 
-    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3"]
+    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3", "yarn"]
     factor: float
     #: Llama 3 only (the defaults are Llama 3.1's).
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    #: Llama 3 and YaRN: the context length the model was pretrained with.
     original_max_position_embeddings: int = 8192
+    #: YaRN only (the defaults are the paper's and transformers'). `attention_factor` None means
+    #: ``0.1 * ln(factor) + 1`` (resolved by `yarn_attention_factor`).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3"):
+        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3", "yarn"):
             raise InvalidInputError(
                 f"unsupported rope scaling kind {self.kind!r}; "
-                "expected 'linear', 'ntk', 'dynamic_ntk' or 'llama3'"
+                "expected 'linear', 'ntk', 'dynamic_ntk', 'llama3' or 'yarn'"
+            )
+        if self.kind == "yarn" and not (
+            self.beta_fast > 0 and self.beta_slow > 0 and self.original_max_position_embeddings > 0
+        ):
+            raise InvalidInputError(
+                "yarn rope scaling needs positive beta_fast, beta_slow and "
+                "original_max_position_embeddings"
             )
         if self.kind == "llama3" and not (
             0 < self.low_freq_factor < self.high_freq_factor
@@ -72,6 +91,16 @@ class RopeScaling:
             )
         if self.factor < 1.0:
             raise InvalidInputError(f"rope scaling factor must be >= 1, got {self.factor}")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's multiplier of cos and sin (1 for every other kind): `attention_factor` when
+        the config gives it, else the paper's ``0.1 * ln(factor) + 1``."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,11 @@ class ModelConfig:
     lora_rank: int | None = None
     lora_alpha: float | None = None
     tie_word_embeddings: bool = False
+    #: Biases on the q/k/v projections (Qwen2; Llama's ``attention_bias`` sets this and the
+    #: next), on the output projection, and on the MLP's three projections (``mlp_bias``).
+    attention_qkv_bias: bool = False
+    attention_output_bias: bool = False
+    mlp_bias: bool = False
     dtype: torch.dtype = field(default=torch.float32)
 
     def __post_init__(self) -> None:
@@ -161,6 +195,9 @@ class ModelConfig:
             raise InvalidInputError(f"lora_rank must be a positive int, got {self.lora_rank!r}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise InvalidInputError(f"unsupported model dtype {self.dtype}")
+        if self.attention_output_bias and not self.attention_qkv_bias:
+            # Not an architecture transformers has (Llama biases all four, Qwen2 only q/k/v).
+            raise InvalidInputError("attention_output_bias needs attention_qkv_bias")
 
     @property
     def position_encoding_is_length_dependent(self) -> bool:
@@ -188,10 +225,13 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read a Hugging Face Llama/Mistral-style ``config.json`` (a dict, file or directory).
 
-        Refuses architectures this decoder does not implement (biases on the projections, an
-        activation other than SiLU, RoPE scalings other than linear / NTK / dynamic NTK) rather
-        than load them and compute something else. Keyword `overrides` replace fields after
-        reading, e.g. ``dtype=torch.float32``.
+        Llama, Mistral and Qwen2 configs, with the projection biases they name (Llama's
+        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases). Refuses what this decoder does
+        not implement (another activation or model type, a RoPE scaling it lacks, Qwen2's
+        per-layer sliding window) and any field it does not know, naming it
+        (`KNOWN_HF_CONFIG_FIELDS`): a setting it would silently ignore could change what the
+        model computes. Keyword `overrides` replace fields after reading, e.g.
+        ``dtype=torch.float32``.
         """
         if isinstance(config, (str, Path)):
             path = Path(config)
@@ -211,15 +251,31 @@ class ModelConfig:
                 raise InvalidInputError(f"Hugging Face config is missing {key!r}")
             return hf[key]
 
+        _refuse_unknown_fields(hf)
         activation = hf.get("hidden_act", "silu")
         if activation != "silu":
             raise InvalidInputError(f"unsupported hidden_act {activation!r}: only SwiGLU ('silu')")
-        if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
-            raise InvalidInputError("projection biases (attention_bias / mlp_bias) are unsupported")
-        if hf.get("model_type", "llama") not in ("llama", "mistral"):
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
             raise InvalidInputError(
-                f"unsupported model_type {hf.get('model_type')!r}: expected 'llama' or 'mistral'"
+                f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
             )
+        if hf.get("rope_interleaved", False):
+            # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
+            raise InvalidInputError("rope_interleaved=true is unsupported")
+        if hf.get("pretraining_tp", 1) != 1:
+            # transformers itself ignores it at inference; a value other than 1 means weights
+            # sliced for tensor parallelism, which we would load as if whole.
+            raise InvalidInputError(f"pretraining_tp {hf['pretraining_tp']!r} is unsupported")
+        if model_type == "qwen2":
+            # Qwen2: q/k/v biased, o not (its own attention_bias key is not read by transformers).
+            qkv_bias, output_bias = True, False
+            _refuse_qwen2_sliding_window(hf)
+            sliding_window = None
+        else:
+            qkv_bias = output_bias = bool(hf.get("attention_bias", False))
+            sliding_window = hf.get("sliding_window")
+            _check_layer_types(hf, "sliding_attention" if sliding_window else "full_attention")
         rope_theta, rope_scaling = _rope_from_hf(hf)
         num_heads = int(require("num_attention_heads"))
         hidden_size = int(require("hidden_size"))
@@ -241,10 +297,13 @@ class ModelConfig:
             "rope_scaling": rope_scaling,
             "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
             "position_offset": int(hf.get("prefixkv_position_offset", 0)),
-            "sliding_window": hf.get("sliding_window"),
+            "sliding_window": sliding_window,
             "lora_rank": hf.get("prefixkv_lora_rank"),
             "lora_alpha": hf.get("prefixkv_lora_alpha"),
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "attention_qkv_bias": qkv_bias,
+            "attention_output_bias": output_bias,
+            "mlp_bias": bool(hf.get("mlp_bias", False)),
             "dtype": dtypes[dtype_name],
         }
         values.update(overrides)
@@ -263,6 +322,7 @@ class ModelConfig:
                 "ntk": "ntk",
                 "dynamic_ntk": "dynamic",
                 "llama3": "llama3",
+                "yarn": "yarn",
             }
             rope_scaling = {
                 "rope_type": hf_type[self.rope_scaling.kind],
@@ -271,12 +331,27 @@ class ModelConfig:
             if self.rope_scaling.kind == "llama3":
                 rope_scaling["low_freq_factor"] = self.rope_scaling.low_freq_factor
                 rope_scaling["high_freq_factor"] = self.rope_scaling.high_freq_factor
+            if self.rope_scaling.kind in ("llama3", "yarn"):
                 rope_scaling["original_max_position_embeddings"] = (
                     self.rope_scaling.original_max_position_embeddings
                 )
+            if self.rope_scaling.kind == "yarn":
+                rope_scaling["beta_fast"] = self.rope_scaling.beta_fast
+                rope_scaling["beta_slow"] = self.rope_scaling.beta_slow
+                rope_scaling["truncate"] = self.rope_scaling.truncate
+                if self.rope_scaling.attention_factor is not None:
+                    rope_scaling["attention_factor"] = self.rope_scaling.attention_factor
+        # Qwen2 is Llama with q/k/v biases and no output bias: written as a Qwen2 config, the
+        # only one transformers reads that way.
+        qwen2 = self.attention_qkv_bias and not self.attention_output_bias
+        if qwen2 and (self.sliding_window is not None or self.mlp_bias):
+            raise InvalidInputError(
+                "no Hugging Face config has q/k/v biases without an output bias together with "
+                "a sliding window or MLP biases"
+            )
         hf: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -291,10 +366,13 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "sliding_window": self.sliding_window,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
+            "attention_bias": self.attention_qkv_bias,
+            "mlp_bias": self.mlp_bias,
             "torch_dtype": str(self.dtype).removeprefix("torch."),
         }
+        if qwen2:
+            del hf["attention_bias"], hf["mlp_bias"], hf["sliding_window"]
+            hf["use_sliding_window"] = False
         if self.position_offset:
             hf["prefixkv_position_offset"] = self.position_offset
         if self.lora_rank is not None:
@@ -311,6 +389,105 @@ class ModelConfig:
         data = asdict(self)
         data["dtype"] = str(self.dtype)
         return data
+
+
+#: Every ``config.json`` key `ModelConfig.from_hf_config` accepts. Anything else is refused,
+#: named, because a setting this decoder silently ignored could change what the model computes.
+#: Most are read; the rest are known not to change a forward pass (token ids for generation,
+#: training-only settings, transformers' bookkeeping).
+KNOWN_HF_CONFIG_FIELDS = frozenset(
+    {
+        # read
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps",
+        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "max_position_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
+        "layer_types", "tie_word_embeddings", "attention_bias", "mlp_bias", "pretraining_tp",
+        "model_type", "torch_dtype", "dtype", "rope_interleaved",
+        "prefixkv_position_offset", "prefixkv_lora_rank", "prefixkv_lora_alpha",
+        # inert at inference
+        "architectures", "_name_or_path", "transformers_version", "bos_token_id",
+        "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        "initializer_range", "use_cache", "attention_dropout", "output_attentions",
+        "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
+        "id2label", "label2id", "problem_type", "tokenizer_class", "use_bidirectional_attention",
+        # SmolLM2's (nanotron's) markers, and transformers.js runtime settings
+        "is_llama_config", "transformers.js_config",
+    }
+)  # fmt: skip
+
+
+def _refuse_unknown_fields(hf: Mapping[str, Any]) -> None:
+    unknown = sorted(key for key in hf if key not in KNOWN_HF_CONFIG_FIELDS)
+    if unknown:
+        raise InvalidInputError(
+            f"config.json has field(s) this decoder does not implement or know to be inert: "
+            f"{', '.join(map(repr, unknown))}; refusing rather than ignoring them"
+        )
+
+
+def _check_layer_types(hf: Mapping[str, Any], expected: str) -> None:
+    """transformers 5 writes ``layer_types``; only one kind for every layer is implemented."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(kind != expected for kind in layer_types):
+        raise InvalidInputError(
+            f"layer_types {sorted(set(layer_types))} is unsupported: every layer must be "
+            f"{expected!r} here"
+        )
+
+
+def _refuse_qwen2_sliding_window(hf: Mapping[str, Any]) -> None:
+    """Qwen2 configs carry a ``sliding_window`` that applies only with ``use_sliding_window``
+    (and then only from layer ``max_window_layers`` on): off, it is ignored, as transformers
+    ignores it; on, it is refused (per-layer windows are not implemented)."""
+    if hf.get("use_sliding_window", False):
+        raise InvalidInputError(
+            "Qwen2 use_sliding_window=true (a window on some layers only) is unsupported"
+        )
+    _check_layer_types(hf, "full_attention")
+
+
+#: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
+#: everywhere). Another key is refused by name, as in the config itself.
+_ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "ntk": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "attention_factor", "mscale", "mscale_all_dim", "truncate",
+        }
+    ),
+}  # fmt: skip
+
+
+def _yarn_from_hf(raw: Mapping[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """transformers' ``_compute_yarn_parameters``, read once: `mscale` / `mscale_all_dim`
+    resolve to the attention factor here, so the model sees only `attention_factor`."""
+    factor = float(raw["factor"])
+    original = int(raw.get("original_max_position_embeddings") or max_position_embeddings)
+    attention_factor = raw.get("attention_factor")
+    mscale, mscale_all_dim = raw.get("mscale"), raw.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+
+        def scale(value: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
+
+        attention_factor = scale(float(mscale)) / scale(float(mscale_all_dim))
+    return RopeScaling(
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(raw.get("truncate", True)),
+    )
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -337,22 +514,34 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         raise InvalidInputError(f"partial_rotary_factor {rotary_fraction} is unsupported")
     theta = float(parameters.get("rope_theta", 10000.0))
     has_scaling = "rope_type" in parameters or "type" in parameters
-    return theta, _rope_scaling_from_hf(parameters) if has_scaling else None
+    max_positions = int(hf.get("max_position_embeddings", 2048))
+    return theta, _rope_scaling_from_hf(parameters, max_positions) if has_scaling else None
 
 
-def _rope_scaling_from_hf(raw: Mapping[str, Any]) -> RopeScaling | None:
+def _rope_scaling_from_hf(
+    raw: Mapping[str, Any], max_position_embeddings: int
+) -> RopeScaling | None:
     kind = raw.get("rope_type", raw.get("type"))
     kinds = {
         "linear": "linear",
         "ntk": "ntk",
         "dynamic": "dynamic_ntk",
         "llama3": "llama3",
+        "yarn": "yarn",
         "default": None,
     }
     if kind not in kinds:
         raise InvalidInputError(
             f"unsupported rope_scaling type {kind!r}: this model implements "
-            "'linear', 'ntk' (static NTK-aware), 'dynamic' (dynamic NTK) and 'llama3'"
+            "'linear', 'ntk' (static NTK-aware), 'dynamic' (dynamic NTK), 'llama3' and 'yarn'"
+        )
+    unknown = sorted(
+        set(raw) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    )
+    if unknown:
+        raise InvalidInputError(
+            f"rope scaling {kind!r} has parameter(s) this decoder does not implement: "
+            f"{', '.join(map(repr, unknown))}"
         )
     if kinds[kind] is None:
         return None
@@ -369,6 +558,8 @@ def _rope_scaling_from_hf(raw: Mapping[str, Any]) -> RopeScaling | None:
             )
         except KeyError as missing:
             raise InvalidInputError(f"llama3 rope_scaling needs {missing}") from None
+    if kind == "yarn":
+        return _yarn_from_hf(raw, max_position_embeddings)
     return RopeScaling(kind=kinds[kind], factor=float(raw["factor"]))  # type: ignore[arg-type]
 
 
@@ -399,6 +590,17 @@ def model_context(
                     "original_max_position_embeddings",
                     float(scaling.original_max_position_embeddings),
                 ),
+            )
+        if scaling.kind == "yarn":
+            params += (
+                ("attention_factor", scaling.yarn_attention_factor),
+                ("beta_fast", float(scaling.beta_fast)),
+                ("beta_slow", float(scaling.beta_slow)),
+                (
+                    "original_max_position_embeddings",
+                    float(scaling.original_max_position_embeddings),
+                ),
+                ("truncate", float(scaling.truncate)),
             )
         if scaling.kind == "dynamic_ntk":
             params += (("max_position_embeddings", float(config.max_position_embeddings)),)

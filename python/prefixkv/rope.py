@@ -18,7 +18,12 @@ import torch
 if TYPE_CHECKING:
     from prefixkv.model_config import ModelConfig, RopeScaling
 
-__all__ = ["apply_rotate_half_rope", "rope_base", "rope_inverse_frequencies"]
+__all__ = [
+    "apply_rotate_half_rope",
+    "rope_attention_factor",
+    "rope_base",
+    "rope_inverse_frequencies",
+]
 
 
 def rope_base(config: ModelConfig, sequence_length: int) -> float:
@@ -28,7 +33,7 @@ def rope_base(config: ModelConfig, sequence_length: int) -> float:
     ``_compute_dynamic_ntk_parameters``.
     """
     scaling = config.rope_scaling
-    if scaling is None or scaling.kind in ("linear", "llama3"):
+    if scaling is None or scaling.kind in ("linear", "llama3", "yarn"):
         return config.rope_theta
     exponent = config.head_dim / (config.head_dim - 2)
     if scaling.kind == "ntk":
@@ -54,7 +59,37 @@ def rope_inverse_frequencies(config: ModelConfig, sequence_length: int) -> torch
         inverse = inverse / scaling.factor
     elif scaling is not None and scaling.kind == "llama3":
         inverse = _llama3_frequencies(inverse, scaling)
+    elif scaling is not None and scaling.kind == "yarn":
+        inverse = _yarn_frequencies(inverse, scaling, config.head_dim, base)
     return inverse
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, else 1. Both forward paths
+    scale the rotated queries and keys by it (the same as scaling cos and sin)."""
+    return 1.0 if config.rope_scaling is None else config.rope_scaling.yarn_attention_factor
+
+
+def _yarn_frequencies(
+    inverse: torch.Tensor, scaling: RopeScaling, head_dim: int, base: float
+) -> torch.Tensor:
+    """YaRN (the published formula, as transformers' ``_compute_yarn_parameters``): pairs that
+    turn more than `beta_fast` times over the original context keep their frequency, those
+    turning fewer than `beta_slow` times are divided by `factor`, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        original = scaling.original_max_position_embeddings
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inverse / scaling.factor * (1 - keep) + inverse * keep
 
 
 def _llama3_frequencies(inverse: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:

@@ -197,16 +197,21 @@ class HFTokenizer:
     into the text, and a text trace holds exactly what the engine tokenizes.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, json_text: str | None = None) -> None:
+        """Read `path`; or, with `json_text` (a tokenizer built in memory, e.g. from a GGUF
+        file's metadata by `prefixkv.gguf`), use that JSON and let `path` only name it."""
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:
             raise _missing("tokenizers", "a Hugging Face tokenizer.json") from exc
         self.path = Path(path)
-        try:
-            data = self.path.read_bytes()
-        except OSError as exc:
-            raise InvalidInputError(f"cannot read tokenizer file {self.path}: {exc}") from exc
+        if json_text is not None:
+            data = json_text.encode("utf-8")
+        else:
+            try:
+                data = self.path.read_bytes()
+            except OSError as exc:
+                raise InvalidInputError(f"cannot read tokenizer file {self.path}: {exc}") from exc
         self._digest = hashlib.sha256(data).hexdigest()
         try:
             self._tokenizer = _HFTokenizer.from_str(data.decode("utf-8"))

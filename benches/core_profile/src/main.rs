@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use prefixkv_core::key::TableKey;
-use prefixkv_core::table::{new_table, Entry, Parent};
+use prefixkv_core::table::{Entry, Parent, Table};
 use prefixkv_core::{block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras};
 
 const BLOCK_SIZE: usize = 16;
@@ -41,7 +41,174 @@ fn median_ns(repeats: usize, mut f: impl FnMut()) -> f64 {
     samples[samples.len() / 2] as f64
 }
 
+/// Per-request nanoseconds of `f` run on `prompts` in order, one cache per call site.
+fn percentile(sorted: &[u128], p: f64) -> f64 {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index] as f64
+}
+
+/// The eviction-pressure workload: long prompts (a shared 2,048-token system prompt, then a
+/// unique rest; totals log-uniform in 1k..=128k tokens) through a cache far smaller than the
+/// working set, and the same requests through one that never evicts. Every request misses
+/// after the shared prefix in both, so the two do the same hashing and publishing: what differs
+/// is eviction. The two caches and the hash floor take each request in turn (rotating order),
+/// so load from other processes hits them alike.
+fn pressure_prompts(requests: usize) -> Vec<Vec<u32>> {
+    let system = tokens(9, 2048);
+    let mut state = 0x2545_F491_4F6C_DD1D_u64;
+    (0..requests)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
+            let len = (1024.0 * 128f64.powf(unit)) as usize;
+            let mut prompt = system.clone();
+            prompt.extend(tokens(1000 + i as u64, len.saturating_sub(system.len()).max(16)));
+            prompt
+        })
+        .collect()
+}
+
+fn run_request(cache: &PrefixCache, prompt: &[u32]) -> u128 {
+    let start = Instant::now();
+    let r = cache.begin(prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
+    cache.commit(r.request_id, prompt.len()).expect("commit");
+    cache.finish(r.request_id).expect("finish");
+    start.elapsed().as_nanos()
+}
+
+fn pressure(requests: usize, small_blocks: u32) {
+    let context = context_fingerprint(b"bench");
+    let prompts = pressure_prompts(requests);
+    let blocks: usize = prompts.iter().map(|p| p.len().div_ceil(BLOCK_SIZE)).sum();
+    let roomy = PrefixCache::new(CacheConfig::new((blocks + 1024) as u32, BLOCK_SIZE), context)
+        .expect("cache");
+    let small = PrefixCache::new(CacheConfig::new(small_blocks, BLOCK_SIZE), context).expect("cache");
+    let extras = RequestExtras::default();
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for (i, prompt) in prompts.iter().enumerate() {
+        for k in 0..3 {
+            let which = (i + k) % 3;
+            let t = match which {
+                0 => run_request(&roomy, prompt),
+                1 => run_request(&small, prompt),
+                _ => {
+                    let start = Instant::now();
+                    std::hint::black_box(roomy.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+                    start.elapsed().as_nanos()
+                }
+            };
+            if i >= 8 {
+                times[which].push(t);
+            }
+        }
+    }
+    let summary = |v: &mut Vec<u128>| {
+        let mean = v.iter().sum::<u128>() as f64 / v.len() as f64;
+        v.sort_unstable();
+        (mean, percentile(v, 0.5), percentile(v, 0.99))
+    };
+    let (roomy_mean, roomy_p50, roomy_p99) = summary(&mut times[0]);
+    let (small_mean, small_p50, small_p99) = summary(&mut times[1]);
+    let (floor_mean, _, floor_p99) = summary(&mut times[2]);
+    let (rs, ss) = (roomy.stats(), small.stats());
+    let timed = (requests - 8) as f64;
+    println!(
+        "{{\"what\": \"pressure: {requests} prompts 1k-128k tokens (2k shared), cache of {small_blocks} blocks vs one of {} that never evicts\", \"pressure\": true, \
+\"no_pressure_mean_ns\": {roomy_mean:.0}, \"no_pressure_p50_ns\": {roomy_p50:.0}, \"no_pressure_p99_ns\": {roomy_p99:.0}, \
+\"pressure_mean_ns\": {small_mean:.0}, \"pressure_p50_ns\": {small_p50:.0}, \"pressure_p99_ns\": {small_p99:.0}, \
+\"floor_mean_ns\": {floor_mean:.0}, \"floor_p99_ns\": {floor_p99:.0}, \
+\"evictions_per_request\": {:.0}, \"no_pressure_evictions\": {}, \"hit_rate_pressure\": {:.3}, \"hit_rate_no_pressure\": {:.3}, \"blocks_per_request\": {:.0}}}",
+        roomy.config().num_blocks,
+        ss.evictions as f64 / requests as f64,
+        rs.evictions,
+        ss.hit_tokens as f64 / ss.lookup_tokens as f64,
+        rs.hit_tokens as f64 / rs.lookup_tokens as f64,
+        blocks as f64 / requests as f64,
+    );
+    let _ = timed;
+}
+
+/// Per-step decode cost: append one token, then commit it (a block is published every 16th).
+fn decode(steps: usize) {
+    let context = context_fingerprint(b"bench");
+    let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+    let prompt = tokens(77, 4000);
+    let r = cache.begin(prompt, b"", RequestExtras::default(), 0).expect("begin");
+    cache.commit(r.request_id, 4000).expect("commit");
+    let mut len = 4000;
+    let generated = tokens(78, steps);
+    let start = Instant::now();
+    for &token in &generated {
+        cache.append(r.request_id, &[token]).expect("append");
+        len += 1;
+        cache.commit(r.request_id, len).expect("commit");
+    }
+    let per_step = start.elapsed().as_nanos() as f64 / steps as f64;
+    cache.finish(r.request_id).expect("finish");
+    println!("{{\"what\": \"decode step: append 1 token + commit (mean over {steps} steps from a 4000-token prompt)\", \"ns\": {per_step:.0}}}");
+}
+
+/// `loop-MODE SECONDS`: one shape, repeated, for `perf record`.
+fn profile_loop(mode: &str, seconds: f64) {
+    let context = context_fingerprint(b"bench");
+    let start = Instant::now();
+    let mut seed = 5000;
+    match mode {
+        "loop-miss" => {
+            let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+            let mut count = 0;
+            while start.elapsed().as_secs_f64() < seconds {
+                seed += 1;
+                run_request(&cache, &tokens(seed, 4000));
+                count += 1;
+            }
+            eprintln!("requests: {count}");
+        }
+        "loop-hit" => {
+            let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+            let shared = tokens(1, 3808);
+            let mut count = 0;
+            while start.elapsed().as_secs_f64() < seconds {
+                seed += 1;
+                let mut prompt = shared.clone();
+                prompt.extend(tokens(seed, 192));
+                run_request(&cache, &prompt);
+                count += 1;
+            }
+            eprintln!("requests: {count}");
+        }
+        "loop-pressure" => {
+            let cache = PrefixCache::new(CacheConfig::new(16_384, BLOCK_SIZE), context).expect("cache");
+            let prompts = pressure_prompts(64);
+            'outer: loop {
+                for prompt in &prompts {
+                    if start.elapsed().as_secs_f64() > seconds {
+                        break 'outer;
+                    }
+                    run_request(&cache, prompt);
+                }
+            }
+        }
+        "loop-decode" => {
+            while start.elapsed().as_secs_f64() < seconds {
+                decode(100_000);
+            }
+        }
+        _ => panic!("unknown mode {mode}"),
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(mode) = args.get(1) {
+        if mode.starts_with("loop-") {
+            let seconds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3.0);
+            profile_loop(mode, seconds);
+            return;
+        }
+    }
     let context = context_fingerprint(b"bench");
     let extras = RequestExtras::default();
     let n = 4000;
@@ -125,13 +292,14 @@ fn main() {
     println!("{{\"what\": \"PrefixCache::hash_prompt, 4000 tokens (XXH3-128 table keys)\", \"ns\": {table_keys:.0}}}");
 
     // A miss's commit inserts one entry per block into the lock-free table. The bare insert,
-    // with the core's own entry type into a table presized like the cache's (200,000), fresh
-    // keys each round: what the map itself costs, with no pool or request bookkeeping.
-    let table = new_table(200_000);
+    // with the core's own entry type into a table sized like the cache's (200,000 blocks), fresh
+    // keys each round, each block's old entry removed first as eviction would: what the table
+    // itself costs, with no pool or request bookkeeping.
+    let table = Table::new(200_000, BLOCK_SIZE).expect("table");
+    let mut keys_of_block = vec![None; 200_000];
     let mut next_key = 0x9E37_79B9_7F4A_7C15_u64;
     let mut next_id = 0u64;
     let insert_ns = median_ns(101, || {
-        let guard = table.guard();
         for chunk in prompt.chunks_exact(BLOCK_SIZE) {
             next_key ^= next_key << 13;
             next_key ^= next_key >> 7;
@@ -145,10 +313,13 @@ fn main() {
                 extras: Vec::new().into_boxed_slice(),
             };
             let key = TableKey(u128::from(next_key) << 64 | u128::from(next_id));
-            let _ = std::hint::black_box(table.try_insert(key, entry, &guard));
+            if let Some(old) = keys_of_block[entry.block as usize].replace(key) {
+                table.remove(&old);
+            }
+            let _ = std::hint::black_box(table.try_insert(key, entry));
         }
     });
-    println!("{{\"what\": \"papaya try_insert of 250 entries (the core's Entry), presized table\", \"ns\": {insert_ns:.0}}}");
+    println!("{{\"what\": \"table try_insert of 250 entries (the core's Entry; each block's old entry removed first), 200,000-block table\", \"ns\": {insert_ns:.0}}}");
 
     let mut seed = 100;
     let request = |tokens: Vec<u32>| -> [u128; 3] {
@@ -183,4 +354,6 @@ fn main() {
             totals[totals.len() / 2], median(0), median(1), median(2)
         );
     }
+    decode(20_000);
+    pressure(600, 16_384);
 }

@@ -50,7 +50,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher};
+use crate::events::Events;
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
 use crate::request::{Request, Requests};
@@ -160,6 +161,8 @@ pub(crate) struct Inner {
     /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
     /// ones `release` may drop.
     pub(crate) external_refs: Vec<u32>,
+    /// KV event recording (`events/`): a no-op unless enabled.
+    pub(crate) events: Events,
     /// Cached blocks eviction took since the last `drain_evicted`, oldest first; `None` until
     /// `set_eviction_log(true)`. Drained before the pages are written again, it tells a host
     /// tier which blocks' KV to save (their pages still hold it: eviction hands the block to
@@ -211,8 +214,13 @@ impl PrefixCache {
         let num_blocks = config.num_blocks as usize;
         let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
-            // Pre-size for speed up to a million entries; the map grows past that on its own.
-            table: SharedTable::with_capacity(num_blocks.min(1 << 20)),
+            // One entry slot per block, allocated now: the table never grows (`table.rs`).
+            table: SharedTable::new(num_blocks, config.block_size).ok_or(
+                CacheError::OutOfBlocks {
+                    needed: num_blocks,
+                    available: 0,
+                },
+            )?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
@@ -227,6 +235,7 @@ impl PrefixCache {
                 epoch: 0,
                 block_epoch: per_block(num_blocks, 0)?,
                 external_refs: per_block(num_blocks, 0)?,
+                events: Events::default(),
                 eviction_log: None,
             }),
             probes: AtomicU64::new(0),
@@ -616,16 +625,37 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut parent_key = self.hasher.root(&root);
         let mut parent = Parent::Root(root);
-        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs);
-            let key = self.hasher.block(buffer, parent_key, chunk, &block_extras);
-            match self.table.get(&key, &guard) {
-                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    on_hit(entry.anchor(key));
-                    parent = Parent::Entry(entry.id);
-                    parent_key = key;
+        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
+        // and its index reads started together: their cache misses overlap instead of queueing.
+        let mut keys = [TableKey(0); LOOKAHEAD];
+        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
+            let first = batch_index * LOOKAHEAD;
+            let mut key = parent_key;
+            let mut batch_len = 0;
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
+                let block_extras = block_extras(extras, first + offset, bs);
+                key = self.hasher.block(buffer, key, chunk, &block_extras);
+                keys[offset] = key;
+                batch_len += 1;
+            }
+            // Back to back, after the hashing: the loads are then in flight together.
+            for key in &keys[..batch_len] {
+                self.table.prefetch(key, None);
+            }
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
+                let key = keys[offset];
+                let block_extras = block_extras(extras, first + offset, bs);
+                match self
+                    .table
+                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
+                {
+                    Some(anchor) => {
+                        on_hit(anchor);
+                        parent = Parent::Entry(anchor.id);
+                        parent_key = key;
+                    }
+                    None => return,
                 }
-                _ => break,
             }
         }
     }
@@ -660,11 +690,18 @@ impl PrefixCache {
                     inner.block_epoch[block as usize] = inner.epoch;
                 }
                 let guard = self.table.guard();
+                // Start every index read first, so the removals' cache misses overlap.
+                for &block in &evicted {
+                    if let Some(entry) = &inner.entries[block as usize] {
+                        self.table.prefetch(&entry.key, None);
+                    }
+                }
                 for block in evicted {
                     let entry = inner.entries[block as usize]
                         .take()
                         .expect("evicted a cached block");
                     self.table.remove(&entry.key, &guard);
+                    inner.events.removed(block);
                     inner.counters.evictions += 1;
                     if let Some(log) = inner.eviction_log.as_mut() {
                         log.push(block);
@@ -683,6 +720,7 @@ impl PrefixCache {
     }
 
     fn clear_locked(&self, inner: &mut Inner, reset: Reset) {
+        inner.events.cleared(&self.context());
         inner.epoch += 1;
         // Blocks evicted under the old context: their KV must not reach a tier now.
         if let Some(log) = inner.eviction_log.as_mut() {
@@ -699,6 +737,9 @@ impl PrefixCache {
         }
     }
 }
+
+/// Blocks whose table keys a walk over a prompt hashes ahead of its table reads.
+pub(crate) const LOOKAHEAD: usize = 16;
 
 /// The encoded extra keys of block `index` (see `key.rs`).
 pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {

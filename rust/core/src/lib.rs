@@ -11,11 +11,16 @@
 //!   refcount, lookups, the low-level API and reset.
 //! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
 //! - [`pins`]: keeping a prefix from eviction.
+//! - [`events`]: KV events (stored, removed, cleared) recorded for routers.
+//! - [`index`]: a prefix index over many instances' events, for routers.
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`].
 
 pub mod cache;
 pub mod error;
+pub mod events;
+#[cfg(not(loom))]
+pub mod index;
 pub mod key;
 pub mod pins;
 pub mod pool;
@@ -26,6 +31,9 @@ pub mod table;
 
 pub use cache::{BeginResult, CacheConfig, FullHit, PrefixCache, PrefixMatch, RequestId, Slots};
 pub use error::{CacheError, Result};
+pub use events::{
+    encode_events, EventConfig, EventCounters, EventDrain, HashForm, KvEvent, TokenIds,
+};
 pub use key::{block_key, context_fingerprint, root_key, BlockKey, MultimodalItem, RequestExtras};
 pub use pool::BlockId;
 pub use stats::CacheStats;

@@ -16,20 +16,50 @@
 //!   exactly once, when it is neither referenced nor cached.
 //!
 //! Eviction order: lowest retention priority first, then least recently used, then lowest id
-//! (the `EvictionKey`). Evicting a leaf can expose its parent as a new leaf; `plan_eviction`
-//! merges those into the order without touching the pool, so a call that cannot get enough
-//! blocks changes nothing.
+//! (the `EvictionKey`). Evicting a leaf can expose its parent as a new leaf, which joins the
+//! order at once: `allocate` takes the smallest key of the evictable set, block after block, so
+//! evicting a chain costs about what caching it did (one ordered-set removal, and at most one
+//! insertion of the parent, per block), never a scan.
+//!
+//! A call that cannot get enough blocks must change nothing, so `allocate` first checks that
+//! the blocks are there, in O(1): it keeps count of the *blocked* cached blocks, those eviction
+//! can never reach while the pool stays as it is (referenced, pinned, or with a blocked cached
+//! child; everything else is obtainable, leaf by leaf). Each block counts its blocked cached
+//! children; a change of a block's state walks up its chain only while ancestors change state
+//! too, so a request pays once per block it held. `plan_eviction` still computes the same order
+//! without touching the pool, and the invariant check compares the count with it.
 //!
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
 
 /// Position of a block in the pool.
 pub type BlockId = u32;
+
+/// Hashes a block id for the planner's scratch map: one multiply (Fibonacci hashing), where
+/// std's SipHash took 6% of a pressure run's time (`benches/PROFILE.md`). Ids are not chosen
+/// by callers in a way that could flood it: they are the pool's own.
+#[derive(Default)]
+struct BlockIdHasher(u64);
+
+impl Hasher for BlockIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 << 8 | u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// Eviction order key: (priority, last access tick, id). Smallest is evicted first.
 type EvictionKey = (i32, u64, BlockId);
@@ -47,6 +77,15 @@ struct BlockMeta {
     priority: i32,
     /// The key under which this block sits in the evictable set, if it does.
     evictable_as: Option<EvictionKey>,
+    /// Number of cached children that are blocked (see the module docs).
+    blocked_children: u32,
+}
+
+impl BlockMeta {
+    /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+    fn blocked(&self) -> bool {
+        self.cached && (self.ref_count > 0 || self.pin_count > 0 || self.blocked_children > 0)
+    }
 }
 
 /// Refcounts, free list and LRU eviction order of a fixed number of blocks.
@@ -59,6 +98,8 @@ pub struct BlockPool {
     num_cached: usize,
     num_in_use: usize,
     num_pinned: usize,
+    /// Cached blocks that are blocked: `num_cached - num_blocked` are obtainable by eviction.
+    num_blocked: usize,
 }
 
 impl BlockPool {
@@ -84,6 +125,7 @@ impl BlockPool {
             num_cached: 0,
             num_in_use: 0,
             num_pinned: 0,
+            num_blocked: 0,
         })
     }
 
@@ -157,10 +199,12 @@ impl BlockPool {
     pub fn acquire(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
         debug_assert!(meta.cached || meta.ref_count > 0, "acquiring a free block");
+        let was_blocked = meta.blocked();
         if meta.ref_count == 0 {
             self.num_in_use += 1;
         }
         meta.ref_count += 1;
+        self.reblock(block, was_blocked);
         self.refresh(block);
     }
 
@@ -179,6 +223,8 @@ impl BlockPool {
         }
         self.num_in_use -= 1;
         if meta.cached {
+            // Blocked just before (referenced); maybe not any more.
+            self.reblock(block, true);
             self.refresh(block);
             false
         } else {
@@ -210,6 +256,8 @@ impl BlockPool {
             self.blocks[parent as usize].cached_children += 1;
             self.refresh(parent);
         }
+        // Referenced, so blocked from now on; before, uncached, it was not counted.
+        self.reblock(block, false);
         self.refresh(block);
     }
 
@@ -218,7 +266,12 @@ impl BlockPool {
     pub fn uncache(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
         debug_assert!(meta.cached);
+        let was_blocked = meta.blocked();
         meta.cached = false;
+        if was_blocked {
+            self.num_blocked -= 1;
+        }
+        let meta = &mut self.blocks[block as usize];
         let parent = meta.parent.take();
         if meta.pin_count > 0 {
             meta.pin_count = 0;
@@ -236,6 +289,11 @@ impl BlockPool {
             // order and may uncache a parent before its children: an uncached parent keeps
             // counting them until they go too, and ends at 0 either way.
             parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
+            if was_blocked {
+                let parent_was_blocked = parent_meta.blocked();
+                parent_meta.blocked_children -= 1;
+                self.reblock(parent, parent_was_blocked);
+            }
             self.refresh(parent);
         }
     }
@@ -244,10 +302,12 @@ impl BlockPool {
     pub fn pin(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
         debug_assert!(meta.cached);
+        let was_blocked = meta.blocked();
         if meta.pin_count == 0 {
             self.num_pinned += 1;
         }
         meta.pin_count += 1;
+        self.reblock(block, was_blocked);
         self.refresh(block);
     }
 
@@ -257,20 +317,20 @@ impl BlockPool {
         if meta.pin_count == 0 {
             return;
         }
+        let was_blocked = meta.blocked();
         meta.pin_count -= 1;
         if meta.pin_count == 0 {
             self.num_pinned -= 1;
         }
+        self.reblock(block, was_blocked);
         self.refresh(block);
     }
 
     /// How many blocks `allocate` could hand out right now, evicting as needed, capped at `want`.
+    /// O(1): the free blocks plus the cached blocks that are not blocked (module docs).
     #[must_use]
     pub fn available(&self, want: usize) -> usize {
-        if self.free.len() >= want {
-            return want;
-        }
-        self.free.len() + self.plan_eviction(want - self.free.len()).len()
+        (self.free.len() + self.num_cached - self.num_blocked).min(want)
     }
 
     /// Takes `count` blocks with refcount 1, evicting the least valuable cached blocks if the
@@ -286,18 +346,24 @@ impl BlockPool {
         }
         let mut evicted = Vec::new();
         if self.free.len() < count {
-            let plan = self.plan_eviction(count - self.free.len());
-            if self.free.len() + plan.len() < count {
+            let available = self.available(count);
+            if available < count {
                 return Err(CacheError::OutOfBlocks {
                     needed: count,
-                    available: self.free.len() + plan.len(),
+                    available,
                 });
             }
-            for &block in &plan {
-                debug_assert!(self.blocks[block as usize].evictable_as.is_some());
+            // The smallest evictable key, one at a time: each eviction may expose its parent,
+            // which joins the set in order (the same order `plan_eviction` computes).
+            evicted.reserve(count - self.free.len());
+            while self.free.len() < count {
+                let &(_, _, block) = self
+                    .evictable
+                    .first()
+                    .expect("the obtainable count promised a block");
                 self.uncache(block);
+                evicted.push(block);
             }
-            evicted = plan;
         }
         let start = self.free.len() - count;
         let blocks: Vec<BlockId> = self.free.drain(start..).rev().collect();
@@ -318,7 +384,12 @@ impl BlockPool {
     #[must_use]
     pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
         let mut plan = Vec::with_capacity(want.min(self.blocks.len()));
-        let mut children_left: HashMap<BlockId, u32> = HashMap::new();
+        // Parents met so far (at most one per planned block): sized once, no rehash mid-plan.
+        let mut children_left: HashMap<BlockId, u32, BuildHasherDefault<BlockIdHasher>> =
+            HashMap::with_capacity_and_hasher(
+                want.min(self.num_cached),
+                BuildHasherDefault::default(),
+            );
         let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
         let mut leaves = self.evictable.iter().peekable();
         while plan.len() < want {
@@ -354,6 +425,35 @@ impl BlockPool {
         (0..self.blocks.len() as BlockId)
             .filter(|&b| self.blocks[b as usize].cached)
             .collect()
+    }
+
+    /// Keeps the blocked counts in step after one block's state changed from `was_blocked`:
+    /// a change moves its parent's count of blocked children, and so on up the chain while
+    /// ancestors change state too.
+    fn reblock(&mut self, mut block: BlockId, mut was_blocked: bool) {
+        loop {
+            let meta = &self.blocks[block as usize];
+            let now = meta.blocked();
+            if now == was_blocked {
+                return;
+            }
+            if now {
+                self.num_blocked += 1;
+            } else {
+                self.num_blocked -= 1;
+            }
+            let Some(parent) = meta.parent else {
+                return;
+            };
+            let parent_meta = &mut self.blocks[parent as usize];
+            was_blocked = parent_meta.blocked();
+            if now {
+                parent_meta.blocked_children += 1;
+            } else {
+                parent_meta.blocked_children -= 1;
+            }
+            block = parent;
+        }
     }
 
     /// Keeps the evictable set in step with one block's state.
@@ -425,6 +525,29 @@ impl BlockPool {
         assert_eq!(cached, self.num_cached);
         assert_eq!(in_use, self.num_in_use);
         assert_eq!(pinned, self.num_pinned);
+        // Blocked counts: each block's count of blocked cached children, the total, and the
+        // obtainable blocks they imply against the planner's own walk.
+        let mut blocked_children = vec![0u32; self.blocks.len()];
+        for meta in &self.blocks {
+            if let (true, Some(parent)) = (meta.blocked(), meta.parent) {
+                blocked_children[parent as usize] += 1;
+            }
+        }
+        for (id, meta) in self.blocks.iter().enumerate() {
+            if meta.cached {
+                assert_eq!(
+                    meta.blocked_children, blocked_children[id],
+                    "block {id} blocked children"
+                );
+            }
+        }
+        let blocked = self.blocks.iter().filter(|m| m.blocked()).count();
+        assert_eq!(blocked, self.num_blocked, "blocked cached blocks");
+        assert_eq!(
+            self.num_cached - self.num_blocked,
+            self.plan_eviction(self.blocks.len()).len(),
+            "obtainable blocks vs. the planned eviction order"
+        );
         assert_eq!(
             self.evictable.len(),
             self.blocks

@@ -83,7 +83,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
+use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pool::BlockId;
@@ -631,6 +631,19 @@ impl PrefixCache {
                  blocks, which are never rewritten"
             )));
         }
+        // Every block the cut touches must be the request's alone. After a reset a block of a
+        // prefix hit is no longer published (no anchor) but still shared with other requests:
+        // writing into it, or freeing it, would corrupt them.
+        let first = num_tokens / self.config.block_size;
+        if let Some(&shared) = request.block_table.get(first..).and_then(|tail| {
+            tail.iter()
+                .find(|&&b| inner.pool.is_cached(b) || inner.pool.ref_count(b) != Some(1))
+        }) {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: block {shared} holding them is shared \
+                 with another request, and is never rewritten"
+            )));
+        }
         let (key, mut request) = inner.requests.take(id)?;
         let freed = self.truncate_locked(inner, &mut request, num_tokens);
         inner.requests.put(key, request);
@@ -966,23 +979,39 @@ impl PrefixCache {
         }
         let bs = self.config.block_size;
         let guard = self.table.guard();
-        while request.anchors.len() < target {
-            let position = request.anchors.len();
-            let (parent, parent_block) = match request.anchors.last() {
-                Some(e) => (Parent::Entry(e.id), Some(e.block)),
-                None => (Parent::Root(request.root), None),
-            };
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras(&request.extras, position, bs);
-            let key = table_key(
+        // Every key to publish, kept by the request (computed once, chained on keys whatever
+        // the table holds); then the table reads of the next few positions start together so
+        // their cache misses overlap (`match_chain`).
+        for p in request.keys.len()..target {
+            let chunk = &request.tokens[p * bs..(p + 1) * bs];
+            let block_extras = block_extras(&request.extras, p, bs);
+            table_key(
                 &self.hasher,
                 &mut inner.scratch,
                 &mut request.keys,
                 &request.root,
                 chunk,
                 &block_extras,
-                position,
+                p,
             );
+        }
+        let mut prefetched_to = 0;
+        while request.anchors.len() < target {
+            let position = request.anchors.len();
+            let (parent, parent_block) = match request.anchors.last() {
+                Some(e) => (Parent::Entry(e.id), Some(e.block)),
+                None => (Parent::Root(request.root), None),
+            };
+            if position >= prefetched_to {
+                prefetched_to = target.min(position + LOOKAHEAD);
+                for p in position..prefetched_to {
+                    self.table
+                        .prefetch(&request.keys[p], Some(request.block_table[p]));
+                }
+            }
+            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let block_extras = block_extras(&request.extras, position, bs);
+            let key = request.keys[position];
             let own_block = request.block_table[position];
             if inner.pool.is_cached(own_block) {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
@@ -1014,6 +1043,10 @@ impl PrefixCache {
                 Ok(inserted) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, parent_block);
+                    let origin = (&request.root, &request.extras);
+                    inner
+                        .events
+                        .stored(own_block, parent_block, origin, chunk, &inserted.extras);
                     let anchor = inserted.anchor(key);
                     inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;

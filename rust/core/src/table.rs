@@ -1,12 +1,41 @@
 //! The lookup table: block key → the cached block's entry, readable without locks.
 //!
-//! Readers (`lookup` on any thread) never block: the table is a `papaya` lock-free map and
-//! entries are immutable once published (papaya keeps a removed entry alive until every reader
-//! that could see it has moved on), so a reader holds either a complete entry or none. Only the
-//! cache's writer side, under its mutex, inserts and removes.
+//! Readers (`lookup` on any thread) never block and never wait for the writer; only the cache's
+//! writer side, under its mutex, inserts and removes.
 //!
-//! An entry lives inline in the map's slot, its tokens inline in the entry (up to 16 tokens, the
-//! default block size): verifying a hit touches one allocation, not three.
+//! ## Layout: a compact index beside per-block entries
+//! A block holds at most one published entry at a time, so the table never holds more entries
+//! than the pool has blocks, and it is built once at that size and never grows or rehashes:
+//! - **entries** live in one preallocated slot per block (`Slot`: entry id, table key, parent,
+//!   extras) and one row of `block_size` token ids per block. Publishing writes the block's own
+//!   slot: no allocation, no node, nothing to reclaim later (papaya, the map used before, spent
+//!   a heap node per entry and periodically copied its whole table to clear the tombstones that
+//!   eviction leaves: `benches/PROFILE.md`).
+//! - the **index** is an open-addressing array of `u64` words, at least twice the pool's size,
+//!   probed linearly: each word packs 32 bits of the key's hash (which also give the home slot)
+//!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
+//!   runs stay short however many blocks are evicted and refilled.
+//!
+//! ## Reading without locks, and why a reader never sees a torn entry
+//! Every field is an atomic, so no read is ever a data race; consistency comes from a sequence
+//! lock per slot, with the entry id as its sequence number. The writer sets the id to 0, writes
+//! the fields, then stores the new id with `Release`; a reader loads the id (`Acquire`), the
+//! fields, then the id again after an `Acquire` fence, and keeps the snapshot only if both ids
+//! are the same nonzero id. Entry ids are never reused, so an unchanged id means the fields were
+//! not rewritten in between (the seqlock pattern of Boehm, "Can seqlocks get along with
+//! programming language memory models?", MSPC 2012). A slot being rewritten, or whose entry was
+//! removed (`remove` zeroes the id), reads as "no entry".
+//!
+//! An index word is only a hint: the reader compares the slot's full table key, then verifies
+//! the entry (below). A word read just before the writer moved it (backward shift) can make a
+//! probe run look shorter than it is, which could only hide an entry, never show a wrong one;
+//! a lookup that ends in a miss checks the index's shift counter and probes again if a shift
+//! ran meanwhile (a few times at most, then the miss stands: a shorter cached prefix is always a
+//! correct answer for a lock-free probe).
+//!
+//! A reader may read an entry that the writer removes right after: as with any lock-free map,
+//! what it returns was published at some instant during the call. `cache.rs` says why that is
+//! all a lookup needs, and why the calls that take references match under the mutex instead.
 //!
 //! ## Verification: a hash collision can only cause a miss
 //! A key is a hash; the table never trusts it alone. Each entry stores what it was computed
@@ -21,14 +50,18 @@
 //! the hash.
 //!
 //! ## `SharedTable`: the operations the cache uses, and their loom stand-in
-//! The cache reaches the map only through [`SharedTable`]: `get`, `try_insert`, `remove`, each
-//! one linearizable step, and a guard that keeps every entry read through it alive. That is
-//! papaya's contract. Under `--cfg loom` the same five calls run on a `loom::sync::RwLock`
-//! around a `HashMap` of `Arc`ed entries, a map with exactly that contract whose every step loom
-//! can see and schedule around; `tests/loom_pool.rs` says what this covers and what it cannot.
+//! The cache reaches the table only through [`SharedTable`]: `get`, `try_insert`, `remove`, each
+//! one linearizable step, and a guard (nothing to pin here: a reader gets an owned snapshot).
+//! Under `--cfg loom` the same calls run on a `loom::sync::RwLock` around a `HashMap` of
+//! `Arc`ed entries, a map with exactly that contract whose every step loom can see and schedule
+//! around; `tests/loom_pool.rs` says what this covers, and this module's tests race real threads
+//! on the real table.
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use smallvec::SmallVec;
 
 use crate::key::{BlockKey, TableKey};
@@ -44,7 +77,7 @@ pub enum Parent {
 }
 
 /// One cached block, as published to readers. Immutable.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Entry {
     /// Unique for the life of the cache.
     pub id: u64,
@@ -91,13 +124,11 @@ impl Entry {
     }
 }
 
-/// Table keys are uniform hash output already, so the map's hasher does not hash them again.
+/// Table keys are uniform hash output already, so hashing one is a fold of its two halves.
 ///
-/// papaya picks a key's slot from the low bits of its hash and a one-byte tag from the top seven.
-/// A full 128-bit key folds its two halves into one uniform word. A key truncated by `key_bits`
-/// (tests) keeps only its leading bits, which land at the top of that word: its top six bits are
-/// folded into the bottom six too, so truncated keys still reach different slots instead of all
-/// probing from slot 0.
+/// A key truncated by `key_bits` (tests) keeps only its leading bits, which land at the top of
+/// the folded word: its top six bits are folded into the bottom six too, so truncated keys
+/// still reach different slots of a hash map instead of all probing from the same one.
 #[derive(Clone, Copy, Default)]
 pub struct KeyHasher(u64);
 
@@ -108,8 +139,7 @@ impl Hasher for KeyHasher {
 
     fn write_u128(&mut self, key: u128) {
         // A `TableKey` (a derived `Hash` over one `u128`) arrives here, as a single call.
-        let folded = (key as u64) ^ ((key >> 64) as u64);
-        self.0 = folded ^ (folded >> 58);
+        self.0 = fold(key);
     }
 
     fn write(&mut self, bytes: &[u8]) {
@@ -122,7 +152,7 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// Builds `KeyHasher`s for the map.
+/// Builds `KeyHasher`s, for maps keyed by `TableKey`.
 #[derive(Clone, Copy, Default)]
 pub struct BuildKeyHasher;
 
@@ -133,72 +163,501 @@ impl BuildHasher for BuildKeyHasher {
     }
 }
 
-/// The concurrent map behind lookups.
-pub type Table = papaya::HashMap<TableKey, Entry, BuildKeyHasher>;
+fn fold(key: u128) -> u64 {
+    let folded = (key as u64) ^ ((key >> 64) as u64);
+    folded ^ (folded >> 58)
+}
 
-/// A table sized for `capacity` entries.
-#[must_use]
-pub fn new_table(capacity: usize) -> Table {
-    papaya::HashMap::builder()
-        .capacity(capacity)
-        .hasher(BuildKeyHasher)
-        .build()
+/// The index's 32 hash bits of a key: they pick the home slot and sit in the index word.
+/// A full key is uniform already; the finalizer of MurmurHash3 (two multiplies) spreads a key
+/// truncated by `key_bits` (tests), whose bits all sit at the top, over every home slot.
+fn index_hash(key: TableKey) -> u32 {
+    let mut h = (key.0 as u64) ^ ((key.0 >> 64) as u64);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^= h >> 33;
+    h as u32
+}
+
+const EMPTY: u64 = 0;
+
+fn index_word(hash: u32, block: BlockId) -> u64 {
+    (u64::from(hash) << 32) | (u64::from(block) + 1)
+}
+
+fn word_hash(word: u64) -> u32 {
+    (word >> 32) as u32
+}
+
+fn word_block(word: u64) -> BlockId {
+    (word as u32).wrapping_sub(1)
+}
+
+/// The published entry of one block (see the module docs: every field is read under the
+/// slot's sequence lock, whose sequence number is the entry id).
+#[derive(Default)]
+struct Slot {
+    /// Id of the entry in this slot; 0 when there is none or while the writer rewrites it.
+    id: AtomicU64,
+    key: [AtomicU64; 2],
+    /// The parent entry's id, or 0 for a first block (whose root key is `root`).
+    parent: AtomicU64,
+    root: [AtomicU64; 4],
+    /// Length of the extras (0 for almost every block: then `extras` is not read).
+    extras_len: AtomicU32,
+    extras: ArcSwapOption<Box<[u8]>>,
+}
+
+/// The lock-free table of published entries, one slot per block (see the module docs).
+pub struct Table {
+    /// Open addressing, linear probing; a power of two at least twice the pool's size.
+    index: Box<[AtomicU64]>,
+    mask: usize,
+    slots: Box<[Slot]>,
+    /// `block_size` token ids per block, in block order.
+    tokens: Box<[AtomicU32]>,
+    block_size: usize,
+    /// Bumped before and after every backward shift (odd while one runs): a probe that ends
+    /// in a miss while it changed probes again.
+    shifts: AtomicU64,
+    len: AtomicUsize,
 }
 
 /// A `try_insert` that found the key taken: the entry holding it, and the one not inserted.
-pub(crate) struct Occupied<'g> {
-    pub(crate) current: EntryRef<'g>,
-    pub(crate) not_inserted: Entry,
+pub struct Occupied {
+    /// The entry published under the key.
+    pub current: Entry,
+    /// The entry handed to `try_insert`, back to the caller.
+    pub not_inserted: Entry,
 }
 
-pub(crate) use shared::{EntryRef, SharedTable};
+/// `len` values made by `make`, or `None` if the allocation fails (never an abort).
+fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
+    let mut values = Vec::new();
+    values.try_reserve_exact(len).ok()?;
+    values.extend(std::iter::repeat_with(make).take(len));
+    Some(values.into_boxed_slice())
+}
+
+/// What a probe found in a slot.
+enum Verified<T> {
+    /// The key's entry, and it is the block looked for.
+    Yes(T),
+    /// The key's entry, holding other content: a collision.
+    No,
+    /// Not the key's entry (another key with the same index hash, or rewritten meanwhile).
+    OtherKey,
+}
+
+/// Probe rounds a lookup makes when shifts keep racing it, before it reports a miss.
+const PROBE_ROUNDS: usize = 4;
+
+impl Table {
+    /// A table for a pool of `num_blocks` blocks of `block_size` tokens, allocated in full now;
+    /// `None` when that memory cannot be had (the cache reports it as `OutOfBlocks`, as it does
+    /// for the pool's own metadata).
+    #[must_use]
+    pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        if num_blocks == 0 || num_blocks > u32::MAX as usize {
+            return None;
+        }
+        let capacity = (2 * num_blocks).next_power_of_two().min(1 << 32);
+        Some(Self {
+            index: filled(capacity, || AtomicU64::new(EMPTY))?,
+            mask: capacity - 1,
+            slots: filled(num_blocks, Slot::default)?,
+            tokens: filled(num_blocks.checked_mul(block_size)?, || AtomicU32::new(0))?,
+            block_size,
+            shifts: AtomicU64::new(0),
+            len: AtomicUsize::new(0),
+        })
+    }
+
+    /// Entries published now.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// True when nothing is published.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The entry published under `key`, as an owned snapshot, or `None`. Lock-free.
+    #[must_use]
+    pub fn get(&self, key: &TableKey) -> Option<Entry> {
+        self.probe(key, |block| match self.read(block, key) {
+            Some(entry) => Verified::Yes(entry),
+            None => Verified::OtherKey,
+        })
+    }
+
+    /// Starts the memory reads that a `get` or `try_insert` of `key` will need, without
+    /// waiting for them: the index word at its home slot and, for `try_insert`, the slot and
+    /// token row of `block`. The table is several MiB and keys are random, so each probe is a
+    /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
+    /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
+        let home = index_hash(*key) as usize & self.mask;
+        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
+            std::hint::black_box(slot.id.load(Ordering::Relaxed));
+            let start = block.unwrap_or_default() as usize * self.block_size;
+            if let Some(cell) = self.tokens.get(start) {
+                std::hint::black_box(cell.load(Ordering::Relaxed));
+            }
+        }
+    }
+
+    /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,
+    /// until it answers `Yes` (found) or `No` (the key's entry, refused); a miss at the end of
+    /// the run probes again if a backward shift raced it (module docs).
+    #[inline]
+    fn probe<R>(&self, key: &TableKey, mut visit: impl FnMut(BlockId) -> Verified<R>) -> Option<R> {
+        let hash = index_hash(*key);
+        for _ in 0..PROBE_ROUNDS {
+            let shifts = self.shifts.load(Ordering::Acquire);
+            let mut i = hash as usize & self.mask;
+            // At most half the index is ever in use, so an empty word ends every run; the bound
+            // only makes termination evident.
+            for _ in 0..=self.mask {
+                let word = self.index[i].load(Ordering::Acquire);
+                if word == EMPTY {
+                    break;
+                }
+                if word_hash(word) == hash {
+                    match visit(word_block(word)) {
+                        Verified::Yes(found) => return Some(found),
+                        Verified::No => return None,
+                        Verified::OtherKey => {}
+                    }
+                }
+                i = (i + 1) & self.mask;
+            }
+            fence(Ordering::Acquire);
+            if shifts.is_multiple_of(2) && self.shifts.load(Ordering::Relaxed) == shifts {
+                return None;
+            }
+        }
+        None
+    }
+
+    /// Publishes `entry` under `key` unless the key is taken; then hands back the entry
+    /// holding it and `entry`. Writer only (the cache's mutex).
+    ///
+    /// # Panics
+    /// If the key is free but `entry.block` already holds a published entry: a block holds one
+    /// entry at a time (the cache removes the old one before reusing a block), which is what
+    /// keeps at most half of the index in use.
+    #[allow(clippy::result_large_err)] // the entry not inserted goes back, as papaya's did
+    pub fn try_insert(&self, key: TableKey, entry: Entry) -> Result<Entry, Occupied> {
+        let hash = index_hash(key);
+        let mut i = hash as usize & self.mask;
+        loop {
+            let word = self.index[i].load(Ordering::Relaxed);
+            if word == EMPTY {
+                break;
+            }
+            if word_hash(word) == hash && self.slot_key(word_block(word)) == key {
+                let current = self
+                    .read(word_block(word), &key)
+                    .expect("the writer reads its own published entry");
+                return Err(Occupied {
+                    current,
+                    not_inserted: entry,
+                });
+            }
+            i = (i + 1) & self.mask;
+        }
+        assert_eq!(
+            self.slots[entry.block as usize].id.load(Ordering::Relaxed),
+            0,
+            "block {} already holds a published entry",
+            entry.block
+        );
+        self.write(key, &entry);
+        self.index[i].store(index_word(hash, entry.block), Ordering::Release);
+        self.len.fetch_add(1, Ordering::Relaxed);
+        Ok(entry)
+    }
+
+    /// Removes the entry published under `key`, if any. Writer only.
+    pub fn remove(&self, key: &TableKey) {
+        let hash = index_hash(*key);
+        let mut hole = hash as usize & self.mask;
+        loop {
+            let word = self.index[hole].load(Ordering::Relaxed);
+            if word == EMPTY {
+                return;
+            }
+            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
+                // No entry any more: a reader holding the old word now finds none.
+                self.slots[word_block(word) as usize]
+                    .id
+                    .store(0, Ordering::Release);
+                break;
+            }
+            hole = (hole + 1) & self.mask;
+        }
+        // Backward shift: move later words of the probe run into the hole when their home
+        // slot allows, so no tombstone is left. Readers racing it re-probe (`shifts`).
+        let shifts = self.shifts.load(Ordering::Relaxed);
+        self.shifts.store(shifts + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let mut next = hole;
+        loop {
+            next = (next + 1) & self.mask;
+            let word = self.index[next].load(Ordering::Relaxed);
+            if word == EMPTY {
+                break;
+            }
+            let home = word_hash(word) as usize & self.mask;
+            // The word stays when its home lies cyclically in (hole, next].
+            let stays = if hole <= next {
+                hole < home && home <= next
+            } else {
+                hole < home || home <= next
+            };
+            if !stays {
+                self.index[hole].store(word, Ordering::Relaxed);
+                hole = next;
+            }
+        }
+        self.index[hole].store(EMPTY, Ordering::Relaxed);
+        self.shifts.store(shifts + 2, Ordering::Release);
+        self.len.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn slot_key(&self, block: BlockId) -> TableKey {
+        let slot = &self.slots[block as usize];
+        TableKey(
+            u128::from(slot.key[0].load(Ordering::Relaxed))
+                | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
+        )
+    }
+
+    /// The writer's side of the slot's sequence lock.
+    fn write(&self, key: TableKey, entry: &Entry) {
+        debug_assert_eq!(entry.tokens.len(), self.block_size);
+        debug_assert!(entry.id != 0);
+        let slot = &self.slots[entry.block as usize];
+        slot.id.store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.key[0].store(key.0 as u64, Ordering::Relaxed);
+        slot.key[1].store((key.0 >> 64) as u64, Ordering::Relaxed);
+        match entry.parent {
+            Parent::Entry(id) => slot.parent.store(id, Ordering::Relaxed),
+            Parent::Root(root) => {
+                slot.parent.store(0, Ordering::Relaxed);
+                for (word, bytes) in slot.root.iter().zip(root.0.chunks_exact(8)) {
+                    let bytes: [u8; 8] = bytes.try_into().unwrap_or_default();
+                    word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
+                }
+            }
+        }
+        let start = entry.block as usize * self.block_size;
+        for (cell, &token) in self.tokens[start..start + self.block_size]
+            .iter()
+            .zip(&entry.tokens)
+        {
+            cell.store(token, Ordering::Relaxed);
+        }
+        let extras_len = u32::try_from(entry.extras.len()).unwrap_or(u32::MAX);
+        // Only the writer stores `extras`, so its own length says whether one is there.
+        if extras_len > 0 || slot.extras_len.load(Ordering::Relaxed) > 0 {
+            slot.extras
+                .store((extras_len > 0).then(|| Arc::new(entry.extras.clone())));
+        }
+        slot.extras_len.store(extras_len, Ordering::Relaxed);
+        slot.id.store(entry.id, Ordering::Release);
+    }
+
+    fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
+        let start = block as usize * self.block_size;
+        let cells = &self.tokens[start..start + self.block_size];
+        if self.block_size <= 16 {
+            let mut buffer = [0u32; 16];
+            for (value, cell) in buffer.iter_mut().zip(cells) {
+                *value = cell.load(Ordering::Relaxed);
+            }
+            SmallVec::from_buf_and_len(buffer, self.block_size)
+        } else {
+            cells
+                .iter()
+                .map(|cell| cell.load(Ordering::Relaxed))
+                .collect()
+        }
+    }
+
+    /// The entry published under `key` if it verifies against `parent`, `tokens` and `extras`
+    /// (`Entry::verifies`), compared in place; `None` for a miss or a collision. Lock-free.
+    #[must_use]
+    pub fn get_verified(
+        &self,
+        key: &TableKey,
+        parent: &Parent,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Option<Anchor> {
+        self.probe(key, |block| self.verify(block, key, parent, tokens, extras))
+    }
+
+    /// `read` and `Entry::verifies` in one pass over the slot, under its sequence lock.
+    fn verify(
+        &self,
+        block: BlockId,
+        key: &TableKey,
+        parent: &Parent,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Verified<Anchor> {
+        let slot = &self.slots[block as usize];
+        let id = slot.id.load(Ordering::Acquire);
+        if id == 0 || self.slot_key(block) != *key {
+            return Verified::OtherKey;
+        }
+        let parent_ok = match parent {
+            Parent::Entry(want) => slot.parent.load(Ordering::Relaxed) == *want,
+            Parent::Root(root) => {
+                slot.parent.load(Ordering::Relaxed) == 0
+                    && slot
+                        .root
+                        .iter()
+                        .zip(root.0.chunks_exact(8))
+                        .all(|(word, bytes)| word.load(Ordering::Relaxed).to_le_bytes() == bytes)
+            }
+        };
+        let start = block as usize * self.block_size;
+        let tokens_ok = tokens.len() == self.block_size
+            && self.tokens[start..start + self.block_size]
+                .iter()
+                .zip(tokens)
+                .fold(true, |ok, (cell, &t)| {
+                    ok & (cell.load(Ordering::Relaxed) == t)
+                });
+        let extras_ok = match slot.extras_len.load(Ordering::Relaxed) {
+            0 => extras.is_empty(),
+            len => {
+                len as usize == extras.len()
+                    && slot
+                        .extras
+                        .load()
+                        .as_ref()
+                        .is_some_and(|stored| ***stored == *extras)
+            }
+        };
+        fence(Ordering::Acquire);
+        if slot.id.load(Ordering::Relaxed) != id {
+            // Rewritten while we read: no longer this key's entry.
+            return Verified::OtherKey;
+        }
+        if parent_ok && tokens_ok && extras_ok {
+            Verified::Yes(Anchor {
+                id,
+                block,
+                key: *key,
+            })
+        } else {
+            Verified::No
+        }
+    }
+
+    /// The reader's side: a consistent snapshot of `block`'s entry if it is published under
+    /// `key`, else `None`.
+    fn read(&self, block: BlockId, key: &TableKey) -> Option<Entry> {
+        let slot = self.slots.get(block as usize)?;
+        let id = slot.id.load(Ordering::Acquire);
+        if id == 0 || self.slot_key(block) != *key {
+            return None;
+        }
+        let parent = match slot.parent.load(Ordering::Relaxed) {
+            0 => {
+                let mut root = [0u8; 32];
+                for (bytes, word) in root.chunks_exact_mut(8).zip(&slot.root) {
+                    bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
+                }
+                Parent::Root(BlockKey(root))
+            }
+            id => Parent::Entry(id),
+        };
+        let tokens = self.read_tokens(block);
+        let extras = if slot.extras_len.load(Ordering::Relaxed) == 0 {
+            Box::default()
+        } else {
+            slot.extras
+                .load_full()
+                .map(|e| (*e).clone())
+                .unwrap_or_default()
+        };
+        fence(Ordering::Acquire);
+        (slot.id.load(Ordering::Relaxed) == id).then_some(Entry {
+            id,
+            block,
+            parent,
+            tokens,
+            extras,
+        })
+    }
+}
+
+pub(crate) use shared::SharedTable;
 
 #[cfg(not(loom))]
 mod shared {
-    use super::{new_table, Entry, Occupied, Table, TableKey};
+    use super::{Anchor, BlockId, Entry, Occupied, Parent, Table, TableKey};
 
-    /// An entry read through a guard, valid while the guard lives.
-    pub(crate) type EntryRef<'g> = &'g Entry;
-    /// Keeps every entry read through it alive (papaya's deferred reclamation).
-    pub(crate) type TableGuard<'t> = papaya::LocalGuard<'t>;
+    /// Nothing to pin: a reader gets an owned snapshot. Kept so the cache's call sites read the
+    /// same under loom, whose stand-in hands out references.
+    pub(crate) struct TableGuard;
 
     /// The lock-free table, reduced to the calls the cache makes.
     pub(crate) struct SharedTable(Table);
 
     impl SharedTable {
-        pub(crate) fn with_capacity(capacity: usize) -> Self {
-            Self(new_table(capacity))
+        pub(crate) fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+            Table::new(num_blocks, block_size).map(Self)
         }
         #[inline]
-        pub(crate) fn guard(&self) -> TableGuard<'_> {
-            self.0.guard()
+        pub(crate) fn guard(&self) -> TableGuard {
+            TableGuard
         }
         #[inline]
-        pub(crate) fn get<'g>(
+        pub(crate) fn get(&self, key: &TableKey, _guard: &TableGuard) -> Option<Entry> {
+            self.0.get(key)
+        }
+        #[inline]
+        pub(crate) fn get_verified(
             &self,
             key: &TableKey,
-            guard: &'g TableGuard<'_>,
-        ) -> Option<&'g Entry> {
-            self.0.get(key, guard)
+            parent: &Parent,
+            tokens: &[u32],
+            extras: &[u8],
+            _guard: &TableGuard,
+        ) -> Option<Anchor> {
+            self.0.get_verified(key, parent, tokens, extras)
         }
         #[inline]
-        // Large error, as papaya's own: it hands the entry that was not inserted back. Boxing it
-        // would allocate on every deduplicated commit.
-        #[allow(clippy::result_large_err)]
-        pub(crate) fn try_insert<'g>(
+        #[allow(clippy::result_large_err)] // see `Table::try_insert`
+        pub(crate) fn try_insert(
             &self,
             key: TableKey,
             entry: Entry,
-            guard: &'g TableGuard<'_>,
-        ) -> Result<&'g Entry, Occupied<'g>> {
-            self.0.try_insert(key, entry, guard).map_err(|e| Occupied {
-                current: e.current,
-                not_inserted: e.not_inserted,
-            })
+            _guard: &TableGuard,
+        ) -> Result<Entry, Occupied> {
+            self.0.try_insert(key, entry)
         }
         #[inline]
-        pub(crate) fn remove(&self, key: &TableKey, guard: &TableGuard<'_>) {
-            self.0.remove(key, guard);
+        pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
+            self.0.remove(key);
+        }
+        #[inline]
+        pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
+            self.0.prefetch(key, block);
         }
         pub(crate) fn len(&self) -> usize {
             self.0.len()
@@ -209,64 +668,59 @@ mod shared {
 #[cfg(loom)]
 mod shared {
     use std::collections::HashMap;
-    use std::marker::PhantomData;
-    use std::sync::Arc;
 
-    use super::{Entry, Occupied, TableKey};
+    use super::{Anchor, BlockId, Entry, Occupied, Parent, TableKey};
 
-    /// An entry read from the table: shared ownership stands in for papaya's guard.
-    pub(crate) struct EntryRef<'g>(Arc<Entry>, PhantomData<&'g Entry>);
-
-    impl std::ops::Deref for EntryRef<'_> {
-        type Target = Entry;
-        fn deref(&self) -> &Entry {
-            &self.0
-        }
-    }
-    /// Nothing to pin: an `EntryRef` keeps its entry alive by itself.
-    pub(crate) struct TableGuard<'t>(PhantomData<&'t ()>);
+    /// Nothing to pin: entries are handed out as owned snapshots, as by the real table.
+    pub(crate) struct TableGuard;
 
     /// A map whose every operation is one step loom schedules (see the module docs).
-    pub(crate) struct SharedTable(loom::sync::RwLock<HashMap<TableKey, Arc<Entry>>>);
+    pub(crate) struct SharedTable(loom::sync::RwLock<HashMap<TableKey, Entry>>);
 
     impl SharedTable {
-        pub(crate) fn with_capacity(_capacity: usize) -> Self {
-            Self(loom::sync::RwLock::new(HashMap::new()))
+        pub(crate) fn new(_num_blocks: usize, _block_size: usize) -> Option<Self> {
+            Some(Self(loom::sync::RwLock::new(HashMap::new())))
         }
-        pub(crate) fn guard(&self) -> TableGuard<'_> {
-            TableGuard(PhantomData)
+        pub(crate) fn guard(&self) -> TableGuard {
+            TableGuard
         }
-        pub(crate) fn get<'g>(
+        pub(crate) fn get(&self, key: &TableKey, _guard: &TableGuard) -> Option<Entry> {
+            self.0.read().unwrap().get(key).cloned()
+        }
+        pub(crate) fn get_verified(
             &self,
             key: &TableKey,
-            _guard: &'g TableGuard<'_>,
-        ) -> Option<EntryRef<'g>> {
-            let map = self.0.read().unwrap();
-            map.get(key).map(|e| EntryRef(Arc::clone(e), PhantomData))
+            parent: &Parent,
+            tokens: &[u32],
+            extras: &[u8],
+            guard: &TableGuard,
+        ) -> Option<Anchor> {
+            self.get(key, guard)
+                .filter(|entry| entry.verifies(parent, tokens, extras))
+                .map(|entry| entry.anchor(*key))
         }
-        // Large error, as papaya's own: it hands the entry that was not inserted back. Boxing it
-        // would allocate on every deduplicated commit.
-        #[allow(clippy::result_large_err)]
-        pub(crate) fn try_insert<'g>(
+        #[allow(clippy::result_large_err)] // see `Table::try_insert`
+        pub(crate) fn try_insert(
             &self,
             key: TableKey,
             entry: Entry,
-            _guard: &'g TableGuard<'_>,
-        ) -> Result<EntryRef<'g>, Occupied<'g>> {
+            _guard: &TableGuard,
+        ) -> Result<Entry, Occupied> {
             let mut map = self.0.write().unwrap();
             if let Some(current) = map.get(&key) {
                 return Err(Occupied {
-                    current: EntryRef(Arc::clone(current), PhantomData),
+                    current: current.clone(),
                     not_inserted: entry,
                 });
             }
-            let entry = Arc::new(entry);
-            map.insert(key, Arc::clone(&entry));
-            Ok(EntryRef(entry, PhantomData))
+            map.insert(key, entry.clone());
+            Ok(entry)
         }
-        pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard<'_>) {
+        pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.write().unwrap().remove(key);
         }
+        /// Only a hint to the hardware in the real table: nothing to model.
+        pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()
         }
@@ -278,6 +732,120 @@ mod tests {
     use std::hash::BuildHasher;
 
     use super::*;
+
+    fn entry(id: u64, block: BlockId, token: u32) -> Entry {
+        Entry {
+            id,
+            block,
+            parent: Parent::Entry(id + 1000),
+            tokens: SmallVec::from_slice(&[token, token + 1]),
+            extras: if token.is_multiple_of(3) {
+                vec![token as u8; 3].into_boxed_slice()
+            } else {
+                Box::default()
+            },
+        }
+    }
+
+    #[test]
+    fn removals_shift_back_and_keep_every_other_entry_reachable() {
+        // Four-bit keys on a 64-block table: long probe runs of colliding index hashes, then
+        // random removals and refills, checked against a plain map after every step.
+        let table = Table::new(64, 2).unwrap();
+        let mut model: std::collections::HashMap<u128, Entry> = Default::default();
+        let mut next_id = 1;
+        let mut state = 12345u64;
+        for step in 0..4000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let block = (state % 64) as BlockId;
+            let published = model
+                .iter()
+                .find(|(_, e)| e.block == block)
+                .map(|(k, _)| *k);
+            if let Some(key) = published {
+                table.remove(&TableKey(key));
+                model.remove(&key);
+            } else {
+                let key = u128::from(state >> 60) << 124 | u128::from(step as u64);
+                let e = entry(next_id, block, step);
+                next_id += 1;
+                if model.contains_key(&key) {
+                    continue;
+                }
+                assert!(table.try_insert(TableKey(key), e.clone()).is_ok());
+                assert!(table.try_insert(TableKey(key), e.clone()).is_err());
+                model.insert(key, e);
+            }
+            assert_eq!(table.len(), model.len());
+            for (&key, e) in &model {
+                let got = table
+                    .get(&TableKey(key))
+                    .expect("published entry reachable");
+                assert_eq!((got.id, got.block, got.parent), (e.id, e.block, e.parent));
+                assert_eq!((&got.tokens, &got.extras), (&e.tokens, &e.extras));
+                assert!(table
+                    .get_verified(&TableKey(key), &e.parent, &e.tokens, &e.extras)
+                    .is_some());
+                assert!(table
+                    .get_verified(&TableKey(key), &e.parent, &[7, 7], &e.extras)
+                    .is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
+        // Every entry's tokens are derived from its id, so a torn snapshot would not match.
+        let table = std::sync::Arc::new(Table::new(32, 4).unwrap());
+        let key_of = |id: u64| TableKey(u128::from(id % 48) << 122);
+        let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (table, stop) = (table.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut seen = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        for slot in 0..48u64 {
+                            if let Some(e) = table.get(&key_of(slot)) {
+                                assert_eq!(key_of(e.id), key_of(slot));
+                                assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
+                                assert_eq!(e.parent, Parent::Entry(e.id ^ 1));
+                                seen += 1;
+                            }
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        let mut owner: Vec<Option<u64>> = vec![None; 32];
+        let mut live = std::collections::HashSet::new();
+        for id in 1..200_000u64 {
+            let block = (id % 32) as BlockId;
+            if let Some(old) = owner[block as usize].take() {
+                table.remove(&key_of(old));
+                live.remove(&(old % 48));
+            }
+            if live.insert(id % 48) {
+                let e = Entry {
+                    id,
+                    block,
+                    parent: Parent::Entry(id ^ 1),
+                    tokens: SmallVec::from_slice(&tokens_of(id)),
+                    extras: Box::default(),
+                };
+                assert!(table.try_insert(key_of(id), e).is_ok());
+                owner[block as usize] = Some(id);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for reader in readers {
+            assert!(reader.join().unwrap() > 0);
+        }
+    }
 
     #[test]
     fn truncated_keys_still_spread_over_slots() {

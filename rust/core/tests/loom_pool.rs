@@ -13,9 +13,9 @@
 //! - the writer mutex (`parking_lot`) becomes `loom::sync::Mutex`;
 //! - the context cell (`arc-swap`) becomes a `loom::sync::RwLock<BlockKey>`: one linearizable
 //!   load or store;
-//! - the lookup table (`papaya`) becomes a `loom::sync::RwLock<HashMap<_, Arc<Entry>>>`: each
-//!   `get`, `try_insert` and `remove` one linearizable step, and an entry read stays alive as
-//!   long as the reader holds it.
+//! - the lookup table (`table.rs`: a compact index beside per-block seqlocked slots) becomes a
+//!   `loom::sync::RwLock<HashMap<_, Entry>>`: each `get`, `try_insert` and `remove` one
+//!   linearizable step handing out owned snapshots, as the real table does.
 //!
 //! loom then tries every interleaving of those steps (within a preemption bound, below): a lookup
 //! can read each table slot before or after any insert or removal of a writer, and read the
@@ -26,20 +26,19 @@
 //! (`check_invariants` after each writer and at the end; nothing referenced once all finish).
 //!
 //! ## What is not modelled, and why
-//! - **papaya's and arc-swap's internals.** loom explores only operations on its own
-//!   `loom::sync` types. papaya is built on `std` atomics and its own epoch-based reclamation
-//!   (`seize`), arc-swap on `std` atomics and thread-local debts; under loom those atomics would
-//!   run unobserved, each call one opaque step, so loom would check nothing about them and
-//!   would hide that it checks nothing. Neither crate can be rebuilt on loom's atomics from
-//!   here. So the models *assume* the contracts both crates document and test themselves:
-//!   every map operation and every load/store is linearizable, and an entry read through a
-//!   guard is not freed while the guard lives. The stand-ins give exactly that contract,
+//! - **The table's and arc-swap's internals.** loom explores only operations on its own
+//!   `loom::sync` types; the table is built on `std` atomics (a sequence lock per slot, a
+//!   backward-shifting index), arc-swap on `std` atomics and thread-local debts. So the models
+//!   *assume* their contracts: every table operation and every load/store is linearizable, and
+//!   a reader gets a consistent snapshot. The table's own tests check that contract with real
+//!   threads (`table.rs`: readers racing insert/remove/refill never see a torn or wrong entry;
+//!   removals keep every other entry reachable); the stand-ins give exactly that contract,
 //!   nothing stronger per operation.
 //! - **Weak memory orderings inside those crates.** The stand-ins are sequentially consistent;
 //!   the cache itself uses no atomics with weaker orderings except the relaxed `probes`
 //!   statistics counter, which no decision reads.
 //! - **Larger pools and longer histories.** Each model is a few blocks and a few calls, so the
-//!   search stays exhaustive within the bound; `tests/stress.rs` (real threads, real papaya,
+//!   search stays exhaustive within the bound; `tests/stress.rs` (real threads, the real table,
 //!   many rounds) and `tests/state_machine.rs` (long sequential histories against a reference
 //!   model) cover breadth.
 #![cfg(loom)]

@@ -35,7 +35,7 @@ fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 
 /// The Rust block manager. Use `prefixkv.PrefixCache`, which documents every method.
 #[pyclass(frozen, module = "prefixkv._core")]
-pub struct CoreCache(PrefixCache);
+pub struct CoreCache(pub(crate) PrefixCache);
 
 #[pymethods]
 impl CoreCache {

@@ -7,7 +7,7 @@
 use prefixkv_core::{CacheError, MultimodalItem, RequestExtras, RequestId};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::{invalid, InvalidBlockError};
@@ -95,7 +95,7 @@ impl<'py> FromPyObject<'_, 'py> for Tokens<'py> {
             return one_by_one(tuple.iter()).map(Tokens::Owned);
         }
         if let Ok(list) = obj.cast::<PyList>() {
-            return one_by_one(list.iter()).map(Tokens::Owned);
+            return list_tokens(list).map(Tokens::Owned);
         }
         Err(invalid(format!(
             "token ids must be a list, tuple, numpy array or CPU tensor of ints, not {}",
@@ -124,6 +124,25 @@ fn wide<'py>(
         width,
         signed,
     })
+}
+
+/// A list of ints in one pass straight into the `Vec<u32>` the core takes: each item must be
+/// exactly an `int` (a type-pointer check, so `bool` and subclasses take the slow path) and is
+/// read with one C-API call, no intermediate buffer. Anything else (a negative id, one above
+/// 2³² − 1, a bool, a numpy int, a non-int) falls back to `one_by_one`, whose error names the
+/// value and its position.
+fn list_tokens(list: &Bound<'_, PyList>) -> PyResult<Vec<u32>> {
+    let mut out = Vec::with_capacity(list.len());
+    for item in list.iter() {
+        if !item.is_exact_instance_of::<PyInt>() {
+            return one_by_one(list.iter());
+        }
+        match item.extract::<u32>() {
+            Ok(token) => out.push(token),
+            Err(_) => return one_by_one(list.iter()),
+        }
+    }
+    Ok(out)
 }
 
 fn one_by_one<'py>(items: impl Iterator<Item = Bound<'py, PyAny>>) -> PyResult<Vec<u32>> {

@@ -5,10 +5,14 @@
 //! - `stats`: `CacheStats`;
 //! - `errors`: the one mapping of core errors onto `prefixkv.errors`;
 //! - `cache`: `CoreCache`, a list of thin methods.
+//! - `events`: KV event recording on a `CoreCache`, drained as `CoreEvent`s;
+//! - `index`: `PrefixIndex`, the router-side prefix index, and `prompt_hashes`.
 
 mod cache;
 mod convert;
 mod errors;
+mod events;
+mod index;
 mod results;
 mod stats;
 
@@ -31,6 +35,18 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<results::Slots>()?;
     module.add_class::<stats::CacheStats>()?;
     module.add_function(wrap_pyfunction!(context_fingerprint, module)?)?;
+    module.add_class::<events::CoreEvent>()?;
+    module.add_class::<events::EventDrain>()?;
+    module.add_class::<events::EventCounters>()?;
+    module.add_function(wrap_pyfunction!(events::event_counters, module)?)?;
+    module.add_function(wrap_pyfunction!(events::enable_events, module)?)?;
+    module.add_function(wrap_pyfunction!(events::disable_events, module)?)?;
+    module.add_function(wrap_pyfunction!(events::events_enabled, module)?)?;
+    module.add_function(wrap_pyfunction!(events::drain_events, module)?)?;
+    module.add_function(wrap_pyfunction!(events::cached_keys, module)?)?;
+    module.add_function(wrap_pyfunction!(events::encode_events, module)?)?;
+    module.add_class::<index::PrefixIndex>()?;
+    module.add_function(wrap_pyfunction!(index::prompt_hashes, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,219 @@
+//! KV events: turning recording on and off on a `CoreCache`, and draining what it recorded.
+//! Free functions over the cache (not methods) so that this concern stays in its own file;
+//! `prefixkv.events.EventRecorder` is the documented API on top.
+
+use prefixkv_core::{EventConfig, EventDrain as CoreDrain, HashForm, KvEvent, TokenIds};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::cache::CoreCache;
+use crate::convert::int_in;
+use crate::errors::invalid;
+
+/// One recorded change: `kind` is "stored", "removed" or "cleared". For "stored", `keys` are
+/// SHA-256 block keys in chain order, `parent` the key `keys[0]` chains on (None: a first
+/// block), `token_ids` the blocks' tokens (empty when withheld), `adapter` the adapter name and
+/// `extras` each block's encoded extra keys.
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct CoreEvent(KvEvent);
+
+#[pymethods]
+impl CoreEvent {
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.0 {
+            KvEvent::Stored { .. } => "stored",
+            KvEvent::Removed { .. } => "removed",
+            KvEvent::Cleared => "cleared",
+        }
+    }
+
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        match &self.0 {
+            KvEvent::Stored { keys, .. } | KvEvent::Removed { keys } => {
+                keys.iter().map(|k| PyBytes::new(py, &k.0)).collect()
+            }
+            KvEvent::Cleared => Vec::new(),
+        }
+    }
+
+    /// The keys in their 64-bit form (`prefixkv_core::index::hash64`).
+    #[getter]
+    fn hashes64(&self) -> Vec<u64> {
+        match &self.0 {
+            KvEvent::Stored { keys, .. } | KvEvent::Removed { keys } => {
+                keys.iter().map(prefixkv_core::index::hash64).collect()
+            }
+            KvEvent::Cleared => Vec::new(),
+        }
+    }
+
+    #[getter]
+    fn parent<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        match &self.0 {
+            KvEvent::Stored {
+                parent: Some(key), ..
+            } => Some(PyBytes::new(py, &key.0)),
+            _ => None,
+        }
+    }
+
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        match &self.0 {
+            KvEvent::Stored { token_ids, .. } => token_ids.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    #[getter]
+    fn adapter<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        match &self.0 {
+            KvEvent::Stored {
+                adapter: Some(name),
+                ..
+            } => Some(PyBytes::new(py, name)),
+            _ => None,
+        }
+    }
+
+    #[getter]
+    fn extras<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        match &self.0 {
+            KvEvent::Stored { extras, .. } => extras.iter().map(|e| PyBytes::new(py, e)).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CoreEvent({:?})", self.0)
+    }
+}
+
+/// What one drain returned, with the recorder's counters after it.
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct EventDrain {
+    #[pyo3(get)]
+    events: Vec<Py<CoreEvent>>,
+    /// True when this drain replaces lost events: `cleared`, then every cached block.
+    #[pyo3(get)]
+    resynchronised: bool,
+    #[pyo3(get)]
+    recorded_blocks: u64,
+    #[pyo3(get)]
+    dropped_blocks: u64,
+    #[pyo3(get)]
+    overflows: u64,
+}
+
+impl EventDrain {
+    fn new(py: Python<'_>, drain: CoreDrain) -> PyResult<Self> {
+        Ok(Self {
+            events: drain
+                .events
+                .into_iter()
+                .map(|e| Py::new(py, CoreEvent(e)))
+                .collect::<PyResult<_>>()?,
+            resynchronised: drain.resynchronised,
+            recorded_blocks: drain.counters.recorded_blocks,
+            dropped_blocks: drain.counters.dropped_blocks,
+            overflows: drain.counters.overflows,
+        })
+    }
+}
+
+/// The recorder's counters: blocks recorded, blocks dropped by overflows, overflows.
+#[pyclass(frozen, get_all, module = "prefixkv._core")]
+pub struct EventCounters {
+    recorded_blocks: u64,
+    dropped_blocks: u64,
+    overflows: u64,
+}
+
+/// `cache`'s event counters now (they survive disable and enable).
+#[pyfunction]
+pub fn event_counters(cache: &CoreCache) -> EventCounters {
+    let c = cache.0.event_counters();
+    EventCounters {
+        recorded_blocks: c.recorded_blocks,
+        dropped_blocks: c.dropped_blocks,
+        overflows: c.overflows,
+    }
+}
+
+/// Starts (or reconfigures) event recording on `cache`.
+#[pyfunction]
+pub fn enable_events(
+    cache: &CoreCache,
+    capacity: &Bound<'_, PyAny>,
+    token_ids: &str,
+) -> PyResult<()> {
+    let capacity = int_in(capacity, "capacity", "1 ..= 2**63-1", |v| v > 0)?;
+    let token_ids = match token_ids {
+        "all" => TokenIds::All,
+        "unsalted" => TokenIds::Unsalted,
+        "none" => TokenIds::None,
+        other => {
+            return Err(invalid(format!(
+                "token_ids must be 'all', 'unsalted' or 'none', got {other:?}"
+            )))
+        }
+    };
+    cache.0.enable_events(EventConfig {
+        capacity,
+        token_ids,
+    });
+    Ok(())
+}
+
+/// Stops event recording on `cache` (queued events are discarded, counters kept).
+#[pyfunction]
+pub fn disable_events(cache: &CoreCache) {
+    cache.0.disable_events();
+}
+
+/// Whether `cache` records events.
+#[pyfunction]
+pub fn events_enabled(cache: &CoreCache) -> bool {
+    cache.0.events_enabled()
+}
+
+/// The events `cache` recorded since the last drain.
+#[pyfunction]
+pub fn drain_events(py: Python<'_>, cache: &CoreCache) -> PyResult<EventDrain> {
+    EventDrain::new(py, cache.0.drain_events())
+}
+
+/// The SHA-256 block key of every block `cache` holds now, in no particular order.
+#[pyfunction]
+pub fn cached_keys<'py>(py: Python<'py>, cache: &CoreCache) -> Vec<Bound<'py, PyBytes>> {
+    let keys = py.detach(|| cache.0.cached_keys());
+    keys.iter().map(|k| PyBytes::new(py, &k.0)).collect()
+}
+
+/// `events` as the msgpack array of vLLM's `KVEventBatch.events` (see
+/// `prefixkv_core::encode_events`); `hashes` is "int64" or "bytes".
+#[pyfunction]
+#[pyo3(signature = (events, block_size, hashes, medium))]
+pub fn encode_events<'py>(
+    py: Python<'py>,
+    events: Vec<Bound<'py, CoreEvent>>,
+    block_size: &Bound<'py, PyAny>,
+    hashes: &str,
+    medium: Option<&str>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let block_size: u32 = int_in(block_size, "block_size", "1 ..= 4294967295", |v| v > 0)?;
+    let form = match hashes {
+        "int64" => HashForm::Int64,
+        "bytes" => HashForm::Bytes,
+        other => {
+            return Err(invalid(format!(
+                "hashes must be 'int64' or 'bytes', got {other:?}"
+            )))
+        }
+    };
+    let refs: Vec<&KvEvent> = events.iter().map(|e| &e.get().0).collect();
+    let encoded = prefixkv_core::encode_events(&refs, block_size as usize, form, medium);
+    Ok(PyBytes::new(py, &encoded))
+}

@@ -1,0 +1,334 @@
+"""GGUF files (issue 14): tiny files written here with the `gguf` package's own writer, from a
+random model and a byte-level BPE tokenizer trained here, each compared with the same weights
+saved as a Hugging Face directory.
+
+The writer does what llama.cpp's converter does (permutes the Q/K rows of the ``llama``
+architecture, quantizes with ``gguf.quants.quantize``), so a loader that forgets to undo the
+permutation, names a tensor wrongly or dequantizes the wrong type fails here. The real
+SmolLM2 file is only used by `test_real_model.py` (opt-in: ``-m real_model``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import given
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from prefixkv.engine import Engine
+from prefixkv.errors import InvalidInputError
+from prefixkv.gguf import SUPPORTED_TYPES, is_gguf, load_gguf
+from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
+
+gguf = pytest.importorskip("gguf")
+
+CHATML = (Path(__file__).parent / "data" / "chatml.jinja").read_text()
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour of the sea, and 2024 + 17."},
+]
+TEXTS = ["Name a colour of the sea.", "order 00417 ships 12 units", " the  sky\n\nis grey's"]
+TOKENS = torch.tensor([(37 * i + 11) % 300 for i in range(40)])
+#: Largest |dequantized - original| per element, relative to its 32-element block's absmax
+#: (llama.cpp's formats): half a step for Q8_0 (1/127 of absmax) and the min/scale types
+#: Q4_1/Q5_1 ((max - min) / 15 or 31); Q4_0/Q5_0 scale by the signed extreme over -8 / -16,
+#: so the other side's largest value can be clipped by up to a whole step (1/8, 1/16).
+RELATIVE_ERROR = {
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 4e-3,
+    "Q8_0": 0.5 / 127 + 1e-3,
+    "Q5_0": 1 / 16 + 1e-3,
+    "Q5_1": 1 / 31 + 1e-3,
+    "Q4_0": 1 / 8 + 1e-3,
+    "Q4_1": 1 / 15 + 1e-3,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["You are terse. Name a colour of the sea. system user assistant"] * 20
+    corpus += ["the sky is grey, the sea is blue; order 2024 ships 17 units"] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def write_gguf(
+    path: Path,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    *,
+    qtype: str = "F32",
+    arch: str = "llama",
+    pre: str = "default",
+    chat_template: str | None = CHATML,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """`model` and `tokenizer` as llama.cpp's converter writes them."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    if config.rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling.kind))
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    data = json.loads(tokenizer.to_str())
+    vocab = sorted(data["model"]["vocab"].items(), key=lambda item: item[1])
+    tokens = [token for token, _ in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens])
+    merges = data["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    quant = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.to(torch.float32).numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            values = permute(values, heads)
+        if values.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
+            writer.add_tensor(gguf_name(name), values)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, quant), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `permute`, as written there."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in names:
+        return names[hf_name]
+    layer_names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    _, _, layer, *rest = hf_name.split(".")
+    module, kind = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{layer_names[module]}.{kind}"
+
+
+def _model(tokenizer: Tokenizer, **changes: Any) -> LlamaModel:
+    return LlamaModel.random(ModelConfig(vocab_size=tokenizer.get_vocab_size(), **changes), seed=5)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES))
+def test_each_supported_type_loads_the_same_weights_as_the_hf_directory(
+    tmp_path: Path, tokenizer: Tokenizer, qtype: str
+) -> None:
+    ours = _model(tokenizer, tie_word_embeddings=qtype == "Q8_0")
+    ours.save_pretrained(tmp_path / "hf")
+    hf = LlamaModel.from_pretrained(tmp_path / "hf")
+    loaded = load_gguf(write_gguf(tmp_path / "m.gguf", ours, tokenizer, qtype=qtype)).model
+    assert loaded.config == hf.config
+    quant = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, expected in hf.state_dict().items():
+        got = loaded.state_dict()[name]
+        if qtype == "F32" or expected.ndim == 1:
+            assert torch.equal(got, expected), name
+            continue
+        # Exactly the HF weight through the file's quantization, in HF row order...
+        values = expected.numpy()
+        round_trip = gguf.quants.dequantize(gguf.quants.quantize(values, quant), quant)
+        assert torch.equal(got, torch.from_numpy(round_trip.reshape(values.shape))), name
+        # ...hence within that quantization's own error of the HF weight.
+        blocks = values.reshape(-1, 32)
+        scale = np.abs(blocks).max(axis=1, keepdims=True)
+        error = np.abs(got.numpy().reshape(-1, 32) - blocks)
+        assert (error <= RELATIVE_ERROR[qtype] * scale + 1e-7).all(), name
+    if qtype == "F32":
+        assert torch.equal(loaded.forward_full(TOKENS), hf.forward_full(TOKENS))
+
+
+def test_q_k_rows_are_unpermuted_for_llama_and_not_for_qwen2(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    for arch, changes in (("llama", {}), ("qwen2", {"attention_qkv_bias": True})):
+        ours = _model(tokenizer, **changes)
+        path = write_gguf(tmp_path / f"{arch}.gguf", ours, tokenizer, arch=arch)
+        loaded = load_gguf(path).model
+        assert loaded.config == ours.config
+        torch.testing.assert_close(loaded.forward_full(TOKENS), ours.forward_full(TOKENS))
+
+
+def test_yarn_metadata_is_read(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    scaling = RopeScaling("yarn", 4.0, original_max_position_embeddings=32)
+    ours = _model(tokenizer, rope_scaling=scaling, max_position_embeddings=128)
+    loaded = load_gguf(write_gguf(tmp_path / "m.gguf", ours, tokenizer)).model
+    assert loaded.config.rope_scaling == scaling
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2"])
+def test_the_tokenizer_encodes_as_transformers_gguf_conversion(
+    tmp_path: Path, tokenizer: Tokenizer, pre: str
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer, pre=pre)
+    ours = load_gguf(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    if pre == "default":  # the same split as the tokenizer it came from
+        for text in TEXTS:
+            assert ours.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_smollm_pre_tokenizer_splits_every_digit(
+    smollm_tokenizer: Any, tokenizer: Tokenizer
+) -> None:
+    """llama.cpp's 'smollm' split (each digit alone, then GPT-2's): "2024" is four tokens
+    even though the vocabulary has merges for it."""
+    ours = smollm_tokenizer
+    assert len(tokenizer.encode("2024", add_special_tokens=False).ids) < 4
+    assert [ours.decode([i]) for i in ours.encode("2024")] == ["2", "0", "2", "4"]
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Any:
+    path = tmp_path_factory.mktemp("smollm") / "m.gguf"
+    return load_gguf(write_gguf(path, _model(tokenizer), tokenizer, pre="smollm")).tokenizer
+
+
+@given(text=st.text(max_size=40))
+def test_the_tokenizer_round_trips_any_text(smollm_tokenizer: Any, text: str) -> None:
+    """Byte-level: every string, any script or special-token text in it, comes back."""
+    assert smollm_tokenizer.decode(smollm_tokenizer.encode(text)) == text
+
+
+def test_chat_through_the_engine_gives_transformers_apply_chat_template_ids(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer)
+    checkpoint = load_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    expected = theirs.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    engine = Engine(
+        checkpoint.model,
+        tokenizer=checkpoint.tokenizer,
+        chat_template=checkpoint.chat_template,
+        stop_token_ids=checkpoint.eos_token_ids,
+        num_blocks=64,
+        block_size=4,
+    )
+    assert engine.encode(MESSAGES) == list(expected)
+    assert checkpoint.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
+
+
+def test_engine_from_pretrained_serves_a_gguf_file_as_its_metadata_says(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    model = _model(tokenizer)
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer)
+    engine = Engine.from_pretrained(path, num_blocks=64, block_size=4)
+    checkpoint = load_gguf(path)
+    assert engine.stop_token_ids == checkpoint.eos_token_ids
+    assert engine.encode(MESSAGES) == Engine(**checkpoint.engine_options()).encode(MESSAGES)
+    (result,) = engine.generate([MESSAGES], max_new_tokens=3, check_exactness=True)
+    assert result.tokens_match
+    # An explicit argument wins over the file's metadata.
+    assert Engine.from_pretrained(path, stop_token_ids=()).stop_token_ids == ()
+    bare = write_gguf(tmp_path / "bare.gguf", model, tokenizer, chat_template=None)
+    with pytest.raises(InvalidInputError, match="has no chat template"):
+        Engine.from_pretrained(bare).encode(MESSAGES)
+
+
+def test_a_file_without_a_template_has_none(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer, chat_template=None)
+    assert load_gguf(path).chat_template is None
+
+
+def test_refusals_name_the_problem(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    model = _model(tokenizer)
+    good = write_gguf(tmp_path / "good.gguf", model, tokenizer)
+    assert is_gguf(good) and not is_gguf(Path(__file__))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(InvalidInputError, match=r"truncated\.gguf"):
+        load_gguf(truncated)
+    with pytest.raises(InvalidInputError, match=r"'llama\.expert_count'"):
+        load_gguf(
+            write_gguf(tmp_path / "a.gguf", model, tokenizer, extra={"llama.expert_count": 8})
+        )
+    with pytest.raises(InvalidInputError, match="'phi3'"):
+        load_gguf(write_gguf(tmp_path / "b.gguf", model, tokenizer, arch="phi3"))
+    with pytest.raises(InvalidInputError, match="'mystery-bpe'"):
+        load_gguf(write_gguf(tmp_path / "c.gguf", model, tokenizer, pre="mystery-bpe"))
+
+
+def test_an_unsupported_tensor_type_is_refused_by_name(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(256)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(300)
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), q4k), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=q4k)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(InvalidInputError, match="Q4_K"):
+        load_gguf(path)
