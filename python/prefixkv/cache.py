@@ -499,6 +499,16 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         return self._core.stats()
 
+    def set_eviction_log(self, enabled: bool) -> None:
+        """Log the cached blocks allocations evict, for `drain_evicted` (a host tier saves
+        their KV). Off by default; while on, drain after every allocation."""
+        self._core.set_eviction_log(bool(enabled))
+
+    def drain_evicted(self) -> list[int]:
+        """Block ids evicted since the last drain, oldest first. Their pages still hold the
+        evicted KV until the blocks the evicting allocation returned are written."""
+        return self._core.drain_evicted()
+
     def ref_count(self, block_id: int) -> int:
         return self._core.ref_count(block_id)
 

@@ -65,6 +65,8 @@ from prefixkv.scheduler import (
 )
 from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
 from prefixkv.threads import configure_torch_threads
+from prefixkv.tiers.manager import KVTiers
+from prefixkv.tiers.remote import RemoteStore, RemoteTier
 
 __all__ = [
     "Engine",
@@ -221,6 +223,12 @@ class Engine:
         watermark_blocks: blocks kept obtainable for running requests when admitting a new
             one (default 1% of the pool).
         full_hit: how a fully cached prompt is served (`PrefixCache`'s ``full_hit``).
+        host_tier_bytes: host memory for blocks evicted from the pool (docs/tiers.md);
+            None: no host tier.
+        remote_store: a shared `prefixkv.tiers.RemoteStore` (e.g. `RedisStore`) for blocks;
+            None: no remote tier. ``remote_namespace`` prefixes its keys,
+            ``remote_write`` is ``"write_through"`` (on commit) or ``"write_back"`` (on
+            eviction), ``remote_queue_size`` bounds the background write queue.
     """
 
     def __init__(
@@ -243,6 +251,11 @@ class Engine:
         num_speculative_tokens: int = 0,
         watermark_blocks: int | None = None,
         full_hit: str = "recompute_last_block",
+        host_tier_bytes: int | None = None,
+        remote_store: RemoteStore | None = None,
+        remote_namespace: str = "prefixkv",
+        remote_write: str = "write_through",
+        remote_queue_size: int = 256,
         _no_chat_template: str | None = None,
     ) -> None:
         if model is None:
@@ -329,6 +342,21 @@ class Engine:
         if watermark_blocks is None:
             watermark_blocks = max(1, self.kv_cache.num_blocks // 100)
         self.watermark_blocks = _positive_int(watermark_blocks, "watermark_blocks", minimum=0)
+        # -- lower tiers (prefixkv.tiers): off unless asked for
+        self.tiers: KVTiers | None = None
+        if host_tier_bytes is not None or remote_store is not None:
+            remote = None
+            if remote_store is not None:
+                remote = RemoteTier(
+                    remote_store, namespace=remote_namespace, queue_size=remote_queue_size
+                )
+            self.tiers = KVTiers(
+                self.kv_cache,
+                host_tier_bytes=host_tier_bytes,
+                remote=remote,
+                write_policy=remote_write,
+            )
+            self.cache.set_eviction_log(self.tiers.needs_eviction_log)
 
     # ---------------------------------------------------------------- observability
 
@@ -789,6 +817,7 @@ class _Run:
                     self.cache.allocate_slots(
                         sequence.request_id, num_new, num_lookahead_tokens=lookahead
                     )
+                    self._tiers_save_evicted()
                     break
                 except OutOfBlocksError:
                     victim = self.running[-1]
@@ -808,6 +837,7 @@ class _Run:
         infos = [self._candidate(s, in_flight) for s in candidates]
         order = order_waiting(infos, engine.scheduling, engine.max_passes)
         admitted: list[_Sequence] = []
+        tier_loaded = False
         for position in order:
             sequence = candidates[position]
             if budget == 0 or len(self.running) >= engine.max_batch_size:
@@ -820,6 +850,8 @@ class _Run:
             ):
                 continue  # computed by a request scheduled now: a hit next step
             cached = infos[position].cached_tokens
+            if tier_loaded:  # an earlier admission published blocks from a tier: look again
+                cached = self._candidate(sequence, in_flight).cached_tokens
             num_new = min(len(sequence.tokens) - cached, budget)
             try:
                 slots = self.cache.allocate_slots(
@@ -830,18 +862,20 @@ class _Run:
                 )
             except OutOfBlocksError:
                 break  # wait for blocks; nothing changed
+            self._tiers_save_evicted()
             sequence.admitted(slots)
+            start = self._tiers_load(sequence, slots, num_new)
+            tier_loaded |= start > slots.num_computed_tokens
             self.stats.admitted_tokens += len(sequence.tokens)
-            self.stats.cached_tokens += slots.num_cached_tokens
+            self.stats.cached_tokens += start - slots.num_computed_tokens + slots.num_cached_tokens
+            num_new -= start - slots.num_computed_tokens
             self.waiting.remove(sequence)
             self.running.append(sequence)
             admitted.append(sequence)
             sequence.scheduled_tokens = num_new
-            scheduled.append(_Scheduled(sequence, slots.num_computed_tokens, num_new))
+            scheduled.append(_Scheduled(sequence, start, num_new))
             budget -= num_new
-            in_flight |= self._sequence_blocks_in_flight(
-                sequence, slots.num_computed_tokens, num_new
-            )
+            in_flight |= self._sequence_blocks_in_flight(sequence, start, num_new)
         # Whoever was passed over by a later arrival this step is one step closer to the front.
         if admitted:
             newest = max(s.index for s in admitted)
@@ -849,6 +883,61 @@ class _Run:
                 if sequence.index < newest:
                     sequence.passes += 1
         return scheduled
+
+    # -- lower tiers (prefixkv.tiers; docs/tiers.md) ---------------------------------------
+
+    def _tiers_save_evicted(self) -> None:
+        """Right after an allocation: the blocks it evicted still hold their KV (nothing is
+        written before the step's model call), so they go to the host tier now."""
+        tiers = self.engine.tiers
+        if tiers is not None and tiers.needs_eviction_log:
+            evicted = self.cache.drain_evicted()
+            if evicted:
+                tiers.save_evicted(evicted, self.cache.context.fingerprint())
+
+    def _tiers_load(self, sequence: _Sequence, slots: Slots, num_new: int) -> int:
+        """Extends a fresh admission's device hit with host, then remote blocks, loaded into
+        its own fresh blocks, counted computed and committed; returns where computing starts.
+        At least one token of the chunk is left to compute (its logits, or the next chunk)."""
+        tiers = self.engine.tiers
+        start = slots.num_computed_tokens
+        if tiers is None or not self.engine.prefix_reuse or slots.last_token_shared:
+            return start
+        first, last = start // self.block_size, (start + num_new - 1) // self.block_size
+        if start % self.block_size or last <= first:
+            return start
+        request_id = sequence.request_id
+        keys = self.cache.request_block_keys(request_id)
+        table = self.cache.block_table(request_id)
+        context = self.cache.context.fingerprint()
+        num_host, num_remote = tiers.load(table, keys, sequence.tokens, first, last, context)
+        if not num_host + num_remote:
+            return start
+        start = (first + num_host + num_remote) * self.block_size
+        self.cache.commit(request_id, start)
+        tiers.record(
+            table, keys, sequence.tokens, first, start // self.block_size, context, from_remote=True
+        )
+        sequence.num_computed = start
+        if sequence.admissions == 1:
+            sequence.cached_tokens = start
+        return start
+
+    def _tiers_record(self, sequence: _Sequence, start: int, end: int) -> None:
+        """Blocks ``start // block_size .. end // block_size - 1`` were just published."""
+        tiers = self.engine.tiers
+        first, last = start // self.block_size, end // self.block_size
+        if tiers is None or last <= first:
+            return
+        request_id = sequence.request_id
+        tiers.record(
+            self.cache.block_table(request_id),
+            self.cache.request_block_keys(request_id),
+            sequence.tokens,
+            first,
+            last,
+            self.cache.context.fingerprint(),
+        )
 
     def _drop_drafts(self, sequence: _Sequence) -> None:
         verified = len(sequence.tokens) - len(sequence.drafts)
@@ -948,6 +1037,7 @@ class _Run:
             sequence.num_computed = item.start + item.num_new
             if reuse:
                 self.cache.commit(sequence.request_id, sequence.num_computed)
+                self._tiers_record(sequence, item.start, sequence.num_computed)
             if sequence.num_computed < len(sequence.tokens):
                 continue  # a prompt chunk: nothing to sample yet
             self._sample(sequence, logits, now)
@@ -967,6 +1057,10 @@ class _Run:
             self.cache.accept_drafts(sequence.request_id, accepted)
             sequence.tokens = sequence.tokens[: len(sequence.tokens) - num_drafts + accepted]
             sequence.num_computed = len(sequence.tokens)
+            if engine.prefix_reuse:  # accepted drafts may complete published blocks
+                self._tiers_record(
+                    sequence, sequence.num_computed - accepted - 1, sequence.num_computed
+                )
             sequence.draft_tokens += num_drafts
             sequence.accepted_draft_tokens += accepted
             self.stats.draft_tokens += num_drafts

@@ -112,6 +112,7 @@ EXTRA_FOR_PACKAGE = {
     "zmq": "events",
     "msgspec": "events",
     "prometheus_client": "metrics",
+    "redis": "redis",
 }
 
 

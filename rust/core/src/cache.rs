@@ -163,6 +163,11 @@ pub(crate) struct Inner {
     pub(crate) external_refs: Vec<u32>,
     /// KV event recording (`events/`): a no-op unless enabled.
     pub(crate) events: Events,
+    /// Cached blocks eviction took since the last `drain_evicted`, oldest first; `None` until
+    /// `set_eviction_log(true)`. Drained before the pages are written again, it tells a host
+    /// tier which blocks' KV to save (their pages still hold it: eviction hands the block to
+    /// the allocation that took it, which writes it later).
+    pub(crate) eviction_log: Option<Vec<BlockId>>,
 }
 
 /// The prefix cache's block manager. `Sync`: share it between threads by reference.
@@ -231,6 +236,7 @@ impl PrefixCache {
                 block_epoch: per_block(num_blocks, 0)?,
                 external_refs: per_block(num_blocks, 0)?,
                 events: Events::default(),
+                eviction_log: None,
             }),
             probes: AtomicU64::new(0),
             config,
@@ -452,6 +458,25 @@ impl PrefixCache {
         // (It would not match them anyway: a first block's entry stores its full root key.)
         self.context.store(context);
         self.clear_locked(&mut guard, Reset::SetContext);
+    }
+
+    /// Turns the eviction log on or off (off drops what it holds). While on, every cached
+    /// block an allocation evicts is logged until `drain_evicted`; the caller must drain it
+    /// (after each allocation) or it grows with every eviction.
+    pub fn set_eviction_log(&self, enabled: bool) {
+        self.inner.lock().eviction_log = enabled.then(Vec::new);
+    }
+
+    /// The blocks evicted since the last drain, oldest first (empty when the log is off). A
+    /// block is listed by the allocation that took it, so its pages hold the evicted KV until
+    /// the caller writes the blocks that allocation returned.
+    pub fn drain_evicted(&self) -> Vec<BlockId> {
+        let mut inner = self.inner.lock();
+        inner
+            .eviction_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     // ----- observation -----------------------------------------------------------------------
@@ -678,6 +703,9 @@ impl PrefixCache {
                     self.table.remove(&entry.key, &guard);
                     inner.events.removed(block);
                     inner.counters.evictions += 1;
+                    if let Some(log) = inner.eviction_log.as_mut() {
+                        log.push(block);
+                    }
                 }
                 Ok(fresh)
             }
@@ -694,6 +722,10 @@ impl PrefixCache {
     fn clear_locked(&self, inner: &mut Inner, reset: Reset) {
         inner.events.cleared(&self.context());
         inner.epoch += 1;
+        // Blocks evicted under the old context: their KV must not reach a tier now.
+        if let Some(log) = inner.eviction_log.as_mut() {
+            log.clear();
+        }
         inner.requests.forget_cached_prefixes();
         inner.pins.drop_all(reset);
         let guard = self.table.guard();
@@ -945,6 +977,29 @@ pub(crate) mod tests {
             .blocks
             .is_empty());
         c.finish(&second.request_id).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn eviction_log_lists_evicted_blocks_once_and_only_when_on() {
+        let c = cache(2, 1);
+        let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+        let first_blocks = c.block_table(&first.request_id).unwrap();
+        c.commit(&first.request_id, 2).unwrap();
+        c.finish(&first.request_id).unwrap();
+        assert!(c.drain_evicted().is_empty(), "off by default");
+        c.set_eviction_log(true);
+        let second = c.begin(None, vec![3], b"", no_extras(), 0).unwrap();
+        let evicted = c.drain_evicted();
+        assert_eq!(evicted.len(), 1);
+        assert!(first_blocks.contains(&evicted[0]));
+        assert_eq!(c.block_table(&second.request_id).unwrap(), evicted);
+        assert!(c.drain_evicted().is_empty(), "drained");
+        c.finish(&second.request_id).unwrap();
+        c.set_eviction_log(false);
+        let third = c.begin(None, vec![5, 6], b"", no_extras(), 0).unwrap();
+        assert!(c.drain_evicted().is_empty(), "off again");
+        c.finish(&third.request_id).unwrap();
         c.check_invariants();
     }
 }

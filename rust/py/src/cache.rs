@@ -379,6 +379,14 @@ impl CoreCache {
         self.0.stats().into()
     }
 
+    fn set_eviction_log(&self, enabled: bool) {
+        self.0.set_eviction_log(enabled);
+    }
+
+    fn drain_evicted(&self) -> Vec<u32> {
+        self.0.drain_evicted()
+    }
+
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         self.0.ref_count(block_id(block)?).map_err(to_py_err)
     }
