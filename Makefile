@@ -8,8 +8,10 @@ export HYPOTHESIS_PROFILE ?= default
 install:
 	$(PYTHON) -m pip install -e ".[dev]"
 
-## The README's test command: install, then run the whole Python suite.
+## The README's test command: install (and redis-server for the KV tier tests, from Debian
+## packages if it is missing), then run the whole Python suite.
 test: install
+	scripts/install_redis.sh
 	$(PYTHON) -m pytest
 
 ## Rust unit and integration tests of the core (no Python needed).

@@ -409,10 +409,13 @@ class Engine:
             self.kv_events.flush()
 
     def close(self) -> None:
-        """Stop publishing KV events (the engine itself holds nothing else to release)."""
+        """Stop publishing KV events and stop the KV tiers' background writer (pending remote
+        writes are flushed or dropped as `KVTiers.close` says)."""
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _new_request_id(self) -> str:
         self._request_counter += 1
