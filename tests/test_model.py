@@ -234,6 +234,20 @@ def test_from_hf_config_reads_qwen2_hybrid_layers() -> None:
     assert config.layer_types is None and config.sliding_window == 64
 
 
+def test_a_pattern_of_one_kind_is_written_as_the_plain_fields() -> None:
+    all_full = ModelConfig(sliding_window=8, layer_types=("full_attention",) * 2)
+    assert all_full.to_hf_config()["sliding_window"] is None
+    assert ModelConfig.from_hf_config(all_full.to_hf_config()).layer_sliding_windows == (None,) * 2
+    all_sliding = ModelConfig(sliding_window=8, layer_types=("sliding_attention",) * 2)
+    assert ModelConfig.from_hf_config(all_sliding.to_hf_config()) == all_sliding.replace(
+        layer_types=None
+    )
+    with pytest.raises(InvalidInputError, match="Qwen2"):
+        ModelConfig(
+            sliding_window=8, layer_types=("full_attention", "sliding_attention")
+        ).to_hf_config()
+
+
 @pytest.mark.parametrize(
     "changes",
     [

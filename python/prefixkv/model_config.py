@@ -395,7 +395,9 @@ class ModelConfig:
                 "no Hugging Face config has q/k/v biases without an output bias together with "
                 "MLP biases"
             )
-        if self.layer_types is not None and not qwen2:
+        windows = self.layer_sliding_windows
+        hybrid = len(set(windows)) > 1
+        if hybrid and not qwen2:
             # Of the architectures this decoder writes, only Qwen2 reads a per-layer pattern.
             raise InvalidInputError(
                 "a per-layer attention pattern (layer_types) is written only as a Qwen2 config "
@@ -416,7 +418,9 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
-            "sliding_window": self.sliding_window,
+            # A pattern of one kind is written as the plain field (`layer_types` all full
+            # with a window set must not come back as a window on every layer).
+            "sliding_window": self.sliding_window if hybrid else windows[0],
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_qkv_bias,
             "mlp_bias": self.mlp_bias,
@@ -424,13 +428,14 @@ class ModelConfig:
         }
         if qwen2:
             del hf["attention_bias"], hf["mlp_bias"]
-            hf["use_sliding_window"] = self.sliding_window is not None
-            if self.sliding_window is None:
+            hf["use_sliding_window"] = hf["sliding_window"] is not None
+            if hf["sliding_window"] is None:
                 del hf["sliding_window"]
             else:
-                hf["layer_types"] = list(
-                    self.layer_types or ("sliding_attention",) * self.num_layers
-                )
+                hf["layer_types"] = [
+                    "full_attention" if window is None else "sliding_attention"
+                    for window in windows
+                ]
         if self.position_offset:
             hf["prefixkv_position_offset"] = self.position_offset
         if self.lora_rank is not None:
