@@ -269,9 +269,12 @@ class ModelConfig:
         """Read a Hugging Face Llama/Mistral-style ``config.json`` (a dict, file or directory).
 
         Llama, Mistral and Qwen2 configs, with the projection biases they name (Llama's
-        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases). Refuses what this decoder does
-        not implement (another activation or model type, a RoPE scaling it lacks, Qwen2's
-        per-layer sliding window) and any field it does not know, naming it
+        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), and the sliding window per
+        layer as transformers applies it (every layer for Mistral, Qwen2's
+        ``use_sliding_window`` with ``layer_types`` or ``max_window_layers``; docs/hybrid.md).
+        Refuses what this decoder does not implement (another activation or model type, a RoPE
+        scaling it lacks, a mixed ``layer_types`` that transformers would not honour for the
+        model type) and any field it does not know, naming it
         (`KNOWN_HF_CONFIG_FIELDS`): a setting it would silently ignore could change what the
         model computes. Keyword `overrides` replace fields after reading, e.g.
         ``dtype=torch.float32``.
