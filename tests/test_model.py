@@ -169,9 +169,21 @@ def test_from_hf_config_reads_transformers_5_rope_parameters() -> None:
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "short_factor": [1.0]}},
         {"hidden_act": "gelu"},
         {"model_type": "gemma"},
-        # Qwen2's window on some layers only; any layer kind but one.
-        {"model_type": "qwen2", "use_sliding_window": True},
-        {"layer_types": ["full_attention", "sliding_attention"]},
+        # Llama and Mistral apply one kind to every layer in transformers: a mixed list is
+        # refused. Qwen2 reads one only with use_sliding_window; a kind not implemented, or a
+        # list of the wrong length, is refused.
+        {"layer_types": ["full_attention", "sliding_attention"] * 11},
+        {"model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"] * 11},
+        {
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "layer_types": ["chunked_attention", "sliding_attention"] * 11,
+        },
+        {
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
         {"pretraining_tp": 2},
         # Fields the decoder does not know: refused by name, never ignored.
         {"quantization_config": {"quant_method": "gptq"}},
@@ -199,6 +211,57 @@ def test_from_hf_config_reads_mistral_sliding_window(tmp_path: Path) -> None:
         ModelConfig.from_hf_config(tmp_path / "missing.json")
 
 
+def test_from_hf_config_reads_qwen2_hybrid_layers() -> None:
+    qwen2 = {**TINY_LLAMA_CONFIG, "model_type": "qwen2", "sliding_window": 64}
+    # Off, the window is ignored, as transformers ignores it.
+    assert ModelConfig.from_hf_config(qwen2).layer_sliding_windows == (None,) * 22
+    # On: layers from max_window_layers on slide (transformers' rule) ...
+    config = ModelConfig.from_hf_config(
+        {**qwen2, "use_sliding_window": True, "max_window_layers": 20}
+    )
+    assert config.layer_sliding_windows == (None,) * 20 + (64, 64)
+    # ... or an explicit list (gpt-oss / Gemma-style alternation) says which.
+    alternating = ["sliding_attention", "full_attention"] * 11
+    config = ModelConfig.from_hf_config(
+        {**qwen2, "use_sliding_window": True, "layer_types": alternating}
+    )
+    assert config.layer_sliding_windows == (64, None) * 11
+    assert config.to_hf_config()["layer_types"] == alternating
+    # One kind everywhere collapses to the plain fields.
+    config = ModelConfig.from_hf_config(
+        {**qwen2, "use_sliding_window": True, "max_window_layers": 0}
+    )
+    assert config.layer_types is None and config.sliding_window == 64
+
+
+def test_a_pattern_of_one_kind_is_written_as_the_plain_fields() -> None:
+    all_full = ModelConfig(sliding_window=8, layer_types=("full_attention",) * 2)
+    assert all_full.to_hf_config()["sliding_window"] is None
+    assert ModelConfig.from_hf_config(all_full.to_hf_config()).layer_sliding_windows == (None,) * 2
+    all_sliding = ModelConfig(sliding_window=8, layer_types=("sliding_attention",) * 2)
+    assert ModelConfig.from_hf_config(all_sliding.to_hf_config()) == all_sliding.replace(
+        layer_types=None
+    )
+    with pytest.raises(InvalidInputError, match="Qwen2"):
+        ModelConfig(
+            sliding_window=8, layer_types=("full_attention", "sliding_attention")
+        ).to_hf_config()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"layer_types": ("full_attention",)},
+        {"layer_types": ("full_attention", "sliding_attention")},  # no window
+        {"layer_types": ("full_attention", "local"), "sliding_window": 4},
+        {"layer_types": "full_attention", "sliding_window": 4},
+    ],
+)
+def test_model_config_refuses_bad_layer_types(changes: dict[str, object]) -> None:
+    with pytest.raises(InvalidInputError):
+        ModelConfig(**changes)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -214,6 +277,14 @@ def test_from_hf_config_reads_mistral_sliding_window(tmp_path: Path) -> None:
             dtype=torch.bfloat16,
         ),
         ModelConfig(rope_scaling=RopeScaling("linear", 4.0), dtype=torch.float16),
+        # Hybrid and all-sliding layers are written as Qwen2 (the one that reads a pattern).
+        ModelConfig(
+            num_layers=3,
+            attention_qkv_bias=True,
+            sliding_window=6,
+            layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        ),
+        ModelConfig(attention_qkv_bias=True, sliding_window=6),
     ],
 )
 def test_hf_config_round_trips(config: ModelConfig) -> None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 
-from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.kv import PagedKVCache
+from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
 
@@ -61,6 +62,20 @@ def load_with_transformers(directory: Path) -> Any:
         {"tie_word_embeddings": True},
         {"dtype": torch.bfloat16},
         {"sliding_window": 5},
+        # Hybrid (Gemma 2 / gpt-oss alternation, written as Qwen2 layer_types): windows of 5
+        # on layers 0, 2, full attention on 1, 3; and a window on the last layer only.
+        {
+            "num_layers": 4,
+            "attention_qkv_bias": True,
+            "sliding_window": 5,
+            "layer_types": ("sliding_attention", "full_attention") * 2,
+        },
+        {
+            "num_layers": 3,
+            "attention_qkv_bias": True,
+            "sliding_window": 3,
+            "layer_types": ("full_attention", "full_attention", "sliding_attention"),
+        },
         # Llama's attention_bias (q/k/v/o) and mlp_bias; Qwen2's q/k/v-only biases.
         {"attention_qkv_bias": True, "attention_output_bias": True, "mlp_bias": True},
         {"attention_qkv_bias": True, "rope_theta": 1000000.0},
@@ -76,6 +91,8 @@ def load_with_transformers(directory: Path) -> Any:
         "tied",
         "bf16",
         "mistral_window",
+        "qwen2_alternating",
+        "qwen2_last_layer_window",
         "llama_biases",
         "qwen2",
     ],
@@ -85,8 +102,10 @@ def test_our_checkpoint_in_transformers_gives_our_logits(
 ) -> None:
     ours = LlamaModel.random(ModelConfig(**changes), seed=4)
     ours.save_pretrained(tmp_path)
-    if ours.config.sliding_window is not None:
-        # HF Llama ignores sliding_window; Mistral is the same architecture and honours it.
+    hf_type = ours.config.to_hf_config()["model_type"]
+    if ours.config.sliding_window is not None and hf_type != "qwen2":
+        # HF Llama ignores sliding_window; Mistral is the same architecture and honours it
+        # (Qwen2 honours its own use_sliding_window and layer_types).
         path = tmp_path / "config.json"
         raw = json.loads(path.read_text())
         raw.update(model_type="mistral", architectures=["MistralForCausalLM"])
@@ -157,3 +176,37 @@ def test_tied_checkpoint_with_a_different_head_unties_as_transformers_does(
     with torch.no_grad():
         expected = load_with_transformers(tmp_path)(TOKENS[None]).logits[0]
     assert_close_to_scale(loaded.forward_full(TOKENS), expected)
+
+
+def test_hybrid_checkpoint_matches_transformers_after_a_cached_prefix(tmp_path: Path) -> None:
+    """Alternating sliding/full layers (written as Qwen2 layer_types): the paged path, reading
+    a prefix another call cached, gives transformers' logits for the rest of the prompt."""
+    config = ModelConfig(
+        num_layers=4,
+        attention_qkv_bias=True,
+        sliding_window=6,
+        layer_types=("sliding_attention", "full_attention") * 2,
+    )
+    ours = LlamaModel.random(config, seed=9)
+    ours.save_pretrained(tmp_path)
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["layer_types"]
+        == [
+            "sliding_attention",
+            "full_attention",
+        ]
+        * 2
+    )
+    theirs = load_with_transformers(tmp_path)
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    block_size = 4
+    for cached in (0, 9, 24):
+        kv = PagedKVCache(4, 12, block_size, config.num_kv_heads, config.head_dim)
+        table = list(range(10))
+        if cached:
+            ours.prefill(kv, [PrefillRequest(TOKENS[:cached], table)])
+        (logits,) = ours.prefill(
+            kv, [PrefillRequest(TOKENS, table, num_cached_tokens=cached)], return_all_logits=True
+        )
+        assert_close_to_scale(logits, expected[cached:])

@@ -59,8 +59,15 @@ class PositionEncoding:
 class AttentionMask:
     """The attention pattern the KV was computed under."""
 
-    kind: str = "causal"  # "causal", "sliding_window", "prefix_lm", ...
+    kind: str = "causal"  # "causal", "sliding_window", "per_layer", "prefix_lm", ...
     sliding_window: int | None = None
+    #: Hybrid models (kind "per_layer"): each layer's window, None for a full-attention layer.
+    #: Left out of the serialization when empty, so single-kind contexts keep the fingerprint
+    #: they had before the field existed.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,6 +150,8 @@ class CacheContext:
                 value = dict(value)
             elif hasattr(value, "__dataclass_fields__"):
                 value = asdict(value)
+                if f.name == "attention_mask" and not value["layer_windows"]:
+                    del value["layer_windows"]
             data[f.name] = _canonical(value, f.name)
         data["version"] = 1
         text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -447,9 +447,12 @@ class LlamaModel(nn.Module):
         sin = (torch.sin(angles) * attention_factor).to(self.device, self.dtype)
         query_index = torch.arange(n, device=self.device)[:, None]
         key_index = torch.arange(n, device=self.device)[None, :]
-        allowed = key_index <= query_index
-        if config.sliding_window is not None:
-            allowed = allowed & (key_index > query_index - config.sliding_window)
+        causal = key_index <= query_index
+        # One mask per distinct window (hybrid models have two: full and sliding).
+        masks = {
+            window: causal if window is None else causal & (key_index > query_index - window)
+            for window in set(config.layer_sliding_windows)
+        }
         half = config.head_dim // 2
         softmax_dtype = torch.promote_types(self.dtype, torch.float32)
 
@@ -475,6 +478,7 @@ class LlamaModel(nn.Module):
             value = value.repeat_interleave(config.num_query_groups, dim=0)
             # HF "eager" attention: matmuls in the model dtype, softmax in float32.
             scores = torch.matmul(query, key.transpose(1, 2)) * config.head_dim**-0.5
+            allowed = masks[config.layer_sliding_window(index)]
             scores = scores.to(softmax_dtype).masked_fill(~allowed, float("-inf"))
             weights = torch.softmax(scores, dim=-1).to(self.dtype)
             attended = torch.matmul(weights, value).transpose(0, 1).reshape(n, -1)
@@ -575,7 +579,7 @@ class LlamaModel(nn.Module):
                     packed.block_tables,
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
-                    sliding_window=config.sliding_window,
+                    sliding_window=config.layer_sliding_window(index),
                 )
             else:
                 attended = paged_prefill_attention(
@@ -586,7 +590,7 @@ class LlamaModel(nn.Module):
                     packed.query_lens,
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
-                    sliding_window=config.sliding_window,
+                    sliding_window=config.layer_sliding_window(index),
                     backend=attention_backend,
                     check_bounds=False,
                 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -103,6 +103,10 @@ class RopeScaling:
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
+#: The per-layer attention kinds `ModelConfig.layer_types` may name (transformers' spelling).
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and position-encoding settings of a `LlamaModel`.
@@ -116,7 +120,12 @@ class ModelConfig:
         produce different KV, so the offset belongs in the cache key.
     sliding_window:
         If set, a query at position i attends only to keys j with ``i - window < j <= i``
-        (Mistral's convention).
+        (Mistral's convention), in every layer unless `layer_types` says otherwise.
+    layer_types:
+        Hybrid models (Gemma 2/3, gpt-oss, Qwen2/3 with ``use_sliding_window``): one entry per
+        layer, ``"sliding_attention"`` (the `sliding_window` applies) or ``"full_attention"``
+        (it does not), transformers' names. ``None`` means every layer is alike. See
+        docs/hybrid.md for what the cache keeps.
     lora_rank / lora_alpha:
         Shape and scale (``alpha / rank``) of the adapters `LlamaModel.load_adapter` accepts on
         the q/k/v/o projections. ``None`` means the model takes no adapters.
@@ -137,6 +146,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     position_offset: int = 0
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     lora_rank: int | None = None
     lora_alpha: float | None = None
     tie_word_embeddings: bool = False
@@ -187,6 +197,8 @@ class ModelConfig:
             raise InvalidInputError(
                 f"sliding_window must be None or a positive int, got {self.sliding_window!r}"
             )
+        if self.layer_types is not None:
+            self._check_layer_types()
         if (self.lora_rank is None) != (self.lora_alpha is None):
             raise InvalidInputError("set both lora_rank and lora_alpha, or neither")
         if self.lora_rank is not None and (
@@ -198,6 +210,37 @@ class ModelConfig:
         if self.attention_output_bias and not self.attention_qkv_bias:
             # Not an architecture transformers has (Llama biases all four, Qwen2 only q/k/v).
             raise InvalidInputError("attention_output_bias needs attention_qkv_bias")
+
+    def _check_layer_types(self) -> None:
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
+            raise InvalidInputError(
+                f"layer_types must be a sequence of str or None, got {self.layer_types!r}"
+            )
+        layer_types = tuple(self.layer_types)
+        # Frozen: a list from a caller (or JSON) becomes a tuple, so the config stays hashable.
+        object.__setattr__(self, "layer_types", layer_types)
+        if len(layer_types) != self.num_layers:
+            raise InvalidInputError(
+                f"layer_types has {len(layer_types)} entries for {self.num_layers} layers"
+            )
+        unknown = sorted({kind for kind in layer_types if kind not in LAYER_TYPES}, key=repr)
+        if unknown:
+            raise InvalidInputError(
+                f"unsupported layer type(s) {unknown}: expected one of {sorted(LAYER_TYPES)}"
+            )
+        if "sliding_attention" in layer_types and self.sliding_window is None:
+            raise InvalidInputError("a 'sliding_attention' layer needs sliding_window")
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of one layer: `sliding_window`, or None for a full-attention layer."""
+        if self.layer_types is not None and self.layer_types[layer_index] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """`layer_sliding_window` of every layer, in order."""
+        return tuple(self.layer_sliding_window(index) for index in range(self.num_layers))
 
     @property
     def position_encoding_is_length_dependent(self) -> bool:
@@ -226,9 +269,12 @@ class ModelConfig:
         """Read a Hugging Face Llama/Mistral-style ``config.json`` (a dict, file or directory).
 
         Llama, Mistral and Qwen2 configs, with the projection biases they name (Llama's
-        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases). Refuses what this decoder does
-        not implement (another activation or model type, a RoPE scaling it lacks, Qwen2's
-        per-layer sliding window) and any field it does not know, naming it
+        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), and the sliding window per
+        layer as transformers applies it (every layer for Mistral, Qwen2's
+        ``use_sliding_window`` with ``layer_types`` or ``max_window_layers``; docs/hybrid.md).
+        Refuses what this decoder does not implement (another activation or model type, a RoPE
+        scaling it lacks, a mixed ``layer_types`` that transformers would not honour for the
+        model type) and any field it does not know, naming it
         (`KNOWN_HF_CONFIG_FIELDS`): a setting it would silently ignore could change what the
         model computes. Keyword `overrides` replace fields after reading, e.g.
         ``dtype=torch.float32``.
@@ -267,14 +313,16 @@ class ModelConfig:
             # transformers itself ignores it at inference; a value other than 1 means weights
             # sliced for tensor parallelism, which we would load as if whole.
             raise InvalidInputError(f"pretraining_tp {hf['pretraining_tp']!r} is unsupported")
+        layer_types: list[str] | None = None
         if model_type == "qwen2":
             # Qwen2: q/k/v biased, o not (its own attention_bias key is not read by transformers).
             qkv_bias, output_bias = True, False
-            _refuse_qwen2_sliding_window(hf)
-            sliding_window = None
+            sliding_window, layer_types = _qwen2_layer_types(hf, int(require("num_hidden_layers")))
         else:
             qkv_bias = output_bias = bool(hf.get("attention_bias", False))
             sliding_window = hf.get("sliding_window")
+            # transformers' Llama and Mistral apply one kind to every layer (Mistral warns that
+            # a layer_types list is ignored), so a mixed list here is refused, not guessed at.
             _check_layer_types(hf, "sliding_attention" if sliding_window else "full_attention")
         rope_theta, rope_scaling = _rope_from_hf(hf)
         num_heads = int(require("num_attention_heads"))
@@ -298,6 +346,7 @@ class ModelConfig:
             "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
             "position_offset": int(hf.get("prefixkv_position_offset", 0)),
             "sliding_window": sliding_window,
+            "layer_types": layer_types,
             "lora_rank": hf.get("prefixkv_lora_rank"),
             "lora_alpha": hf.get("prefixkv_lora_alpha"),
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
@@ -344,10 +393,18 @@ class ModelConfig:
         # Qwen2 is Llama with q/k/v biases and no output bias: written as a Qwen2 config, the
         # only one transformers reads that way.
         qwen2 = self.attention_qkv_bias and not self.attention_output_bias
-        if qwen2 and (self.sliding_window is not None or self.mlp_bias):
+        if qwen2 and self.mlp_bias:
             raise InvalidInputError(
                 "no Hugging Face config has q/k/v biases without an output bias together with "
-                "a sliding window or MLP biases"
+                "MLP biases"
+            )
+        windows = self.layer_sliding_windows
+        hybrid = len(set(windows)) > 1
+        if hybrid and not qwen2:
+            # Of the architectures this decoder writes, only Qwen2 reads a per-layer pattern.
+            raise InvalidInputError(
+                "a per-layer attention pattern (layer_types) is written only as a Qwen2 config "
+                "(attention_qkv_bias without attention_output_bias)"
             )
         hf: dict[str, Any] = {
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
@@ -364,15 +421,24 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
-            "sliding_window": self.sliding_window,
+            # A pattern of one kind is written as the plain field (`layer_types` all full
+            # with a window set must not come back as a window on every layer).
+            "sliding_window": self.sliding_window if hybrid else windows[0],
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_qkv_bias,
             "mlp_bias": self.mlp_bias,
             "torch_dtype": str(self.dtype).removeprefix("torch."),
         }
         if qwen2:
-            del hf["attention_bias"], hf["mlp_bias"], hf["sliding_window"]
-            hf["use_sliding_window"] = False
+            del hf["attention_bias"], hf["mlp_bias"]
+            hf["use_sliding_window"] = hf["sliding_window"] is not None
+            if hf["sliding_window"] is None:
+                del hf["sliding_window"]
+            else:
+                hf["layer_types"] = [
+                    "full_attention" if window is None else "sliding_attention"
+                    for window in windows
+                ]
         if self.position_offset:
             hf["prefixkv_position_offset"] = self.position_offset
         if self.lora_rank is not None:
@@ -436,15 +502,35 @@ def _check_layer_types(hf: Mapping[str, Any], expected: str) -> None:
         )
 
 
-def _refuse_qwen2_sliding_window(hf: Mapping[str, Any]) -> None:
-    """Qwen2 configs carry a ``sliding_window`` that applies only with ``use_sliding_window``
-    (and then only from layer ``max_window_layers`` on): off, it is ignored, as transformers
-    ignores it; on, it is refused (per-layer windows are not implemented)."""
-    if hf.get("use_sliding_window", False):
-        raise InvalidInputError(
-            "Qwen2 use_sliding_window=true (a window on some layers only) is unsupported"
-        )
-    _check_layer_types(hf, "full_attention")
+def _qwen2_layer_types(
+    hf: Mapping[str, Any], num_layers: int
+) -> tuple[int | None, list[str] | None]:
+    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them.
+
+    ``sliding_window`` applies only with ``use_sliding_window``: off, it is ignored (every layer
+    full). On, ``layer_types`` names each layer's kind, or, absent, layers from
+    ``max_window_layers`` (default 28) on slide. A pattern of one kind collapses to the plain
+    fields (no `layer_types`), so equal models get equal configs and cache contexts.
+    """
+    # transformers' default window when the key is absent.
+    window = hf.get("sliding_window", 4096)
+    if not hf.get("use_sliding_window", False) or window is None:
+        _check_layer_types(hf, "full_attention")
+        return None, None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_sliding = hf.get("max_window_layers", 28)
+        layer_types = [
+            "sliding_attention" if index >= first_sliding else "full_attention"
+            for index in range(num_layers)
+        ]
+    if not isinstance(layer_types, list):
+        raise InvalidInputError(f"layer_types must be a list, got {layer_types!r}")
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
 
 
 #: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
@@ -604,7 +690,19 @@ def model_context(
             )
         if scaling.kind == "dynamic_ntk":
             params += (("max_position_embeddings", float(config.max_position_embeddings)),)
-    window = config.sliding_window
+    windows = set(config.layer_sliding_windows)
+    if len(windows) == 1:
+        window = windows.pop()
+        attention_mask = AttentionMask(
+            kind="causal" if window is None else "sliding_window", sliding_window=window
+        )
+    else:
+        # The whole pattern, so a model with the same window on other layers never hits.
+        attention_mask = AttentionMask(
+            kind="per_layer",
+            sliding_window=config.sliding_window,
+            layer_windows=config.layer_sliding_windows,
+        )
     return CacheContext(
         model_id=model_id,
         weights_digest=weights,
@@ -618,9 +716,7 @@ def model_context(
             rope_scaling_params=params,
             position_offset=config.position_offset,
         ),
-        attention_mask=AttentionMask(
-            kind="causal" if window is None else "sliding_window", sliding_window=window
-        ),
+        attention_mask=attention_mask,
         kv_dtype=str(config.dtype).removeprefix("torch."),
         block_size=block_size,
     )
