@@ -346,6 +346,12 @@ class PrefixCache:
         blocks it would reference); changes nothing."""
         return self._core.blocks_needed(request, num_new_tokens, num_lookahead_tokens)
 
+    def start_position(self, request: RequestRef) -> int:
+        """Where the next `allocate_slots` would start computing, changing nothing: for a
+        waiting request, its cached prefix (matched from the keys it kept, so asking every
+        step rehashes nothing); for a scheduled one, its computed tokens."""
+        return self._core.start_position(request)
+
     def append_tokens(self, request: RequestRef, tokens: TokenIds, *, draft: bool = False) -> None:
         """Add sampled tokens (or, with `draft`, speculative draft tokens) without allocating.
 

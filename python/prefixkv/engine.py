@@ -840,7 +840,6 @@ class _Run:
         infos = [self._candidate(s, in_flight) for s in candidates]
         order = order_waiting(infos, engine.scheduling, engine.max_passes)
         admitted: list[_Sequence] = []
-        tier_loaded = False
         for position in order:
             sequence = candidates[position]
             if budget == 0 or len(self.running) >= engine.max_batch_size:
@@ -852,9 +851,9 @@ class _Run:
                 and self._next_block_in_flight(sequence, info.cached_tokens, in_flight)
             ):
                 continue  # computed by a request scheduled now: a hit next step
-            cached = infos[position].cached_tokens
-            if tier_loaded:  # an earlier admission published blocks from a tier: look again
-                cached = self._candidate(sequence, in_flight).cached_tokens
+            # Asked again, not taken from `info`: an earlier admission this step may have evicted
+            # blocks, or published some from a tier (one call, no rehashing).
+            cached = self.cache.start_position(sequence.request_id)
             num_new = min(len(sequence.tokens) - cached, budget)
             try:
                 slots = self.cache.allocate_slots(
@@ -868,7 +867,6 @@ class _Run:
             self._tiers_save_evicted()
             sequence.admitted(slots)
             start = self._tiers_load(sequence, slots, num_new)
-            tier_loaded |= start > slots.num_computed_tokens
             self.stats.admitted_tokens += len(sequence.tokens)
             self.stats.cached_tokens += start - slots.num_computed_tokens + slots.num_cached_tokens
             num_new -= start - slots.num_computed_tokens
@@ -951,8 +949,8 @@ class _Run:
     def _candidate(self, sequence: _Sequence, in_flight: set[bytes]) -> WaitingCandidate:
         cached = 0
         if self.engine.prefix_reuse:
-            match = self.cache.lookup(sequence.tokens, adapter=self.engine._adapter_key)
-            cached = match.num_cached_tokens
+            # From the request's kept keys: a waiting request is not rehashed every step.
+            cached = self.cache.start_position(sequence.request_id)
         return WaitingCandidate(
             arrival=sequence.index,
             cached_tokens=cached,

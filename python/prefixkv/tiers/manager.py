@@ -91,6 +91,14 @@ class KVTiers:
         kv = self.device_pool.storage.index_select(2, index)
         return kv.permute(2, 0, 1, 3, 4, 5).to("cpu")
 
+    def _write_remote(self, blocks: list[tuple[int, BlockRecord]], context: bytes) -> None:
+        """Queue these device blocks' KV for the remote tier (one gather for all of them)."""
+        if self.remote is None:
+            return
+        kv = self._blocks_kv([block for block, _ in blocks])
+        for i, (_, record) in enumerate(blocks):
+            self.remote.put(record, context, kv[i])
+
     def record(
         self,
         block_table: Sequence[int],
@@ -114,10 +122,8 @@ class KVTiers:
             )
             self._records[block_table[j]] = record
             new.append((block_table[j], record))
-        if self.remote is not None and self.write_policy == "write_through" and not from_remote:
-            kv = self._blocks_kv([block for block, _ in new])
-            for i, (_, record) in enumerate(new):
-                self.remote.put(record, context, kv[i])
+        if self.write_policy == "write_through" and not from_remote:
+            self._write_remote(new, context)
 
     def save_evicted(self, block_ids: Sequence[int], context: bytes) -> None:
         if not block_ids:
@@ -131,10 +137,8 @@ class KVTiers:
                 saved.append((block, record))
         if not saved:
             return
-        if self.remote is not None and self.write_policy == "write_back":
-            kv = self._blocks_kv([block for block, _ in saved])
-            for i, (_, record) in enumerate(saved):
-                self.remote.put(record, context, kv[i])
+        if self.write_policy == "write_back":
+            self._write_remote(saved, context)
         if self.host is not None:
             self.host.save(self.device_pool, saved)
 

@@ -446,16 +446,15 @@ impl PrefixCache {
                 });
             }
         }
-        let (key, mut request) = inner.requests.take(id)?;
-        let result = self.allocate_locked(
-            inner,
-            &mut request,
-            Some(num_new_tokens),
-            num_lookahead_tokens,
-            watermark,
-        );
-        inner.requests.put(key, request);
-        result
+        with_request(inner, id, |inner, request| {
+            self.allocate_locked(
+                inner,
+                request,
+                Some(num_new_tokens),
+                num_lookahead_tokens,
+                watermark,
+            )
+        })?
     }
 
     /// Whether `allocate_slots` with these arguments would succeed now. Changes nothing.
@@ -468,19 +467,9 @@ impl PrefixCache {
     ) -> Result<bool> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let (key, mut request) = inner.requests.take(id)?;
-        let plan = self.plan(
-            inner,
-            &mut request,
-            Some(num_new_tokens),
-            num_lookahead_tokens,
-        );
-        inner.requests.put(key, request);
-        let plan = plan?;
-        Ok(
-            self.obtainable_with(inner, &plan.anchors, plan.fresh + watermark)
-                >= plan.fresh + watermark,
-        )
+        let plan = self.plan_for(inner, id, num_new_tokens, num_lookahead_tokens)?;
+        let want = plan.fresh + watermark;
+        Ok(self.obtainable_with(inner, &plan.anchors, want) >= want)
     }
 
     /// Blocks `allocate_slots(id, num_new_tokens, num_lookahead_tokens)` would take from the
@@ -492,16 +481,18 @@ impl PrefixCache {
         num_lookahead_tokens: usize,
     ) -> Result<usize> {
         let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let (key, mut request) = inner.requests.take(id)?;
-        let plan = self.plan(
-            inner,
-            &mut request,
-            Some(num_new_tokens),
-            num_lookahead_tokens,
-        );
-        inner.requests.put(key, request);
-        Ok(plan?.fresh)
+        Ok(self
+            .plan_for(&mut guard, id, num_new_tokens, num_lookahead_tokens)?
+            .fresh)
+    }
+
+    /// The position the next `allocate_slots` would start computing from, changing nothing:
+    /// for a waiting request the length of its cached prefix (matched from the keys it kept,
+    /// so a scheduler may ask every step without rehashing the prompt), for a scheduled one
+    /// its computed tokens.
+    pub fn start_position(&self, id: &RequestId) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        Ok(self.plan_for(&mut guard, id, 0, 0)?.start)
     }
 
     /// Adds tokens to a request without allocating: sampled tokens, or with `draft` unverified
@@ -578,13 +569,11 @@ impl PrefixCache {
             request.num_computed = request.num_computed.max(num_computed_tokens);
             return Ok(request.anchors.len());
         }
-        // Out of the map while publishing: `publish` borrows the rest of `inner` mutably.
-        let (key, mut request) = inner.requests.take(id)?;
-        request.num_computed = request.num_computed.max(num_computed_tokens);
-        self.publish_verified(inner, &mut request);
-        let committed = request.anchors.len();
-        inner.requests.put(key, request);
-        Ok(committed)
+        with_request(inner, id, |inner, request| {
+            request.num_computed = request.num_computed.max(num_computed_tokens);
+            self.publish_verified(inner, request);
+            request.anchors.len()
+        })
     }
 
     /// Keeps the first `num_accepted` draft tokens as verified and drops the others (their
@@ -601,13 +590,12 @@ impl PrefixCache {
             )));
         }
         let keep = request.num_verified() + num_accepted;
-        let (key, mut request) = inner.requests.take(id)?;
-        self.truncate_locked(inner, &mut request, keep);
-        request.num_drafts = 0;
-        self.publish_verified(inner, &mut request);
-        let committed = request.anchors.len();
-        inner.requests.put(key, request);
-        Ok(committed)
+        with_request(inner, id, |inner, request| {
+            self.truncate_locked(inner, request, keep);
+            request.num_drafts = 0;
+            self.publish_verified(inner, request);
+            request.anchors.len()
+        })
     }
 
     /// Drops every token from position `num_tokens` on (drafts or not), their KV, and every
@@ -644,10 +632,9 @@ impl PrefixCache {
                  with another request, and is never rewritten"
             )));
         }
-        let (key, mut request) = inner.requests.take(id)?;
-        let freed = self.truncate_locked(inner, &mut request, num_tokens);
-        inner.requests.put(key, request);
-        Ok(freed)
+        with_request(inner, id, |inner, request| {
+            self.truncate_locked(inner, request, num_tokens)
+        })
     }
 
     /// Drops every reference the request holds and its KV; its drafts are dropped too. The
@@ -656,10 +643,12 @@ impl PrefixCache {
     pub fn preempt(&self, id: &RequestId) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let (key, mut request) = inner.requests.take(id)?;
-        if request.scheduled {
+        with_request(inner, id, |inner, request| {
+            if !request.scheduled {
+                return;
+            }
             inner.tick += 1;
-            self.release_table(inner, &request);
+            self.release_table(inner, request);
             let verified = request.num_verified();
             request.tokens.truncate(verified);
             request.num_drafts = 0;
@@ -670,9 +659,7 @@ impl PrefixCache {
             // Its KV is gone: computed afresh, it may publish again (a collision is found
             // again; a reset is noticed by the epoch at the next match).
             request.cacheable = true;
-        }
-        inner.requests.put(key, request);
-        Ok(())
+        })
     }
 
     /// Ends a request: drops its references. Cached blocks stay, now evictable.
@@ -711,24 +698,21 @@ impl PrefixCache {
     pub fn request_block_keys(&self, id: &RequestId) -> Result<Vec<BlockKey>> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let (key, mut request) = inner.requests.take(id)?;
-        if !request.scheduled {
-            self.refresh_epoch(inner, &mut request);
-        }
-        let bs = self.config.block_size;
-        let target = request.num_verified() / bs;
-        let mut buffer = std::mem::take(&mut inner.scratch);
-        for position in request.export_keys.len()..target {
-            let parent = request.export_keys.last().copied().unwrap_or(request.root);
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
-            let extras = block_extras(&request.extras, position, bs);
-            let block_key = block_key_with(&mut buffer, &parent, chunk, &extras);
-            request.export_keys.push(block_key);
-        }
-        inner.scratch = buffer;
-        let keys = request.export_keys[..target].to_vec();
-        inner.requests.put(key, request);
-        Ok(keys)
+        with_request(inner, id, |inner, request| {
+            if !request.scheduled {
+                self.refresh_epoch(inner, request);
+            }
+            let bs = self.config.block_size;
+            let target = request.num_verified() / bs;
+            for position in request.export_keys.len()..target {
+                let parent = request.export_keys.last().copied().unwrap_or(request.root);
+                let chunk = &request.tokens[position * bs..(position + 1) * bs];
+                let extras = block_extras(&request.extras, position, bs);
+                let key = block_key_with(&mut inner.scratch, &parent, chunk, &extras);
+                request.export_keys.push(key);
+            }
+            request.export_keys[..target].to_vec()
+        })
     }
 
     // ----- internals ------------------------------------------------------------------------
@@ -782,6 +766,19 @@ impl PrefixCache {
             }
         }
         anchors
+    }
+
+    /// `plan` for request `id`, which stays in place.
+    fn plan_for(
+        &self,
+        inner: &mut Inner,
+        id: &RequestId,
+        num_new: usize,
+        lookahead: usize,
+    ) -> Result<Plan> {
+        with_request(inner, id, |inner, request| {
+            self.plan(inner, request, Some(num_new), lookahead)
+        })?
     }
 
     /// What allocating `num_new` (None: every known token not yet computed) plus `lookahead`
@@ -1068,6 +1065,19 @@ impl PrefixCache {
             request.anchors.push(anchor);
         }
     }
+}
+
+/// Runs `f` on request `id` taken out of the map, so that `f` may borrow the rest of `inner`
+/// mutably (`publish` does), and puts it back: its key with it, so nothing is cloned.
+fn with_request<T>(
+    inner: &mut Inner,
+    id: &RequestId,
+    f: impl FnOnce(&mut Inner, &mut Request) -> T,
+) -> Result<T> {
+    let (key, mut request) = inner.requests.take(id)?;
+    let result = f(inner, &mut request);
+    inner.requests.put(key, request);
+    Ok(result)
 }
 
 fn no_pending_drafts(id: &RequestId, request: &Request) -> Result<()> {

@@ -212,12 +212,24 @@ fn preempt_keeps_committed_blocks_cached_and_resume_hits_them() {
     assert_eq!(c.stats().blocks_in_use, 0, "preempted: no references held");
     assert_eq!(c.stats().blocks_cached, 3);
     assert!(c.block_table(&id("a")).unwrap().is_empty());
+    let stats = c.stats();
+    assert_eq!(
+        c.start_position(&id("a")),
+        Ok(6),
+        "the probe matches from the kept keys"
+    );
+    assert_eq!(c.stats(), stats, "and changes nothing");
     let resumed = c.allocate_slots(&id("a"), 2, 0, 0).unwrap();
     assert_eq!(
         resumed.num_cached_tokens, 6,
         "the committed blocks are hit again"
     );
     assert_eq!(resumed.num_computed_tokens, 6);
+    assert_eq!(
+        c.start_position(&id("a")),
+        Ok(6),
+        "scheduled: its computed tokens"
+    );
     assert_eq!(c.request_block_keys(&id("a")).unwrap(), keys);
     c.finish(&id("a")).unwrap();
     c.check_invariants();

@@ -194,6 +194,10 @@ impl CoreCache {
             .map_err(to_py_err)
     }
 
+    fn start_position(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.start_position(&request.0).map_err(to_py_err)
+    }
+
     fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {
         tokens
             .view()
