@@ -93,19 +93,23 @@ def order_waiting(
     return sorted(indices, key=rank)
 
 
-def ngram_drafts(tokens: Sequence[int], num_drafts: int, max_ngram: int = 3) -> list[int]:
+def ngram_drafts(
+    tokens: Sequence[int], num_drafts: int, max_ngram: int = 3, window: int = 1024
+) -> list[int]:
     """Prompt-lookup drafts: find the longest suffix n-gram (``max_ngram`` down to 1) that
-    occurred earlier in `tokens`, and propose the (up to) `num_drafts` tokens that followed its
-    most recent earlier occurrence. Empty when nothing matches. Cheap, model-free, and right
-    surprisingly often on chat and code, where answers quote their context."""
-    n_tokens = len(tokens)
+    occurred earlier in the last `window` tokens, and propose the (up to) `num_drafts` tokens
+    that followed its most recent earlier occurrence. Empty when nothing matches. Cheap,
+    model-free, and right surprisingly often on chat and code, where answers quote their
+    context. The window bounds the work of a decode step whatever the sequence's length."""
+    recent = list(tokens[-window:])
+    n_tokens = len(recent)
     if num_drafts <= 0 or n_tokens < 2:
         return []
     for n in range(min(max_ngram, n_tokens - 1), 0, -1):
-        suffix = list(tokens[n_tokens - n :])
+        suffix = recent[n_tokens - n :]
         for start in range(n_tokens - n - 1, -1, -1):
-            if list(tokens[start : start + n]) == suffix:
-                follow = list(tokens[start + n : start + n + num_drafts])
+            if recent[start] == suffix[0] and recent[start : start + n] == suffix:
+                follow = recent[start + n : start + n + num_drafts]
                 if follow:
                     return follow
     return []
