@@ -47,7 +47,7 @@ def _assert_exact(model: LlamaModel, results: list[RequestResult], max_new_token
         assert result.tokens_match
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=max(12, settings().max_examples // 2), deadline=None)
 @given(
     layer_types=st.lists(st.sampled_from([FULL, SLIDING]), min_size=2, max_size=4).map(tuple),
     # Windows from one token to longer than every prompt plus its output (about 40).

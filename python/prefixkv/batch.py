@@ -23,6 +23,7 @@ from prefixkv.rope import rope_inverse_frequencies
 
 if TYPE_CHECKING:
     from prefixkv.kv import PagedKVCache
+    from prefixkv.kv_groups import GroupedKVCache
     from prefixkv.model_config import ModelConfig
 
 __all__ = [
@@ -52,6 +53,9 @@ class PrefillRequest:
     write_kv: False when the pages already hold the KV of the computed positions too, e.g. a
         full cache hit (m = n - 1, the last token's KV is in a shared block): only the queries
         are computed and the pages are not written, so a shared block is never modified.
+    group_block_tables: for a `GroupedKVCache`, one block table per KV group (`block_table`
+        is then ignored); a sliding group's table may hold its null block at positions outside
+        the window of every computed position.
     """
 
     token_ids: TokenIds
@@ -59,14 +63,17 @@ class PrefillRequest:
     num_cached_tokens: int = 0
     num_tokens: int | None = None
     write_kv: bool = True
+    group_block_tables: Sequence[BlockTable] | None = None
 
 
 @dataclass
 class DecodeRequest:
-    """One sequence in a `LlamaModel.decode_step` batch: its tokens including the new one."""
+    """One sequence in a `LlamaModel.decode_step` batch: its tokens including the new one
+    (`group_block_tables` as in `PrefillRequest`, for a `GroupedKVCache`)."""
 
     token_ids: TokenIds
     block_table: BlockTable
+    group_block_tables: Sequence[BlockTable] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,10 @@ class PackedBatch:
     block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with block 0
     query_lens: list[int]  # Python ints: attention plans on the host, so no device read-back
     seq_lens: list[int]
+    # One slot mapping and one padded table per KV group (a `GroupedKVCache`); for a plain
+    # `PagedKVCache` the single group's are `slot_mapping` and `block_tables`.
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
 
 
 def computed_range(request: PrefillRequest, n: int, where: str) -> tuple[int, int]:
@@ -103,7 +114,7 @@ def computed_range(request: PrefillRequest, n: int, where: str) -> tuple[int, in
 
 def pack_prefill_batch(
     config: ModelConfig,
-    kv_cache: PagedKVCache,
+    kv_cache: PagedKVCache | GroupedKVCache,
     batch: Sequence[PrefillRequest],
     *,
     device: torch.device,
@@ -115,14 +126,24 @@ def pack_prefill_batch(
     Everything that depends only on lengths and block tables (positions, RoPE tables, slot
     mapping) is built here on the CPU, once per call rather than once per layer.
     """
+    from prefixkv.kv_groups import GroupedKVCache
+
     if isinstance(batch, PrefillRequest) or not isinstance(batch, Sequence) or not batch:
         raise InvalidInputError("batch must be a non-empty sequence of PrefillRequest")
+    grouped = isinstance(kv_cache, GroupedKVCache)
     block_size = kv_cache.block_size
+    # Per group: the pages a table may name, and the null block no computed position may use.
+    if isinstance(kv_cache, GroupedKVCache):
+        limits = [pages.num_blocks for pages in kv_cache.groups]
+        nulls = [kv_cache.null_block(g) for g in range(len(kv_cache.groups))]
+    else:
+        limits, nulls = [kv_cache.num_blocks], [None]
+    num_groups = len(limits)
     token_chunks: list[torch.Tensor] = []
     angle_chunks: list[torch.Tensor] = []
-    slot_chunks: list[torch.Tensor] = []
+    slot_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
     row_chunks: list[torch.Tensor] = []
-    tables: list[torch.Tensor] = []
+    tables: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
     query_lens: list[int] = []
     seq_lens: list[int] = []
     row = 0
@@ -132,53 +153,78 @@ def pack_prefill_batch(
             raise InvalidInputError(f"{where} is not a PrefillRequest: {request!r}")
         tokens = token_tensor(request.token_ids, config.vocab_size, f"{where}.token_ids")
         start, end = computed_range(request, tokens.numel(), where)
-        table = int_tensor(request.block_table, f"{where}.block_table")
-        needed = -(-end // block_size)
-        if table.numel() < needed:
-            raise KVShapeError(
-                f"{where}.block_table has {table.numel()} blocks; {end} tokens with "
-                f"block_size {block_size} need {needed}"
-            )
-        table = table[:needed]
-        if bool(((table < 0) | (table >= kv_cache.num_blocks)).any()):
-            raise KVIndexError(
-                f"{where}.block_table has block ids outside [0, {kv_cache.num_blocks}): "
-                f"{table.tolist()}"
-            )
+        if grouped:
+            if request.group_block_tables is None or len(request.group_block_tables) != num_groups:
+                raise InvalidInputError(
+                    f"{where}.group_block_tables must hold one block table per KV group "
+                    f"({num_groups}) for a GroupedKVCache"
+                )
+            raw_tables = list(request.group_block_tables)
+        else:
+            raw_tables = [request.block_table]
         positions = torch.arange(start, end)
+        needed = -(-end // block_size)
+        for group, raw in enumerate(raw_tables):
+            name = f"{where}.block_table" if not grouped else f"{where}.group_block_tables[{group}]"
+            table = int_tensor(raw, name)
+            if table.numel() < needed:
+                raise KVShapeError(
+                    f"{name} has {table.numel()} blocks; {end} tokens with "
+                    f"block_size {block_size} need {needed}"
+                )
+            table = table[:needed]
+            if bool(((table < 0) | (table >= limits[group])).any()):
+                raise KVIndexError(
+                    f"{name} has block ids outside [0, {limits[group]}): {table.tolist()}"
+                )
+            blocks = table[positions // block_size]
+            null = nulls[group]
+            if null is not None and bool((blocks == null).any()):
+                # A computed position's keys are inside its own window: never a released block.
+                raise KVIndexError(
+                    f"{name} has the null block {null} at a position this call computes "
+                    f"({start}..{end - 1}): only positions outside every window may be released"
+                )
+            if request.write_kv:
+                slot_chunks[group].append(blocks * block_size + positions % block_size)
+            tables[group].append(table)
         # RoPE angles in float64: positions in the hundreds of thousands times a frequency
         # near 1 lose the low bits of the angle in float32.
         absolute = positions.to(torch.float64) + config.position_offset
         frequencies = rope_inverse_frequencies(config, config.position_offset + end)
         angle_chunks.append(torch.outer(absolute, frequencies))
         if request.write_kv:
-            blocks = table[positions // block_size]
-            slot_chunks.append(blocks * block_size + positions % block_size)
             row_chunks.append(torch.arange(row, row + end - start))
         token_chunks.append(tokens[start:end])
-        tables.append(table)
         query_lens.append(end - start)
         seq_lens.append(end)
         row += end - start
 
-    slots = torch.cat(slot_chunks) if slot_chunks else torch.empty(0, dtype=torch.int64)
-    if slots.unique().numel() != slots.numel():
-        # Two requests writing one slot: the result would depend on write order.
-        raise KVIndexError(
-            "two requests in the batch write the same page slot; a block may be written by "
-            "one request only (shared blocks must be read-only: write_kv=False)"
-        )
+    slot_mappings = []
+    for group in range(num_groups):
+        chunks = slot_chunks[group]
+        slots = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+        if slots.unique().numel() != slots.numel():
+            # Two requests writing one slot: the result would depend on write order.
+            raise KVIndexError(
+                "two requests in the batch write the same page slot; a block may be written by "
+                "one request only (shared blocks must be read-only: write_kv=False)"
+            )
+        slot_mappings.append(slots.to(device))
     written_rows = torch.cat(row_chunks) if row_chunks else torch.empty(0, dtype=torch.int64)
     angles = torch.cat(angle_chunks)
+    padded = tuple(_pad_block_tables(group_tables).to(device) for group_tables in tables)
     return PackedBatch(
         tokens=torch.cat(token_chunks).to(device),
         cos=torch.cos(angles).to(device, dtype),
         sin=torch.sin(angles).to(device, dtype),
-        slot_mapping=slots.to(device),
+        slot_mapping=slot_mappings[0],
         written_rows=None if written_rows.numel() == row else written_rows.to(device),
-        block_tables=_pad_block_tables(tables).to(device),
+        block_tables=padded[0],
         query_lens=query_lens,
         seq_lens=seq_lens,
+        group_slot_mappings=tuple(slot_mappings),
+        group_block_tables=padded,
     )
 
 

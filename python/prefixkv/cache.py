@@ -175,6 +175,16 @@ class PrefixCache:
             that writes the KV of every token it computes is always right. ``"reuse_last_block"``:
             every block is shared and only the last token is computed, reading its KV from the
             shared block; the runner must then *not* write KV for it (``last_token_shared``).
+        sliding_window: ``None`` (the default) for full attention. A positive int ``W`` makes
+            this the cache of a sliding-window KV group (one `PrefixCache` per group of layers
+            of one attention kind): the query at position ``i`` reads keys ``i - W < j <= i``
+            only. Blocks that leave a request's window are released as it advances (cached ones
+            stay cached, evictable), and their block-table positions hold `null_block`; a hit
+            needs only the blocks of the window before the hit point, the earlier positions of
+            `PrefixMatch.block_ids` / `Slots.block_ids` being `null_block` too. The low-level
+            `commit_blocks` and `pin` are refused in this mode (use the request API);
+            `match_and_acquire` references only the non-null blocks. ``docs/design.md``,
+            "Sliding-window groups", has the rules.
 
     Every request-keyed call takes the `Request` that `begin` returned, or the request's id:
     the engine's own (an int or a str, given to `add_request` or `begin`), or the int `begin`
@@ -191,10 +201,19 @@ class PrefixCache:
         block_size: int | None = None,
         vocab_size: int | None = None,
         full_hit: str = "recompute_last_block",
+        sliding_window: int | None = None,
         _key_bits: int = 128,
     ) -> None:
         if full_hit not in FULL_HIT_MODES:
             raise InvalidInputError(f"full_hit must be one of {FULL_HIT_MODES}, got {full_hit!r}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window < 1
+        ):
+            raise InvalidInputError(
+                f"sliding_window must be None or a positive int (tokens), got {sliding_window!r}"
+            )
         if block_size is not None and (
             isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
         ):
@@ -220,6 +239,7 @@ class PrefixCache:
             vocab_size,
             _key_bits,
             full_hit == "reuse_last_block",
+            sliding_window,
         )
 
     # -- properties ----------------------------------------------------------------------
@@ -230,6 +250,18 @@ class PrefixCache:
     @property
     def block_size(self) -> int:
         return self._core.block_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window in tokens of a sliding-window cache; None for full attention."""
+        return self._core.sliding_window
+
+    @property
+    def null_block(self) -> int | None:
+        """The block id standing at every block-table position a sliding-window request no
+        longer reads (``num_blocks``: one past the pool, never allocated, cached or referenced;
+        keep one spare KV page for it). None for full attention."""
+        return self._core.null_block
 
     @property
     def context(self) -> CacheContext:
@@ -352,6 +384,17 @@ class PrefixCache:
         step rehashes nothing); for a scheduled one, its computed tokens."""
         return self._core.start_position(request)
 
+    def limit_cached_prefix(self, request: RequestRef, max_cached_tokens: int | None) -> None:
+        """Cap the cached prefix the request's matches may use (None lifts the cap).
+
+        Its next `allocate_slots` while waiting (and `start_position`, `can_allocate_slots`,
+        `blocks_needed` before it) then considers only hits of at most `max_cached_tokens`
+        tokens; a full hit only if the cap allows its ``num_cached_tokens``. The cap stays until
+        changed (a re-match after `preempt` honours it too). A coordinator running one cache
+        per KV group uses it to make every group serve the same hit length.
+        """
+        self._core.limit_cached_prefix(request, max_cached_tokens)
+
     def append_tokens(self, request: RequestRef, tokens: TokenIds, *, draft: bool = False) -> None:
         """Add sampled tokens (or, with `draft`, speculative draft tokens) without allocating.
 
@@ -381,7 +424,8 @@ class PrefixCache:
     def truncate(self, request: RequestRef, num_tokens: int) -> list[int]:
         """Drop the request's tokens from position `num_tokens` on, with their KV; returns the
         blocks freed (those left without tokens). Cutting into a published block is refused:
-        published KV is never rewritten."""
+        published KV is never rewritten. In a sliding-window cache, so is a length whose next
+        query would read a block the request already released."""
         return self._core.truncate(request, num_tokens)
 
     def preempt(self, request: RequestRef) -> None:
@@ -526,7 +570,8 @@ class PrefixCache:
         self._core.check_invariants()
 
     def __repr__(self) -> str:
-        return f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size})"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return f"PrefixCache(num_blocks={self.num_blocks}, block_size={self.block_size}{window})"
 
 
 def _extras(

@@ -408,6 +408,7 @@ def _selfcheck() -> int:
     """Exercise the cache, the paged KV and the engine on a tiny model; 0 if all agree."""
     import torch
 
+    from prefixkv.cache import PrefixCache
     from prefixkv.engine import Engine
     from prefixkv.model import LlamaModel, ModelConfig
 
@@ -446,6 +447,7 @@ def _selfcheck() -> int:
         "another RoPE theta gives another cache context",
     )
     engine.cache.check_invariants()
+    assert isinstance(engine.cache, PrefixCache)  # the selfcheck model has one KV group
     check(engine.cache.stats().requests_live == 0, "every request released its blocks")
     print("selfcheck passed" if not failures else f"selfcheck FAILED: {len(failures)} check(s)")
     return 0 if not failures else 1

@@ -52,8 +52,10 @@ from prefixkv.cache import FULL_HIT_MODES, PrefixCache, Slots
 from prefixkv.checkpoint import checkpoint_eos_token_ids
 from prefixkv.context import CacheContext
 from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
-from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.errors import InvalidInputError, KVShapeError, OutOfBlocksError
+from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
 from prefixkv.kv import PagedKVCache
+from prefixkv.kv_groups import GroupedKVCache, KVGroupSpec, kv_group_specs
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.model_config import model_context
 from prefixkv.scheduler import (
@@ -146,7 +148,7 @@ class _Sequence:
     accepted_draft_tokens: int = 0
     scheduled_tokens: int = 0
 
-    def admitted(self, slots: Slots) -> None:
+    def admitted(self, slots: Slots | GroupSlots) -> None:
         if self.admissions == 0:
             self.cached_tokens = slots.num_cached_tokens
             self.full_hit = slots.full_hit
@@ -223,6 +225,11 @@ class Engine:
         watermark_blocks: blocks kept obtainable for running requests when admitting a new
             one (default 1% of the pool).
         full_hit: how a fully cached prompt is served (`PrefixCache`'s ``full_hit``).
+        kv_group_blocks: for a model with sliding-window layers (docs/hybrid.md), the blocks
+            of each KV group's pool (`kv_group_specs` order: full attention first). Default:
+            the pool's memory split so that every group has as many blocks as the pool would
+            have for all layers; moving memory from the sliding group to the full one is what
+            lets more long requests run at once (`benches/bench_hybrid.py`).
         host_tier_bytes: host memory for blocks evicted from the pool (docs/tiers.md);
             None: no host tier.
         remote_store: a shared `prefixkv.tiers.RemoteStore` (e.g. `RedisStore`) for blocks;
@@ -251,6 +258,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         watermark_blocks: int | None = None,
         full_hit: str = "recompute_last_block",
+        kv_group_blocks: Sequence[int] | None = None,
         host_tier_bytes: int | None = None,
         remote_store: RemoteStore | None = None,
         remote_namespace: str = "prefixkv",
@@ -313,7 +321,40 @@ class Engine:
         #: The KV event publisher, once `publish_kv_events` started one.
         self.kv_events: Any = None
         geometry = (config.num_layers, block_size, config.num_kv_heads, config.head_dim)
-        if kv_memory_bytes is not None:
+        self.kv_groups = kv_group_specs(config)
+        #: True when the layers form KV groups (any sliding-window layer): one pool per group.
+        self.grouped = len(self.kv_groups) > 1 or self.kv_groups[0].sliding_window is not None
+        self.kv_cache: PagedKVCache | GroupedKVCache
+        if self.grouped:
+            if full_hit != "recompute_last_block":
+                raise InvalidInputError(
+                    "a model with sliding-window layers is served with "
+                    "full_hit='recompute_last_block' only (its KV groups must agree on which "
+                    "token's KV is written)"
+                )
+            if host_tier_bytes is not None or remote_store is not None:
+                raise InvalidInputError(
+                    "host and remote KV tiers do not support models with sliding-window layers "
+                    "(KV groups) yet"
+                )
+            group_blocks = self._group_blocks(
+                kv_group_blocks, num_blocks, kv_memory_bytes, geometry, self.model.dtype
+            )
+            self.kv_cache = GroupedKVCache(
+                self.kv_groups,
+                group_blocks,
+                block_size,
+                config.num_kv_heads,
+                config.head_dim,
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
+        elif kv_group_blocks is not None:
+            raise InvalidInputError(
+                "kv_group_blocks applies to models with sliding-window layers; this one has "
+                "one KV group (give num_blocks or kv_memory_bytes)"
+            )
+        elif kv_memory_bytes is not None:
             self.kv_cache = PagedKVCache.from_memory_budget(
                 kv_memory_bytes, *geometry, dtype=self.model.dtype, device=self.model.device
             )
@@ -333,14 +374,23 @@ class Engine:
         self._adapter_key = self.model.adapter_digest()
         self._reuse_warning_given = False
         self.context = self._build_context()
-        self.cache = PrefixCache(
-            self.kv_cache.num_blocks,
-            context=self._cache_context(),
-            vocab_size=config.vocab_size,
-            full_hit=full_hit,
-        )
+        self.cache: PrefixCache | GroupedPrefixCache
+        if isinstance(self.kv_cache, GroupedKVCache):
+            self.cache = GroupedPrefixCache(
+                self.kv_groups,
+                self.kv_cache.num_blocks,
+                context=self._cache_context(),
+                vocab_size=config.vocab_size,
+            )
+        else:
+            self.cache = PrefixCache(
+                self.kv_cache.num_blocks,
+                context=self._cache_context(),
+                vocab_size=config.vocab_size,
+                full_hit=full_hit,
+            )
         if watermark_blocks is None:
-            watermark_blocks = max(1, self.kv_cache.num_blocks // 100)
+            watermark_blocks = max(1, min(self._pool_sizes()) // 100)
         self.watermark_blocks = _positive_int(watermark_blocks, "watermark_blocks", minimum=0)
         # -- lower tiers (prefixkv.tiers): off unless asked for
         self.tiers: KVTiers | None = None
@@ -350,6 +400,7 @@ class Engine:
                 remote = RemoteTier(
                     remote_store, namespace=remote_namespace, queue_size=remote_queue_size
                 )
+            assert isinstance(self.kv_cache, PagedKVCache) and isinstance(self.cache, PrefixCache)
             self.tiers = KVTiers(
                 self.kv_cache,
                 host_tier_bytes=host_tier_bytes,
@@ -397,6 +448,10 @@ class Engine:
         with ``prometheus_client.REGISTRY.register(...)``."""
         from prefixkv.metrics import PrefixCacheCollector
 
+        if not isinstance(self.cache, PrefixCache):
+            raise InvalidInputError(
+                "metrics of a model with sliding-window layers (KV groups) are not collected yet"
+            )
         return PrefixCacheCollector(
             self.cache,
             publisher=self.kv_events,
@@ -650,15 +705,15 @@ class Engine:
         start = time.perf_counter()
         prompts = [self.encode(request) for request in requests]
         for index, prompt in enumerate(prompts):
-            needed = self._blocks_for(
-                len(prompt) + max_new_tokens - 1 + self.num_speculative_tokens
-            )
-            if needed > self.kv_cache.num_blocks:
-                raise OutOfBlocksError(
-                    f"request {index}: {len(prompt)} prompt tokens plus {max_new_tokens} new "
-                    f"need {needed} blocks of {self.kv_cache.block_size} tokens; the KV pool has "
-                    f"{self.kv_cache.num_blocks} (raise num_blocks or kv_memory_bytes)"
-                )
+            total = len(prompt) + max_new_tokens - 1 + self.num_speculative_tokens
+            for spec, pool in zip(self.kv_groups, self._pool_sizes(), strict=False):
+                needed = self._blocks_for(total, spec.sliding_window)
+                if needed > pool:
+                    raise OutOfBlocksError(
+                        f"request {index}: {len(prompt)} prompt tokens plus {max_new_tokens} new "
+                        f"need {needed} blocks of {self.kv_cache.block_size} tokens; the KV pool "
+                        f"{self._pool_name(spec)}has {pool} (raise num_blocks or kv_memory_bytes)"
+                    )
         if stop_token_ids is None:
             stops = frozenset(self.stop_token_ids)
         else:
@@ -681,8 +736,67 @@ class Engine:
             run.abandon()
             raise
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv_cache.block_size)
+    def _blocks_for(self, num_tokens: int, sliding_window: int | None = None) -> int:
+        """Blocks one request of `num_tokens` holds at most: all of them, or for a sliding
+        group (which releases what its window passed) the window, the largest step's tokens
+        and a block of slack on each side."""
+        size = self.kv_cache.block_size
+        blocks = -(-num_tokens // size)
+        if sliding_window is None or not self.prefix_reuse:
+            # Without reuse nothing is committed, so nothing is released either.
+            return blocks
+        step = self.max_num_batched_tokens + self.num_speculative_tokens
+        return min(blocks, -(-(sliding_window - 1 + step) // size) + 2)
+
+    def _pool_sizes(self) -> tuple[int, ...]:
+        """Blocks of each KV group's pool (one pool for a model without KV groups)."""
+        if isinstance(self.kv_cache, GroupedKVCache):
+            return self.kv_cache.num_blocks
+        return (self.kv_cache.num_blocks,)
+
+    def _pool_name(self, spec: KVGroupSpec) -> str:
+        if not self.grouped:
+            return ""
+        return f"of KV group {spec.index} ({spec.kind}) "
+
+    def _group_blocks(
+        self,
+        kv_group_blocks: Sequence[int] | None,
+        num_blocks: int | None,
+        kv_memory_bytes: int | None,
+        geometry: tuple[int, int, int, int],
+        dtype: torch.dtype,
+    ) -> tuple[int, ...]:
+        """Blocks of each KV group's pool: as given, or every group the blocks the whole
+        pool would have for all layers (the same memory: each group's block holds only its
+        own layers)."""
+        if kv_group_blocks is not None:
+            if num_blocks is not None or kv_memory_bytes is not None:
+                raise InvalidInputError(
+                    "give kv_group_blocks, or num_blocks / kv_memory_bytes, not both"
+                )
+            if isinstance(kv_group_blocks, (str, bytes)) or len(kv_group_blocks) != len(
+                self.kv_groups
+            ):
+                raise InvalidInputError(
+                    f"kv_group_blocks must give one count per KV group ({len(self.kv_groups)}: "
+                    f"{', '.join(spec.kind for spec in self.kv_groups)}), got {kv_group_blocks!r}"
+                )
+            return tuple(
+                _positive_int(count, f"kv_group_blocks[{index}]")
+                for index, count in enumerate(kv_group_blocks)
+            )
+        if kv_memory_bytes is not None:
+            per_block = PagedKVCache._bytes_per_block(*geometry, dtype)
+            count = int(kv_memory_bytes) // per_block
+            if count < 1:
+                raise KVShapeError(
+                    f"a budget of {kv_memory_bytes} bytes holds no block; one block of every "
+                    f"layer takes {per_block}"
+                )
+        else:
+            count = _DEFAULT_NUM_BLOCKS if num_blocks is None else num_blocks
+        return (count,) * len(self.kv_groups)
 
     def _result(self, sequence: _Sequence, check_exactness: bool) -> RequestResult:
         result = RequestResult(
@@ -710,9 +824,11 @@ class Engine:
         return result
 
     def __repr__(self) -> str:
+        pools = self._pool_sizes()
         return (
             f"Engine(model={self.context.model_id or 'LlamaModel'}, "
-            f"num_blocks={self.kv_cache.num_blocks}, block_size={self.kv_cache.block_size})"
+            f"num_blocks={pools[0] if len(pools) == 1 else pools}, "
+            f"block_size={self.kv_cache.block_size})"
         )
 
 
@@ -892,11 +1008,12 @@ class _Run:
         written before the step's model call), so they go to the host tier now."""
         tiers = self.engine.tiers
         if tiers is not None and tiers.needs_eviction_log:
+            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
             evicted = self.cache.drain_evicted()
             if evicted:
                 tiers.save_evicted(evicted, self.cache.context.fingerprint())
 
-    def _tiers_load(self, sequence: _Sequence, slots: Slots, num_new: int) -> int:
+    def _tiers_load(self, sequence: _Sequence, slots: Slots | GroupSlots, num_new: int) -> int:
         """Extends a fresh admission's device hit with host, then remote blocks, loaded into
         its own fresh blocks, counted computed and committed; returns where computing starts.
         At least one token of the chunk is left to compute (its logits, or the next chunk)."""
@@ -908,6 +1025,7 @@ class _Run:
         if start % self.block_size or last <= first:
             return start
         request_id = sequence.request_id
+        assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
         keys = self.cache.request_block_keys(request_id)
         table = self.cache.block_table(request_id)
         context = self.cache.context.fingerprint()
@@ -931,6 +1049,7 @@ class _Run:
         if tiers is None or last <= first:
             return
         request_id = sequence.request_id
+        assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
         tiers.record(
             self.cache.block_table(request_id),
             self.cache.request_block_keys(request_id),
@@ -991,10 +1110,14 @@ class _Run:
         held outside the engine) can cause it, since a lone request always fits the pool."""
         sequence = self.waiting[0]
         stats = self.cache.stats()
+        all_stats = stats.groups if isinstance(stats, GroupedCacheStats) else (stats,)
+        pools = "; ".join(
+            f"{stats.blocks_free} free, {stats.blocks_pinned} pinned, {stats.blocks_in_use} in use"
+            for stats in all_stats
+        )
         raise OutOfBlocksError(
             f"cannot schedule request {sequence.index}: the pool cannot supply its blocks "
-            f"({stats.blocks_free} free, {stats.blocks_pinned} pinned, {stats.blocks_in_use} "
-            "in use) and nothing running can be preempted"
+            f"({pools}) and nothing running can be preempted"
         )
 
     # -- one model call ------------------------------------------------------------------
@@ -1006,20 +1129,28 @@ class _Run:
         batch = []
         for item in scheduled:
             sequence = item.sequence
-            table = self.cache.block_table(sequence.request_id)
             end = item.start + item.num_new
             # A reuse-last-block full hit: the last token's KV is already in a shared block.
             write_kv = item.start != sequence.shared_position
             sequence.shared_position = None
-            batch.append(
-                PrefillRequest(
+            if isinstance(self.cache, GroupedPrefixCache):
+                # One table per KV group; a sliding group's starts with null blocks.
+                request = PrefillRequest(
                     sequence.tokens,
-                    table,
+                    (),
+                    num_cached_tokens=item.start,
+                    num_tokens=end,
+                    group_block_tables=self.cache.block_tables(sequence.request_id),
+                )
+            else:
+                request = PrefillRequest(
+                    sequence.tokens,
+                    self.cache.block_table(sequence.request_id),
                     num_cached_tokens=item.start,
                     num_tokens=end,
                     write_kv=write_kv,
                 )
-            )
+            batch.append(request)
             if not sequence.prefilled:
                 self.stats.prefill_chunks += 1
         rows: Sequence[torch.Tensor]

@@ -74,6 +74,7 @@ from prefixkv.context import CacheContext
 from prefixkv.decode_attention import paged_decode_attention
 from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
 from prefixkv.kv import PagedKVCache
+from prefixkv.kv_groups import GroupedKVCache
 from prefixkv.lora import AdapterSet, random_adapter
 from prefixkv.model_config import ModelConfig, RopeScaling, model_context
 from prefixkv.rope import apply_rotate_half_rope as _apply_rotate_half_rope
@@ -501,7 +502,7 @@ class LlamaModel(nn.Module):
     @overload
     def prefill(
         self,
-        kv_cache: PagedKVCache,
+        kv_cache: PagedKVCache | GroupedKVCache,
         batch: Sequence[PrefillRequest],
         *,
         return_all_logits: Literal[False] = False,
@@ -511,7 +512,7 @@ class LlamaModel(nn.Module):
     @overload
     def prefill(
         self,
-        kv_cache: PagedKVCache,
+        kv_cache: PagedKVCache | GroupedKVCache,
         batch: Sequence[PrefillRequest],
         *,
         return_all_logits: Literal[True],
@@ -521,7 +522,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def prefill(
         self,
-        kv_cache: PagedKVCache,
+        kv_cache: PagedKVCache | GroupedKVCache,
         batch: Sequence[PrefillRequest],
         *,
         return_all_logits: bool = False,
@@ -564,19 +565,25 @@ class LlamaModel(nn.Module):
             key = _apply_rotate_half_rope(key, cos, sin)
             if attention_factor != 1.0:
                 query, key = query * attention_factor, key * attention_factor
+            # A layer's pages, its index in them, and its group's slots and block tables.
+            if isinstance(kv_cache, GroupedKVCache):
+                pages, page_layer, group = kv_cache.layer_pages(index)
+                slot_mapping = packed.group_slot_mappings[group]
+                block_tables = packed.group_block_tables[group]
+            else:
+                pages, page_layer = kv_cache, index
+                slot_mapping, block_tables = packed.slot_mapping, packed.block_tables
             if packed.written_rows is None:
-                kv_cache.write(index, key, value, packed.slot_mapping, check_bounds=False)
+                pages.write(page_layer, key, value, slot_mapping, check_bounds=False)
             elif packed.written_rows.numel() > 0:
                 rows = packed.written_rows
-                kv_cache.write(
-                    index, key[rows], value[rows], packed.slot_mapping, check_bounds=False
-                )
+                pages.write(page_layer, key[rows], value[rows], slot_mapping, check_bounds=False)
             if one_query_each:
                 attended = paged_decode_attention(
                     query,
-                    kv_cache.key_pages[index],
-                    kv_cache.value_pages[index],
-                    packed.block_tables,
+                    pages.key_pages[page_layer],
+                    pages.value_pages[page_layer],
+                    block_tables,
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
                     sliding_window=config.layer_sliding_window(index),
@@ -584,9 +591,9 @@ class LlamaModel(nn.Module):
             else:
                 attended = paged_prefill_attention(
                     query,
-                    kv_cache.key_pages[index],
-                    kv_cache.value_pages[index],
-                    packed.block_tables,
+                    pages.key_pages[page_layer],
+                    pages.value_pages[page_layer],
+                    block_tables,
                     packed.query_lens,
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
@@ -604,7 +611,7 @@ class LlamaModel(nn.Module):
 
     def decode_step(
         self,
-        kv_cache: PagedKVCache,
+        kv_cache: PagedKVCache | GroupedKVCache,
         batch: Sequence[DecodeRequest],
         *,
         attention_backend: AttentionBackend = "auto",
@@ -623,7 +630,12 @@ class LlamaModel(nn.Module):
             if tokens.numel() == 0:
                 raise InvalidInputError(f"batch[{position}] needs at least one token")
             requests.append(
-                PrefillRequest(tokens, request.block_table, num_cached_tokens=tokens.numel() - 1)
+                PrefillRequest(
+                    tokens,
+                    request.block_table,
+                    num_cached_tokens=tokens.numel() - 1,
+                    group_block_tables=request.group_block_tables,
+                )
             )
         return self.prefill(kv_cache, requests, attention_backend=attention_backend)
 
@@ -661,10 +673,22 @@ class LlamaModel(nn.Module):
 
     # ---------------------------------------------------------------- paged path helpers
 
-    def _check_cache(self, kv_cache: PagedKVCache) -> None:
+    def _check_cache(self, kv_cache: PagedKVCache | GroupedKVCache) -> None:
         config = self.config
-        if not isinstance(kv_cache, PagedKVCache):
-            raise InvalidInputError(f"expected a PagedKVCache, got {type(kv_cache).__name__}")
+        if not isinstance(kv_cache, (PagedKVCache, GroupedKVCache)):
+            raise InvalidInputError(
+                f"expected a PagedKVCache or GroupedKVCache, got {type(kv_cache).__name__}"
+            )
+        if isinstance(kv_cache, GroupedKVCache):
+            windows = tuple(
+                kv_cache.specs[kv_cache.layer_location[layer][0]].sliding_window
+                for layer in range(kv_cache.num_layers)
+            )
+            if windows != config.layer_sliding_windows:
+                raise KVShapeError(
+                    f"the KV groups give the layers windows {windows}, the model "
+                    f"{config.layer_sliding_windows}"
+                )
         model_shape = (config.num_layers, config.num_kv_heads, config.head_dim)
         cache_shape = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
         if cache_shape != model_shape:
@@ -677,7 +701,9 @@ class LlamaModel(nn.Module):
         if kv_cache.device != self.device:
             raise KVDeviceError(f"KV cache is on {kv_cache.device}, the model on {self.device}")
 
-    def _pack(self, kv_cache: PagedKVCache, batch: Sequence[PrefillRequest]) -> PackedBatch:
+    def _pack(
+        self, kv_cache: PagedKVCache | GroupedKVCache, batch: Sequence[PrefillRequest]
+    ) -> PackedBatch:
         """Validate the cache and every request, and lay the batch out as packed tensors
         (`prefixkv.batch.pack_prefill_batch`)."""
         self._check_cache(kv_cache)

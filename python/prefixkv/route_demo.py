@@ -72,6 +72,7 @@ def _worker_main(conn: Connection, name: str, config: dict[str, Any]) -> None:
     """One engine instance: serves requests from `conn`, publishes its KV events."""
     import torch
 
+    from prefixkv.cache import PrefixCache
     from prefixkv.demo import MODEL_SIZES
     from prefixkv.engine import Engine
     from prefixkv.events import KVEventPublisher
@@ -85,6 +86,7 @@ def _worker_main(conn: Connection, name: str, config: dict[str, Any]) -> None:
         block_size=config["block_size"],
         model_id="route-demo",
     )
+    assert isinstance(engine.cache, PrefixCache)  # the demo model has one KV group
     publisher = KVEventPublisher(
         engine.cache,
         "tcp://127.0.0.1:*",

@@ -39,6 +39,8 @@ from prefixkv.events.wire import (
 if TYPE_CHECKING:
     from prefixkv._core import CoreEvent
     from prefixkv.cache import PrefixCache
+    from prefixkv.group_cache import GroupedPrefixCache
+    from prefixkv.kv_groups import KVGroupSpec
 
 HashForm = Literal["int64", "bytes"]
 
@@ -46,9 +48,17 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def wire_events(
-    events: list[CoreEvent], *, block_size: int, hashes: HashForm = "int64", medium: str | None
+    events: list[CoreEvent],
+    *,
+    block_size: int,
+    hashes: HashForm = "int64",
+    medium: str | None,
+    group: KVGroupSpec | None = None,
 ) -> list[KVEvent]:
-    """The core's events as vLLM's event structs."""
+    """The core's events as vLLM's event structs; with `group`, tagged with the KV group
+    (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) as vLLM tags
+    the events of a hybrid model."""
+    group_idx = None if group is None else group.index
     if hashes not in ("int64", "bytes"):
         raise InvalidInputError(f"hashes must be 'int64' or 'bytes', got {hashes!r}")
     out: list[KVEvent] = []
@@ -60,7 +70,7 @@ def wire_events(
             continue
         keys = list(event.hashes64) if hashes == "int64" else list(event.keys)
         if kind == "removed":
-            out.append(BlockRemoved(block_hashes=keys, medium=medium))
+            out.append(BlockRemoved(block_hashes=keys, medium=medium, group_idx=group_idx))
             continue
         parent = event.parent
         parent_hash: ExternalBlockHash | None = None
@@ -83,6 +93,9 @@ def wire_events(
                 medium=medium,
                 lora_name=adapter.decode("utf-8", "replace") if adapter is not None else None,
                 extra_keys=extra_keys,
+                group_idx=group_idx,
+                kv_cache_spec_kind=None if group is None else group.kind,
+                kv_cache_spec_sliding_window=None if group is None else group.sliding_window,
             )
         )
     return out
@@ -213,6 +226,9 @@ class ZmqEventPublisher:
 class KVEventPublisher:
     """Records a `PrefixCache`'s KV events and publishes them in vLLM's format.
 
+    A `GroupedPrefixCache` (a hybrid model's KV groups) is recorded group by group, and each
+    event says its group (``group_idx`` and the group's spec), as vLLM's events do.
+
     Call `flush()` once per scheduler step (after the step's commits and finishes): it drains
     what the cache recorded and sends it as one batch (nothing when nothing changed).
 
@@ -228,7 +244,7 @@ class KVEventPublisher:
 
     def __init__(
         self,
-        cache: PrefixCache,
+        cache: PrefixCache | GroupedPrefixCache,
         endpoint: str = "tcp://*:5557",
         replay_endpoint: str | None = None,
         *,
@@ -241,11 +257,22 @@ class KVEventPublisher:
         hwm: int = 100_000,
         data_parallel_rank: int | None = None,
     ) -> None:
+        from prefixkv.group_cache import GroupedPrefixCache
+
         if hashes not in ("int64", "bytes"):
             raise InvalidInputError(f"hashes must be 'int64' or 'bytes', got {hashes!r}")
         self.hashes: HashForm = hashes
         self.medium = medium
-        self.recorder = EventRecorder(cache, capacity=capacity, token_ids=token_ids)
+        #: One recorder per KV group (with its spec), for a `GroupedPrefixCache`.
+        self.group_recorders: list[tuple[KVGroupSpec, EventRecorder]] = []
+        if isinstance(cache, GroupedPrefixCache):
+            self.group_recorders = [
+                (spec, EventRecorder(group, capacity=capacity, token_ids=token_ids))
+                for spec, group in zip(cache.specs, cache.groups, strict=True)
+            ]
+            self.recorder = self.group_recorders[0][1]
+        else:
+            self.recorder = EventRecorder(cache, capacity=capacity, token_ids=token_ids)
         self.socket = ZmqEventPublisher(
             endpoint,
             replay_endpoint,
@@ -270,6 +297,8 @@ class KVEventPublisher:
     def flush(self) -> int:
         """Publishes what the cache recorded since the last flush as one batch; returns the
         number of events sent."""
+        if self.group_recorders:
+            return self._flush_groups()
         drain = self.recorder.drain()
         self.dropped_blocks = drain.dropped_blocks
         if drain.resynchronised:
@@ -284,12 +313,36 @@ class KVEventPublisher:
         self.socket.publish_encoded(encoded)
         return len(drain.events)
 
+    def _flush_groups(self) -> int:
+        # Built as structs (not `_core.encode_events`, which knows no groups): each event gets
+        # its group's fields.
+        events: list[KVEvent] = []
+        dropped = 0
+        for spec, recorder in self.group_recorders:
+            drain = recorder.drain()
+            dropped += drain.dropped_blocks
+            if drain.resynchronised:
+                self.resynchronisations += 1
+            events += wire_events(
+                drain.events,
+                block_size=recorder.block_size,
+                hashes=self.hashes,
+                medium=self.medium,
+                group=spec,
+            )
+        self.dropped_blocks = dropped
+        if not events:
+            return 0
+        self.socket.publish(events)
+        return len(events)
+
     def close(self) -> None:
         """Publishes what is pending, stops recording, closes the sockets."""
         try:
             self.flush()
         finally:
-            self.recorder.close()
+            for recorder in [r for _, r in self.group_recorders] or [self.recorder]:
+                recorder.close()
             self.socket.close()
 
     def __enter__(self) -> KVEventPublisher:

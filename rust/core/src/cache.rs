@@ -74,6 +74,10 @@ pub struct CacheConfig {
     pub key_bits: u32,
     /// How a prompt whose every block is cached is served (`request.rs`, "Full hits").
     pub full_hit: FullHit,
+    /// `None`: full attention, every token reads every earlier one. `Some(w)`: a sliding-window
+    /// KV group, where the query at position `i` reads keys `i - w < j <= i` only; blocks that
+    /// fell out of every live request's window are released (`sliding.rs`).
+    pub sliding_window: Option<usize>,
 }
 
 /// How a full hit (every block of the prompt cached) is handed to the engine. Some token must
@@ -101,6 +105,7 @@ impl CacheConfig {
             vocab_size: None,
             key_bits: TableHasher::BITS,
             full_hit: FullHit::default(),
+            sliding_window: None,
         }
     }
 }
@@ -131,6 +136,7 @@ pub(crate) struct Counters {
     pub(crate) committed_blocks: u64,
     pub(crate) deduplicated_blocks: u64,
     pub(crate) collisions: u64,
+    pub(crate) blocks_released: u64,
 }
 
 /// Which call started an epoch (pins remember it, to say why they are gone).
@@ -206,6 +212,19 @@ impl PrefixCache {
                 "num_blocks must be at least 1".into(),
             ));
         }
+        if config.sliding_window == Some(0) {
+            return Err(CacheError::InvalidInput(
+                "sliding_window must be at least 1 token (None for full attention)".into(),
+            ));
+        }
+        if config.sliding_window.is_some() && config.num_blocks == u32::MAX {
+            // The null block is the id one past the pool: it must fit a block id.
+            return Err(CacheError::InvalidInput(
+                "a sliding-window cache holds at most 4294967294 blocks (one id is the null \
+                 block)"
+                    .into(),
+            ));
+        }
         if config.key_bits == 0 || config.key_bits > TableHasher::BITS {
             return Err(CacheError::InvalidInput(
                 "key_bits must be in 1..=128".into(),
@@ -249,6 +268,15 @@ impl PrefixCache {
         &self.config
     }
 
+    /// The block id that stands in a sliding-window request's table for every position that
+    /// fell out of its window: one id past the pool, so never allocated, freed, cached,
+    /// counted or referenced (the engine's KV storage keeps one spare page for it, which no
+    /// attention ever reads). `None` for a full-attention cache.
+    #[must_use]
+    pub fn null_block(&self) -> Option<BlockId> {
+        self.config.sliding_window.map(|_| self.config.num_blocks)
+    }
+
     /// The current context fingerprint.
     #[must_use]
     pub fn context(&self) -> BlockKey {
@@ -268,6 +296,9 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         // A statistics counter, not part of any protocol: relaxed.
         self.probes.fetch_add(1, Ordering::Relaxed);
+        if let Some(window) = self.config.sliding_window {
+            return Ok(self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras));
+        }
         let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
         Ok(self.prefix_match(blocks, tokens.len()))
     }
@@ -315,7 +346,9 @@ impl PrefixCache {
     // ----- low-level calls, for engines that keep their own block tables ---------------------
 
     /// Matches the cached prefix and takes a reference on each matched block, atomically.
-    /// The caller owns those references and drops them with `release`.
+    /// The caller owns those references and drops them with `release`. In a sliding-window
+    /// cache the leading blocks the hit does not need are the null block: not referenced, so
+    /// never released (`sliding.rs`).
     pub fn match_and_acquire(
         &self,
         tokens: &[u32],
@@ -326,11 +359,18 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
-        // Only the blocks the hit uses (a `RecomputeLastBlock` full hit leaves the last out).
-        let matched = self.prefix_match(blocks, tokens.len());
+        let matched = match self.config.sliding_window {
+            Some(window) => self.sliding_lookup(&mut inner.scratch, window, tokens, salt, extras),
+            None => {
+                let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
+                // Only the blocks the hit uses (a `RecomputeLastBlock` full hit leaves the last
+                // out).
+                self.prefix_match(blocks, tokens.len())
+            }
+        };
         inner.tick += 1;
-        for &block in &matched.blocks {
+        let null = self.null_block();
+        for &block in matched.blocks.iter().filter(|&&b| Some(b) != null) {
             inner.pool.acquire(block);
             inner.external_refs[block as usize] += 1;
             inner.pool.touch(block, inner.tick, priority);
@@ -375,6 +415,7 @@ impl PrefixCache {
         priority: i32,
     ) -> Result<Vec<BlockId>> {
         self.check_tokens(tokens)?;
+        self.refuse_in_sliding_mode("commit_blocks")?;
         let bs = self.config.block_size;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
@@ -420,6 +461,13 @@ impl PrefixCache {
         let inner = &mut *guard;
         let mut counts: HashMap<BlockId, u32> = HashMap::new();
         for &block in blocks {
+            if Some(block) == self.null_block() {
+                return Err(CacheError::InvalidBlock {
+                    block,
+                    reason: "the null block of a sliding-window cache: never referenced, so \
+                             never released",
+                });
+            }
             inner.pool.check_id(block)?;
             let count = counts.entry(block).or_insert(0);
             *count += 1;
@@ -495,6 +543,7 @@ impl PrefixCache {
             committed_blocks: c.committed_blocks,
             deduplicated_blocks: c.deduplicated_blocks,
             collisions: c.collisions,
+            blocks_released: c.blocks_released,
             blocks_total: inner.pool.num_blocks(),
             blocks_free: inner.pool.num_free(),
             blocks_cached: inner.pool.num_cached(),
@@ -577,6 +626,11 @@ impl PrefixCache {
                 "pin count of block {block} vs. live pins"
             );
         }
+        if let Some(window) = self.config.sliding_window {
+            inner
+                .requests
+                .check_sliding(window, self.config.block_size, self.config.num_blocks);
+        }
     }
 
     // ----- internals shared by the request, pin and low-level calls --------------------------
@@ -590,6 +644,18 @@ impl PrefixCache {
             }
         }
         Ok(())
+    }
+
+    /// The low-level calls that publish or pin whole chains have no request whose window says
+    /// which blocks may go: a sliding-window cache serves only the request API.
+    pub(crate) fn refuse_in_sliding_mode(&self, call: &str) -> Result<()> {
+        match self.config.sliding_window {
+            Some(window) => Err(CacheError::InvalidInput(format!(
+                "{call} is not available in a sliding-window cache (window {window} tokens): \
+                 use the request API (add_request, allocate_slots, commit)"
+            ))),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn root_key(&self, salt: &[u8]) -> BlockKey {

@@ -10,6 +10,8 @@
 //! - [`cache`]: [`PrefixCache`] built from the three: its shared state, who may change a
 //!   refcount, lookups, the low-level API and reset.
 //! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
+//! - [`sliding`]: sliding-window KV groups: releasing blocks that left the window, and hits
+//!   that need only the window's blocks.
 //! - [`pins`]: keeping a prefix from eviction.
 //! - [`events`]: KV events (stored, removed, cleared) recorded for routers.
 //! - [`index`]: a prefix index over many instances' events, for routers.
@@ -25,6 +27,7 @@ pub mod key;
 pub mod pins;
 pub mod pool;
 pub mod request;
+pub mod sliding;
 pub mod stats;
 mod sync;
 pub mod table;

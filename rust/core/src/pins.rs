@@ -71,6 +71,7 @@ impl PrefixCache {
     /// `unpin` and the number of blocks pinned.
     pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
         self.check_tokens(tokens)?;
+        self.refuse_in_sliding_mode("pin")?;
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);

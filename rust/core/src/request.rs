@@ -87,6 +87,7 @@ use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pool::BlockId;
+use crate::sliding::{null_anchor, positions_out_of_window};
 use crate::table::{Anchor, Entry, Parent};
 
 /// An engine's own name for a request: an integer or a string.
@@ -179,6 +180,11 @@ pub(crate) struct Request {
     export_keys: Vec<BlockKey>,
     /// False once the request may no longer publish (after a collision, `clear`, `set_context`).
     cacheable: bool,
+    /// Sliding-window caches: the leading positions of `block_table` that hold the null block
+    /// (out of the window, or not needed by the hit). Always 0 in a full-attention cache.
+    released: usize,
+    /// The longest hit its matches may use (`limit_cached_prefix`); kept until changed.
+    max_cached_tokens: Option<usize>,
 }
 
 impl Request {
@@ -205,6 +211,8 @@ impl Request {
             keys: Vec::new(),
             export_keys: Vec::new(),
             cacheable: true,
+            released: 0,
+            max_cached_tokens: None,
         }
     }
 
@@ -321,7 +329,35 @@ impl Requests {
     pub(crate) fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.live
             .values()
-            .flat_map(|r| r.block_table.iter().copied())
+            .flat_map(|r| r.block_table[r.released..].iter().copied())
+    }
+
+    /// The sliding-window invariants of every live request (`sliding.rs`), for
+    /// `check_invariants`.
+    pub(crate) fn check_sliding(&self, window: usize, block_size: usize, num_blocks: u32) {
+        let null = num_blocks;
+        for (id, request) in &self.live {
+            let table = &request.block_table;
+            assert!(
+                request.released <= table.len(),
+                "request {id}: {} released positions of {}",
+                request.released,
+                table.len()
+            );
+            assert!(
+                table[..request.released].iter().all(|&b| b == null),
+                "request {id}: a released position holds a real block"
+            );
+            assert!(
+                table[request.released..].iter().all(|&b| b < num_blocks),
+                "request {id}: the null block past the released positions"
+            );
+            let settled = request.num_computed.min(request.num_verified());
+            assert!(
+                request.released <= positions_out_of_window(window, block_size, settled),
+                "request {id}: released a block the window at {settled} still reads"
+            );
+        }
     }
 
     /// At a reset: no scheduled request may publish again, and none still anchors on the
@@ -338,7 +374,10 @@ impl Requests {
 
 /// What a match (or a dry run of one) found, before anything is referenced.
 struct Plan {
+    /// One per position of the hit; positions below `released` hold the null block.
     anchors: Vec<Anchor>,
+    /// Leading positions of the hit that are the null block (sliding-window caches).
+    released: usize,
     /// Position the scheduled tokens start at.
     start: usize,
     num_cached: usize,
@@ -436,6 +475,7 @@ impl PrefixCache {
             if end <= request.tokens.len()
                 && (end + num_lookahead_tokens).div_ceil(self.config.block_size)
                     <= request.block_table.len()
+                && !self.window_moved(request)
             {
                 return Ok(Slots {
                     block_ids: Vec::new(),
@@ -469,7 +509,7 @@ impl PrefixCache {
         let inner = &mut *guard;
         let plan = self.plan_for(inner, id, num_new_tokens, num_lookahead_tokens)?;
         let want = plan.fresh + watermark;
-        Ok(self.obtainable_with(inner, &plan.anchors, want) >= want)
+        Ok(self.obtainable_with(inner, &plan.anchors[plan.released..], want) >= want)
     }
 
     /// Blocks `allocate_slots(id, num_new_tokens, num_lookahead_tokens)` would take from the
@@ -493,6 +533,22 @@ impl PrefixCache {
     pub fn start_position(&self, id: &RequestId) -> Result<usize> {
         let mut guard = self.inner.lock();
         Ok(self.plan_for(&mut guard, id, 0, 0)?.start)
+    }
+
+    /// Caps the cached prefix the request's matches may use at `max_cached_tokens` tokens
+    /// (`None` lifts the cap): its next `allocate_slots` while waiting (and `start_position`,
+    /// `can_allocate_slots`, `blocks_needed` before it) considers only hits of at most that
+    /// many tokens, a full hit only if the cap allows its `num_cached_tokens`. The cap stays
+    /// until changed, so it also applies to a re-match after `preempt`. A coordinator running
+    /// one cache per KV group uses it to make every group serve the same hit length.
+    pub fn limit_cached_prefix(
+        &self,
+        id: &RequestId,
+        max_cached_tokens: Option<usize>,
+    ) -> Result<()> {
+        let mut guard = self.inner.lock();
+        guard.requests.get_mut(id)?.max_cached_tokens = max_cached_tokens;
+        Ok(())
     }
 
     /// Adds tokens to a request without allocating: sampled tokens, or with `draft` unverified
@@ -559,19 +615,24 @@ impl PrefixCache {
             .max(request.num_computed)
             .min(request.num_verified())
             / self.config.block_size;
-        let tip_live = request.anchors.last().is_none_or(|last| {
-            inner.entries[last.block as usize]
-                .as_ref()
-                .is_some_and(|e| e.id == last.id)
-        });
+        // Anchors at released positions are never republished (their blocks are gone), so
+        // only a dead tip past them sends the commit down the slow path.
+        let tip_live = request.anchors.len() <= request.released
+            || request
+                .anchors
+                .last()
+                .is_none_or(|last| anchor_live(inner, last));
         if tip_live && (!request.cacheable || target <= request.anchors.len()) {
             let request = inner.requests.get_mut(id)?;
             request.num_computed = request.num_computed.max(num_computed_tokens);
-            return Ok(request.anchors.len());
+            if !self.window_moved(request) {
+                return Ok(request.anchors.len());
+            }
         }
         with_request(inner, id, |inner, request| {
             request.num_computed = request.num_computed.max(num_computed_tokens);
             self.publish_verified(inner, request);
+            self.release_out_of_window(inner, request);
             request.anchors.len()
         })
     }
@@ -594,6 +655,7 @@ impl PrefixCache {
             self.truncate_locked(inner, request, keep);
             request.num_drafts = 0;
             self.publish_verified(inner, request);
+            self.release_out_of_window(inner, request);
             request.anchors.len()
         })
     }
@@ -618,6 +680,16 @@ impl PrefixCache {
                 "cannot truncate to {num_tokens} tokens: the first {published} are in published \
                  blocks, which are never rewritten"
             )));
+        }
+        if let Some(window) = self.config.sliding_window {
+            let first_read = positions_out_of_window(window, self.config.block_size, num_tokens);
+            if request.released > 0 && first_read < request.released {
+                return Err(CacheError::InvalidInput(format!(
+                    "cannot truncate to {num_tokens} tokens: the query there reads the last \
+                     {window} tokens (the sliding window), and this request already released \
+                     the blocks holding some of them"
+                )));
+            }
         }
         // Every block the cut touches must be the request's alone. After a reset a block of a
         // prefix hit is no longer published (no anchor) but still shared with other requests:
@@ -653,6 +725,7 @@ impl PrefixCache {
             request.tokens.truncate(verified);
             request.num_drafts = 0;
             request.block_table.clear();
+            request.released = 0;
             request.anchors.clear();
             request.num_computed = 0;
             request.scheduled = false;
@@ -793,6 +866,7 @@ impl PrefixCache {
         let bs = self.config.block_size;
         let mut plan = Plan {
             anchors: Vec::new(),
+            released: 0,
             start: request.num_computed,
             num_cached: 0,
             full_hit: false,
@@ -801,10 +875,20 @@ impl PrefixCache {
         };
         let held = if request.scheduled {
             request.block_table.len()
+        } else if let Some(window) = self.config.sliding_window {
+            let (anchors, hit) = self.match_sliding(inner, request, window);
+            plan.anchors = anchors;
+            plan.released = hit.first_needed;
+            plan.num_cached = hit.num_cached;
+            plan.full_hit = hit.full_hit;
+            plan.last_token_shared = hit.last_token_shared;
+            plan.start = hit.num_cached;
+            plan.anchors.len()
         } else {
             plan.anchors = self.match_request(inner, request);
             let verified = request.num_verified();
-            let (num_cached, full_hit, shared) = self.hit_length(&mut plan.anchors, verified);
+            let cap = request.max_cached_tokens;
+            let (num_cached, full_hit, shared) = self.hit_length(&mut plan.anchors, verified, cap);
             plan.num_cached = num_cached;
             plan.full_hit = full_hit;
             plan.last_token_shared = shared;
@@ -825,14 +909,22 @@ impl PrefixCache {
         Ok(plan)
     }
 
-    /// How many blocks of `anchors` a hit uses, by the cache's `FullHit` mode; returns
-    /// (cached tokens, full hit, last token shared) and drops the anchor the mode recomputes.
+    /// How many blocks of `anchors` a hit uses, by the cache's `FullHit` mode and the request's
+    /// cap; returns (cached tokens, full hit, last token shared) and drops the anchors it does
+    /// not use.
     pub(crate) fn hit_length(
         &self,
         anchors: &mut Vec<Anchor>,
         num_tokens: usize,
+        cap: Option<usize>,
     ) -> (usize, bool, bool) {
-        let shape = self.hit_shape(anchors.len(), num_tokens);
+        let mut shape = self.hit_shape(anchors.len(), num_tokens);
+        if let Some(cap) = cap.filter(|&cap| shape.0 > cap) {
+            // The longest block boundary under the cap: below the prompt's last block, since
+            // the cap is below this hit, so never a full hit.
+            let blocks = anchors.len().min(cap / self.config.block_size);
+            shape = self.hit_shape(blocks, num_tokens);
+        }
         anchors.truncate(self.hit_blocks(shape));
         shape
     }
@@ -857,6 +949,89 @@ impl PrefixCache {
             (true, FullHit::RecomputeLastBlock) => (num_tokens - bs, true, false),
             (true, FullHit::ReuseLastBlock) => (num_tokens - 1, true, true),
         }
+    }
+
+    /// Matches a waiting request in a sliding-window cache (`sliding.rs`): the anchors of the
+    /// chosen hit, the null stand-in at each position it does not need.
+    fn match_sliding(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        window: usize,
+    ) -> (Vec<Anchor>, crate::sliding::SlidingHit) {
+        self.refresh_epoch(inner, request);
+        let verified = request.num_verified();
+        let num_full = verified / self.config.block_size;
+        self.extend_sliding_keys(
+            &mut inner.scratch,
+            &request.root,
+            &request.tokens,
+            &request.extras,
+            &mut request.export_keys,
+            &mut request.keys,
+            num_full,
+        );
+        let found = self.probe_sliding(
+            &request.root,
+            &request.tokens,
+            &request.extras,
+            &request.export_keys,
+            &request.keys,
+            num_full,
+        );
+        let present: Vec<bool> = found.iter().map(Option::is_some).collect();
+        let hit = self.choose_sliding_hit(window, &present, verified, request.max_cached_tokens);
+        let null = null_anchor(self.config.num_blocks);
+        let anchors = found[..hit.blocks]
+            .iter()
+            .enumerate()
+            .map(|(position, anchor)| match anchor {
+                Some(anchor) if position >= hit.first_needed => *anchor,
+                // `choose_sliding_hit` found every needed position cached.
+                _ => {
+                    debug_assert!(position < hit.first_needed);
+                    null
+                }
+            })
+            .collect();
+        (anchors, hit)
+    }
+
+    /// Whether a sliding-window request has positions to release now (one comparison; always
+    /// false in a full-attention cache).
+    #[inline]
+    fn window_moved(&self, request: &Request) -> bool {
+        self.config.sliding_window.is_some_and(|window| {
+            let settled = request.num_computed.min(request.num_verified());
+            positions_out_of_window(window, self.config.block_size, settled) > request.released
+        })
+    }
+
+    /// Releases every position the request's window has left (`sliding.rs`): its reference is
+    /// dropped (touched first if cached, so it joins the LRU order now) and the null block
+    /// takes its place.
+    fn release_out_of_window(&self, inner: &mut Inner, request: &mut Request) {
+        let Some(window) = self.config.sliding_window else {
+            return;
+        };
+        let settled = request.num_computed.min(request.num_verified());
+        let end = positions_out_of_window(window, self.config.block_size, settled)
+            .min(request.block_table.len());
+        if end <= request.released {
+            return;
+        }
+        inner.tick += 1;
+        let null = self.config.num_blocks;
+        for position in request.released..end {
+            let block = std::mem::replace(&mut request.block_table[position], null);
+            if inner.pool.is_cached(block) {
+                inner.pool.touch(block, inner.tick, request.priority);
+            }
+            // The request's own reference (see `cache.rs`): only it drops it.
+            inner.pool.release(block);
+        }
+        inner.counters.blocks_released += (end - request.released) as u64;
+        request.released = end;
     }
 
     /// Blocks the pool could hand out after referencing `hits`, capped at `want`.
@@ -884,7 +1059,7 @@ impl PrefixCache {
         let plan = self.plan(inner, request, num_new, lookahead)?;
         if watermark > 0 {
             let want = plan.fresh + watermark;
-            let available = self.obtainable_with(inner, &plan.anchors, want);
+            let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
             if available < want {
                 return Err(CacheError::OutOfBlocks {
                     needed: want,
@@ -892,23 +1067,27 @@ impl PrefixCache {
                 });
             }
         }
+        // Every position of the hit, null ones included: that is the block table.
         let hits: Vec<BlockId> = plan.anchors.iter().map(|a| a.block).collect();
-        let fresh = self.acquire_and_allocate(inner, &hits, plan.fresh)?;
+        let referenced = &hits[plan.released..];
+        let fresh = self.acquire_and_allocate(inner, referenced, plan.fresh)?;
         if was_waiting {
             inner.tick += 1;
-            for &block in &hits {
+            for &block in referenced {
                 inner.pool.touch(block, inner.tick, request.priority);
             }
             inner.counters.lookups += 1;
             inner.counters.lookup_tokens += request.num_verified() as u64;
             inner.counters.hit_tokens += plan.num_cached as u64;
             request.anchors = plan.anchors;
+            request.released = plan.released;
             request.num_computed = plan.start;
             request.scheduled = true;
         }
         let mut block_ids = hits;
         block_ids.extend_from_slice(&fresh);
         request.block_table.extend_from_slice(&block_ids);
+        self.release_out_of_window(inner, request);
         Ok(Slots {
             block_ids,
             num_computed_tokens: plan.start,
@@ -944,7 +1123,7 @@ impl PrefixCache {
     }
 
     fn release_table(&self, inner: &mut Inner, request: &Request) {
-        for &block in &request.block_table {
+        for &block in &request.block_table[request.released..] {
             if inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
             }
@@ -965,17 +1144,33 @@ impl PrefixCache {
     /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
     /// `request.block_table[position]`, by the rules in the module docs.
     pub(crate) fn publish(&self, inner: &mut Inner, request: &mut Request, target: usize) {
-        while let Some(last) = request.anchors.last() {
-            let live = inner.entries[last.block as usize]
-                .as_ref()
-                .is_some_and(|e| e.id == last.id);
-            if live {
+        // Dead anchors are recommitted from the request's own copies; a released position has
+        // none any more (the null block stands there), so the pops stop above it.
+        while request.anchors.len() > request.released {
+            let last = request.anchors[request.anchors.len() - 1];
+            if anchor_live(inner, &last) {
                 break;
             }
             request.anchors.pop();
         }
+        if request.anchors.len() < request.released {
+            return;
+        }
         let bs = self.config.block_size;
         let guard = self.table.guard();
+        let sliding = self.config.sliding_window.is_some();
+        if sliding {
+            // Keys from the SHA-256 block keys: an entry names its parent by key (`sliding.rs`).
+            self.extend_sliding_keys(
+                &mut inner.scratch,
+                &request.root,
+                &request.tokens,
+                &request.extras,
+                &mut request.export_keys,
+                &mut request.keys,
+                target,
+            );
+        }
         // Every key to publish, kept by the request (computed once, chained on keys whatever
         // the table holds); then the table reads of the next few positions start together so
         // their cache misses overlap (`match_chain`).
@@ -996,6 +1191,7 @@ impl PrefixCache {
         while request.anchors.len() < target {
             let position = request.anchors.len();
             let (parent, parent_block) = match request.anchors.last() {
+                _ if sliding => (Parent::Root(sliding_parent(request, position)), None),
                 Some(e) => (Parent::Entry(e.id), Some(e.block)),
                 None => (Parent::Root(request.root), None),
             };
@@ -1041,9 +1237,26 @@ impl PrefixCache {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, parent_block);
                     let origin = (&request.root, &request.extras);
-                    inner
-                        .events
-                        .stored(own_block, parent_block, origin, chunk, &inserted.extras);
+                    if sliding {
+                        // The parent block may be released or evicted: name it by key.
+                        let block_key = request.export_keys[position];
+                        let parent_key = position.checked_sub(1).map(|p| request.export_keys[p]);
+                        inner.events.stored_with_keys(
+                            own_block,
+                            (block_key, parent_key),
+                            origin,
+                            chunk,
+                            &inserted.extras,
+                        );
+                    } else {
+                        inner.events.stored(
+                            own_block,
+                            parent_block,
+                            origin,
+                            chunk,
+                            &inserted.extras,
+                        );
+                    }
                     let anchor = inserted.anchor(key);
                     inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;
@@ -1065,6 +1278,23 @@ impl PrefixCache {
             request.anchors.push(anchor);
         }
     }
+}
+
+/// Whether `anchor` is still the entry published in its block (a null stand-in never is).
+fn anchor_live(inner: &Inner, anchor: &Anchor) -> bool {
+    inner
+        .entries
+        .get(anchor.block as usize)
+        .and_then(Option::as_ref)
+        .is_some_and(|e| e.id == anchor.id)
+}
+
+/// The parent an entry at `position` names in a sliding-window cache: the previous block's
+/// SHA-256 key, or the request's root for block 0 (`sliding.rs`).
+fn sliding_parent(request: &Request, position: usize) -> BlockKey {
+    position
+        .checked_sub(1)
+        .map_or(request.root, |p| request.export_keys[p])
 }
 
 /// Runs `f` on request `id` taken out of the map, so that `f` may borrow the rest of `inner`

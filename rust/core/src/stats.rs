@@ -21,6 +21,9 @@ pub struct CacheStats {
     pub deduplicated_blocks: u64,
     /// Commits refused because a different block held the key.
     pub collisions: u64,
+    /// Blocks sliding-window requests dropped as they fell out of the window (0 in a
+    /// full-attention cache).
+    pub blocks_released: u64,
     /// Blocks in the pool.
     pub blocks_total: usize,
     /// Blocks on the free list.

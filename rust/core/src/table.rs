@@ -70,7 +70,10 @@ use crate::pool::BlockId;
 /// What a block was computed after.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Parent {
-    /// A first block: the full (never truncated) root key of context and salt.
+    /// A first block: the full (never truncated) root key of context and salt. In a
+    /// sliding-window cache every entry uses this form, holding the full SHA-256 block key of
+    /// the previous block (the root key for block 0), so an entry verifies without its parent
+    /// being cached (`sliding.rs`).
     Root(BlockKey),
     /// The entry id of the cached parent block.
     Entry(u64),

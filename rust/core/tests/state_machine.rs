@@ -1209,3 +1209,259 @@ fn tiny_keys_collide_and_shared_stems_deduplicate() {
     );
     machine.teardown();
 }
+
+// ----- sliding-window runs --------------------------------------------------------------------
+//
+// A sliding-window cache releases blocks as requests advance and serves hits that skip blocks,
+// so the exact model above does not apply. These runs check what matters instead, against a
+// model of what each block's KV holds: the engine's writes, recorded as the token prefix the
+// block was computed under. After every step, every position the window of a scheduled
+// request's settled count reads is a block the request holds, never the null block, whose
+// recorded content is the request's own tokens ("a released block is never read"); every block
+// an allocation hands out is a real one; and `check_invariants` holds.
+
+#[derive(Clone, Debug)]
+enum SlidingOp {
+    /// A request whose prompt is `prefix` tokens of a shared stem and then `tail`.
+    Add {
+        prefix: usize,
+        tail: Vec<u32>,
+    },
+    /// Allocate and compute (commit) up to `chunk` tokens of request `index % live`.
+    Step {
+        index: usize,
+        chunk: usize,
+    },
+    /// Append one sampled token to a fully computed request.
+    Decode {
+        index: usize,
+        token: u32,
+    },
+    Preempt {
+        index: usize,
+    },
+    Finish {
+        index: usize,
+    },
+}
+
+fn sliding_op() -> impl Strategy<Value = SlidingOp> {
+    prop_oneof![
+        2 => (0..24usize, vec(1..4u32, 0..6)).prop_map(|(prefix, tail)| SlidingOp::Add { prefix, tail }),
+        5 => (any::<usize>(), 1..12usize).prop_map(|(index, chunk)| SlidingOp::Step { index, chunk }),
+        2 => (any::<usize>(), 1..4u32).prop_map(|(index, token)| SlidingOp::Decode { index, token }),
+        1 => any::<usize>().prop_map(|index| SlidingOp::Preempt { index }),
+        1 => any::<usize>().prop_map(|index| SlidingOp::Finish { index }),
+    ]
+}
+
+struct SlidingMachine {
+    cache: PrefixCache,
+    window: usize,
+    block_size: usize,
+    null: BlockId,
+    /// The token prefix each block's KV was computed under, up to its last written token.
+    content: HashMap<BlockId, Vec<u32>>,
+    /// Live requests, in order of arrival, with their tokens.
+    live: Vec<(u64, Vec<u32>)>,
+    next_id: u64,
+}
+
+impl SlidingMachine {
+    fn pick(&self, index: usize) -> Option<(u64, Vec<u32>)> {
+        (!self.live.is_empty()).then(|| self.live[index % self.live.len()].clone())
+    }
+
+    /// The window of a query at `settled` reads positions `first..last`: each must be held,
+    /// real, and hold the request's own tokens up to `settled`.
+    fn check_window(&self, id: u64, tokens: &[u32], settled: usize) {
+        let bs = self.block_size;
+        let table = self.cache.block_table(&rid(id)).unwrap();
+        let first = (settled + 1).saturating_sub(self.window) / bs;
+        for (position, &block) in table
+            .iter()
+            .enumerate()
+            .take(settled.div_ceil(bs))
+            .skip(first)
+        {
+            assert_ne!(
+                block, self.null,
+                "request {id} reads position {position}: released"
+            );
+            assert!(
+                self.cache.ref_count(block).unwrap() > 0,
+                "request {id} reads a block it does not hold"
+            );
+            let end = ((position + 1) * bs).min(settled);
+            let written = self.content.get(&block).map_or(&[][..], Vec::as_slice);
+            assert!(
+                written.len() >= end && written[..end] == tokens[..end],
+                "request {id} position {position}: block {block} holds {written:?}, not {:?}",
+                &tokens[..end]
+            );
+        }
+    }
+
+    fn apply(&mut self, op: &SlidingOp) {
+        let bs = self.block_size;
+        match op {
+            SlidingOp::Add { prefix, tail } => {
+                let tokens: Vec<u32> = (100..100 + *prefix as u32)
+                    .chain(tail.iter().copied())
+                    .collect();
+                if tokens.is_empty() {
+                    return;
+                }
+                let id = self.next_id;
+                self.next_id += 1;
+                self.cache
+                    .add_request(rid(id), tokens.clone(), b"", RequestExtras::default(), 0)
+                    .unwrap();
+                self.live.push((id, tokens));
+            }
+            SlidingOp::Step { index, chunk } => {
+                let Some((id, tokens)) = self.pick(*index) else {
+                    return;
+                };
+                let start = self.cache.start_position(&rid(id)).unwrap();
+                let n = (*chunk).min(tokens.len() - start);
+                if n == 0 {
+                    return;
+                }
+                let waiting = self.cache.block_table(&rid(id)).unwrap().is_empty();
+                let slots = match self.cache.allocate_slots(&rid(id), n, 0, 0) {
+                    Ok(slots) => slots,
+                    Err(CacheError::OutOfBlocks { .. }) => return,
+                    Err(e) => panic!("{e}"),
+                };
+                assert_eq!(
+                    slots.num_computed_tokens, start,
+                    "start_position foretold it"
+                );
+                let hit_blocks = if waiting {
+                    slots.num_cached_tokens.div_ceil(bs)
+                } else {
+                    0
+                };
+                for &block in &slots.block_ids[hit_blocks..] {
+                    assert!(block < self.null, "a fresh block is a real one");
+                    self.content.insert(block, Vec::new());
+                }
+                // The queries of the chunk read their windows: check what is there, then write.
+                self.check_window(id, &tokens, start);
+                let table = self.cache.block_table(&rid(id)).unwrap();
+                let end = start + n;
+                for position in start / bs..end.div_ceil(bs) {
+                    let block = table[position];
+                    assert_ne!(block, self.null, "the chunk writes into the null block");
+                    let written = tokens[..((position + 1) * bs).min(end)].to_vec();
+                    let kept = self.content.entry(block).or_default();
+                    // A shared block (a reuse-last-block hit) is read, not written.
+                    if !(kept.len() >= written.len() && kept[..written.len()] == written[..]) {
+                        *kept = written;
+                    }
+                }
+                self.cache.commit(&rid(id), end).unwrap();
+            }
+            SlidingOp::Decode { index, token } => {
+                let Some((id, mut tokens)) = self.pick(*index) else {
+                    return;
+                };
+                if self.cache.num_computed_tokens(&rid(id)).unwrap() < tokens.len() {
+                    return;
+                }
+                self.cache
+                    .append_tokens(&rid(id), &[*token], false)
+                    .unwrap();
+                tokens.push(*token);
+                let slot = self.live.iter_mut().find(|(i, _)| *i == id).unwrap();
+                slot.1 = tokens;
+            }
+            SlidingOp::Preempt { index } => {
+                let Some((id, _)) = self.pick(*index) else {
+                    return;
+                };
+                self.cache.preempt(&rid(id)).unwrap();
+            }
+            SlidingOp::Finish { index } => {
+                let Some((id, _)) = self.pick(*index) else {
+                    return;
+                };
+                self.cache.finish(&rid(id)).unwrap();
+                self.live.retain(|(i, _)| *i != id);
+            }
+        }
+    }
+
+    fn check(&self) {
+        self.cache.check_invariants();
+        for (id, tokens) in &self.live {
+            let table = self.cache.block_table(&rid(*id)).unwrap();
+            if table.is_empty() {
+                continue;
+            }
+            let settled = self.cache.num_computed_tokens(&rid(*id)).unwrap();
+            self.check_window(*id, tokens, settled);
+        }
+    }
+}
+
+fn run_sliding(
+    num_blocks: u32,
+    block_size: usize,
+    window: usize,
+    reuse_last_block: bool,
+    ops: &[SlidingOp],
+) {
+    let config = CacheConfig {
+        sliding_window: Some(window),
+        full_hit: if reuse_last_block {
+            FullHit::ReuseLastBlock
+        } else {
+            FullHit::RecomputeLastBlock
+        },
+        ..CacheConfig::new(num_blocks, block_size)
+    };
+    let cache = PrefixCache::with_table_seed(config, context_fingerprint(b"sliding"), 3).unwrap();
+    let mut machine = SlidingMachine {
+        null: cache
+            .null_block()
+            .expect("sliding caches have a null block"),
+        cache,
+        window,
+        block_size,
+        content: HashMap::new(),
+        live: Vec::new(),
+        next_id: 1,
+    };
+    for op in ops {
+        machine.apply(op);
+        machine.check();
+    }
+    for (id, _) in std::mem::take(&mut machine.live) {
+        machine.cache.finish(&rid(id)).unwrap();
+    }
+    let stats = machine.cache.stats();
+    assert_eq!(stats.blocks_in_use, 0, "a request's reference outlived it");
+    assert_eq!(
+        stats.blocks_free + stats.blocks_cached,
+        stats.blocks_total,
+        "a block leaked"
+    );
+    machine.cache.check_invariants();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn sliding_window_requests_never_read_a_released_block(
+        num_blocks in 4..=24u32,
+        block_size in 1..=4usize,
+        window in 1..=20usize,
+        reuse_last_block in any::<bool>(),
+        ops in vec(sliding_op(), 1..60),
+    ) {
+        run_sliding(num_blocks, block_size, window, reuse_last_block, &ops);
+    }
+}

@@ -40,7 +40,7 @@ pub struct CoreCache(pub(crate) PrefixCache);
 #[pymethods]
 impl CoreCache {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None, reuse_last_block=false))]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None, reuse_last_block=false, sliding_window=None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
@@ -48,6 +48,7 @@ impl CoreCache {
         vocab_size: Option<&Bound<'_, PyAny>>,
         key_bits: Option<&Bound<'_, PyAny>>,
         reuse_last_block: bool,
+        sliding_window: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let positive = |v: i128| v > 0;
         let config = CacheConfig {
@@ -65,6 +66,11 @@ impl CoreCache {
             } else {
                 FullHit::RecomputeLastBlock
             },
+            sliding_window: sliding_window
+                .filter(|w| !w.is_none())
+                .map(|w| int_in::<u32>(w, "sliding_window", U32_RANGE, positive))
+                .transpose()?
+                .map(|w| w as usize),
         };
         PrefixCache::new(config, fingerprint(context_fingerprint)?)
             .map(Self)
@@ -79,6 +85,16 @@ impl CoreCache {
     #[getter]
     fn block_size(&self) -> usize {
         self.0.config().block_size
+    }
+
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.0.config().sliding_window
+    }
+
+    #[getter]
+    fn null_block(&self) -> Option<u32> {
+        self.0.null_block()
     }
 
     fn lookup(
@@ -196,6 +212,20 @@ impl CoreCache {
 
     fn start_position(&self, request: RequestRef) -> PyResult<usize> {
         self.0.start_position(&request.0).map_err(to_py_err)
+    }
+
+    fn limit_cached_prefix(
+        &self,
+        request: RequestRef,
+        max_cached_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cap = max_cached_tokens
+            .filter(|c| !c.is_none())
+            .map(|c| count(c, "max_cached_tokens"))
+            .transpose()?;
+        self.0
+            .limit_cached_prefix(&request.0, cap)
+            .map_err(to_py_err)
     }
 
     fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {

@@ -137,6 +137,25 @@ impl Events {
         }
     }
 
+    /// A block was published in a sliding-window cache, whose entries do not chain on their
+    /// parent block (it may be released or evicted already): the caller passes the block's
+    /// SHA-256 key and its parent's (None: a first block), which it computed to publish it.
+    #[inline]
+    pub(crate) fn stored_with_keys(
+        &mut self,
+        block: BlockId,
+        (key, parent): (BlockKey, Option<BlockKey>),
+        origin: (&BlockKey, &RequestExtras),
+        tokens: &[u32],
+        extras: &[u8],
+    ) {
+        if let Some(recorder) = self.recorder.as_deref_mut() {
+            let (root, request_extras) = origin;
+            let adapter = request_extras.adapter.as_ref();
+            recorder.record_stored(block, key, parent, root, tokens, extras, adapter);
+        }
+    }
+
     /// A cached block was evicted.
     #[inline]
     pub(crate) fn removed(&mut self, block: BlockId) {
@@ -195,6 +214,21 @@ impl Recorder {
         });
         let parent_key = parent.as_ref().unwrap_or(root);
         let key = block_key_with(&mut self.scratch, parent_key, tokens, extras);
+        self.record_stored(block, key, parent, root, tokens, extras, adapter);
+    }
+
+    /// Queues the `Stored` of `block`, whose block key and parent key are known.
+    #[allow(clippy::too_many_arguments)] // one event's fields, assembled by two callers
+    fn record_stored(
+        &mut self,
+        block: BlockId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        root: &BlockKey,
+        tokens: &[u32],
+        extras: &[u8],
+        adapter: Option<&Vec<u8>>,
+    ) {
         self.keys[block as usize] = Some(key);
         let with_tokens = match self.config.token_ids {
             TokenIds::All => true,
