@@ -5,15 +5,28 @@ one `PrefixCache` per KV group; a sliding group releases the blocks its window p
 as an engine drives them: a prompt is prefilled in chunks of `CHUNK` tokens (`allocate_slots`,
 then `commit`), then one token is decoded. No model runs: the figures are block counts.
 
-- **held per request**: the most blocks one request held in each group at any point.
+- **held**: blocks one request holds in each group while it decodes (after its prefill), and
+  in brackets the most it held during its prefill (a whole chunk of a sliding group's blocks
+  is live until the chunk is committed).
 - **fit**: requests admitted, all live at once, into a budget of `BUDGET_BLOCKS` blocks of
-  *every* layer (what a full-attention model's pool would be). For a hybrid model the memory
-  is split between the groups in proportion to what one request held in each (a full group's
-  block carries only its layers, so it costs its share of the layers), the groups are built
-  with those pools, and distinct requests are admitted until one is refused.
+  *every* layer (what a full-attention model's pool would be). A group's block carries only
+  its layers, so it costs its share of them. The memory is split between the groups in
+  proportion to what a decoding request holds in each, plus, in a sliding group, room for one
+  chunk in prefill (the step budget bounds the chunks in flight, whatever the number of
+  requests); the groups are built with those pools and distinct requests are admitted one
+  after the other (each prefilled, then decoding) until one is refused.
 
 Patterns: Mistral (every layer slides), gpt-oss / Gemma 2 (1 sliding : 1 full), Gemma 3
-(5 sliding : 1 full). Run: ``python benches/bench_hybrid.py`` (CPU only, about a minute).
+(5 sliding : 1 full).
+
+Then the agent workload of `bench_scheduler.py` (4 agents, each with its own 192-token system
+prompt, 32 requests interleaved, blocks of 16, batches of 4, cache-aware scheduling) through
+the Engine on a tiny random 4-layer model (torch on one thread), full attention vs hybrid
+patterns with a 64-token window, in the same KV memory: the bench's pool of 40 blocks, and a
+tight one of 20. `Engine`'s default gives every group the pool's block count;
+`kv_group_blocks` moves memory from the sliding group to the full one.
+
+Run: ``python benches/bench_hybrid.py`` (CPU only, under a minute).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,8 +73,11 @@ def specs_for(pattern: int | None, window: int) -> tuple[tuple[KVGroupSpec, ...]
     return specs, [len(full_layers) / 6, len(sliding) / 6]
 
 
-def serve(cache: GroupedPrefixCache, request: str, prompt: np.ndarray) -> list[int]:
-    """Prefill `prompt` in chunks and decode one token; the most blocks held per group."""
+def serve(
+    cache: GroupedPrefixCache, request: str, prompt: np.ndarray
+) -> tuple[list[int], list[int]]:
+    """Prefill `prompt` in chunks and decode one token; the blocks held per group while
+    decoding, and the most held at any point."""
     before = [stats.blocks_in_use for stats in cache.stats().groups]
     peak = [0] * len(before)
     cache.add_request(request, prompt)
@@ -81,7 +98,8 @@ def serve(cache: GroupedPrefixCache, request: str, prompt: np.ndarray) -> list[i
     note_peak()
     cache.commit(request, done + 1)
     note_peak()
-    return peak
+    decoding = [s.blocks_in_use - b for s, b in zip(cache.stats().groups, before, strict=True)]
+    return decoding, peak
 
 
 def distinct_prompt(body: np.ndarray, index: int) -> np.ndarray:
@@ -90,15 +108,20 @@ def distinct_prompt(body: np.ndarray, index: int) -> np.ndarray:
     return prompt
 
 
-def measure(prompt_len: int, window: int, pattern: int | None) -> tuple[list[int], int, float]:
+def measure(
+    prompt_len: int, window: int, pattern: int | None
+) -> tuple[list[int], list[int], int, float]:
     specs, shares = specs_for(pattern, window)
     context = CacheContext(block_size=BLOCK_SIZE)
     body = np.random.default_rng(0).integers(0, 50_000, prompt_len, dtype=np.uint32)
     probe = GroupedPrefixCache(specs, [BUDGET_BLOCKS] * len(specs), context=context)
-    held = serve(probe, "probe", distinct_prompt(body, 0))
-    # The budget split in proportion to one request's bytes in each group.
+    held, peak = serve(probe, "probe", distinct_prompt(body, 0))
+    # Room for one prefill chunk above the decoding requests, in each sliding group.
+    reserve = [p - h for h, p in zip(held, peak, strict=True)]
+    reserve_bytes = sum(r * s for r, s in zip(reserve, shares, strict=True))
     bytes_per_request = sum(h * s for h, s in zip(held, shares, strict=True))
-    pools = [max(1, int(BUDGET_BLOCKS * h / bytes_per_request)) for h in held]
+    scale = (BUDGET_BLOCKS - reserve_bytes) / bytes_per_request
+    pools = [max(1, int(h * scale) + r) for h, r in zip(held, reserve, strict=True)]
     cache = GroupedPrefixCache(specs, pools, context=context)
     fit = 0
     started = time.perf_counter()
@@ -108,21 +131,89 @@ def measure(prompt_len: int, window: int, pattern: int | None) -> tuple[list[int
         except OutOfBlocksError:
             break
         fit += 1
-    return held, fit, time.perf_counter() - started
+    return held, peak, fit, time.perf_counter() - started
+
+
+def agent_hit_rates() -> list[list[str]]:
+    import torch
+
+    from prefixkv.engine import Engine
+    from prefixkv.model import LlamaModel, ModelConfig
+    from prefixkv.text import ByteTokenizer
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, 256, (n,), generator=generator).tolist()
+
+    systems = [tokens(192) for _ in range(4)]
+    prompts = [systems[i % 4] + tokens(32) for i in range(32)]
+    full, sliding = "full_attention", "sliding_attention"
+    alternating = (sliding, full) * 2
+    # (name, layer types, window, num_blocks, kv_group_blocks, memory in all-layer blocks):
+    # a 1:1 model's group block holds half the layers, so (a, b) costs (a + b) / 2.
+    setups: list[tuple[str, tuple[str, ...] | None, int | None, int | None, Any, float]] = []
+    for memory, split in ((40, (64, 16)), (20, (24, 16))):
+        setups += [
+            ("full attention", None, None, memory, None, memory),
+            ("1:1 alternating, default pools", alternating, 64, memory, None, memory),
+            (
+                f"1:1 alternating, pools {split[0]} + {split[1]}",
+                alternating,
+                64,
+                None,
+                split,
+                memory,
+            ),
+            ("all sliding", (sliding,) * 4, 64, memory, None, memory),
+        ]
+    rows = []
+    for name, layer_types, window, num_blocks, group_blocks, memory in setups:
+        config = ModelConfig(
+            vocab_size=ByteTokenizer().vocab_size,
+            num_layers=4,
+            sliding_window=window,
+            layer_types=layer_types if layer_types and len(set(layer_types)) > 1 else None,
+        )
+        engine = Engine(
+            LlamaModel.random(config, seed=0),
+            num_blocks=num_blocks,
+            kv_group_blocks=group_blocks,
+            block_size=BLOCK_SIZE,
+            max_batch_size=4,
+            max_num_batched_tokens=256,
+        )
+        results = engine.generate(prompts, max_new_tokens=4)
+        mean_ttft = sum(r.time_to_first_token for r in results) / len(results)
+        rows.append(
+            [
+                name,
+                f"{memory:g}",
+                f"{engine.last_stats.hit_rate:.3f}",
+                f"{engine.last_stats.preemptions}",
+                f"{mean_ttft * 1e3:.0f}",
+            ]
+        )
+        print(" | ".join(rows[-1]), file=sys.stderr)
+    return rows
 
 
 def main() -> None:
     rows = []
     for prompt_len in PROMPTS:
         # Full attention does not depend on the window: measured once per prompt length.
-        full_held, full_fit, _ = measure(prompt_len, WINDOWS[0], 0)
+        full_held, _, full_fit, _ = measure(prompt_len, WINDOWS[0], 0)
         for window in WINDOWS:
             if window >= prompt_len:
                 continue
-            row = [f"{prompt_len:,}", f"{window:,}", f"{full_held[0]} ({full_fit:,})"]
+            row = [f"{prompt_len:,}", f"{window:,}", f"{full_held[0]}", f"{full_fit:,}"]
             for _, pattern in PATTERNS[1:]:
-                held, fit, _ = measure(prompt_len, window, pattern)
-                row.append(f"{' + '.join(str(h) for h in held)} ({fit:,})")
+                held, peak, fit, _ = measure(prompt_len, window, pattern)
+                shown = " + ".join(
+                    f"{h} [{p}]" if h != p else f"{h}" for h, p in zip(held, peak, strict=True)
+                )
+                row += [shown, f"{fit:,} ({fit / full_fit:.1f}×)"]
             rows.append(row)
             print(" | ".join(row), file=sys.stderr)
     print(
@@ -130,8 +221,25 @@ def main() -> None:
     )
     print(
         md_table(
-            ["prompt", "window", *(f"{name}: held (fit)" for name, _ in PATTERNS)],
+            [
+                "prompt",
+                "window",
+                *(f"{name}: {what}" for name, _ in PATTERNS for what in ("held", "fit")),
+            ],
             rows,
+        )
+    )
+    print("\n## Agent workload through the Engine (hit rate must not drop)\n")
+    print(
+        md_table(
+            [
+                "model (4 layers, W=64)",
+                "KV memory (all-layer blocks)",
+                "hit rate",
+                "preemptions",
+                "mean TTFT (ms)",
+            ],
+            agent_hit_rates(),
         )
     )
 
