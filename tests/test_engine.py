@@ -220,7 +220,36 @@ def test_length_dependent_rope_is_served_without_prefix_reuse(
     said = [r for r in caplog.records if "prefix reuse is off" in r.getMessage()]
     assert len(said) == 1, "said once, at construction"
     stats = engine.cache.stats()
-    assert (stats.requests_live, stats.blocks_cached) == (0, 0)
+    assert stats.requests_live == 0
+    # What it committed is keyed under each request's own salt: the repeated prompt missed.
+    assert stats.hit_tokens == 0
+
+
+@pytest.mark.parametrize("layer_types", [None, ("sliding_attention", "full_attention")])
+def test_without_prefix_reuse_chunked_prefill_and_long_decodes_get_their_slots(
+    model: LlamaModel, layer_types: tuple[str, ...] | None
+) -> None:
+    """With reuse off the engine still commits (under a salt per request), so the cache knows
+    how far each request got: chunks and decode steps past the first blocks get slots, and a
+    sliding group releases what its window passed."""
+    dynamic = model.with_config(
+        rope_scaling=RopeScaling("dynamic_ntk", 2.0),
+        max_position_embeddings=64,
+        sliding_window=6 if layer_types else None,
+        layer_types=layer_types,
+    )
+    prompts = [_prompt(30, seed=20 + i) for i in range(3)]
+    engine = _engine(dynamic, num_blocks=30, max_num_batched_tokens=8)
+    results = engine.generate([*prompts, prompts[0]], max_new_tokens=20, check_exactness=True)
+    assert not engine.prefix_reuse
+    for result in results:
+        assert result.cached_tokens == 0
+        assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
+        assert result.tokens_match
+    stats = engine.cache.stats()
+    assert stats.requests_live == 0 and stats.blocks_in_use == 0
+    if layer_types:
+        assert stats.blocks_released > 0
 
 
 def test_switching_weights_into_a_length_dependent_rope_turns_reuse_off(

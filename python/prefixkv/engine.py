@@ -508,9 +508,12 @@ class Engine:
 
         Normally `context` itself. Under a length-dependent position encoding (dynamic NTK)
         reuse is unsafe and `PrefixCache` refuses such a context; the model is still exact for
-        a request computed from scratch, so the engine serves with prefix reuse off: it never
-        commits a block (nothing is ever published, so every lookup misses) and uses the cache
-        only as its block allocator, under this stand-in context marked ``prefix_reuse: off``.
+        a request computed from scratch, so the engine serves with prefix reuse off, under this
+        stand-in context marked ``prefix_reuse: off``: each request's blocks are keyed under a
+        salt of its own (`_Run._add`), so no other request ever matches them. It still commits
+        what it computes, which is how the cache knows how far a request got: its next slots,
+        and what a sliding-window group may release. A preempted request may read its own
+        blocks again, exactly the KV it would have kept had it not been preempted.
         `context` keeps the true position encoding. Said once per engine in the log.
 
         A finer policy is possible (the base does not move while every length stays within
@@ -742,8 +745,7 @@ class Engine:
         and a block of slack on each side."""
         size = self.kv_cache.block_size
         blocks = -(-num_tokens // size)
-        if sliding_window is None or not self.prefix_reuse:
-            # Without reuse nothing is committed, so nothing is released either.
+        if sliding_window is None:
             return blocks
         step = self.max_num_batched_tokens + self.num_speculative_tokens
         return min(blocks, -(-(sliding_window - 1 + step) // size) + 2)
@@ -891,8 +893,10 @@ class _Run:
     # -- cache bookkeeping ---------------------------------------------------------------
 
     def _add(self, sequence: _Sequence) -> None:
+        # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
+        salt = None if self.engine.prefix_reuse else f"prefix-reuse-off:{sequence.request_id}"
         self.cache.add_request(
-            sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key
+            sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
         )
         self.live[sequence.request_id] = sequence
 
@@ -1167,8 +1171,9 @@ class _Run:
         for item, logits in zip(scheduled, rows, strict=True):
             sequence = item.sequence
             sequence.num_computed = item.start + item.num_new
+            # Also with reuse off: the cache learns how far the request got (`_cache_context`).
+            self.cache.commit(sequence.request_id, sequence.num_computed)
             if reuse:
-                self.cache.commit(sequence.request_id, sequence.num_computed)
                 self._tiers_record(sequence, item.start, sequence.num_computed)
             if sequence.num_computed < len(sequence.tokens):
                 continue  # a prompt chunk: nothing to sample yet

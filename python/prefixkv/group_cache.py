@@ -172,14 +172,19 @@ class GroupedPrefixCache:
 
     # -- a request's life ----------------------------------------------------------------
     def add_request(
-        self, request_id: int | str, tokens: Sequence[int], *, adapter: str | None = None
+        self,
+        request_id: int | str,
+        tokens: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        adapter: str | bytes | None = None,
     ) -> None:
         """Register a waiting request in every group (all or none)."""
         with self._lock:
             added: list[PrefixCache] = []
             try:
                 for cache in self.groups:
-                    cache.add_request(request_id, tokens, adapter=adapter)
+                    cache.add_request(request_id, tokens, salt=salt, adapter=adapter)
                     added.append(cache)
             except BaseException:
                 for cache in added:
