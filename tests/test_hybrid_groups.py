@@ -353,3 +353,25 @@ def test_kv_events_of_a_hybrid_engine_name_their_group() -> None:
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert any(e.group_idx == 1 for e in removed), "the small sliding pool evicts"
     assert all(e.group_idx in (0, 1) for e in removed)
+
+
+def test_metrics_of_a_hybrid_engine_are_per_kv_group() -> None:
+    import prometheus_client
+
+    model = _model((FULL, SLIDING), window=8)
+    engine = Engine(model, kv_group_blocks=(32, 12), block_size=BLOCK, max_num_batched_tokens=8)
+    engine.generate([_prompt(60, seed=1)], max_new_tokens=2)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(engine.metrics_collector({"model_name": "m"}))
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert sample("prefixkv:kv_cache_blocks", kv_group="0", state="free") is not None
+    released = [sample("prefixkv:prefix_cache_released_blocks_total", kv_group=g) for g in "01"]
+    assert released[0] == 0 and released[1] is not None and released[1] >= 10
+    stats = engine.cache.stats()
+    assert sample("prefixkv:kv_cache_blocks", kv_group="1", state="cached") == (
+        stats.groups[1].blocks_cached
+    )
+    assert sample("prefixkv:prefix_cache_queries_total") == stats.groups[0].lookup_tokens

@@ -448,10 +448,6 @@ class Engine:
         with ``prometheus_client.REGISTRY.register(...)``."""
         from prefixkv.metrics import PrefixCacheCollector
 
-        if not isinstance(self.cache, PrefixCache):
-            raise InvalidInputError(
-                "metrics of a model with sliding-window layers (KV groups) are not collected yet"
-            )
         return PrefixCacheCollector(
             self.cache,
             publisher=self.kv_events,

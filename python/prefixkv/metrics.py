@@ -24,11 +24,15 @@ metric                                           type       meaning
                                                             cached block (the copy is freed)
 ``prefixkv:prefix_cache_collisions``             counter    table-key collisions (never a wrong hit)
 ``prefixkv:prefix_cache_probes``                 counter    lock-free `lookup` calls (routing probes)
+``prefixkv:prefix_cache_released_blocks``        counter    blocks a sliding-window group released
 ``prefixkv:requests_live``                       gauge      requests between begin and finish
 ``prefixkv:kv_events_recorded_blocks``           counter    blocks whose events were recorded
 ``prefixkv:kv_events_dropped_blocks``            counter    of those, dropped by a full queue
 ``prefixkv:kv_events_resyncs``                   counter    resynchronisations after an overflow
 ===============================================  =========  =========================================
+
+A hybrid model's `GroupedPrefixCache` reports the block figures per KV group, with a
+``kv_group`` label ("0" is the full-attention group when the model has one).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from prefixkv.cache import PrefixCache
     from prefixkv.events import EventRecorder, KVEventPublisher
+    from prefixkv.group_cache import GroupedPrefixCache
 
 __all__ = ["PrefixCacheCollector"]
 
@@ -50,14 +55,16 @@ class PrefixCacheCollector(Collector):
     """Exposes `cache`'s counters (and `publisher`'s or `recorder`'s event counters).
 
     Args:
-        cache: the cache to report.
+        cache: the cache to report: a `PrefixCache`, or a hybrid model's `GroupedPrefixCache`,
+            whose block figures are reported per KV group (label ``kv_group``; every group
+            serves the same hit lengths, so the query and hit counters are group 0's).
         publisher / recorder: where the event counters come from (give at most one).
         labels: constant labels for every sample (vLLM labels by ``model_name``).
     """
 
     def __init__(
         self,
-        cache: PrefixCache,
+        cache: PrefixCache | GroupedPrefixCache,
         *,
         publisher: KVEventPublisher | None = None,
         recorder: EventRecorder | None = None,
@@ -84,8 +91,32 @@ class PrefixCacheCollector(Collector):
         family.add_metric(list(self.labels.values()), value)
         return family
 
+    def _per_group(
+        self,
+        family: type[CounterMetricFamily] | type[GaugeMetricFamily],
+        name: str,
+        doc: str,
+        values: list[tuple[str | None, Any]],
+    ) -> Metric:
+        """One sample per group (labelled ``kv_group``), or one unlabelled for a plain cache."""
+        grouped = values[0][0] is not None
+        names = [*self.labels, "kv_group"] if grouped else list(self.labels)
+        metric = family(name, doc, labels=names)
+        for group, value in values:
+            extra = [group] if group is not None else []
+            metric.add_metric([*self.labels.values(), *extra], value)
+        return metric
+
     def collect(self) -> Iterator[Metric]:
-        stats = self.cache.stats()
+        from prefixkv.group_cache import GroupedCacheStats
+
+        everything = self.cache.stats()
+        per_group: list[tuple[str | None, Any]]
+        if isinstance(everything, GroupedCacheStats):
+            per_group = [(str(g), stats) for g, stats in enumerate(everything.groups)]
+        else:
+            per_group = [(None, everything)]
+        stats = per_group[0][1]
         yield self._counter(
             "prefixkv:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -96,31 +127,46 @@ class PrefixCacheCollector(Collector):
             "Prompt tokens whose KV was read from the prefix cache.",
             stats.hit_tokens,
         )
-        total = stats.blocks_total or 1
-        yield self._gauge(
+        yield self._per_group(
+            GaugeMetricFamily,
             "prefixkv:kv_cache_usage_perc",
             "Fraction of KV blocks in use by requests (0..1).",
-            stats.blocks_in_use / total,
+            [(g, s.blocks_in_use / (s.blocks_total or 1)) for g, s in per_group],
         )
+        grouped = per_group[0][0] is not None
         blocks = GaugeMetricFamily(
-            "prefixkv:kv_cache_blocks", "KV blocks by state.", labels=[*self.labels, "state"]
+            "prefixkv:kv_cache_blocks",
+            "KV blocks by state.",
+            labels=[*self.labels, *(["kv_group"] if grouped else []), "state"],
         )
-        for state in ("free", "cached", "in_use", "pinned", "evictable"):
-            value: Any = getattr(stats, f"blocks_{state}")
-            blocks.add_metric([*self.labels.values(), state], value)
+        for group, group_stats in per_group:
+            for state in ("free", "cached", "in_use", "pinned", "evictable"):
+                value: Any = getattr(group_stats, f"blocks_{state}")
+                extra = [group] if group is not None else []
+                blocks.add_metric([*self.labels.values(), *extra, state], value)
         yield blocks
-        for name, doc, value in (
-            ("evictions", "Cached blocks evicted.", stats.evictions),
-            ("committed_blocks", "Blocks published into the cache.", stats.committed_blocks),
+        for name, doc, field in (
+            ("evictions", "Cached blocks evicted.", "evictions"),
+            ("committed_blocks", "Blocks published into the cache.", "committed_blocks"),
             (
                 "dedup_drops",
                 "Committed blocks dropped as duplicates of a cached block.",
-                stats.deduplicated_blocks,
+                "deduplicated_blocks",
             ),
-            ("collisions", "Table-key collisions (each costs a miss).", stats.collisions),
-            ("probes", "Lock-free lookups (routing probes).", stats.probes),
+            ("collisions", "Table-key collisions (each costs a miss).", "collisions"),
+            ("probes", "Lock-free lookups (routing probes).", "probes"),
+            (
+                "released_blocks",
+                "Blocks a sliding-window group released as its window moved on.",
+                "blocks_released",
+            ),
         ):
-            yield self._counter(f"prefixkv:prefix_cache_{name}", doc, value)
+            yield self._per_group(
+                CounterMetricFamily,
+                f"prefixkv:prefix_cache_{name}",
+                doc,
+                [(g, getattr(s, field)) for g, s in per_group],
+            )
         yield self._gauge(
             "prefixkv:requests_live", "Requests between begin and finish.", stats.requests_live
         )
