@@ -210,3 +210,51 @@ def test_hybrid_checkpoint_matches_transformers_after_a_cached_prefix(tmp_path: 
             kv, [PrefillRequest(TOKENS, table, num_cached_tokens=cached)], return_all_logits=True
         )
         assert_close_to_scale(logits, expected[cached:])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2_alternating"])
+def test_a_sliding_window_checkpoint_served_with_kv_groups_matches_transformers(
+    tmp_path: Path, kind: str
+) -> None:
+    """A checkpoint transformers writes (Mistral: every layer slides; Qwen2: alternating
+    layer_types), served by the Engine on KV groups that release out-of-window blocks: its
+    greedy continuation is transformers' own, from scratch and after a cached prefix."""
+    from prefixkv.engine import Engine
+
+    common: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "sliding_window": 7,
+    }
+    torch.manual_seed(3)
+    if kind == "mistral":
+        theirs = transformers.MistralForCausalLM(
+            transformers.MistralConfig(num_hidden_layers=2, **common)
+        )
+    else:
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        theirs = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                num_hidden_layers=4, use_sliding_window=True, layer_types=layer_types, **common
+            )
+        )
+    theirs.save_pretrained(tmp_path)
+    theirs = load_with_transformers(tmp_path)
+    ours = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32)
+    engine = Engine(ours, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+    assert engine.grouped
+    prompt = TOKENS.tolist()
+    for tokens in (prompt, [*prompt[:32], 5, 6, 7]):  # the second reuses a cached prefix
+        with torch.no_grad():
+            expected = theirs.generate(
+                torch.tensor([tokens]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(tokens) :].tolist()
+        (result,) = engine.generate([tokens], max_new_tokens=6, check_exactness=True)
+        assert result.output_token_ids == expected
+        assert result.max_logit_diff is not None and result.max_logit_diff < 1e-4
+    assert result.cached_tokens >= 28
+    assert engine.cache.stats().blocks_released > 0
