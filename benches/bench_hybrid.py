@@ -229,7 +229,7 @@ def main() -> None:
             rows,
         )
     )
-    print("\n## Agent workload through the Engine (hit rate must not drop)\n")
+    print("\n## Agent workload through the Engine: hit rate, same KV memory\n")
     print(
         md_table(
             [
