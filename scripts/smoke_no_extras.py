@@ -105,6 +105,25 @@ def _analyze() -> None:
     assert isinstance(report, dict) and report, report
 
 
+def _kv_groups() -> None:
+    """A hybrid model's block managers: one per KV group, a sliding one releasing blocks."""
+    from prefixkv import CacheContext, GroupedPrefixCache, KVGroupSpec
+
+    specs = (KVGroupSpec(0, None, (1,)), KVGroupSpec(1, 8, (0,)))
+    cache = GroupedPrefixCache(specs, (16, 16), context=CacheContext(block_size=4))
+    cache.add_request("a", list(range(40)))
+    slots = cache.allocate_slots("a", 40)
+    assert slots.num_computed_tokens == 0, slots
+    cache.commit("a", 40)
+    full, sliding = cache.block_tables("a")
+    assert sliding[0] == cache.null_blocks[1] and full[0] != cache.null_blocks[1], (full, sliding)
+    cache.finish("a")
+    cache.add_request("b", list(range(40)))
+    assert cache.start_position("b") == 36
+    cache.finish("b")
+    cache.check_invariants()
+
+
 def _torch_names_fail_clearly() -> None:
     import prefixkv
     from prefixkv import MissingDependencyError
@@ -131,6 +150,7 @@ def main(argv: list[str]) -> int:
         )
         return 2
     _block_manager()
+    _kv_groups()
     _analyze()
     _torch_names_fail_clearly()
     imported = sorted(name for name in OPTIONAL if name in sys.modules)

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from prefixkv.engine import Engine
 from prefixkv.errors import InvalidInputError, KVIndexError, OutOfBlocksError
 from prefixkv.group_cache import GroupedPrefixCache
+from prefixkv.grouped_kv import GroupedKVCache
 from prefixkv.kv import PagedKVCache
-from prefixkv.kv_groups import GroupedKVCache, KVGroupSpec, kv_group_specs
+from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.text import ByteTokenizer
 

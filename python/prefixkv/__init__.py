@@ -3,6 +3,8 @@
 - `PrefixCache` (cache.py): which KV blocks a request may reuse, refcounts, eviction.
 - `CacheContext` (context.py): every setting that must match for reuse to be safe.
 - `PagedKVCache` (kv.py), `paged_prefill_attention` (attention.py): KV pages and prefill over them.
+- `GroupedPrefixCache` (group_cache.py), `GroupedKVCache` (grouped_kv.py): a hybrid model's KV
+  groups (kv_groups.py), one block manager and one set of pages per attention kind.
 - `LlamaModel`, `ModelConfig` (model.py): the reference decoder; `Engine` (engine.py) serves it.
 
 The block manager needs only numpy (`pip install prefixkv`). The torch-based names are
@@ -43,10 +45,13 @@ from prefixkv.errors import (
     UnknownRequestError,
     missing_dependency,
 )
+from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache
+from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 
 if TYPE_CHECKING:
     from prefixkv.attention import paged_prefill_attention
     from prefixkv.engine import Engine, RequestResult
+    from prefixkv.grouped_kv import GroupedKVCache
     from prefixkv.kv import PagedKVCache
     from prefixkv.model import DecodeRequest, LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
@@ -58,6 +63,7 @@ _LAZY = {
     "RopeScaling": "prefixkv.model",
     "PrefillRequest": "prefixkv.model",
     "DecodeRequest": "prefixkv.model",
+    "GroupedKVCache": "prefixkv.grouped_kv",
     "Engine": "prefixkv.engine",
     "RequestResult": "prefixkv.engine",
 }
@@ -91,9 +97,13 @@ __all__ = [
     "DecodeRequest",
     "DuplicateRequestError",
     "Engine",
+    "GroupedCacheStats",
+    "GroupedKVCache",
+    "GroupedPrefixCache",
     "InvalidBlockError",
     "InvalidInputError",
     "KVAllocationError",
+    "KVGroupSpec",
     "KeyExtras",
     "LlamaModel",
     "MissingDependencyError",
@@ -115,5 +125,6 @@ __all__ = [
     "__version__",
     "as_token_ids",
     "key_extras",
+    "kv_group_specs",
     "paged_prefill_attention",
 ]

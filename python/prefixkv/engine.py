@@ -54,8 +54,9 @@ from prefixkv.context import CacheContext
 from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
 from prefixkv.errors import InvalidInputError, KVShapeError, OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
+from prefixkv.grouped_kv import GroupedKVCache
 from prefixkv.kv import PagedKVCache
-from prefixkv.kv_groups import GroupedKVCache, KVGroupSpec, kv_group_specs
+from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.model_config import model_context
 from prefixkv.scheduler import (

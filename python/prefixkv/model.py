@@ -73,8 +73,8 @@ from prefixkv.checkpoint import load_pretrained, save_pretrained
 from prefixkv.context import CacheContext
 from prefixkv.decode_attention import paged_decode_attention
 from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
+from prefixkv.grouped_kv import GroupedKVCache
 from prefixkv.kv import PagedKVCache
-from prefixkv.kv_groups import GroupedKVCache
 from prefixkv.lora import AdapterSet, random_adapter
 from prefixkv.model_config import ModelConfig, RopeScaling, model_context
 from prefixkv.rope import apply_rotate_half_rope as _apply_rotate_half_rope
