@@ -376,3 +376,32 @@ def test_metrics_of_a_hybrid_engine_are_per_kv_group() -> None:
         stats.groups[1].blocks_cached
     )
     assert sample("prefixkv:prefix_cache_queries_total") == stats.groups[0].lookup_tokens
+
+
+def test_groups_with_different_block_sizes_agree_on_a_common_multiple() -> None:
+    """A full group of 4-token blocks and a sliding group of 6-token blocks: every hit is a
+    multiple of 12, the first length where both groups' blocks end."""
+    model = _model((FULL, SLIDING), window=5)
+    cache = GroupedPrefixCache(
+        kv_group_specs(model.config),
+        (32, 32),
+        context=model.cache_context(BLOCK),
+        block_sizes=(4, 6),
+    )
+    assert cache.block_sizes == (4, 6) and cache.hit_granularity == 12
+    prompt = _prompt(40, seed=3)
+    cache.add_request("a", prompt)
+    cache.allocate_slots("a", 40)
+    cache.commit("a", 40)
+    cache.finish("a")
+    for length in (40, 30, 26, 12, 11):
+        cache.add_request("b", prompt[:length])
+        position = cache.start_position("b")
+        assert position % 12 == 0 and position < length
+        # The longest multiple of 12 that both groups can serve, short of the full prompt.
+        assert position == 12 * ((length - 1) // 12)
+        slots = cache.allocate_slots("b", length - position)
+        assert slots.num_computed_tokens == position
+        assert [len(t) for t in cache.block_tables("b")] == [-(-length // 4), -(-length // 6)]
+        cache.finish("b")
+    cache.check_invariants()

@@ -42,12 +42,16 @@ from prefixkv.kv_groups import KVGroupSpec
 __all__ = ["GroupSlots", "GroupedCacheStats", "GroupedPrefixCache", "group_context"]
 
 
-def group_context(context: CacheContext, spec: KVGroupSpec) -> CacheContext:
-    """`context` for one KV group: its index and window join the key of every block."""
+def group_context(
+    context: CacheContext, spec: KVGroupSpec, block_size: int | None = None
+) -> CacheContext:
+    """`context` for one KV group: its index and window join the key of every block (and its
+    block size, when the group's differs)."""
     extra = dict(context.extra)
     extra["kv_group"] = spec.index
     extra["kv_group_window"] = spec.sliding_window
-    return dataclasses.replace(context, extra=extra)
+    size = context.block_size if block_size is None else block_size
+    return dataclasses.replace(context, extra=extra, block_size=size)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,8 @@ class GroupedPrefixCache:
         num_blocks: blocks of each group's pool.
         context: the model's context; each group runs under `group_context` of it.
         vocab_size: when given, token ids at or above it are refused.
+        block_sizes: tokens per block of each group (default: `context.block_size` for all);
+            hit lengths are then multiples of their least common multiple.
 
     Request-keyed calls take the engine's request id, as `PrefixCache`'s do.
     """
@@ -122,22 +128,30 @@ class GroupedPrefixCache:
         *,
         context: CacheContext,
         vocab_size: int | None = None,
+        block_sizes: Sequence[int] | None = None,
     ) -> None:
         specs = tuple(specs)
         if not specs or len(num_blocks) != len(specs):
             raise InvalidInputError(
                 f"need one num_blocks per KV group: {len(num_blocks)} for {len(specs)} groups"
             )
+        if block_sizes is None:
+            block_sizes = [context.block_size] * len(specs)
+        elif len(block_sizes) != len(specs):
+            raise InvalidInputError(
+                f"need one block size per KV group: {len(block_sizes)} for {len(specs)} groups"
+            )
         self.specs = specs
         self._context = context
+        self._block_sizes = tuple(block_sizes)
         self.groups = tuple(
             PrefixCache(
                 count,
-                context=group_context(context, spec),
+                context=group_context(context, spec, size),
                 vocab_size=vocab_size,
                 sliding_window=spec.sliding_window,
             )
-            for spec, count in zip(specs, num_blocks, strict=True)
+            for spec, count, size in zip(specs, num_blocks, self._block_sizes, strict=True)
         )
         sizes = {cache.block_size for cache in self.groups}
         #: Hit lengths are multiples of this: every group's blocks end there.
@@ -155,7 +169,12 @@ class GroupedPrefixCache:
     # -- properties ----------------------------------------------------------------------
     @property
     def block_size(self) -> int:
+        """Group 0's block size (`block_sizes` has every group's)."""
         return self.groups[0].block_size
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(cache.block_size for cache in self.groups)
 
     @property
     def num_blocks(self) -> tuple[int, ...]:
@@ -338,8 +357,8 @@ class GroupedPrefixCache:
     # -- reset ---------------------------------------------------------------------------
     def set_context(self, context: CacheContext) -> None:
         with self._lock:
-            for spec, cache in zip(self.specs, self.groups, strict=True):
-                cache.set_context(group_context(context, spec))
+            for spec, cache, size in zip(self.specs, self.groups, self._block_sizes, strict=True):
+                cache.set_context(group_context(context, spec, size))
             self._context = context
 
     def clear(self) -> None:
