@@ -26,6 +26,10 @@ patterns with a 64-token window, in the same KV memory: the bench's pool of 40 b
 tight one of 20. `Engine`'s default gives every group the pool's block count;
 `kv_group_blocks` moves memory from the sliding group to the full one.
 
+Last, the block managers' own cost: one decode step (``append_tokens``, ``allocate_slots``,
+``commit``) per request, CPU time of the calling thread, 256 live requests of 500 tokens: a
+plain `PrefixCache`, a sliding one, and a `GroupedPrefixCache` of a full and a sliding group.
+
 Run: ``python benches/bench_hybrid.py`` (CPU only, under a minute).
 """
 
@@ -40,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import md_table
+from common import gc_paused, machine, md_table
 
 from prefixkv.context import CacheContext
 from prefixkv.errors import OutOfBlocksError
@@ -199,6 +203,47 @@ def agent_hit_rates() -> list[list[str]]:
     return rows
 
 
+def decode_step_costs(requests: int = 256, steps: int = 20) -> list[list[str]]:
+    """µs per request per decode step through each kind of block manager."""
+    from prefixkv import PrefixCache
+
+    context = CacheContext(block_size=BLOCK_SIZE)
+    specs = (KVGroupSpec(0, None, (0,)), KVGroupSpec(1, 128, (1,)))
+    managers: list[tuple[str, Any]] = [
+        ("PrefixCache (full attention)", PrefixCache(40_000, context=context)),
+        (
+            "PrefixCache(sliding_window=128)",
+            PrefixCache(40_000, context=context, sliding_window=128),
+        ),
+        (
+            "GroupedPrefixCache (full + sliding 128)",
+            GroupedPrefixCache(specs, (40_000,) * 2, context=context),
+        ),
+    ]
+    rows = []
+    baseline = None
+    for name, cache in managers:
+        for i in range(requests):
+            cache.add_request(f"r{i}", [i % 50_000] * 100 + list(range(400)))
+            cache.allocate_slots(f"r{i}", 500)
+            cache.commit(f"r{i}", 500)
+        samples = []
+        for step in range(steps):
+            with gc_paused():
+                start = time.thread_time_ns()
+                for i in range(requests):
+                    request = f"r{i}"
+                    cache.append_tokens(request, [5])
+                    cache.allocate_slots(request, 1)
+                    cache.commit(request, 501 + step)
+                samples.append((time.thread_time_ns() - start) / requests / 1000)
+        cost = sorted(samples)[len(samples) // 2]
+        baseline = baseline or cost
+        rows.append([name, f"{cost:.2f}", f"{cost / baseline:.1f}×"])
+        print(" | ".join(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     rows = []
     for prompt_len in PROMPTS:
@@ -242,6 +287,8 @@ def main() -> None:
             agent_hit_rates(),
         )
     )
+    print(f"\n## Decode step cost per request ({machine()['cpu']})\n")
+    print(md_table(["block manager", "µs per request", "vs plain"], decode_step_costs()))
 
 
 if __name__ == "__main__":

@@ -137,6 +137,13 @@ def test_a_computed_position_in_the_null_block_is_refused() -> None:
     bad = PrefillRequest(tokens, (), num_cached_tokens=4, group_block_tables=([0, 1], [0, 8]))
     with pytest.raises(KVIndexError, match="null block"):
         model.prefill(kv, [bad])
+    # Position 7 reads keys 4..7 (window 4): block 0 may be null, block 1 may not.
+    last = PrefillRequest(tokens, (), num_cached_tokens=7, group_block_tables=([0, 1], [8, 1]))
+    model.prefill(kv, [last])
+    # Position 6 reads keys 3..6: block 0 holds position 3, so it must be real.
+    early = PrefillRequest(tokens, (), num_cached_tokens=6, group_block_tables=([0, 1], [8, 1]))
+    with pytest.raises(KVIndexError, match="window of this call reads"):
+        model.prefill(kv, [early])
     with pytest.raises(Exception, match="one block table per KV group"):
         model.prefill(kv, [PrefillRequest(tokens, [0, 1])])
 

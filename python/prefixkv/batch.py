@@ -133,11 +133,13 @@ def pack_prefill_batch(
     grouped = isinstance(kv_cache, GroupedKVCache)
     block_size = kv_cache.block_size
     # Per group: the pages a table may name, and the null block no computed position may use.
+    # A sliding group's window: its queries read keys from ``position + 1 - window`` on.
     if isinstance(kv_cache, GroupedKVCache):
         limits = [pages.num_blocks for pages in kv_cache.groups]
         nulls = [kv_cache.null_block(g) for g in range(len(kv_cache.groups))]
+        windows = [spec.sliding_window for spec in kv_cache.specs]
     else:
-        limits, nulls = [kv_cache.num_blocks], [None]
+        limits, nulls, windows = [kv_cache.num_blocks], [None], [None]
     num_groups = len(limits)
     token_chunks: list[torch.Tensor] = []
     angle_chunks: list[torch.Tensor] = []
@@ -178,13 +180,18 @@ def pack_prefill_batch(
                     f"{name} has block ids outside [0, {limits[group]}): {table.tolist()}"
                 )
             blocks = table[positions // block_size]
-            null = nulls[group]
-            if null is not None and bool((blocks == null).any()):
-                # A computed position's keys are inside its own window: never a released block.
-                raise KVIndexError(
-                    f"{name} has the null block {null} at a position this call computes "
-                    f"({start}..{end - 1}): only positions outside every window may be released"
-                )
+            null, window = nulls[group], windows[group]
+            if null is not None and window is not None:
+                # Every key a query of this call reads must be real KV: the null block may
+                # stand only before the window of the first computed position.
+                first_read = max(0, start + 1 - window) // block_size
+                if bool((table[first_read:] == null).any()):
+                    raise KVIndexError(
+                        f"{name} has the null block {null} at a position the window of this "
+                        f"call reads (from block {first_read} on, computing {start}..{end - 1} "
+                        f"with a window of {window}): only blocks outside every window may be "
+                        "released"
+                    )
             if request.write_kv:
                 slot_chunks[group].append(blocks * block_size + positions % block_size)
             tables[group].append(table)
