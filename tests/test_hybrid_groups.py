@@ -412,3 +412,73 @@ def test_groups_with_different_block_sizes_agree_on_a_common_multiple() -> None:
         assert [len(t) for t in cache.block_tables("b")] == [-(-length // 4), -(-length // 6)]
         cache.finish("b")
     cache.check_invariants()
+
+
+def test_a_truncation_one_group_refuses_cuts_no_group() -> None:
+    """After a reset a request publishes nothing more, but its window still moves on: the
+    sliding group refuses a cut into positions it released, which the full group would make."""
+    model = _model((FULL, SLIDING), window=8)
+    cache = GroupedPrefixCache(
+        kv_group_specs(model.config), (32, 32), context=model.cache_context(BLOCK)
+    )
+    tokens = _prompt(32, seed=4)
+    cache.add_request("a", tokens[:12])
+    cache.allocate_slots("a", 12)
+    cache.commit("a", 12)
+    cache.clear()
+    cache.append_tokens("a", tokens[12:])
+    cache.allocate_slots("a", 20)
+    cache.commit("a", 32)
+    tables = cache.block_tables("a")
+    with pytest.raises(InvalidInputError, match=r"KV group 1: .*sliding window"):
+        cache.truncate("a", 16)
+    assert [group.num_tokens("a") for group in cache.groups] == [32, 32]
+    assert cache.block_tables("a") == tables
+    cache.truncate("a", 31)  # position 31 reads from 24 on: both groups accept
+    assert [group.num_tokens("a") for group in cache.groups] == [31, 31]
+    cache.finish("a")
+    cache.check_invariants()
+
+
+def test_group_slots_name_each_groups_new_blocks() -> None:
+    model = _model((FULL, SLIDING), window=8)
+    cache = GroupedPrefixCache(
+        kv_group_specs(model.config), (16, 16), context=model.cache_context(BLOCK)
+    )
+    cache.add_request("a", _prompt(10, seed=2))
+    slots = cache.allocate_slots("a", 10)
+    assert isinstance(slots.group_block_ids, tuple)
+    assert [len(blocks) for blocks in slots.group_block_ids] == [3, 3]
+    assert (slots.num_computed_tokens, slots.num_cached_tokens) == (0, 0)
+    assert not slots.full_hit and not slots.last_token_shared
+    assert cache.block_tables("a") == tuple(slots.group_block_ids)
+    cache.commit("a", 10)
+    # A decode step inside the last block takes nothing; the one past it a block per group.
+    for position, new_blocks in ((10, 0), (11, 0), (12, 1)):
+        cache.append_tokens("a", [7])
+        slots = cache.allocate_slots("a", 1)
+        assert slots.num_computed_tokens == position
+        assert [len(blocks) for blocks in slots.group_block_ids] == [new_blocks] * 2
+        cache.commit("a", position + 1)
+    cache.finish("a")
+    assert all(stats.blocks_in_use == 0 for stats in cache.stats().groups)
+
+
+def test_finish_reaches_every_group_when_one_refuses() -> None:
+    from prefixkv.errors import DuplicateRequestError, UnknownRequestError
+
+    model = _model((FULL, SLIDING), window=8)
+    cache = GroupedPrefixCache(
+        kv_group_specs(model.config), (16, 16), context=model.cache_context(BLOCK)
+    )
+    full, sliding = cache.groups
+    sliding.add_request("a", _prompt(4, seed=1))
+    # Live in one group already: refused, and the other group is left as it was.
+    with pytest.raises(DuplicateRequestError):
+        cache.add_request("a", _prompt(4, seed=1))
+    with pytest.raises(UnknownRequestError):
+        full.num_tokens("a")
+    with pytest.raises(UnknownRequestError):
+        cache.finish("a")
+    with pytest.raises(UnknownRequestError):
+        sliding.num_tokens("a")

@@ -23,20 +23,24 @@ This class gives an engine the step API of one `PrefixCache` over all groups:
 
 Only ``full_hit="recompute_last_block"`` is served: with ``reuse_last_block`` the groups could
 disagree on whether the last token's KV is to be written.
+
+Each request-keyed method is one call into the Rust core's `KvGroups` (``rust/core/src/groups.rs``,
+which states these rules as invariants), over the very caches in `groups`: a decode step costs
+about what it costs in one `PrefixCache`, not one wrapper call per group.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixkv._core import CacheStats
-from prefixkv.cache import PrefixCache, RequestRef
+from prefixkv import _core
+from prefixkv._core import CacheStats, GroupSlots
+from prefixkv.cache import PrefixCache, RequestRef, as_token_ids, key_extras
 from prefixkv.context import CacheContext
-from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.errors import InvalidInputError
 from prefixkv.kv_groups import KVGroupSpec
 
 __all__ = ["GroupSlots", "GroupedCacheStats", "GroupedPrefixCache", "group_context"]
@@ -54,17 +58,10 @@ def group_context(
     return dataclasses.replace(context, extra=extra, block_size=size)
 
 
-@dataclass(frozen=True)
-class GroupSlots:
-    """What `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group)."""
-
-    #: Blocks appended to each group's table by this call.
-    group_block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-    num_cached_tokens: int
-    full_hit: bool
-    #: Always False: only ``recompute_last_block`` full hits are served.
-    last_token_shared: bool = False
+# `GroupSlots` is the native module's frozen class (`rust/py/src/groups.rs`): what
+# `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group), with
+# group_block_ids (one list per group), num_computed_tokens, num_cached_tokens, full_hit and
+# last_token_shared (always False: only ``recompute_last_block`` full hits are served).
 
 
 @dataclass(frozen=True)
@@ -153,18 +150,14 @@ class GroupedPrefixCache:
             )
             for spec, count, size in zip(specs, num_blocks, self._block_sizes, strict=True)
         )
-        sizes = {cache.block_size for cache in self.groups}
+        # One hit length, all or nothing, the scheduled requests: all in the core, over the
+        # same caches Python keeps using for lookups, events and stats.
+        self._core = _core.CoreGroups([cache._core for cache in self.groups])
         #: Hit lengths are multiples of this: every group's blocks end there.
-        self.hit_granularity = math.lcm(*sizes)
+        self.hit_granularity = self._core.hit_granularity
         self.full_hit = "recompute_last_block"
-        # Sliding groups first wherever a call can be refused after another group took it:
-        # their refusals (a released position) are the ones a full group does not share.
-        self._refusal_order = sorted(
-            range(len(specs)), key=lambda g: specs[g].sliding_window is None
-        )
+        # Serialises the resets (`set_context`) with each other; the core serialises the rest.
         self._lock = threading.RLock()
-        #: Requests holding blocks (matched their prefix); the others wait.
-        self._scheduled: set[RequestRef] = set()
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -199,37 +192,12 @@ class GroupedPrefixCache:
         adapter: str | bytes | None = None,
     ) -> None:
         """Register a waiting request in every group (all or none)."""
-        with self._lock:
-            added: list[PrefixCache] = []
-            try:
-                for cache in self.groups:
-                    cache.add_request(request_id, tokens, salt=salt, adapter=adapter)
-                    added.append(cache)
-            except BaseException:
-                for cache in added:
-                    cache.finish(request_id)
-                raise
+        self._core.add_request(request_id, as_token_ids(tokens), key_extras(salt, adapter))
 
     def start_position(self, request: RequestRef) -> int:
         """Where the next `allocate_slots` starts computing: for a waiting request the hit
         every group agrees on, for a scheduled one its computed tokens."""
-        with self._lock:
-            if request in self._scheduled:
-                return self.groups[0].start_position(request)
-            return self._agree_on_hit(request)
-
-    def _agree_on_hit(self, request: RequestRef) -> int:
-        cap: int | None = None
-        while True:
-            starts = []
-            for cache in self.groups:
-                cache.limit_cached_prefix(request, cap)
-                starts.append(cache.start_position(request))
-            low = min(starts)
-            low -= low % self.hit_granularity
-            if all(start == low for start in starts):
-                return low
-            cap = low
+        return self._core.start_position(request)
 
     def allocate_slots(
         self,
@@ -241,42 +209,9 @@ class GroupedPrefixCache:
     ) -> GroupSlots:
         """`PrefixCache.allocate_slots` in every group, or in none: raises `OutOfBlocksError`
         naming the group that cannot supply its blocks, with nothing changed."""
-        with self._lock:
-            waiting = request not in self._scheduled
-            if waiting:
-                self._agree_on_hit(request)
-            for spec, cache in zip(self.specs, self.groups, strict=True):
-                if not cache.can_allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_lookahead_tokens=num_lookahead_tokens,
-                    watermark_blocks=watermark_blocks,
-                ):
-                    raise OutOfBlocksError(
-                        f"KV group {spec.index} ({spec.kind}, {len(spec.layers)} layers) cannot "
-                        f"supply the blocks for {num_new_tokens} more tokens of request "
-                        f"{request!r}"
-                    )
-            slots = [
-                cache.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_lookahead_tokens=num_lookahead_tokens,
-                    watermark_blocks=watermark_blocks,
-                )
-                for cache in self.groups
-            ]
-            starts = {s.num_computed_tokens for s in slots}
-            # The caps make every group match the agreed hit; a mismatch would mean groups
-            # computing from different positions, which must never reach the model.
-            assert len(starts) == 1, f"KV groups disagree on where to compute: {starts}"
-            self._scheduled.add(request)
-            return GroupSlots(
-                group_block_ids=tuple(s.block_ids for s in slots),
-                num_computed_tokens=slots[0].num_computed_tokens,
-                num_cached_tokens=min(s.num_cached_tokens for s in slots),
-                full_hit=waiting and all(s.full_hit for s in slots),
-            )
+        return self._core.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens, watermark_blocks
+        )
 
     def can_allocate_slots(
         self,
@@ -286,64 +221,37 @@ class GroupedPrefixCache:
         num_lookahead_tokens: int = 0,
         watermark_blocks: int = 0,
     ) -> bool:
-        with self._lock:
-            if request not in self._scheduled:
-                self._agree_on_hit(request)
-            return all(
-                cache.can_allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_lookahead_tokens=num_lookahead_tokens,
-                    watermark_blocks=watermark_blocks,
-                )
-                for cache in self.groups
-            )
+        return self._core.can_allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens, watermark_blocks
+        )
 
     def append_tokens(
         self, request: RequestRef, tokens: Sequence[int], *, draft: bool = False
     ) -> None:
-        with self._lock:
-            for cache in self.groups:
-                cache.append_tokens(request, tokens, draft=draft)
+        self._core.append_tokens(request, as_token_ids(tokens), bool(draft))
 
     def commit(self, request: RequestRef, num_computed_tokens: int) -> int:
         """Record written KV in every group (a sliding group then releases what its window
         passed); returns the committed positions of the group with fewest."""
-        with self._lock:
-            return min(cache.commit(request, num_computed_tokens) for cache in self.groups)
+        return self._core.commit(request, num_computed_tokens)
 
     def accept_drafts(self, request: RequestRef, num_accepted: int) -> int:
-        with self._lock:
-            return min(cache.accept_drafts(request, num_accepted) for cache in self.groups)
+        return self._core.accept_drafts(request, num_accepted)
 
     def truncate(self, request: RequestRef, num_tokens: int) -> None:
-        with self._lock:
-            for group in self._refusal_order:
-                self.groups[group].truncate(request, num_tokens)
+        self._core.truncate(request, num_tokens)
 
     def preempt(self, request: RequestRef) -> None:
-        with self._lock:
-            for cache in self.groups:
-                cache.preempt(request)
-            self._scheduled.discard(request)
+        self._core.preempt(request)
 
     def finish(self, request: RequestRef) -> None:
-        with self._lock:
-            error: BaseException | None = None
-            for cache in self.groups:
-                try:
-                    cache.finish(request)
-                except BaseException as exc:  # finish every group, then report
-                    error = error or exc
-            self._scheduled.discard(request)
-            if error is not None:
-                raise error
+        self._core.finish(request)
 
     # -- observation ---------------------------------------------------------------------
     def block_tables(self, request: RequestRef) -> tuple[list[int], ...]:
         """The request's block table in each group (a sliding group's starts with its null
         block at every released position)."""
-        return tuple(cache.block_table(request) for cache in self.groups)
+        return self._core.block_tables(request)
 
     def request_block_keys(self, request: RequestRef) -> list[bytes]:
         """The request's block keys in group 0 (the full-attention group when there is one):

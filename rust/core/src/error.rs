@@ -57,6 +57,18 @@ pub enum CacheError {
         /// Blocks that could have been made free.
         available: usize,
     },
+
+    /// One KV group of a [`KvGroups`](crate::groups::KvGroups) refused a call that every group
+    /// must accept (an allocation its pool cannot supply, a truncation it cannot make):
+    /// `error` is that group's refusal. Nothing changed in any group. Maps to the Python class
+    /// of `error`.
+    #[error("KV group {group}: {error}")]
+    InKvGroup {
+        /// The group's index in the `KvGroups`.
+        group: usize,
+        /// What the group's cache answered.
+        error: Box<CacheError>,
+    },
 }
 
 /// Result alias for core calls.

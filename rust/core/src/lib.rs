@@ -12,15 +12,18 @@
 //! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
 //! - [`sliding`]: sliding-window KV groups: releasing blocks that left the window, and hits
 //!   that need only the window's blocks.
+//! - [`groups`]: [`KvGroups`], the caches of a hybrid model's KV groups driven as one (one hit
+//!   length, all-or-nothing allocation).
 //! - [`pins`]: keeping a prefix from eviction.
 //! - [`events`]: KV events (stored, removed, cleared) recorded for routers.
 //! - [`index`]: a prefix index over many instances' events, for routers.
 //!
-//! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`].
+//! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`] and [`KvGroups`].
 
 pub mod cache;
 pub mod error;
 pub mod events;
+pub mod groups;
 #[cfg(not(loom))]
 pub mod index;
 pub mod key;
@@ -37,6 +40,7 @@ pub use error::{CacheError, Result};
 pub use events::{
     encode_events, EventConfig, EventCounters, EventDrain, HashForm, KvEvent, TokenIds,
 };
+pub use groups::{GroupSlots, KvGroups};
 pub use key::{block_key, context_fingerprint, root_key, BlockKey, MultimodalItem, RequestExtras};
 pub use pool::BlockId;
 pub use stats::CacheStats;

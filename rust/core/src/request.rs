@@ -467,24 +467,11 @@ impl PrefixCache {
     ) -> Result<Slots> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        // The common decode step: a scheduled request whose slots already cover the tokens.
         let request = inner.requests.get(id)?;
-        if request.scheduled && watermark == 0 {
-            let start = request.num_computed;
-            let end = start + num_new_tokens;
-            if end <= request.tokens.len()
-                && (end + num_lookahead_tokens).div_ceil(self.config.block_size)
-                    <= request.block_table.len()
-                && !self.window_moved(request)
-            {
-                return Ok(Slots {
-                    block_ids: Vec::new(),
-                    num_computed_tokens: start,
-                    num_cached_tokens: 0,
-                    full_hit: false,
-                    last_token_shared: false,
-                });
-            }
+        if let Some(slots) =
+            self.slots_if_covered(request, num_new_tokens, num_lookahead_tokens, watermark)
+        {
+            return Ok(slots);
         }
         with_request(inner, id, |inner, request| {
             self.allocate_locked(
@@ -497,6 +484,24 @@ impl PrefixCache {
         })?
     }
 
+    /// What `allocate_slots` with these arguments returns, when answering takes neither
+    /// planning nor allocating: `Some` when the request is scheduled, no watermark is asked
+    /// for, its slots already cover the tokens and its window (if any) has nothing to release.
+    /// That is the common decode step; `allocate_slots` would return exactly these `Slots`
+    /// and change nothing, so a caller driving several caches (`groups.rs`) may take this
+    /// answer in place of the call. `None` means "call `allocate_slots`". Changes nothing.
+    pub fn covered_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<Option<Slots>> {
+        let inner = self.inner.lock();
+        let request = inner.requests.get(id)?;
+        Ok(self.slots_if_covered(request, num_new_tokens, num_lookahead_tokens, watermark))
+    }
+
     /// Whether `allocate_slots` with these arguments would succeed now. Changes nothing.
     pub fn can_allocate_slots(
         &self,
@@ -505,11 +510,35 @@ impl PrefixCache {
         num_lookahead_tokens: usize,
         watermark: usize,
     ) -> Result<bool> {
+        match self.check_allocate_slots(id, num_new_tokens, num_lookahead_tokens, watermark) {
+            Ok(()) => Ok(true),
+            Err(CacheError::OutOfBlocks { .. }) => Ok(false),
+            Err(other) => Err(other),
+        }
+    }
+
+    /// `can_allocate_slots` as a `Result`: `Err(OutOfBlocks)` with the blocks the call needs
+    /// (watermark included) and how many the pool could supply, when it would be refused.
+    /// Changes nothing.
+    pub fn check_allocate_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let plan = self.plan_for(inner, id, num_new_tokens, num_lookahead_tokens)?;
         let want = plan.fresh + watermark;
-        Ok(self.obtainable_with(inner, &plan.anchors[plan.released..], want) >= want)
+        let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
+        if available < want {
+            return Err(CacheError::OutOfBlocks {
+                needed: want,
+                available,
+            });
+        }
+        Ok(())
     }
 
     /// Blocks `allocate_slots(id, num_new_tokens, num_lookahead_tokens)` would take from the
@@ -666,7 +695,22 @@ impl PrefixCache {
     pub fn truncate(&self, id: &RequestId, num_tokens: usize) -> Result<Vec<BlockId>> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let request = inner.requests.get(id)?;
+        self.truncate_refusal(inner, inner.requests.get(id)?, num_tokens)?;
+        with_request(inner, id, |inner, request| {
+            self.truncate_locked(inner, request, num_tokens)
+        })
+    }
+
+    /// Whether `truncate(id, num_tokens)` would be accepted now: `Ok` if so, else the error it
+    /// would return. Changes nothing; a caller driving several caches (`groups.rs`) asks each
+    /// before cutting any.
+    pub fn check_truncate(&self, id: &RequestId, num_tokens: usize) -> Result<()> {
+        let inner = self.inner.lock();
+        self.truncate_refusal(&inner, inner.requests.get(id)?, num_tokens)
+    }
+
+    /// Why `request` may not be truncated to `num_tokens` tokens, if it may not.
+    fn truncate_refusal(&self, inner: &Inner, request: &Request, num_tokens: usize) -> Result<()> {
         let len = request.tokens.len();
         let published = request.anchors.len() * self.config.block_size;
         if num_tokens > len || num_tokens == 0 {
@@ -704,9 +748,7 @@ impl PrefixCache {
                  with another request, and is never rewritten"
             )));
         }
-        with_request(inner, id, |inner, request| {
-            self.truncate_locked(inner, request, num_tokens)
-        })
+        Ok(())
     }
 
     /// Drops every reference the request holds and its KV; its drafts are dropped too. The
@@ -1004,6 +1046,33 @@ impl PrefixCache {
         self.config.sliding_window.is_some_and(|window| {
             let settled = request.num_computed.min(request.num_verified());
             positions_out_of_window(window, self.config.block_size, settled) > request.released
+        })
+    }
+
+    /// The `Slots` of a decode step that needs nothing (see `covered_slots`), or `None`.
+    #[inline]
+    fn slots_if_covered(
+        &self,
+        request: &Request,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Option<Slots> {
+        if !request.scheduled || watermark > 0 {
+            return None;
+        }
+        let start = request.num_computed;
+        let end = start + num_new_tokens;
+        let covered = end <= request.tokens.len()
+            && (end + num_lookahead_tokens).div_ceil(self.config.block_size)
+                <= request.block_table.len()
+            && !self.window_moved(request);
+        covered.then(|| Slots {
+            block_ids: Vec::new(),
+            num_computed_tokens: start,
+            num_cached_tokens: 0,
+            full_hit: false,
+            last_token_shared: false,
         })
     }
 

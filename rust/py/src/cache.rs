@@ -2,11 +2,13 @@
 //! (`convert.rs`), results leave as named objects (`results.rs`), and calls that hash or walk a
 //! whole prompt release the GIL. `prefixkv.PrefixCache` (Python) is the documented API on top.
 
+use std::sync::Arc;
+
 use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::{block_id, int_in, BlockIds, KeyExtras, RequestRef, Tokens};
+use crate::convert::{self, block_id, count, int_in, BlockIds, KeyExtras, RequestRef, Tokens};
 use crate::errors::{invalid, to_py_err};
 use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
@@ -23,19 +25,10 @@ fn fingerprint(bytes: &[u8]) -> PyResult<BlockKey> {
     Ok(BlockKey(key))
 }
 
-fn priority(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
-    obj.map_or(Ok(0), |p| {
-        int_in(p, "priority", "-2147483648 ..= 2147483647", |_| true)
-    })
-}
-
-fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    int_in(obj, what, "0 ..= 2**64-1", |_| true)
-}
-
 /// The Rust block manager. Use `prefixkv.PrefixCache`, which documents every method.
+/// Shared (`Arc`) so that a `CoreGroups` can drive it while Python keeps using it directly.
 #[pyclass(frozen, module = "prefixkv._core")]
-pub struct CoreCache(pub(crate) PrefixCache);
+pub struct CoreCache(pub(crate) Arc<PrefixCache>);
 
 #[pymethods]
 impl CoreCache {
@@ -73,7 +66,7 @@ impl CoreCache {
                 .map(|w| w as usize),
         };
         PrefixCache::new(config, fingerprint(context_fingerprint)?)
-            .map(Self)
+            .map(|cache| Self(Arc::new(cache)))
             .map_err(to_py_err)
     }
 
@@ -122,7 +115,7 @@ impl CoreCache {
         priority: Option<&Bound<'_, PyAny>>,
         request: Option<RequestRef>,
     ) -> PyResult<Request> {
-        let priority = self::priority(priority)?;
+        let priority = convert::priority(priority)?;
         let num_prompt_tokens = tokens.len();
         let view = tokens.view();
         let id = request.map(|r| r.0);
@@ -153,7 +146,7 @@ impl CoreCache {
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let priority = self::priority(priority)?;
+        let priority = convert::priority(priority)?;
         let view = tokens.view();
         py.detach(|| {
             view.into_vec().and_then(|t| {
@@ -307,7 +300,7 @@ impl CoreCache {
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PrefixMatch> {
-        let priority = self::priority(priority)?;
+        let priority = convert::priority(priority)?;
         let view = tokens.view();
         let m = py
             .detach(|| {
@@ -321,7 +314,7 @@ impl CoreCache {
     }
 
     fn allocate(&self, py: Python<'_>, count: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let count = self::count(count, "count")?;
+        let count = convert::count(count, "count")?;
         py.detach(|| self.0.allocate(count)).map_err(to_py_err)
     }
 
@@ -339,7 +332,7 @@ impl CoreCache {
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<u32>> {
-        let priority = self::priority(priority)?;
+        let priority = convert::priority(priority)?;
         let view = tokens.view();
         py.detach(|| {
             view.into_vec().and_then(|t| {

@@ -47,6 +47,18 @@ pub fn int_in<T: TryFrom<i128>>(
     }
 }
 
+/// A retention priority (`None`: 0).
+pub fn priority(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    obj.map_or(Ok(0), |p| {
+        int_in(p, "priority", "-2147483648 ..= 2147483647", |_| true)
+    })
+}
+
+/// A count of tokens or blocks; `what` names it in errors.
+pub fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    int_in(obj, what, "0 ..= 2**64-1", |_| true)
+}
+
 /// Token ids as received: packed little-endian u32 `bytes` (the form the Python layer gives
 /// lists); `(bytes, width, signed)`, the raw little-endian bytes of an integer array of another
 /// width, checked here; or ints converted one by one from a list or tuple.

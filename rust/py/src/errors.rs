@@ -18,6 +18,12 @@ pyo3::import_exception!(prefixkv.errors, OutOfBlocksError);
 /// exhaustively: a new core variant does not compile until it is mapped here.
 pub fn to_py_err(err: CacheError) -> PyErr {
     let message = err.to_string();
+    with_class_of(&err, message)
+}
+
+/// `message` raised as `err`'s class; a KV group's refusal as the class of what the group
+/// refused (the message names the group).
+fn with_class_of(err: &CacheError, message: String) -> PyErr {
     match err {
         CacheError::InvalidInput(_) => InvalidInputError::new_err(message),
         CacheError::UnknownRequest(_) | CacheError::UnknownPin { .. } => {
@@ -27,6 +33,7 @@ pub fn to_py_err(err: CacheError) -> PyErr {
         CacheError::InvalidBlock { .. } => InvalidBlockError::new_err(message),
         CacheError::BlockState { .. } => BlockStateError::new_err(message),
         CacheError::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),
+        CacheError::InKvGroup { error, .. } => with_class_of(error, message),
     }
 }
 

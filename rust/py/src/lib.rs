@@ -5,6 +5,7 @@
 //! - `stats`: `CacheStats`;
 //! - `errors`: the one mapping of core errors onto `prefixkv.errors`;
 //! - `cache`: `CoreCache`, a list of thin methods.
+//! - `groups`: `CoreGroups`, a hybrid model's KV groups driven as one over shared `CoreCache`s;
 //! - `events`: KV event recording on a `CoreCache`, drained as `CoreEvent`s;
 //! - `index`: `PrefixIndex`, the router-side prefix index, and `prompt_hashes`.
 
@@ -12,6 +13,7 @@ mod cache;
 mod convert;
 mod errors;
 mod events;
+mod groups;
 mod index;
 mod results;
 mod stats;
@@ -34,6 +36,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<results::Pin>()?;
     module.add_class::<results::Slots>()?;
     module.add_class::<stats::CacheStats>()?;
+    module.add_class::<groups::CoreGroups>()?;
+    module.add_class::<groups::GroupSlots>()?;
     module.add_function(wrap_pyfunction!(context_fingerprint, module)?)?;
     module.add_class::<events::CoreEvent>()?;
     module.add_class::<events::EventDrain>()?;

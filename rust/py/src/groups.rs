@@ -1,0 +1,203 @@
+//! `CoreGroups`: a hybrid model's KV groups (`prefixkv_core::KvGroups`) over `CoreCache`s that
+//! Python keeps using directly. `prefixkv.GroupedPrefixCache` (Python) is the documented API on
+//! top; the rules (one hit length, all or nothing) are in `rust/core/src/groups.rs`.
+
+use std::sync::Arc;
+
+use prefixkv_core::KvGroups;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::cache::CoreCache;
+use crate::convert::{count, priority, KeyExtras, RequestRef, Tokens};
+use crate::errors::to_py_err;
+
+/// What `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group).
+#[pyclass(frozen, eq, hash, module = "prefixkv._core")]
+#[derive(PartialEq, Eq, Hash)]
+pub struct GroupSlots {
+    group_block_ids: Vec<Vec<u32>>,
+    /// Tokens with KV already, in every group: the scheduled tokens start at this position.
+    #[pyo3(get)]
+    num_computed_tokens: usize,
+    /// Tokens of the cached prefix this call matched (0 on later calls).
+    #[pyo3(get)]
+    num_cached_tokens: usize,
+    /// This call matched every block of the prompt in every group.
+    #[pyo3(get)]
+    full_hit: bool,
+}
+
+#[pymethods]
+impl GroupSlots {
+    /// Blocks appended to each group's block table by this call: a tuple, one list per group.
+    #[getter]
+    fn group_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let lists = self
+            .group_block_ids
+            .iter()
+            .map(|blocks| PyList::new(py, blocks))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
+    }
+
+    /// Always False: KV groups serve only ``recompute_last_block`` full hits.
+    #[getter]
+    fn last_token_shared(&self) -> bool {
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let new_blocks: Vec<usize> = self.group_block_ids.iter().map(Vec::len).collect();
+        format!(
+            "GroupSlots(num_computed_tokens={}, num_cached_tokens={}, full_hit={}, new_blocks={:?})",
+            self.num_computed_tokens,
+            self.num_cached_tokens,
+            if self.full_hit { "True" } else { "False" },
+            new_blocks
+        )
+    }
+}
+
+impl From<prefixkv_core::GroupSlots> for GroupSlots {
+    fn from(s: prefixkv_core::GroupSlots) -> Self {
+        Self {
+            group_block_ids: s.group_block_ids,
+            num_computed_tokens: s.num_computed_tokens,
+            num_cached_tokens: s.num_cached_tokens,
+            full_hit: s.full_hit,
+        }
+    }
+}
+
+/// The KV groups' block managers driven as one. Use `prefixkv.GroupedPrefixCache`, which
+/// documents every method.
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct CoreGroups(KvGroups);
+
+#[pymethods]
+impl CoreGroups {
+    #[new]
+    fn new(caches: Vec<PyRef<'_, CoreCache>>) -> PyResult<Self> {
+        let groups = caches.iter().map(|cache| Arc::clone(&cache.0)).collect();
+        KvGroups::new(groups).map(Self).map_err(to_py_err)
+    }
+
+    #[getter]
+    fn hit_granularity(&self) -> usize {
+        self.0.hit_granularity()
+    }
+
+    #[pyo3(signature = (request, tokens, keys, priority=None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let priority = self::priority(priority)?;
+        let view = tokens.view();
+        py.detach(|| {
+            view.into_vec().and_then(|t| {
+                self.0
+                    .add_request(request.0, t, &keys.salt, keys.extras.clone(), priority)
+            })
+        })
+        .map_err(to_py_err)
+    }
+
+    // The per-step calls below take a few hundred nanoseconds: they keep the GIL (STYLE.md).
+
+    fn start_position(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.start_position(&request.0).map_err(to_py_err)
+    }
+
+    fn allocate_slots(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<GroupSlots> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let watermark = count(watermark, "watermark_blocks")?;
+        self.0
+            .allocate_slots(&request.0, new, lookahead, watermark)
+            .map(GroupSlots::from)
+            .map_err(to_py_err)
+    }
+
+    fn can_allocate_slots(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let watermark = count(watermark, "watermark_blocks")?;
+        self.0
+            .can_allocate_slots(&request.0, new, lookahead, watermark)
+            .map_err(to_py_err)
+    }
+
+    fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {
+        tokens
+            .view()
+            .into_vec()
+            .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
+            .map_err(to_py_err)
+    }
+
+    fn commit(
+        &self,
+        request: RequestRef,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_computed_tokens, "num_computed_tokens")?;
+        self.0.commit(&request.0, num).map_err(to_py_err)
+    }
+
+    fn accept_drafts(
+        &self,
+        request: RequestRef,
+        num_accepted: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_accepted, "num_accepted")?;
+        self.0.accept_drafts(&request.0, num).map_err(to_py_err)
+    }
+
+    fn truncate(&self, request: RequestRef, num_tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let num = count(num_tokens, "num_tokens")?;
+        self.0.truncate(&request.0, num).map_err(to_py_err)
+    }
+
+    fn preempt(&self, request: RequestRef) -> PyResult<()> {
+        self.0.preempt(&request.0).map_err(to_py_err)
+    }
+
+    fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.finish(&request.0)).map_err(to_py_err)
+    }
+
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        request: RequestRef,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let tables = self.0.block_tables(&request.0).map_err(to_py_err)?;
+        let lists = tables
+            .iter()
+            .map(|table| PyList::new(py, table))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
+    }
+
+    fn num_computed_tokens(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.num_computed_tokens(&request.0).map_err(to_py_err)
+    }
+}
