@@ -19,36 +19,18 @@ from prefixkv.grouped_kv import GroupedKVCache
 from prefixkv.kv import PagedKVCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
-from prefixkv.text import ByteTokenizer
+from tests.test_hybrid import BLOCK, FULL, SLIDING, VOCAB, _prompt
+from tests.test_hybrid import _hybrid as _model
 
-BLOCK = 4
-VOCAB = ByteTokenizer().vocab_size
 # fp32 through 4 sharp layers, prefilled in chunks and decoded: the single-pool path itself
 # is up to ~1.5e-4 from `forward_full` on some of these models (the grouped path is bitwise
 # equal to it: `test_grouped_pages_compute_what_one_pool_computes`); a wrong block read moves
 # logits by far more than this.
 TOLERANCE = 5e-4
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (length,), generator=generator).tolist()
-
-
-def _model(layer_types: tuple[str, ...], window: int, seed: int = 3) -> LlamaModel:
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        num_layers=len(layer_types),
-        sliding_window=window,
-        layer_types=layer_types,
-    )
-    return LlamaModel.random(config, seed=seed)
-
-
-def _all_sliding(window: int, num_layers: int = 2, seed: int = 3) -> LlamaModel:
-    config = ModelConfig(vocab_size=VOCAB, num_layers=num_layers, sliding_window=window)
-    return LlamaModel.random(config, seed=seed)
+def _all_sliding(window: int, num_layers: int = 2) -> LlamaModel:
+    return _model((SLIDING,) * num_layers, window)
 
 
 # -- groups and pages ---------------------------------------------------------------------

@@ -52,7 +52,7 @@ from prefixkv.cache import FULL_HIT_MODES, PrefixCache, Slots
 from prefixkv.checkpoint import checkpoint_eos_token_ids
 from prefixkv.context import CacheContext
 from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
-from prefixkv.errors import InvalidInputError, KVShapeError, OutOfBlocksError
+from prefixkv.errors import InvalidInputError, OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
 from prefixkv.grouped_kv import GroupedKVCache
 from prefixkv.kv import PagedKVCache
@@ -706,7 +706,7 @@ class Engine:
         prompts = [self.encode(request) for request in requests]
         for index, prompt in enumerate(prompts):
             total = len(prompt) + max_new_tokens - 1 + self.num_speculative_tokens
-            for spec, pool in zip(self.kv_groups, self._pool_sizes(), strict=False):
+            for spec, pool in zip(self.kv_groups, self._pool_sizes(), strict=True):
                 needed = self._blocks_for(total, spec.sliding_window)
                 if needed > pool:
                     raise OutOfBlocksError(
@@ -786,13 +786,7 @@ class Engine:
                 for index, count in enumerate(kv_group_blocks)
             )
         if kv_memory_bytes is not None:
-            per_block = PagedKVCache._bytes_per_block(*geometry, dtype)
-            count = int(kv_memory_bytes) // per_block
-            if count < 1:
-                raise KVShapeError(
-                    f"a budget of {kv_memory_bytes} bytes holds no block; one block of every "
-                    f"layer takes {per_block}"
-                )
+            count = PagedKVCache.blocks_in_budget(kv_memory_bytes, *geometry, dtype=dtype)
         else:
             count = _DEFAULT_NUM_BLOCKS if num_blocks is None else num_blocks
         return (count,) * len(self.kv_groups)
@@ -1111,10 +1105,9 @@ class _Run:
         held outside the engine) can cause it, since a lone request always fits the pool."""
         sequence = self.waiting[0]
         stats = self.cache.stats()
-        all_stats = stats.groups if isinstance(stats, GroupedCacheStats) else (stats,)
         pools = "; ".join(
-            f"{stats.blocks_free} free, {stats.blocks_pinned} pinned, {stats.blocks_in_use} in use"
-            for stats in all_stats
+            f"{pool.blocks_free} free, {pool.blocks_pinned} pinned, {pool.blocks_in_use} in use"
+            for pool in (stats.groups if isinstance(stats, GroupedCacheStats) else (stats,))
         )
         raise OutOfBlocksError(
             f"cannot schedule request {sequence.index}: the pool cannot supply its blocks "

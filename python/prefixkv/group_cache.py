@@ -16,7 +16,7 @@ This class gives an engine the step API of one `PrefixCache` over all groups:
   is at most the cap, and the cap only falls, so it ends (at 0 at worst).
 - **All or nothing.** An allocation first asks every group whether it can supply its blocks,
   then allocates in each; every group has its own pool, and only this object changes them
-  (under its lock), so the answers still hold. A refusal changes nothing in any group.
+  (under the core's lock), so the answers still hold. A refusal changes nothing in any group.
 - **Keys per group.** Each group's cache runs under the engine's context plus the group's index
   and window, so the same tokens in two groups are two different blocks everywhere: in the
   table, in KV events and in any tier.
@@ -140,7 +140,6 @@ class GroupedPrefixCache:
             )
         self.specs = specs
         self._context = context
-        self._block_sizes = tuple(block_sizes)
         self.groups = tuple(
             PrefixCache(
                 count,
@@ -148,7 +147,7 @@ class GroupedPrefixCache:
                 vocab_size=vocab_size,
                 sliding_window=spec.sliding_window,
             )
-            for spec, count, size in zip(specs, num_blocks, self._block_sizes, strict=True)
+            for spec, count, size in zip(specs, num_blocks, block_sizes, strict=True)
         )
         # One hit length, all or nothing, the scheduled requests: all in the core, over the
         # same caches Python keeps using for lookups, events and stats.
@@ -265,8 +264,8 @@ class GroupedPrefixCache:
     # -- reset ---------------------------------------------------------------------------
     def set_context(self, context: CacheContext) -> None:
         with self._lock:
-            for spec, cache, size in zip(self.specs, self.groups, self._block_sizes, strict=True):
-                cache.set_context(group_context(context, spec, size))
+            for spec, cache in zip(self.specs, self.groups, strict=True):
+                cache.set_context(group_context(context, spec, cache.block_size))
             self._context = context
 
     def clear(self) -> None:

@@ -108,14 +108,6 @@ class GroupedKVCache:
             device=device,
         )
 
-    @staticmethod
-    def bytes_per_block(
-        spec: KVGroupSpec, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        """Bytes one block of group `spec` costs: K and V of its layers only."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(spec.layers) * block_size * num_kv_heads * head_dim * element
-
     def null_block(self, group: int) -> int | None:
         """The page standing for released blocks in a sliding group; None for a full one."""
         if self.specs[group].sliding_window is None:
@@ -126,14 +118,6 @@ class GroupedKVCache:
         """(the group's pages, the layer's index in them, the group index) of a model layer."""
         group, slot = self.layer_location[layer]
         return self.groups[group], slot, group
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(
-            self.bytes_per_block(s, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
-            * cache.num_blocks
-            for s, cache in zip(self.specs, self.groups, strict=True)
-        )
 
     def __repr__(self) -> str:
         parts = ", ".join(

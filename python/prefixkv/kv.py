@@ -187,6 +187,31 @@ class PagedKVCache:
         pin_memory: bool = False,
     ) -> PagedKVCache:
         """The largest cache whose pages fit in `budget_bytes` (K and V of all layers)."""
+        return cls(
+            num_layers,
+            cls.blocks_in_budget(
+                budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype=dtype
+            ),
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
+            pin_memory=pin_memory,
+        )
+
+    @classmethod
+    def blocks_in_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Blocks of this geometry whose pages fit in `budget_bytes`; `KVShapeError` if none."""
         if dtype not in _FLOAT_DTYPES:
             raise KVDtypeError(f"dtype must be a floating point dtype, got {dtype}")
         per_block = cls._bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
@@ -195,16 +220,7 @@ class PagedKVCache:
             raise KVShapeError(
                 f"a budget of {budget_bytes} bytes holds no block; one block takes {per_block}"
             )
-        return cls(
-            num_layers,
-            num_blocks,
-            block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=device,
-            pin_memory=pin_memory,
-        )
+        return num_blocks
 
     @staticmethod
     def _bytes_per_block(

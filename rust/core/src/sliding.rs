@@ -291,6 +291,17 @@ mod tests {
         (1..=n).collect()
     }
 
+    /// Request `name` added, given slots for all of `tokens` and committed: their KV computed.
+    fn computed(c: &PrefixCache, name: &str, tokens: Vec<u32>) -> RequestId {
+        let id = RequestId::from(name);
+        let n = tokens.len();
+        c.add_request(id.clone(), tokens, b"", no_extras(), 0)
+            .unwrap();
+        c.allocate_slots(&id, n, 0, 0).unwrap();
+        c.commit(&id, n).unwrap();
+        id
+    }
+
     #[test]
     fn a_zero_window_is_refused_and_full_attention_has_no_null_block() {
         let config = CacheConfig {
@@ -349,11 +360,7 @@ mod tests {
     fn a_hit_needs_only_the_window_after_early_blocks_were_evicted() {
         let c = sliding(6, 2, 3, FullHit::default());
         let null = c.null_block().unwrap();
-        let a = &RequestId::from("a");
-        c.add_request(a.clone(), prompt(10), b"", no_extras(), 0)
-            .unwrap();
-        c.allocate_slots(a, 10, 0, 0).unwrap();
-        c.commit(a, 10).unwrap();
+        let a = &computed(&c, "a", prompt(10));
         c.finish(a).unwrap();
         // Pressure evicts the LRU blocks: the early ones, released first.
         let pressure = c.allocate(3).unwrap();
@@ -383,11 +390,7 @@ mod tests {
     #[test]
     fn a_window_larger_than_the_prompt_needs_every_block() {
         let c = sliding(16, 2, 64, FullHit::default());
-        let a = &RequestId::from("a");
-        c.add_request(a.clone(), prompt(8), b"", no_extras(), 0)
-            .unwrap();
-        c.allocate_slots(a, 8, 0, 0).unwrap();
-        c.commit(a, 8).unwrap();
+        let a = &computed(&c, "a", prompt(8));
         assert_eq!(c.stats().blocks_released, 0);
         c.finish(a).unwrap();
         let first = c.lookup(&prompt(3), b"", &no_extras()).unwrap().blocks;
@@ -412,11 +415,7 @@ mod tests {
         ] {
             let c = sliding(16, 2, 2, mode);
             let null = c.null_block().unwrap();
-            let a = &RequestId::from("a");
-            c.add_request(a.clone(), prompt(8), b"", no_extras(), 0)
-                .unwrap();
-            c.allocate_slots(a, 8, 0, 0).unwrap();
-            c.commit(a, 8).unwrap();
+            let a = &computed(&c, "a", prompt(8));
             let b = &RequestId::from("b");
             c.add_request(b.clone(), prompt(8), b"", no_extras(), 0)
                 .unwrap();
@@ -465,11 +464,7 @@ mod tests {
                 ..CacheConfig::new(32, 2)
             };
             let c = PrefixCache::with_table_seed(config, context_fingerprint(b"unit"), 7).unwrap();
-            let a = &RequestId::from("a");
-            c.add_request(a.clone(), prompt(12), b"", no_extras(), 0)
-                .unwrap();
-            c.allocate_slots(a, 12, 0, 0).unwrap();
-            c.commit(a, 12).unwrap();
+            let a = &computed(&c, "a", prompt(12));
             let b = &RequestId::from("b");
             assert_eq!(
                 c.limit_cached_prefix(b, Some(3)),
@@ -507,11 +502,7 @@ mod tests {
             Err(CacheError::InvalidInput(_))
         ));
         c.release(&blocks).unwrap();
-        let a = &RequestId::from("a");
-        c.add_request(a.clone(), prompt(10), b"", no_extras(), 0)
-            .unwrap();
-        c.allocate_slots(a, 10, 0, 0).unwrap();
-        c.commit(a, 10).unwrap();
+        let a = &computed(&c, "a", prompt(10));
         c.finish(a).unwrap();
         let held = c
             .match_and_acquire(&prompt(11), b"", &no_extras(), 0)

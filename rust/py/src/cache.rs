@@ -8,7 +8,9 @@ use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::{self, block_id, count, int_in, BlockIds, KeyExtras, RequestRef, Tokens};
+use crate::convert::{
+    self, block_id, count, int_in, slot_counts, BlockIds, KeyExtras, RequestRef, Tokens,
+};
 use crate::errors::{invalid, to_py_err};
 use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
@@ -166,9 +168,8 @@ impl CoreCache {
         num_lookahead_tokens: &Bound<'_, PyAny>,
         watermark: &Bound<'_, PyAny>,
     ) -> PyResult<Slots> {
-        let new = count(num_new_tokens, "num_new_tokens")?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let watermark = count(watermark, "watermark_blocks")?;
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
         self.0
             .allocate_slots(&request.0, new, lookahead, watermark)
             .map(Slots::from)
@@ -182,9 +183,8 @@ impl CoreCache {
         num_lookahead_tokens: &Bound<'_, PyAny>,
         watermark: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let new = count(num_new_tokens, "num_new_tokens")?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let watermark = count(watermark, "watermark_blocks")?;
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
         self.0
             .can_allocate_slots(&request.0, new, lookahead, watermark)
             .map_err(to_py_err)

@@ -59,6 +59,20 @@ pub fn count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int_in(obj, what, "0 ..= 2**64-1", |_| true)
 }
 
+/// The counts every `allocate_slots`-shaped call takes: new tokens, lookahead slots and
+/// watermark blocks.
+pub fn slot_counts(
+    num_new_tokens: &Bound<'_, PyAny>,
+    num_lookahead_tokens: &Bound<'_, PyAny>,
+    watermark: &Bound<'_, PyAny>,
+) -> PyResult<(usize, usize, usize)> {
+    Ok((
+        count(num_new_tokens, "num_new_tokens")?,
+        count(num_lookahead_tokens, "num_lookahead_tokens")?,
+        count(watermark, "watermark_blocks")?,
+    ))
+}
+
 /// Token ids as received: packed little-endian u32 `bytes` (the form the Python layer gives
 /// lists); `(bytes, width, signed)`, the raw little-endian bytes of an integer array of another
 /// width, checked here; or ints converted one by one from a list or tuple.

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::cache::CoreCache;
-use crate::convert::{count, priority, KeyExtras, RequestRef, Tokens};
+use crate::convert::{count, priority, slot_counts, KeyExtras, RequestRef, Tokens};
 use crate::errors::to_py_err;
 
 /// What `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group).
@@ -33,12 +33,7 @@ impl GroupSlots {
     /// Blocks appended to each group's block table by this call: a tuple, one list per group.
     #[getter]
     fn group_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let lists = self
-            .group_block_ids
-            .iter()
-            .map(|blocks| PyList::new(py, blocks))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists)
+        per_group(py, &self.group_block_ids)
     }
 
     /// Always False: KV groups serve only ``recompute_last_block`` full hits.
@@ -68,6 +63,15 @@ impl From<prefixkv_core::GroupSlots> for GroupSlots {
             full_hit: s.full_hit,
         }
     }
+}
+
+/// One list of block ids per group, as a tuple.
+fn per_group<'py>(py: Python<'py>, blocks: &[Vec<u32>]) -> PyResult<Bound<'py, PyTuple>> {
+    let lists = blocks
+        .iter()
+        .map(|group| PyList::new(py, group))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, lists)
 }
 
 /// The KV groups' block managers driven as one. Use `prefixkv.GroupedPrefixCache`, which
@@ -121,9 +125,8 @@ impl CoreGroups {
         num_lookahead_tokens: &Bound<'_, PyAny>,
         watermark: &Bound<'_, PyAny>,
     ) -> PyResult<GroupSlots> {
-        let new = count(num_new_tokens, "num_new_tokens")?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let watermark = count(watermark, "watermark_blocks")?;
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
         self.0
             .allocate_slots(&request.0, new, lookahead, watermark)
             .map(GroupSlots::from)
@@ -137,9 +140,8 @@ impl CoreGroups {
         num_lookahead_tokens: &Bound<'_, PyAny>,
         watermark: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let new = count(num_new_tokens, "num_new_tokens")?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let watermark = count(watermark, "watermark_blocks")?;
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
         self.0
             .can_allocate_slots(&request.0, new, lookahead, watermark)
             .map_err(to_py_err)
@@ -190,11 +192,7 @@ impl CoreGroups {
         request: RequestRef,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let tables = self.0.block_tables(&request.0).map_err(to_py_err)?;
-        let lists = tables
-            .iter()
-            .map(|table| PyList::new(py, table))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists)
+        per_group(py, &tables)
     }
 
     fn num_computed_tokens(&self, request: RequestRef) -> PyResult<usize> {
