@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import clock_name, md_table, now
 
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 
 BLOCK_SIZE = 16
 CONFIG = dict(

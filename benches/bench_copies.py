@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import clock_name, md_table, now
 
-from prefixkv.kv import PagedKVCache
+from prefixkv.kv.pages import PagedKVCache
 
 GEOMETRY = dict(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128)
 

@@ -143,9 +143,9 @@ def measure(
 def agent_hit_rates() -> list[list[str]]:
     import torch
 
-    from prefixkv.engine import Engine
-    from prefixkv.model import LlamaModel, ModelConfig
-    from prefixkv.text import ByteTokenizer
+    from prefixkv.engine.facade import Engine
+    from prefixkv.models.decoder import LlamaModel, ModelConfig
+    from prefixkv.text.tokenizers import ByteTokenizer
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)

@@ -108,9 +108,9 @@ def step_costs(quick: bool) -> dict[str, float]:
 def ordering(quick: bool) -> dict[str, dict[str, float]]:
     import torch
 
-    from prefixkv.engine import Engine
-    from prefixkv.model import LlamaModel, ModelConfig
-    from prefixkv.text import ByteTokenizer
+    from prefixkv.engine.facade import Engine
+    from prefixkv.models.decoder import LlamaModel, ModelConfig
+    from prefixkv.text.tokenizers import ByteTokenizer
 
     torch.set_num_threads(1)
     model = LlamaModel.random(ModelConfig(vocab_size=ByteTokenizer().vocab_size), seed=0)

@@ -35,7 +35,7 @@ from common import BENCH_DIR, RESULTS_DIR, machine, md_table, write_json
 from tests.redis_server import RedisServer
 
 from prefixkv import Engine
-from prefixkv.model import LlamaModel, ModelConfig
+from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.tiers import RedisStore
 
 torch.set_num_threads(1)
@@ -102,7 +102,7 @@ def bench_ttft(model: LlamaModel, url: str, length: int, repeats: int) -> list[l
 
 
 def bench_host_copy(repeats: int) -> list[list[Any]]:
-    from prefixkv.kv import PagedKVCache
+    from prefixkv.kv.pages import PagedKVCache
     from prefixkv.tiers.host import BlockRecord, HostTier
 
     num_blocks, moved = 512, 256

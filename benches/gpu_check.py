@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefixkv.attention import paged_prefill_attention
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.kv.prefill import paged_prefill_attention
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 
 DEVICE = torch.device("cuda")
 # Error bound per unit of the largest |value| (the output is a convex combination of value

@@ -46,11 +46,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixkv.checkpoint import load_checkpoint
-from prefixkv.demo import build_workload
-from prefixkv.engine import Engine
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import DecodeRequest, LlamaModel, PrefillRequest
+from prefixkv.apps.demo_workload import build_workload
+from prefixkv.engine.facade import Engine
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.checkpoint import load_checkpoint
+from prefixkv.models.decoder import DecodeRequest, LlamaModel, PrefillRequest
 
 RESULTS = Path(__file__).resolve().parent / "results" / "real_model.json"
 BLOCK = 16
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         _prefill_once(args.model, args.prefill_once)
         return 0
     if args.only_threads:
-        from prefixkv.threads import available_cpus
+        from prefixkv.engine.threads import available_cpus
 
         cpus = available_cpus()
         rows = bench_threads_under_load(args.model, 1487, sorted({1, cpus}), [0, cpus], 150.0)

@@ -90,7 +90,7 @@ def _block_manager() -> None:
 
 
 def _analyze() -> None:
-    from prefixkv.cli import main
+    from prefixkv.apps.cli import main
 
     stable = "You are Harbor, the support assistant. " * 20
     with tempfile.TemporaryDirectory() as tmp:

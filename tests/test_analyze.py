@@ -18,11 +18,11 @@ from prefixkv.analyze import (
     Finding,
     analyze_trace,
     format_report,
-    main,
     parse_trace,
 )
 from prefixkv.analyze.match import RadixTrie, resync
-from prefixkv.text import ByteTokenizer, SimpleChatTemplate, load_tokenizer
+from prefixkv.apps.cli import analyze_main as main
+from prefixkv.text.tokenizers import ByteTokenizer, SimpleChatTemplate, load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 
@@ -569,7 +569,7 @@ def test_hf_tokenizer_and_jinja_template_end_to_end(tmp_path: Path) -> None:
     assert f.detail == "timestamp"
     assert f.divergence is not None and f.divergence.this_segment == "message 0 (system)"
     tokenizer = load_tokenizer(tokenizer_json)
-    from prefixkv.text import JinjaChatTemplate
+    from prefixkv.text.tokenizers import JinjaChatTemplate
 
     template = JinjaChatTemplate.from_file(DATA / "chatml.jinja")
 

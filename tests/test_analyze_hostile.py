@@ -20,11 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.analyze import AnalysisReport, analyze_trace, format_report, main
+from prefixkv.analyze import AnalysisReport, analyze_trace, format_report
 from prefixkv.analyze import match as match_module
 from prefixkv.analyze.diagnose import LAYOUT_CAUSES
+from prefixkv.apps.cli import analyze_main as main
 from prefixkv.errors import InvalidInputError
-from prefixkv.text import ByteTokenizer
+from prefixkv.text.tokenizers import ByteTokenizer
 
 STABLE = (
     "You are Harbor, the support assistant for Acme Shipping. Answer in at most three "
@@ -593,7 +594,15 @@ def test_hostile_input_through_the_console_shows_no_traceback(tmp_path: Path) ->
     path = tmp_path / "t.jsonl"
     path.write_bytes(b'{"text": "\\ud800"}\n{"text": "caf\xe9"}\n' + b"[" * 200_000 + b"\n{}\n")
     result = subprocess.run(
-        [sys.executable, "-m", "prefixkv.cli", "analyze", str(path), "--max-line-bytes", "100000"],
+        [
+            sys.executable,
+            "-m",
+            "prefixkv.apps.cli",
+            "analyze",
+            str(path),
+            "--max-line-bytes",
+            "100000",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

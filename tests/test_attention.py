@@ -32,10 +32,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixkv import attention
-from prefixkv.attention import BackendUnavailableError, paged_prefill_attention
 from prefixkv.errors import InvalidInputError, PrefixKVError
-from prefixkv.kv import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, PagedKVCache
+from prefixkv.kv import prefill as attention
+from prefixkv.kv.pages import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, PagedKVCache
+from prefixkv.kv.prefill import BackendUnavailableError, paged_prefill_attention
 
 pytestmark = pytest.mark.timeout(180)
 CHILD_TIMEOUT_S = 400  # the interpreted checks run 100 examples under the "ci" profile

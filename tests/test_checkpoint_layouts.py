@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 TOKENS = torch.tensor([(31 * i + 5) % 256 for i in range(48)])
 SMALL = {

@@ -15,7 +15,7 @@ DATA = Path(__file__).parent / "data"
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefixkv.cli", *args],
+        [sys.executable, "-m", "prefixkv.apps.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -127,6 +127,6 @@ def test_console_script_is_installed() -> None:
 
 
 def test_demo_model_sizes_listed_by_the_parser_match_the_demo() -> None:
-    from prefixkv import cli, demo
+    from prefixkv.apps import cli, demo
 
     assert set(cli.DEMO_MODEL_SIZES) == set(demo.MODEL_SIZES)

@@ -1,4 +1,4 @@
-"""The batched decode path (`prefixkv.decode_attention`) against the reference backend of
+"""The batched decode path (`prefixkv.kv.decode`) against the reference backend of
 `paged_prefill_attention`, on drawn batches, lengths, head groupings, windows and dtypes, with
 stale pages full of NaN (a slot past a request's length must never reach its result)."""
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixkv.attention import paged_prefill_attention
-from prefixkv.decode_attention import paged_decode_attention
+from prefixkv.kv.decode import paged_decode_attention
+from prefixkv.kv.prefill import paged_prefill_attention
 
 
 @given(

@@ -14,10 +14,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from prefixkv import cli
-from prefixkv.checkpoint import load_checkpoint
+from prefixkv.apps import cli
 from prefixkv.errors import InvalidInputError
-from prefixkv.model import LlamaModel, ModelConfig
+from prefixkv.models.checkpoint import load_checkpoint
+from prefixkv.models.decoder import LlamaModel, ModelConfig
 from tests.test_gguf import CHATML, write_gguf
 from tests.test_gguf import tokenizer as tokenizer
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from prefixkv import InvalidInputError, OutOfBlocksError
-from prefixkv.engine import Engine, RequestResult, weights_digest
-from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
-from prefixkv.text import ByteTokenizer
+from prefixkv.engine.facade import Engine, RequestResult, weights_digest
+from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.text.tokenizers import ByteTokenizer
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size
@@ -202,7 +202,7 @@ def test_length_dependent_rope_is_served_without_prefix_reuse(
         rope_scaling=RopeScaling("dynamic_ntk", 2.0), max_position_embeddings=16
     )
     prompt = _prompt(5 * BLOCK + 2, seed=11)  # 22 tokens > 16: the RoPE base moves
-    with caplog.at_level(logging.WARNING, logger="prefixkv.engine"):
+    with caplog.at_level(logging.WARNING, logger="prefixkv.engine.facade"):
         engine = _engine(dynamic)
         (first,) = engine.generate([prompt], max_new_tokens=1, check_exactness=True)
         results = engine.generate(

@@ -17,11 +17,11 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from prefixkv.checkpoint import checkpoint_eos_token_ids, find_chat_template
-from prefixkv.engine import Engine
+from prefixkv.engine.facade import Engine
 from prefixkv.errors import ChatTemplateError, InvalidInputError
-from prefixkv.model import LlamaModel, ModelConfig
-from prefixkv.text import ChatTemplateSet, HFTokenizer, JinjaChatTemplate
+from prefixkv.models.checkpoint import checkpoint_eos_token_ids, find_chat_template
+from prefixkv.models.decoder import LlamaModel, ModelConfig
+from prefixkv.text.tokenizers import ChatTemplateSet, HFTokenizer, JinjaChatTemplate
 
 DATA = Path(__file__).parent / "data"
 CHATML = (DATA / "chatml.jinja").read_text()

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from prefixkv import InvalidInputError
-from prefixkv.engine import Engine
+from prefixkv.engine.facade import Engine
 from prefixkv.events import EventSubscriber, PrefixIndex
 from prefixkv.events.subscriber import Endpoint
-from prefixkv.model import LlamaModel, ModelConfig
-from prefixkv.text import ByteTokenizer
+from prefixkv.models.decoder import LlamaModel, ModelConfig
+from prefixkv.text.tokenizers import ByteTokenizer
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from prefixkv import PrefixCache
 from prefixkv.cache import FULL_HIT_MODES
-from prefixkv.engine import Engine
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
-from prefixkv.text import ByteTokenizer
+from prefixkv.engine.facade import Engine
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.text.tokenizers import ByteTokenizer
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size

@@ -14,8 +14,8 @@ import pytest
 import torch  # noqa: F401
 import zmq  # noqa: F401
 
+from prefixkv.apps.route_demo import WorkerHandle, start_workers
 from prefixkv.events import EventSubscriber, PrefixIndex, prompt_hashes
-from prefixkv.route_demo import WorkerHandle, start_workers
 
 CONFIG = {
     "model_size": "tiny",

@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from prefixkv.engine import Engine
+from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
-from prefixkv.gguf import SUPPORTED_TYPES, is_gguf, load_gguf
-from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.models.gguf import SUPPORTED_TYPES, is_gguf, load_gguf
 
 gguf = pytest.importorskip("gguf")
 

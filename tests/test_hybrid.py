@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from prefixkv.engine import Engine, RequestResult
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
-from prefixkv.text import ByteTokenizer
+from prefixkv.engine.facade import Engine, RequestResult
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.text.tokenizers import ByteTokenizer
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size

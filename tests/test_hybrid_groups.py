@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from prefixkv.engine import Engine
+from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError, KVIndexError, OutOfBlocksError
 from prefixkv.group_cache import GroupedPrefixCache
-from prefixkv.grouped_kv import GroupedKVCache
-from prefixkv.kv import PagedKVCache
+from prefixkv.kv.grouped import GroupedKVCache
+from prefixkv.kv.pages import PagedKVCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 from tests.test_hybrid import BLOCK, FULL, SLIDING, VOCAB, _prompt
 from tests.test_hybrid import _hybrid as _model
 

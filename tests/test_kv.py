@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from prefixkv.errors import InvalidInputError, PrefixKVError
-from prefixkv.kv import (
+from prefixkv.kv.pages import (
     KVDeviceError,
     KVDtypeError,
     KVIndexError,

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prefixkv.errors import InvalidInputError, PrefixKVError
-from prefixkv.kv import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, PagedKVCache
-from prefixkv.model import (
+from prefixkv.kv.pages import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, PagedKVCache
+from prefixkv.models.decoder import (
     DecodeRequest,
     LlamaModel,
     ModelConfig,
@@ -304,7 +304,11 @@ def test_random_weights_are_seeded() -> None:
 
 def attention_rows(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     """Layer-0 attention probabilities ``[heads, n, n]``, rebuilt from the weights."""
-    from prefixkv.model import DecoderLayer, _apply_rotate_half_rope, rope_inverse_frequencies
+    from prefixkv.models.decoder import (
+        DecoderLayer,
+        _apply_rotate_half_rope,
+        rope_inverse_frequencies,
+    )
 
     config = model.config
     n = len(tokens)

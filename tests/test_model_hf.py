@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
 
@@ -219,7 +219,7 @@ def test_a_sliding_window_checkpoint_served_with_kv_groups_matches_transformers(
     """A checkpoint transformers writes (Mistral: every layer slides; Qwen2: alternating
     layer_types), served by the Engine on KV groups that release out-of-window blocks: its
     greedy continuation is transformers' own, from scratch and after a cached prefix."""
-    from prefixkv.engine import Engine
+    from prefixkv.engine.facade import Engine
 
     common: dict[str, Any] = {
         "vocab_size": 256,

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest, RopeScaling
 
 # The positive property tests' float32 tolerance (relative to the largest |logit|).
 POSITIVE_RTOL = 3e-5

@@ -38,11 +38,11 @@ import torch
 from hypothesis import given, note, settings, target
 from hypothesis import strategies as st
 
-from prefixkv import batch as batch_module
-from prefixkv import model as model_module
-from prefixkv.attention import paged_prefill_attention
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import (
+from prefixkv.kv import batch as batch_module
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.kv.prefill import paged_prefill_attention
+from prefixkv.models import decoder as model_module
+from prefixkv.models.decoder import (
     LlamaModel,
     ModelConfig,
     PrefillRequest,

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixkv.kv import PagedKVCache
-from prefixkv.model import (
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import (
     LlamaModel,
     ModelConfig,
     PrefillRequest,

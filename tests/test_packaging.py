@@ -9,13 +9,17 @@ optional packages blocked from import.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as metadata
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import prefixkv
+from prefixkv import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "scripts" / "smoke_no_extras.py"
@@ -156,7 +160,7 @@ def test_unrelated_import_errors_are_not_disguised() -> None:
 
 def test_cli_without_torch_names_the_extra() -> None:
     result = _without_optional(
-        "from prefixkv.cli import main\n"
+        "from prefixkv.apps.cli import main\n"
         "try:\n"
         "    main(['--version'])\n"
         "except SystemExit as exc:\n"
@@ -168,3 +172,24 @@ def test_cli_without_torch_names_the_extra() -> None:
     assert "Traceback" not in result.stderr, result.stderr
     assert "pip install 'prefixkv[demo]'" in result.stderr, result.stderr
     assert "status 2" in result.stdout
+
+
+@pytest.mark.parametrize("old", sorted(_compat.MOVED))
+def test_an_old_module_path_warns_and_is_the_module_at_its_new_path(old: str) -> None:
+    """The layer folders moved modules (issue 21); old paths stay for one release as aliases:
+    the same module object (so a monkeypatch through either path is seen by both), with a
+    DeprecationWarning that names the new path."""
+    new = _compat.MOVED[old]
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert module.__name__ == new
+
+
+def test_analyze_main_is_a_deprecated_alias_of_the_cli_entry_point() -> None:
+    import prefixkv.analyze
+    from prefixkv.apps.cli import analyze_main
+
+    with pytest.warns(DeprecationWarning, match="apps.cli.analyze_main"):
+        assert prefixkv.analyze.main is analyze_main

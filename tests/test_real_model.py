@@ -5,7 +5,7 @@ from ``PREFIXKV_SMOLLM2_GGUF`` when that names a local copy. It is never fetched
 run: pyproject's ``addopts`` deselects this marker.
 
 Checked against transformers' own GGUF loader, which dequantizes and un-permutes the same file
-independently of `prefixkv.gguf`.
+independently of `prefixkv.models.gguf`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 import transformers
 
-from prefixkv.checkpoint import Checkpoint, load_checkpoint
-from prefixkv.engine import Engine
+from prefixkv.engine.facade import Engine
+from prefixkv.models.checkpoint import Checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.real_model
 

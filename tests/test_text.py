@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixkv.errors import InvalidInputError, PrefixKVError
-from prefixkv.text import (
+from prefixkv.text.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
     JinjaChatTemplate,

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError, PrefixKVError
-from prefixkv.text import JinjaChatTemplate
+from prefixkv.text.tokenizers import JinjaChatTemplate
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 #: Seconds a hostile render may take under the default limits on a slow shared CPU.

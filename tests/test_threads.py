@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixkv import threads
-from prefixkv.threads import available_cpus, configure_torch_threads, default_torch_threads
+from prefixkv.engine import threads
+from prefixkv.engine.threads import available_cpus, configure_torch_threads, default_torch_threads
 
 cpus_st = st.integers(min_value=1, max_value=256)
 load_st = st.floats(min_value=0, max_value=1000, allow_nan=False)

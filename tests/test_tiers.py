@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prefixkv import Engine
 from prefixkv.errors import InvalidInputError
-from prefixkv.model import LlamaModel, ModelConfig
+from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.tiers import BlockFormatError, decode_block, encode_block
 
 torch.set_num_threads(1)
@@ -225,6 +225,6 @@ def test_host_tier_outputs_equal_full_recompute(
 
 
 def test_importing_prefixkv_does_not_import_redis() -> None:
-    code = "import prefixkv, prefixkv.tiers, prefixkv.engine, sys; print('redis' in sys.modules)"
+    code = "import prefixkv, prefixkv.tiers, prefixkv.engine.facade, sys; print('redis' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

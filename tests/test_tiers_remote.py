@@ -311,7 +311,7 @@ def test_redis_store_without_redis_py_names_the_extra() -> None:
 def test_demo_shows_every_tier(
     server: RedisServer, client: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from prefixkv.tiers.demo import main
+    from prefixkv.apps.tiers_demo import main
 
     assert main(["--redis-url", server.url, "--prompt-tokens", "128"]) == 0
     out = capsys.readouterr().out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from prefixkv import _compat
 from prefixkv._core import __version__
 from prefixkv.cache import (
     CacheStats,
@@ -48,24 +49,32 @@ from prefixkv.errors import (
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 
+_compat.install()  # old module paths (prefixkv.models.decoder, ...) as deprecated aliases
+
 if TYPE_CHECKING:
-    from prefixkv.attention import paged_prefill_attention
-    from prefixkv.engine import Engine, RequestResult
-    from prefixkv.grouped_kv import GroupedKVCache
-    from prefixkv.kv import PagedKVCache
-    from prefixkv.model import DecodeRequest, LlamaModel, ModelConfig, PrefillRequest, RopeScaling
+    from prefixkv.engine.facade import Engine, RequestResult
+    from prefixkv.kv.grouped import GroupedKVCache
+    from prefixkv.kv.pages import PagedKVCache
+    from prefixkv.kv.prefill import paged_prefill_attention
+    from prefixkv.models.decoder import (
+        DecodeRequest,
+        LlamaModel,
+        ModelConfig,
+        PrefillRequest,
+        RopeScaling,
+    )
 
 _LAZY = {
-    "PagedKVCache": "prefixkv.kv",
-    "paged_prefill_attention": "prefixkv.attention",
-    "LlamaModel": "prefixkv.model",
-    "ModelConfig": "prefixkv.model",
-    "RopeScaling": "prefixkv.model",
-    "PrefillRequest": "prefixkv.model",
-    "DecodeRequest": "prefixkv.model",
-    "GroupedKVCache": "prefixkv.grouped_kv",
-    "Engine": "prefixkv.engine",
-    "RequestResult": "prefixkv.engine",
+    "PagedKVCache": "prefixkv.kv.pages",
+    "paged_prefill_attention": "prefixkv.kv.prefill",
+    "LlamaModel": "prefixkv.models.decoder",
+    "ModelConfig": "prefixkv.models.decoder",
+    "RopeScaling": "prefixkv.models.decoder",
+    "PrefillRequest": "prefixkv.models.decoder",
+    "DecodeRequest": "prefixkv.models.decoder",
+    "GroupedKVCache": "prefixkv.kv.grouped",
+    "Engine": "prefixkv.engine.facade",
+    "RequestResult": "prefixkv.engine.facade",
 }
 
 

@@ -14,11 +14,18 @@ This module only says which layers go together; it needs no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from prefixkv.model_config import ModelConfig
+
+class _LayerWindows(Protocol):
+    """What grouping reads of a model's config (`prefixkv.models.config.ModelConfig` has it):
+    named structurally so this block-manager module does not import the model layer above it."""
+
+    @property
+    def layer_sliding_windows(self) -> Sequence[int | None]: ...
+
 
 __all__ = ["KVGroupSpec", "kv_group_specs"]
 
@@ -42,7 +49,7 @@ class KVGroupSpec:
         return "full_attention" if self.sliding_window is None else "sliding_window"
 
 
-def kv_group_specs(config: ModelConfig) -> tuple[KVGroupSpec, ...]:
+def kv_group_specs(config: _LayerWindows) -> tuple[KVGroupSpec, ...]:
     """The KV groups of a model: layers with the same window together, full attention first.
 
     A model whose layers are all alike has one group.

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.attention import triton_available
+from prefixkv.kv.prefill import triton_available
 from tests.test_attention import UNIT_ROUNDOFF, Case, CaseSpec, build, case_specs
 
 

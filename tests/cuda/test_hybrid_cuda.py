@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.engine import Engine
-from prefixkv.model import LlamaModel, ModelConfig
-from prefixkv.text import ByteTokenizer
+from prefixkv.engine.facade import Engine
+from prefixkv.models.decoder import LlamaModel, ModelConfig
+from prefixkv.text.tokenizers import ByteTokenizer
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixkv.kv import KVIndexError, PagedKVCache
+from prefixkv.kv.pages import KVIndexError, PagedKVCache
 
 # -- device tiers (CUDA only) --------------------------------------------------------------
 

@@ -26,7 +26,7 @@ it is reported and skipped, and no step of the analysis is worse than linear in 
 
 The trace format, the causes, the cost model and the JSON schema are documented in
 docs/analyze.md; the command line (`prefixkv analyze`, its options and exit codes) lives in
-`prefixkv.cli`.
+`prefixkv.apps.cli`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
-from prefixkv.text import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
+from prefixkv.text.tokenizers import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
 from .diagnose import diagnose_all
 from .read import (
@@ -78,7 +78,6 @@ __all__ = [
     "analyze_trace",
     "bytes_per_block",
     "format_report",
-    "main",
     "parse_trace",
 ]
 
@@ -226,9 +225,19 @@ def _check_count(name: str, value: object, upper: int | None) -> None:
         raise InvalidInputError(f"{name} must be at most {upper}, got {value}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`prefixkv analyze`; returns the exit status. The command line lives in `prefixkv.cli`;
-    this name stays for code that called the analyzer's entry point directly."""
-    from prefixkv.cli import analyze_main
+def __getattr__(name: str) -> Any:
+    # `prefixkv.analyze.main` was the command's entry point before the CLI moved to
+    # `prefixkv.apps.cli` (the apps sit above the library); kept, deprecated, until 0.2. Looked
+    # up lazily: importing the CLI from here would make the library import the apps above it.
+    if name != "main":
+        raise AttributeError(f"module 'prefixkv.analyze' has no attribute {name!r}")
+    import importlib
+    import warnings
 
-    return analyze_main(argv)
+    warnings.warn(
+        "prefixkv.analyze.main moved to prefixkv.apps.cli.analyze_main; the old name will be "
+        "removed in prefixkv 0.2",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return importlib.import_module("prefixkv.apps.cli").analyze_main

@@ -1,5 +1,5 @@
 """`python -m prefixkv.analyze TRACE`: the same as `prefixkv analyze TRACE`."""
 
-from prefixkv.cli import analyze_main
+from prefixkv.apps.cli import analyze_main
 
 raise SystemExit(analyze_main())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from prefixkv.text import message_text, segment_at
+from prefixkv.text.tokenizers import message_text, segment_at
 
 from .match import (
     MIN_RUN_CHARS,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prefixkv.cache import PrefixCache
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError, OutOfBlocksError
-from prefixkv.text import ChatTemplate, Segment, Tokenizer, segment_at
+from prefixkv.text.tokenizers import ChatTemplate, Segment, Tokenizer, segment_at
 
 from .read import SkippedLine, TraceRequest
 

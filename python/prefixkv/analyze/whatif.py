@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from prefixkv.text import Tokenizer, message_text
+from prefixkv.text.tokenizers import Tokenizer, message_text
 
 from .diagnose import LAYOUT_CAUSES, Diagnosis, diagnose_all, tool_sort_key
 from .match import MIN_RUN_CHARS, MIN_RUN_TOKENS, common_length, permuted_region

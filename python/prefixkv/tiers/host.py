@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv import PagedKVCache
+from prefixkv.kv.pages import PagedKVCache
 
 __all__ = ["BlockRecord", "HostTier"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv import PagedKVCache
+from prefixkv.kv.pages import PagedKVCache
 from prefixkv.tiers.host import BlockRecord, HostTier
 from prefixkv.tiers.remote import RemoteTier
 

@@ -72,11 +72,11 @@ def _worker_main(conn: Connection, name: str, config: dict[str, Any]) -> None:
     """One engine instance: serves requests from `conn`, publishes its KV events."""
     import torch
 
+    from prefixkv.apps.demo_workload import MODEL_SIZES
     from prefixkv.cache import PrefixCache
-    from prefixkv.demo import MODEL_SIZES
-    from prefixkv.engine import Engine
+    from prefixkv.engine.facade import Engine
     from prefixkv.events import KVEventPublisher
-    from prefixkv.model import LlamaModel
+    from prefixkv.models.decoder import LlamaModel
 
     torch.set_num_threads(1)
     model = LlamaModel.random(MODEL_SIZES[config["model_size"]], seed=config["seed"])

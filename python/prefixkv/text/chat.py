@@ -5,11 +5,11 @@ by two templates is two prompts), and `render_with_segments` says which characte
 rendered text came from which message or tool, and which from the template itself. The analyzer
 maps a divergence token back through the tokenizer's character offsets to one of these segments
 to say "the prompts part ways inside message 0 (system)" rather than "at token 37" (the
-attribution itself is `prefixkv.segments`).
+attribution itself is `prefixkv.text.segments`).
 
 * `SimpleChatTemplate`: the built-in template, written for `ByteTokenizer`'s special tokens.
 * `JinjaChatTemplate`: a Hugging Face style template, run in jinja2's immutable sandbox, bounded
-  in steps, size and time (`prefixkv.jinja_sandbox`; every failure is a `ChatTemplateError`),
+  in steps, size and time (`prefixkv.text.sandbox`; every failure is a `ChatTemplateError`),
   with the variables Hugging Face templates expect (`messages`, `tools`,
   `add_generation_prompt`, the special tokens, `raise_exception`, `strftime_now`). Its segments
   are found by rendering once more with each message's content wrapped in private-use sentinel
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError, MissingDependencyError
-from prefixkv.segments import Segment, attribute, merge_adjacent, message_text, segment_at
+from prefixkv.text.segments import Segment, attribute, merge_adjacent, message_text, segment_at
 
 if TYPE_CHECKING:
-    from prefixkv.jinja_sandbox import RenderLimits
+    from prefixkv.text.sandbox import RenderLimits
 
 __all__ = [
     "ChatTemplate",
@@ -176,7 +176,7 @@ class JinjaChatTemplate(ChatTemplate):
     """A Hugging Face style Jinja chat template, run in a bounded immutable sandbox.
 
     Templates come from checkpoints and users, so rendering one is bounded (see
-    `prefixkv.jinja_sandbox`): at most `max_steps` loop iterations and calls, no string, list
+    `prefixkv.text.sandbox`): at most `max_steps` loop iterations and calls, no string, list
     or output over `max_output_chars`, at most `max_seconds` of wall time. The first two grow
     with the input (plus 1,000 steps per message or tool, plus 8 characters per character of
     input), so that only a template that costs out of proportion to its input is stopped. Every
@@ -199,7 +199,7 @@ class JinjaChatTemplate(ChatTemplate):
             import jinja2
             import jinja2.ext
 
-            from prefixkv.jinja_sandbox import BoundedEnvironment
+            from prefixkv.text.sandbox import BoundedEnvironment
         except ImportError as exc:
             raise _missing_jinja() from exc
 
@@ -329,7 +329,7 @@ class JinjaChatTemplate(ChatTemplate):
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
     ) -> RenderLimits:
-        from prefixkv.jinja_sandbox import RenderLimits
+        from prefixkv.text.sandbox import RenderLimits
 
         items = [*messages, *(tools or ())]
         input_chars = sum(len(json.dumps(item, default=str)) for item in items)

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError
-from prefixkv.model_config import ModelConfig
+from prefixkv.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
-    from prefixkv.model import LlamaModel
-    from prefixkv.text import HFTokenizer
+    from prefixkv.models.decoder import LlamaModel
+    from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate
+    from prefixkv.text.tokenizers import HFTokenizer
 
 __all__ = [
     "CHECKPOINT_TEMPLATE_SOURCES",
@@ -88,9 +88,9 @@ def load_checkpoint(
     """A Hugging Face checkpoint directory or a ``.gguf`` file (`prefixkv.gguf.load_gguf`),
     with its tokenizer, chat template (`find_chat_template`) and end-of-sequence tokens
     (`checkpoint_eos_token_ids`). Offline; strict, as `load_pretrained` and `load_gguf` are."""
-    from prefixkv.gguf import is_gguf, load_gguf
-    from prefixkv.model import LlamaModel
-    from prefixkv.text import HFTokenizer
+    from prefixkv.models.decoder import LlamaModel
+    from prefixkv.models.gguf import is_gguf, load_gguf
+    from prefixkv.text.tokenizers import HFTokenizer
 
     path = Path(path)
     if path.is_file() and is_gguf(path):
@@ -253,7 +253,7 @@ def find_chat_template(
     (``bos_token``, ``eos_token``, ``pad_token``...) are passed to the template, as transformers
     passes them. Several templates give a `ChatTemplateSet`.
     """
-    from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate, special_tokens
+    from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate, special_tokens
 
     root = Path(directory)
     config_path = root / "tokenizer_config.json"

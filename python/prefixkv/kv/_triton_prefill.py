@@ -1,7 +1,7 @@
 """The Triton kernel behind ``paged_prefill_attention(..., backend="triton")``.
 
 Imported only when that backend runs, because importing triton is slow and triton is optional.
-`prefixkv.attention` validates every input before calling in; this module trusts them.
+`prefixkv.kv.prefill` validates every input before calling in; this module trusts them.
 
 Work split: the queries of each request are cut into tiles of ``BLOCK_M`` rows, and one program
 handles one (query tile, query head). The host lists the tiles (request index and first row) so

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixkv.errors import InvalidInputError
-from prefixkv.model_config import ModelConfig
+from prefixkv.models.config import ModelConfig
 
 __all__ = ["AdapterSet", "LoraPair", "random_adapter"]
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv import PagedKVCache
+from prefixkv.kv.pages import PagedKVCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 
 if TYPE_CHECKING:
-    from prefixkv.model_config import ModelConfig
+    from prefixkv.models.config import ModelConfig
 
 __all__ = ["GroupedKVCache"]
 

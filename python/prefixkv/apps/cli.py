@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _route_demo(args: argparse.Namespace) -> int:
-    from prefixkv.route_demo import format_route_table, run_route_demo
+    from prefixkv.apps.route_demo import format_route_table, run_route_demo
 
     result = run_route_demo(
         instances=args.instances,
@@ -357,7 +357,7 @@ def analyze_main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from prefixkv.demo import format_table, run_demo, save_plot, to_json
+    from prefixkv.apps.demo import format_table, run_demo, save_plot, to_json
 
     if args.plot is not None:
         plot_path = Path(args.plot)
@@ -409,8 +409,8 @@ def _selfcheck() -> int:
     import torch
 
     from prefixkv.cache import PrefixCache
-    from prefixkv.engine import Engine
-    from prefixkv.model import LlamaModel, ModelConfig
+    from prefixkv.engine.facade import Engine
+    from prefixkv.models.decoder import LlamaModel, ModelConfig
 
     failures: list[str] = []
 

@@ -30,7 +30,7 @@ Backends
   above the causal diagonal or before the window are skipped. Half-precision inputs are
   upcast to float32 tile by tile, so products and sums accumulate in float32 and only the
   output is rounded. CPU or CUDA.
-- ``"triton"``: the same algorithm as a Triton kernel (`prefixkv._triton_attention`) that reads
+- ``"triton"``: the same algorithm as a Triton kernel (`prefixkv.kv._triton_prefill`) that reads
   K and V through the block table in place, one program per (query tile, query head). CUDA
   tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
   first imported), which is how it is tested without a GPU.
@@ -43,9 +43,9 @@ Validation
 ----------
 Shapes, dtypes and devices are always checked. The lengths are needed on the host to plan the
 work, so CUDA tensors of lengths are read back once per call (pass lists to avoid it). Block
-table entries are range-checked under the `prefixkv.kv` rule: when the table is on the CPU (or
+table entries are range-checked under the `prefixkv.kv.pages` rule: when the table is on the CPU (or
 ``check_bounds=True``), not when reading it would stall on the GPU. Errors are the
-`prefixkv.kv` exception classes (`PrefixKVError` and `ValueError`).
+`prefixkv.kv.pages` exception classes (`PrefixKVError` and `ValueError`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prefixkv.errors import BackendUnavailableError, InvalidInputError
-from prefixkv.kv import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, gather_pages
+from prefixkv.kv.pages import KVDeviceError, KVDtypeError, KVIndexError, KVShapeError, gather_pages
 
 __all__ = [
     "AttentionBackend",
@@ -127,7 +127,7 @@ def paged_prefill_attention(
     `query_lens` and `seq_lens` one int per request. Returns ``[total_query_tokens, num_heads,
     head_dim]`` in the query's dtype. See the module docstring for the exact semantics.
     `check_bounds` chooses whether used block table entries are range-checked (``None``: only
-    when that costs no device sync, see `prefixkv.kv`).
+    when that costs no device sync, see `prefixkv.kv.pages`).
     """
     if backend not in _BACKENDS:
         raise InvalidInputError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -471,7 +471,7 @@ def _triton_attention(
             f"backend='triton' runs on CUDA tensors (got {query.device}); on the CPU only under "
             "Triton's interpreter, TRITON_INTERPRET=1"
         )
-    from prefixkv import _triton_attention as kernel
+    from prefixkv.kv import _triton_prefill as kernel
 
     return kernel.paged_prefill(
         query,

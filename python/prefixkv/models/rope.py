@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from prefixkv.model_config import ModelConfig, RopeScaling
+    from prefixkv.models.config import ModelConfig, RopeScaling
 
 __all__ = [
     "apply_rotate_half_rope",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError
-from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
+from prefixkv.text.tokenizers import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
 
 __all__ = ["EngineInput", "encode_request", "resolve_chat_template", "stop_tokens"]
 
@@ -50,8 +50,8 @@ def resolve_chat_template(
     tokenizer's special tokens), and with any other tokenizer there is no template: chat
     requests are refused rather than rendered in a format the model was not trained on.
     """
-    from prefixkv.checkpoint import find_chat_template
-    from prefixkv.text import load_chat_template
+    from prefixkv.models.checkpoint import find_chat_template
+    from prefixkv.text.tokenizers import load_chat_template
 
     if isinstance(template, ChatTemplate):
         return template, ""

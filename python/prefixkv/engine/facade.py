@@ -17,7 +17,7 @@ It ties the pieces together the way an inference engine does, and is what `prefi
   still exact: such an engine serves with prefix reuse off (`Engine.prefix_reuse` is False,
   the reason is logged once), every request computed from its first token.
 
-Scheduling is continuous batching over the cache's step-by-step API (`prefixkv.scheduler` has
+Scheduling is continuous batching over the cache's step-by-step API (`prefixkv.engine.scheduler` has
 the policy): one `LlamaModel.prefill` call per step over a token budget, decode tokens and
 prompt chunks mixed (varlen). Each request is added to the cache under the engine's own id;
 `allocate_slots` matches its cached prefix and makes room for each chunk as it is scheduled,
@@ -32,8 +32,8 @@ never published. Greedy decoding; a request ends after `max_new_tokens` or a sto
 Time to first token is measured from the `generate` call to the step that produced the token,
 so it includes queueing behind other requests of the same call.
 
-Requests become token ids in `prefixkv.engine_inputs` (with the chat-template and stop-token
-policy); a checkpoint's settings come from `prefixkv.checkpoint`. The scheduling loop of one
+Requests become token ids in `prefixkv.engine.inputs` (with the chat-template and stop-token
+policy); a checkpoint's settings come from `prefixkv.models.checkpoint`. The scheduling loop of one
 `generate` call is `_Run`.
 """
 
@@ -49,25 +49,25 @@ from typing import Any
 import torch
 
 from prefixkv.cache import FULL_HIT_MODES, PrefixCache, Slots
-from prefixkv.checkpoint import checkpoint_eos_token_ids
 from prefixkv.context import CacheContext
-from prefixkv.engine_inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
-from prefixkv.errors import InvalidInputError, OutOfBlocksError
-from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
-from prefixkv.grouped_kv import GroupedKVCache
-from prefixkv.kv import PagedKVCache
-from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
-from prefixkv.model import LlamaModel, ModelConfig, PrefillRequest
-from prefixkv.model_config import model_context
-from prefixkv.scheduler import (
+from prefixkv.engine.inputs import EngineInput, encode_request, resolve_chat_template, stop_tokens
+from prefixkv.engine.scheduler import (
     SCHEDULING_POLICIES,
     SchedulerStats,
     WaitingCandidate,
     ngram_drafts,
     order_waiting,
 )
-from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
-from prefixkv.threads import configure_torch_threads
+from prefixkv.engine.threads import configure_torch_threads
+from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
+from prefixkv.kv.grouped import GroupedKVCache
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
+from prefixkv.models.checkpoint import checkpoint_eos_token_ids
+from prefixkv.models.config import model_context
+from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
+from prefixkv.text.tokenizers import ByteTokenizer, ChatTemplate, Tokenizer
 from prefixkv.tiers.manager import KVTiers
 from prefixkv.tiers.remote import RemoteStore, RemoteTier
 
@@ -218,7 +218,7 @@ class Engine:
         max_batch_size: most requests in flight at once.
         max_num_batched_tokens: the token budget of one step (prefill chunks and decode
             tokens together); a longer prompt is prefilled in chunks over several steps.
-        scheduling: ``"cache_aware"`` (default) or ``"fcfs"``; see `prefixkv.scheduler`.
+        scheduling: ``"cache_aware"`` (default) or ``"fcfs"``; see `prefixkv.engine.scheduler`.
         max_passes: how many steps a waiting request may be passed over by later arrivals
             before it goes first (cache-aware ordering's fairness bound).
         num_speculative_tokens: draft tokens per decode step (prompt-lookup n-gram drafts,
@@ -278,7 +278,7 @@ class Engine:
         self.model = model.to(device=torch.device(device))
         if self.model.device.type == "cpu":
             # torch's default (one thread per core) on a machine other work also uses can make
-            # one prefill 100x slower; use the idle cores only (`prefixkv.threads`).
+            # one prefill 100x slower; use the idle cores only (`prefixkv.engine.threads`).
             configure_torch_threads()
         config = self.model.config
         if tokenizer is None:
@@ -598,7 +598,7 @@ class Engine:
         **engine_options: Any,
     ) -> Engine:
         """An engine over a local Hugging Face Llama checkpoint (``config.json`` plus
-        ``*.safetensors``) or a ``.gguf`` file (`prefixkv.gguf`; its tokenizer, chat template
+        ``*.safetensors``) or a ``.gguf`` file (`prefixkv.models.gguf`; its tokenizer, chat template
         and stop tokens come from its metadata), served as the checkpoint says it should be:
 
         * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
@@ -613,13 +613,13 @@ class Engine:
           without one; an int or a list) when `stop_token_ids` is None. Any explicit value,
           ``()`` included, wins.
         """
-        from prefixkv.checkpoint import (
+        from prefixkv.models.checkpoint import (
             CHECKPOINT_TEMPLATE_SOURCES,
             find_chat_template,
             load_checkpoint,
         )
-        from prefixkv.gguf import is_gguf
-        from prefixkv.text import HFTokenizer
+        from prefixkv.models.gguf import is_gguf
+        from prefixkv.text.tokenizers import HFTokenizer
 
         if is_gguf(directory):
             # A .gguf file: weights, tokenizer, chat template and stop tokens from its metadata.

@@ -56,11 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# `LlamaModel` is what most callers import from here; the configuration, RoPE math, request
-# types, adapters and checkpoint I/O live in their own modules and are re-exported so that
-# `from prefixkv.model import ModelConfig` (and the rest) keeps working.
-from prefixkv.attention import AttentionBackend, paged_prefill_attention
-from prefixkv.batch import (
+from prefixkv.context import CacheContext
+from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
+from prefixkv.kv.batch import (
     BlockTable,
     DecodeRequest,
     PackedBatch,
@@ -69,19 +67,22 @@ from prefixkv.batch import (
     pack_prefill_batch,
     token_tensor,
 )
-from prefixkv.checkpoint import load_pretrained, save_pretrained
-from prefixkv.context import CacheContext
-from prefixkv.decode_attention import paged_decode_attention
-from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
-from prefixkv.grouped_kv import GroupedKVCache
-from prefixkv.kv import PagedKVCache
-from prefixkv.lora import AdapterSet, random_adapter
-from prefixkv.model_config import ModelConfig, RopeScaling, model_context
-from prefixkv.rope import apply_rotate_half_rope as _apply_rotate_half_rope
-from prefixkv.rope import rope_attention_factor, rope_inverse_frequencies
+from prefixkv.kv.decode import paged_decode_attention
+from prefixkv.kv.grouped import GroupedKVCache
+from prefixkv.kv.pages import PagedKVCache
+
+# `LlamaModel` is what most callers import from here; the configuration, RoPE math, request
+# types, adapters and checkpoint I/O live in their own modules and are re-exported so that
+# `from prefixkv.models.decoder import ModelConfig` (and the rest) keeps working.
+from prefixkv.kv.prefill import AttentionBackend, paged_prefill_attention
+from prefixkv.models.checkpoint import load_pretrained, save_pretrained
+from prefixkv.models.config import ModelConfig, RopeScaling, model_context
+from prefixkv.models.lora import AdapterSet, random_adapter
+from prefixkv.models.rope import apply_rotate_half_rope as _apply_rotate_half_rope
+from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
 
 if TYPE_CHECKING:
-    from prefixkv.text import ChatTemplate, Tokenizer
+    from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
 
 __all__ = [
     "DecodeRequest",
@@ -547,7 +548,7 @@ class LlamaModel(nn.Module):
         cos, sin = packed.cos, packed.sin
         attention_factor = rope_attention_factor(config)
         # A decode step (every request computes one position) takes the batched decode path
-        # (`prefixkv.decode_attention`) where the torch backend would run; explicit
+        # (`prefixkv.kv.decode`) where the torch backend would run; explicit
         # "reference" / "triton" and CUDA's auto choice keep theirs.
         one_query_each = all(length == 1 for length in packed.query_lens) and (
             attention_backend == "torch"

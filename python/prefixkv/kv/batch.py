@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from prefixkv.errors import InvalidInputError, KVIndexError, KVShapeError
-from prefixkv.rope import rope_inverse_frequencies
+from prefixkv.models.rope import rope_inverse_frequencies
 
 if TYPE_CHECKING:
-    from prefixkv.grouped_kv import GroupedKVCache
-    from prefixkv.kv import PagedKVCache
-    from prefixkv.model_config import ModelConfig
+    from prefixkv.kv.grouped import GroupedKVCache
+    from prefixkv.kv.pages import PagedKVCache
+    from prefixkv.models.config import ModelConfig
 
 __all__ = [
     "BlockTable",
@@ -126,7 +126,7 @@ def pack_prefill_batch(
     Everything that depends only on lengths and block tables (positions, RoPE tables, slot
     mapping) is built here on the CPU, once per call rather than once per layer.
     """
-    from prefixkv.grouped_kv import GroupedKVCache
+    from prefixkv.kv.grouped import GroupedKVCache
 
     if isinstance(batch, PrefillRequest) or not isinstance(batch, Sequence) or not batch:
         raise InvalidInputError("batch must be a non-empty sequence of PrefillRequest")

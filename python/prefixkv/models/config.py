@@ -6,7 +6,7 @@ decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 conf
 projection biases and any static RoPE scaling: linear, NTK, Llama 3, YaRN) and refuses the rest
 by name (another activation, an unknown field or RoPE parameter) rather than load it. `model_context` is
 the one place that says which settings change the KV a model writes (the essay of
-`prefixkv.model` says why each does).
+`prefixkv.models.decoder` says why each does).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import InvalidInputError
-from prefixkv.rope import rope_base
+from prefixkv.models.rope import rope_base
 
 if TYPE_CHECKING:
-    from prefixkv.text import ChatTemplate, Tokenizer
+    from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
 
 __all__ = ["KNOWN_HF_CONFIG_FIELDS", "ModelConfig", "RopeScaling", "model_context"]
 

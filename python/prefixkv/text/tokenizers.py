@@ -7,7 +7,7 @@ include it, because the same ids from two different vocabularies are different p
 `HFTokenizer` hashes the bytes of the user's `tokenizer.json` (``tokenizers`` is an optional
 dependency, `prefixkv[hf]`, imported only when one is loaded).
 
-Chat templates, the step before tokenizing, live in `prefixkv.chat`; their names are re-exported
+Chat templates, the step before tokenizing, live in `prefixkv.text.chat`; their names are re-exported
 here, where they were first defined.
 """
 
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from prefixkv.chat import (
+from prefixkv.errors import InvalidInputError, MissingDependencyError
+from prefixkv.text.chat import (
     ChatTemplate,
     ChatTemplateSet,
     JinjaChatTemplate,
@@ -31,7 +32,6 @@ from prefixkv.chat import (
     message_text,
     segment_at,
 )
-from prefixkv.errors import InvalidInputError, MissingDependencyError
 
 __all__ = [
     "ByteTokenizer",
@@ -199,7 +199,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | os.PathLike[str], *, json_text: str | None = None) -> None:
         """Read `path`; or, with `json_text` (a tokenizer built in memory, e.g. from a GGUF
-        file's metadata by `prefixkv.gguf`), use that JSON and let `path` only name it."""
+        file's metadata by `prefixkv.models.gguf`), use that JSON and let `path` only name it."""
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:

@@ -2,7 +2,7 @@
 tokens: `load_gguf`.
 
 Read with the ``gguf`` package (`prefixkv[gguf]`), the reader llama.cpp maintains. Loading is
-as strict as `prefixkv.checkpoint`'s: every metadata key of the architecture and every tensor
+as strict as `prefixkv.models.checkpoint`'s: every metadata key of the architecture and every tensor
 must be one this decoder implements, or the file is refused with an `InvalidInputError` naming
 it; a file the reader cannot parse is refused the same way. Never a guess:
 
@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from prefixkv.errors import InvalidInputError, MissingDependencyError
-from prefixkv.model_config import ModelConfig, RopeScaling
+from prefixkv.models.config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
-    from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
-    from prefixkv.checkpoint import Checkpoint
-    from prefixkv.text import HFTokenizer
+    from prefixkv.models.checkpoint import Checkpoint
+    from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate
+    from prefixkv.text.tokenizers import HFTokenizer
 
 __all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
 
@@ -137,8 +137,8 @@ def load_gguf(
         import gguf
     except ImportError as exc:
         raise _missing_gguf() from exc
-    from prefixkv.checkpoint import Checkpoint
-    from prefixkv.model import LlamaModel
+    from prefixkv.models.checkpoint import Checkpoint
+    from prefixkv.models.decoder import LlamaModel
 
     path = Path(path)
     if not path.is_file():
@@ -367,7 +367,7 @@ def _tokenizer(metadata: _Metadata, path: Path) -> HFTokenizer:
         raise MissingDependencyError(
             "a GGUF file's tokenizer needs the 'tokenizers' package: pip install 'prefixkv[gguf]'"
         ) from exc
-    from prefixkv.text import HFTokenizer
+    from prefixkv.text.tokenizers import HFTokenizer
 
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -424,7 +424,7 @@ def _token_text(metadata: _Metadata, key: str) -> str:
 
 
 def _chat_template(metadata: _Metadata, path: Path) -> JinjaChatTemplate | ChatTemplateSet | None:
-    from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
+    from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate
 
     sources: dict[str, str] = {}
     if metadata.get("tokenizer.chat_template"):

@@ -1,8 +1,8 @@
 """A demo of the tiers: one prompt served by recompute, a device hit, a host hit and a remote
 hit, with the time to first token of each.
 
-    python -m prefixkv.tiers.demo                       # starts a redis-server on loopback
-    python -m prefixkv.tiers.demo --redis-url redis://host:6379/0
+    python -m prefixkv.apps.tiers_demo                       # starts a redis-server on loopback
+    python -m prefixkv.apps.tiers_demo --redis-url redis://host:6379/0
 
 The remote hit is served to a second, fresh engine (as another process sharing the store would
 be); every output is checked against a full recompute.
@@ -20,7 +20,7 @@ import time
 import torch
 
 from prefixkv import Engine
-from prefixkv.model import LlamaModel, ModelConfig
+from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.tiers.remote import RedisStore
 
 
@@ -50,7 +50,7 @@ def _start_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixkv.tiers.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m prefixkv.apps.tiers_demo", description=__doc__)
     parser.add_argument("--redis-url", help="a running Valkey/Redis (default: start one)")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)

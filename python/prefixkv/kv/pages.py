@@ -9,7 +9,7 @@ halves, so ``key_pages[layer]`` is a contiguous ``[num_blocks, block_size, num_k
 head_dim]`` tensor: one block of one layer is a single contiguous slab of
 ``block_size * num_kv_heads * head_dim`` elements, and a tile of whole pages is one gather. This
 is the layout vLLM's paged attention reads (one layer's pages, indexed by block id) and the one
-`prefixkv.attention` expects.
+`prefixkv.kv.prefill` expects.
 
 A token's *slot* is ``block_id * block_size + offset_in_block``: its row in the flattened
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` view of one layer's pages.
