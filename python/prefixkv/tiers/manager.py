@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixkv.cache import PrefixCache
 from prefixkv.errors import InvalidInputError
 from prefixkv.kv import PagedKVCache
 from prefixkv.tiers.host import BlockRecord, HostTier
@@ -186,6 +187,56 @@ class KVTiers:
         self.stats.host_hit_blocks += num_host
         self.stats.remote_hit_blocks += num_remote
         return num_host, num_remote
+
+    # -- what the engine calls, per request (the cache holds the request's table and keys) --
+
+    def save_evicted_by(self, cache: PrefixCache) -> None:
+        """Right after an allocation: the blocks it evicted still hold their KV (nothing is
+        written before the step's model call), so they go to the host tier now."""
+        if self.needs_eviction_log:
+            evicted = cache.drain_evicted()
+            if evicted:
+                self.save_evicted(evicted, cache.context.fingerprint())
+
+    def load_request(
+        self, cache: PrefixCache, request_id: str, tokens: Sequence[int], start: int, num_new: int
+    ) -> int:
+        """Extends a fresh admission's device hit (computing starts at `start`, `num_new`
+        tokens scheduled) with host, then remote blocks, loaded into its own fresh blocks and
+        committed; returns where computing starts now. At least one token of the chunk is left
+        to compute (its logits, or the next chunk)."""
+        bs = self.device_pool.block_size
+        first, last = start // bs, (start + num_new - 1) // bs
+        if start % bs or last <= first:
+            return start
+        keys = cache.request_block_keys(request_id)
+        table = cache.block_table(request_id)
+        context = cache.context.fingerprint()
+        num_host, num_remote = self.load(table, keys, tokens, first, last, context)
+        if not num_host + num_remote:
+            return start
+        start = (first + num_host + num_remote) * bs
+        cache.commit(request_id, start)
+        self.record(table, keys, tokens, first, start // bs, context, from_remote=True)
+        return start
+
+    def record_request(
+        self, cache: PrefixCache, request_id: str, tokens: Sequence[int], start: int, end: int
+    ) -> None:
+        """Blocks ``start // block_size .. end // block_size - 1`` of a request were just
+        published."""
+        bs = self.device_pool.block_size
+        first, last = start // bs, end // bs
+        if last <= first:
+            return
+        self.record(
+            cache.block_table(request_id),
+            cache.request_block_keys(request_id),
+            tokens,
+            first,
+            last,
+            cache.context.fingerprint(),
+        )
 
     def close(self) -> None:
         if self.remote is not None:
