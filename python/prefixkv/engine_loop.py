@@ -36,6 +36,7 @@ from prefixkv.errors import OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
 from prefixkv.model import PrefillRequest
 from prefixkv.scheduler import SchedulerStats, WaitingCandidate, ngram_drafts, order_waiting
+from prefixkv.tiers.manager import TierHit
 
 if TYPE_CHECKING:
     from prefixkv.engine import Engine
@@ -107,6 +108,8 @@ class _Sequence:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     scheduled_tokens: int = 0
+    #: While waiting: what the lower tiers hold of its next blocks (probed once, not per step).
+    tier_hit: TierHit | None = None
 
     def admitted(self, slots: Slots | GroupSlots) -> None:
         if self.admissions == 0:
@@ -284,22 +287,35 @@ class GenerateRun:
             # Asked again, not taken from `info`: an earlier admission this step may have evicted
             # blocks, or published some from a tier (one call, no rehashing).
             cached = self.cache.start_position(sequence.request_id)
-            num_new = min(len(sequence.tokens) - cached, budget)
-            try:
-                slots = self.cache.allocate_slots(
-                    sequence.request_id,
-                    num_new,
-                    num_lookahead_tokens=lookahead,
-                    watermark_blocks=engine.watermark_blocks if self.running else 0,
-                )
-            except OutOfBlocksError:
-                break  # wait for blocks; nothing changed
+            # A tier hit is loaded whole at admission, past this step's budget if it is longer
+            # (loading costs no compute); without room for all of it, the chunk alone.
+            hit = self._tiers_probe(sequence, cached)
+            hit_tokens = hit.num_blocks * self.block_size if hit is not None else 0
+            num_new = min(len(sequence.tokens) - cached - hit_tokens, budget)
+            sizes = [hit_tokens + num_new]
+            if hit_tokens:
+                sizes.append(min(len(sequence.tokens) - cached, budget))
+            slots = None
+            for size in sizes:
+                try:
+                    slots = self.cache.allocate_slots(
+                        sequence.request_id,
+                        size,
+                        num_lookahead_tokens=lookahead,
+                        watermark_blocks=engine.watermark_blocks if self.running else 0,
+                    )
+                except OutOfBlocksError:
+                    continue  # nothing changed
+                end = slots.num_computed_tokens + size
+                break
+            if slots is None:
+                break  # wait for blocks
             self._tiers_save_evicted()
             sequence.admitted(slots)
-            start = self._tiers_load(sequence, slots, num_new)
+            start = self._tiers_load(sequence, slots, hit, end)
+            num_new = min(end - start, budget)
             self.stats.admitted_tokens += len(sequence.tokens)
             self.stats.cached_tokens += start - slots.num_computed_tokens + slots.num_cached_tokens
-            num_new -= start - slots.num_computed_tokens
             self.waiting.remove(sequence)
             self.running.append(sequence)
             admitted.append(sequence)
@@ -323,16 +339,35 @@ class GenerateRun:
             assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
             self.engine.tiers.save_evicted_by(self.cache)
 
-    def _tiers_load(self, sequence: _Sequence, slots: Slots | GroupSlots, num_new: int) -> int:
-        """Extends a fresh admission's device hit from the lower tiers (`KVTiers.load_request`);
-        returns where computing starts."""
+    def _tiers_probe(self, sequence: _Sequence, start: int) -> TierHit | None:
+        """What the lower tiers hold of a waiting request's blocks from `start` on
+        (`KVTiers.probe_request`). Kept on the request while it waits: a remote value never
+        changes under its key, and `KVTiers.load_request` checks the keys are still its own."""
+        tiers = self.engine.tiers
+        if tiers is None or not self.engine.prefix_reuse:
+            return None
+        hit = sequence.tier_hit
+        if hit is None or hit.first * self.block_size != start:
+            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+            hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
+            sequence.tier_hit = hit
+        return hit
+
+    def _tiers_load(
+        self, sequence: _Sequence, slots: Slots | GroupSlots, hit: TierHit | None, end: int
+    ) -> int:
+        """Extends a fresh admission's device hit with a probed tier hit, loaded into its own
+        fresh blocks (those before the block of token ``end - 1``: at least one allocated
+        token is left to compute), counted computed and committed; returns where computing
+        starts."""
+        sequence.tier_hit = None
         tiers = self.engine.tiers
         start = slots.num_computed_tokens
-        if tiers is None or not self.engine.prefix_reuse or slots.last_token_shared:
+        if tiers is None or hit is None or slots.last_token_shared:
             return start
         assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
         loaded = tiers.load_request(
-            self.cache, sequence.request_id, sequence.tokens, start, num_new
+            self.cache, sequence.request_id, sequence.tokens, start, hit, end
         )
         if loaded != start:
             sequence.num_computed = loaded
