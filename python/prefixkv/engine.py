@@ -562,7 +562,6 @@ class Engine:
             kv_groups=self.kv_groups,
             grouped=self.grouped,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            num_speculative_tokens=self.num_speculative_tokens,
         )
         if stop_token_ids is None:
             stops = frozenset(self.stop_token_ids)

@@ -248,15 +248,23 @@ class GenerateRun:
                 self._drop_drafts(sequence)  # verification is never split across steps
                 num_new = len(sequence.tokens) - sequence.num_computed
             num_new = min(num_new, budget)
+            room = lookahead
             while True:
                 try:
                     self.cache.allocate_slots(
-                        sequence.request_id, num_new, num_lookahead_tokens=lookahead
+                        sequence.request_id, num_new, num_lookahead_tokens=room
                     )
                     self._tiers_save_evicted()
                     break
                 except OutOfBlocksError:
                     victim = self.running[-1]
+                    if victim is sequence and (room or sequence.drafts):
+                        # Drafts are optional room: given up before the request's own place.
+                        room = 0
+                        if sequence.drafts:
+                            self._drop_drafts(sequence)
+                            num_new = min(len(sequence.tokens) - sequence.num_computed, budget)
+                        continue
                     if victim in (s.sequence for s in scheduled):
                         scheduled = [s for s in scheduled if s.sequence is not victim]
                         budget += victim.scheduled_tokens
@@ -295,13 +303,15 @@ class GenerateRun:
             sizes = [hit_tokens + num_new]
             if hit_tokens:
                 sizes.append(min(len(sequence.tokens) - cached, budget))
+            # Room for drafts is optional: a request alone is admitted without it if need be.
+            rooms = [lookahead, 0] if lookahead and not self.running else [lookahead]
             slots = None
-            for size in sizes:
+            for room, size in ((room, size) for room in rooms for size in sizes):
                 try:
                     slots = self.cache.allocate_slots(
                         sequence.request_id,
                         size,
-                        num_lookahead_tokens=lookahead,
+                        num_lookahead_tokens=room,
                         watermark_blocks=engine.watermark_blocks if self.running else 0,
                     )
                 except OutOfBlocksError:

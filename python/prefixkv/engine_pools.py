@@ -134,15 +134,16 @@ def check_fits(
     kv_groups: Sequence[KVGroupSpec],
     grouped: bool,
     max_num_batched_tokens: int,
-    num_speculative_tokens: int,
 ) -> None:
-    """Raises `OutOfBlocksError` for the first request that could never fit the pool."""
+    """Raises `OutOfBlocksError` for the first request that could never fit the pool.
+
+    Draft tokens are not counted: their room is optional (a request the pool cannot give
+    drafts room to is served without them), so they are never the reason for a refusal."""
     block_size = kv_cache.block_size
-    step = max_num_batched_tokens + num_speculative_tokens
     for index, prompt in enumerate(prompts):
-        total = len(prompt) + max_new_tokens - 1 + num_speculative_tokens
+        total = len(prompt) + max_new_tokens - 1
         for spec, pool in zip(kv_groups, pool_sizes(kv_cache), strict=True):
-            needed = blocks_held(total, block_size, spec.sliding_window, step)
+            needed = blocks_held(total, block_size, spec.sliding_window, max_num_batched_tokens)
             if needed > pool:
                 name = f"of KV group {spec.index} ({spec.kind}) " if grouped else ""
                 raise OutOfBlocksError(
