@@ -298,7 +298,7 @@ def test_a_request_that_fits_only_without_drafts_is_served(model: LlamaModel) ->
     _assert_exact_results(model, [result], 4)
     assert drafted.last_stats.preemptions == 0  # it gave up draft room, not its place
     # Admitted without draft room: 38 prompt tokens plus 3 drafts would not fit.
-    (longer,) = drafted.generate([prompt + [7]], max_new_tokens=3, check_exactness=True)
+    (longer,) = drafted.generate([[*prompt, 7]], max_new_tokens=3, check_exactness=True)
     _assert_exact_results(model, [longer], 3)
     other = (_prompt(5, seed=13) * 8)[:37]
     results = drafted.generate([other, prompt], max_new_tokens=4, check_exactness=True)
