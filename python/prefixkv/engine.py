@@ -21,7 +21,8 @@ they fill (generated ones too, so a conversation's next turn reuses the previous
 requests preempted and resumed from their cached blocks when the pool is short, prompt-lookup
 drafts with `num_speculative_tokens`. The loop of one `generate` call is
 `prefixkv.engine_loop.GenerateRun`; the policy (ordering, fairness, drafts) is
-`prefixkv.scheduler`'s; the pools and what a request needs of them are `prefixkv.engine_pools`'.
+`prefixkv.scheduler`'s; the pools and what a request needs of them are `prefixkv.engine_pools`';
+a request's state while served and its `RequestResult` are `prefixkv.engine_requests`'.
 Requests become token ids in `prefixkv.engine_inputs` (with the chat-template and stop-token
 policy); a checkpoint's settings come from `prefixkv.checkpoint`.
 """
@@ -47,8 +48,9 @@ from prefixkv.engine_inputs import (
     resolve_chat_template,
     stop_tokens,
 )
-from prefixkv.engine_loop import GenerateRun, RequestResult
+from prefixkv.engine_loop import GenerateRun
 from prefixkv.engine_pools import build_kv_cache, check_fits, pool_sizes
+from prefixkv.engine_requests import RequestResult
 from prefixkv.errors import InvalidInputError
 from prefixkv.group_cache import GroupedPrefixCache
 from prefixkv.grouped_kv import GroupedKVCache

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from prefixkv.cache import PrefixCache, Slots
+from prefixkv.engine_requests import RequestResult, ServedRequest
 from prefixkv.errors import OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
 from prefixkv.model import PrefillRequest
@@ -41,108 +42,14 @@ from prefixkv.tiers.manager import TierHit
 if TYPE_CHECKING:
     from prefixkv.engine import Engine
 
-__all__ = ["GenerateRun", "RequestResult"]
-
-
-@dataclass
-class RequestResult:
-    """What serving one request produced, and what it cost."""
-
-    prompt_token_ids: list[int]
-    #: Prompt tokens whose KV was read from the cache (for a full hit: all but the last).
-    cached_tokens: int
-    #: Prompt positions the model computed (``prompt_tokens - cached_tokens``, at least 1).
-    computed_tokens: int
-    #: Seconds from the `generate` call to this request's first output token.
-    time_to_first_token: float
-    output_token_ids: list[int]
-    #: The output decoded by the engine's tokenizer (None without one).
-    output_text: str | None
-    #: Every prompt block was cached: only the last token was recomputed, nothing written.
-    full_hit: bool
-    #: With ``check_exactness=True``: the largest |logit difference| between what the engine
-    #: computed (prefill and every decode step) and a full recompute without cache.
-    max_logit_diff: float | None = None
-    #: With ``check_exactness=True``: the greedy tokens of the full recompute's logits equal ours.
-    tokens_match: bool | None = None
-    #: Times the scheduler preempted it for memory (it resumed from its cached blocks).
-    preemptions: int = 0
-    #: Draft tokens proposed for it, and how many the model accepted (speculative decoding).
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass
-class _Sequence:
-    """A request being served, as the engine sees it (the cache keeps its own view)."""
-
-    index: int
-    request_id: str
-    prompt: list[int]
-    #: Prompt, generated and pending draft tokens (what the cache holds for the request).
-    tokens: list[int]
-    num_computed: int = 0
-    drafts: list[int] = field(default_factory=list)
-    prefilled: bool = False
-    generated: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    first_token_time: float = 0.0
-    #: The first admission's hit (a resume after preemption does not change it).
-    cached_tokens: int = 0
-    full_hit: bool = False
-    admissions: int = 0
-    #: Position whose KV is already in a shared block (a reuse-last-block full hit): computed
-    #: without writing KV.
-    shared_position: int | None = None
-    #: Steps in which a later arrival was admitted before it.
-    passes: int = 0
-    preemptions: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    scheduled_tokens: int = 0
-    #: While waiting: what the lower tiers hold of its next blocks (probed once, not per step).
-    tier_hit: TierHit | None = None
-
-    def admitted(self, slots: Slots | GroupSlots) -> None:
-        if self.admissions == 0:
-            self.cached_tokens = slots.num_cached_tokens
-            self.full_hit = slots.full_hit
-        self.admissions += 1
-        self.num_computed = slots.num_computed_tokens
-        self.shared_position = slots.num_computed_tokens if slots.last_token_shared else None
-        self.passes = 0
-
-    def preempted(self) -> None:
-        """The cache dropped its KV and its drafts."""
-        del self.tokens[len(self.tokens) - len(self.drafts) :]
-        self.drafts = []
-        self.num_computed = 0
-        self.preemptions += 1
-
-    def reset(self) -> None:
-        """Back to the prompt alone (the weights changed under it)."""
-        self.tokens = list(self.prompt)
-        self.num_computed = 0
-        self.drafts = []
-        self.prefilled = False
-        self.generated = []
-        self.logits = []
-        self.admissions = 0
+__all__ = ["GenerateRun"]
 
 
 @dataclass
 class _Scheduled:
     """One request's share of a step: compute positions ``start .. start + num_new - 1``."""
 
-    sequence: _Sequence
+    sequence: ServedRequest
     start: int
     num_new: int
 
@@ -170,15 +77,15 @@ class GenerateRun:
         self.on_finish = on_finish
         self.stats = SchedulerStats()
         self.sequences = [
-            _Sequence(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
+            ServedRequest(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
             for i, p in enumerate(prompts)
         ]
-        self.waiting: list[_Sequence] = list(self.sequences)
-        self.running: list[_Sequence] = []
+        self.waiting: list[ServedRequest] = list(self.sequences)
+        self.running: list[ServedRequest] = []
         self.results: list[RequestResult | None] = [None] * len(prompts)
         # Every request added to the cache and not yet finished: exactly these are finished if
         # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
-        self.live: dict[str, _Sequence] = {}
+        self.live: dict[str, ServedRequest] = {}
         self.block_size = engine.kv_cache.block_size
 
     # -- the loop ------------------------------------------------------------------------
@@ -205,7 +112,7 @@ class GenerateRun:
 
     # -- cache bookkeeping ---------------------------------------------------------------
 
-    def _add(self, sequence: _Sequence) -> None:
+    def _add(self, sequence: ServedRequest) -> None:
         # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
         salt = None if self.engine.prefix_reuse else f"prefix-reuse-off:{sequence.request_id}"
         self.cache.add_request(
@@ -225,7 +132,7 @@ class GenerateRun:
         for sequence in self.waiting:
             self._add(sequence)
 
-    def _preempt(self, sequence: _Sequence) -> None:
+    def _preempt(self, sequence: ServedRequest) -> None:
         self.cache.preempt(sequence.request_id)
         sequence.preempted()
         self.running.remove(sequence)
@@ -280,7 +187,7 @@ class GenerateRun:
         candidates = self.waiting[: engine.max_waiting_considered]
         infos = [self._candidate(s, in_flight) for s in candidates]
         order = order_waiting(infos, engine.scheduling, engine.max_passes)
-        admitted: list[_Sequence] = []
+        admitted: list[ServedRequest] = []
         for position in order:
             sequence = candidates[position]
             if budget == 0 or len(self.running) >= engine.max_batch_size:
@@ -349,7 +256,7 @@ class GenerateRun:
             assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
             self.engine.tiers.save_evicted_by(self.cache)
 
-    def _tiers_probe(self, sequence: _Sequence, start: int) -> TierHit | None:
+    def _tiers_probe(self, sequence: ServedRequest, start: int) -> TierHit | None:
         """What the lower tiers hold of a waiting request's blocks from `start` on
         (`KVTiers.probe_request`). Kept on the request while it waits: a remote value never
         changes under its key, and `KVTiers.load_request` checks the keys are still its own."""
@@ -364,7 +271,7 @@ class GenerateRun:
         return hit
 
     def _tiers_load(
-        self, sequence: _Sequence, slots: Slots | GroupSlots, hit: TierHit | None, end: int
+        self, sequence: ServedRequest, slots: Slots | GroupSlots, hit: TierHit | None, end: int
     ) -> int:
         """Extends a fresh admission's device hit with a probed tier hit, loaded into its own
         fresh blocks (those before the block of token ``end - 1``: at least one allocated
@@ -385,7 +292,7 @@ class GenerateRun:
                 sequence.cached_tokens = loaded
         return loaded
 
-    def _tiers_record(self, sequence: _Sequence, start: int, end: int) -> None:
+    def _tiers_record(self, sequence: ServedRequest, start: int, end: int) -> None:
         """Blocks ``start // block_size .. end // block_size - 1`` were just published."""
         if self.engine.tiers is not None:
             assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
@@ -393,13 +300,13 @@ class GenerateRun:
                 self.cache, sequence.request_id, sequence.tokens, start, end
             )
 
-    def _drop_drafts(self, sequence: _Sequence) -> None:
+    def _drop_drafts(self, sequence: ServedRequest) -> None:
         verified = len(sequence.tokens) - len(sequence.drafts)
         self.cache.truncate(sequence.request_id, verified)
         del sequence.tokens[verified:]
         sequence.drafts = []
 
-    def _candidate(self, sequence: _Sequence, in_flight: set[bytes]) -> WaitingCandidate:
+    def _candidate(self, sequence: ServedRequest, in_flight: set[bytes]) -> WaitingCandidate:
         cached = 0
         if self.engine.prefix_reuse:
             # From the request's kept keys: a waiting request is not rehashed every step.
@@ -412,7 +319,7 @@ class GenerateRun:
         )
 
     def _next_block_in_flight(
-        self, sequence: _Sequence, cached_tokens: int, in_flight: set[bytes]
+        self, sequence: ServedRequest, cached_tokens: int, in_flight: set[bytes]
     ) -> bool:
         """Whether the first block `sequence` would compute is computed this step by another
         request (the block keys come from the cache, each hashed once per request)."""
@@ -429,7 +336,7 @@ class GenerateRun:
         return keys
 
     def _sequence_blocks_in_flight(
-        self, sequence: _Sequence, start: int, num_new: int
+        self, sequence: ServedRequest, start: int, num_new: int
     ) -> set[bytes]:
         """Keys of the full prompt blocks this step computes for `sequence`."""
         if not self.engine.prefix_reuse or sequence.prefilled:
@@ -508,7 +415,7 @@ class GenerateRun:
                 continue  # a prompt chunk: nothing to sample yet
             self._sample(sequence, logits, now)
 
-    def _sample(self, sequence: _Sequence, logits: torch.Tensor, now: float) -> None:
+    def _sample(self, sequence: ServedRequest, logits: torch.Tensor, now: float) -> None:
         """Greedy sampling of a request that computed its last known token; under speculative
         decoding, verification of its drafts first."""
         engine = self.engine
@@ -560,35 +467,11 @@ class GenerateRun:
                 sequence.tokens.extend(drafts)
                 sequence.drafts = drafts
 
-    def _finish(self, sequence: _Sequence) -> None:
+    def _finish(self, sequence: ServedRequest) -> None:
         self.cache.finish(sequence.request_id)
         del self.live[sequence.request_id]
         self.running.remove(sequence)
-        result = self._result(sequence)
+        result = sequence.result(self.engine.model, self.engine.tokenizer, self.check_exactness)
         self.results[sequence.index] = result
         if self.on_finish is not None:
             self.on_finish(sequence.index, result)
-
-    def _result(self, sequence: _Sequence) -> RequestResult:
-        tokenizer = self.engine.tokenizer
-        result = RequestResult(
-            prompt_token_ids=sequence.prompt,
-            cached_tokens=sequence.cached_tokens,
-            computed_tokens=len(sequence.prompt) - sequence.cached_tokens,
-            time_to_first_token=sequence.first_token_time,
-            output_token_ids=list(sequence.generated),
-            output_text=(None if tokenizer is None else tokenizer.decode(sequence.generated)),
-            full_hit=sequence.full_hit,
-            preemptions=sequence.preemptions,
-            draft_tokens=sequence.draft_tokens,
-            accepted_draft_tokens=sequence.accepted_draft_tokens,
-        )
-        if self.check_exactness:
-            # One full recompute over prompt + output[:-1] gives the logits of every step.
-            full_sequence = sequence.prompt + sequence.generated[:-1]
-            full = self.engine.model.forward_full(full_sequence).to("cpu", torch.float64)
-            ours = torch.stack(sequence.logits)
-            reference = full[len(sequence.prompt) - 1 :]
-            result.max_logit_diff = float((ours - reference).abs().max())
-            result.tokens_match = reference.argmax(dim=-1).tolist() == sequence.generated
-        return result
