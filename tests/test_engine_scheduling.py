@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from prefixkv import PrefixCache
 from prefixkv.cache import FULL_HIT_MODES
 from prefixkv.engine.facade import Engine
+from prefixkv.errors import OutOfBlocksError
 from prefixkv.kv.pages import PagedKVCache
 from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.text.tokenizers import ByteTokenizer
@@ -282,3 +283,36 @@ def test_no_request_is_passed_over_more_than_the_bound(model: LlamaModel) -> Non
     finished: list[int] = []
     engine.generate(prompts, max_new_tokens=1, on_finish=lambda i, _: finished.append(i))
     assert finished.index(0) <= 2, finished
+
+
+def test_a_request_that_fits_only_without_drafts_is_served(model: LlamaModel) -> None:
+    """Issue 20.11: drafts are optional room. 37 prompt tokens plus 4 new fill a 10-block pool
+    of 4-token blocks exactly; with 3 draft tokens on, the request is served (as with drafts
+    off), alone or behind another such request, and drafts still run where there is room."""
+    prompt = (_prompt(6, seed=33) * 7)[:37]  # prompt-lookup proposes drafts for it (below)
+    plain = Engine(model, num_blocks=10, block_size=BLOCK)
+    drafted = Engine(model, num_blocks=10, block_size=BLOCK, num_speculative_tokens=3)
+    (expected,) = plain.generate([prompt], max_new_tokens=4)
+    (result,) = drafted.generate([prompt], max_new_tokens=4, check_exactness=True)
+    assert result.output_token_ids == expected.output_token_ids
+    _assert_exact_results(model, [result], 4)
+    assert drafted.last_stats.preemptions == 0  # it gave up draft room, not its place
+    # Admitted without draft room: 38 prompt tokens plus 3 drafts would not fit.
+    (longer,) = drafted.generate([[*prompt, 7]], max_new_tokens=3, check_exactness=True)
+    _assert_exact_results(model, [longer], 3)
+    other = (_prompt(5, seed=13) * 8)[:37]
+    results = drafted.generate([other, prompt], max_new_tokens=4, check_exactness=True)
+    _assert_exact_results(model, results, 4)
+    assert results[1].output_token_ids == expected.output_token_ids
+    drafted.cache.check_invariants()
+    assert drafted.cache.stats().blocks_in_use == 0
+    roomy = Engine(model, num_blocks=64, block_size=BLOCK, num_speculative_tokens=3)
+    roomy.generate([prompt], max_new_tokens=4)
+    assert roomy.last_stats.draft_tokens > 0  # the prompt does draw drafts
+
+
+def test_a_request_too_big_without_drafts_is_refused_by_its_own_need(model: LlamaModel) -> None:
+    engine = Engine(model, num_blocks=10, block_size=BLOCK, num_speculative_tokens=3)
+    with pytest.raises(OutOfBlocksError, match=r"38 prompt tokens plus 4 new need 11 blocks"):
+        engine.generate([_prompt(38, seed=1)], max_new_tokens=4)
+    assert engine.cache.stats().blocks_in_use == 0

@@ -228,3 +228,53 @@ def test_importing_prefixkv_does_not_import_redis() -> None:
     code = "import prefixkv, prefixkv.tiers, prefixkv.engine.facade, sys; print('redis' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- a tier hit longer than one prefill chunk ----------------------------------------------------
+
+
+class DictStore:
+    """An in-process `RemoteStore` (the remote tier's whole interface), for tests without a
+    server."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.gets = 0
+
+    def get_many(self, keys):  # type: ignore[no-untyped-def]
+        self.gets += 1
+        return [self.values.get(key) for key in keys]
+
+    def put_many(self, items):  # type: ignore[no-untyped-def]
+        self.values.update(items)
+
+
+@pytest.mark.parametrize("tier", ["host", "remote"])
+def test_a_tier_hit_longer_than_the_step_budget_is_served_whole(tier: str) -> None:
+    """Issue 20.10: a 3,077-token prompt whose 192 full blocks all sit in a lower tier gets
+    all 192 with the default budget (2,048 tokens), not only those of its first chunk."""
+    length, block = 3077, 16
+    rng = random.Random(20)
+    prompt, other = ([rng.randrange(VOCAB) for _ in range(length)] for _ in range(2))
+    options: dict = {"host_tier_bytes": 1 << 26} if tier == "host" else {}  # type: ignore[type-arg]
+    if tier == "remote":
+        options["remote_store"] = DictStore()
+    first = Engine(MODEL, num_blocks=200, block_size=block, **options)
+    assert first.max_num_batched_tokens == 2048  # the default budget
+    first.generate([prompt], max_new_tokens=1)
+    first.generate([other], max_new_tokens=1)  # evicts every block of `prompt` (200 blocks)
+    if tier == "remote":
+        assert first.tiers is not None and first.tiers.remote is not None
+        assert first.tiers.remote.flush()
+        first.close()
+        engine = Engine(MODEL, num_blocks=200, block_size=block, **options)  # a fresh device
+    else:
+        engine = first
+    assert engine.tiers is not None
+    (result,) = engine.generate([prompt], max_new_tokens=2, check_exactness=True)
+    assert_exact([result])
+    assert result.cached_tokens == (length - 1) // block * block == 3072
+    # A few blocks may still be on the device; the tiers served far more than one chunk's 127.
+    assert engine.tiers.stats.host_hit_blocks + engine.tiers.stats.remote_hit_blocks >= 180
+    assert engine.last_stats.prefill_chunks == 1  # 5 tokens computed, in one step
+    engine.close()

@@ -3,6 +3,8 @@
 - `facade` (`Engine`, `RequestResult`): construction, `generate`, `from_pretrained`, the
   events, metrics and tiers wiring.
 - `loop`: one `generate` call's per-step loop: schedule, run the model, sample, finish.
+- `requests`: a request inside the engine (`ServedRequest`) and the `RequestResult` it builds.
+- `pools`: the KV pools an engine builds, and the refusal of a request that can never fit.
 - `scheduler`: the scheduling policy (what runs next, in which order, who yields).
 - `inputs`: what a request is and how it becomes prompt token ids; chat template, stop tokens.
 - `threads`: how many CPU threads torch should use beside other work.

@@ -20,10 +20,25 @@ import torch
 from prefixkv.errors import ChatTemplateError, InvalidInputError
 from prefixkv.text.tokenizers import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
 
-__all__ = ["EngineInput", "encode_request", "resolve_chat_template", "stop_tokens"]
+__all__ = [
+    "EngineInput",
+    "encode_request",
+    "positive_int",
+    "resolve_chat_template",
+    "stop_tokens",
+]
 
 #: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
 EngineInput = Any
+
+
+def positive_int(value: object, name: str, minimum: int = 1) -> int:
+    """An engine option that must be an int of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def stop_tokens(values: Sequence[int], vocab_size: int, what: str) -> tuple[int, ...]:

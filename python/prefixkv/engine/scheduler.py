@@ -19,6 +19,10 @@ prefix, and defers a request whose next uncached block another request is comput
 (the block is a hit one step later instead of being computed twice). To stay fair, a request
 passed over `max_passes` times by later arrivals goes first, in arrival order: no request
 waits forever behind a stream of luckier ones.
+
+This module holds the parts of the policy that need no cache (the waiting order, the draft
+proposals, the counters); `prefixkv.engine_loop.GenerateRun` applies it step by step, with the
+cache calls that go with it.
 """
 
 from __future__ import annotations

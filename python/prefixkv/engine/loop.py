@@ -1,0 +1,477 @@
+"""One `Engine.generate` call, step by step: `GenerateRun`.
+
+A run holds two queues, *waiting* and *running*, and repeats one step until both are empty:
+
+1. **schedule**: running requests first (a decode token plus drafts, or a prompt's next chunk),
+   preempting the newest running request when the pool is short; then waiting requests, in the
+   order `prefixkv.scheduler.order_waiting` gives, while the step's token budget and the pool
+   allow. Admission matches the request's cached prefix (`PrefixCache.allocate_slots`) and
+   extends it from the lower tiers (`prefixkv.tiers.KVTiers`).
+2. **step**: one `LlamaModel.prefill` over every scheduled chunk (decode tokens and prompt
+   chunks mixed, varlen), then `commit`, which publishes the blocks that filled.
+3. **sample**: greedy; under speculative decoding the drafts are verified first
+   (`accept_drafts`) and new ones proposed (`prefixkv.scheduler.ngram_drafts`).
+4. **finish**: at `max_new_tokens` or a stop token the request's blocks go back to the cache
+   (cached, evictable) and its `RequestResult` is handed to the caller.
+
+Every request added to the cache and not yet finished is in `live`; if anything goes wrong
+(a model error, a callback raising, Ctrl-C) `abandon` finishes exactly those. The policy
+(ordering, fairness, drafts) is `prefixkv.engine.scheduler`'s; docs/scheduling.md explains both.
+
+Time to first token is measured from the `generate` call to the step that produced the token,
+so it includes queueing behind other requests of the same call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefixkv.cache import PrefixCache, Slots
+from prefixkv.engine.requests import RequestResult, ServedRequest
+from prefixkv.engine.scheduler import SchedulerStats, WaitingCandidate, ngram_drafts, order_waiting
+from prefixkv.errors import OutOfBlocksError
+from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
+from prefixkv.models.decoder import PrefillRequest
+from prefixkv.tiers.manager import TierHit
+
+if TYPE_CHECKING:
+    from prefixkv.engine.facade import Engine
+
+__all__ = ["GenerateRun"]
+
+
+@dataclass
+class _Scheduled:
+    """One request's share of a step: compute positions ``start .. start + num_new - 1``."""
+
+    sequence: ServedRequest
+    start: int
+    num_new: int
+
+
+class GenerateRun:
+    """One `generate` call: the queues, the steps, and the cache calls that go with them."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stops: frozenset[int],
+        start: float,
+        check_exactness: bool,
+        on_finish: Callable[[int, RequestResult], None] | None,
+    ) -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        self.max_new_tokens = max_new_tokens
+        self.stops = stops
+        self.start = start
+        self.check_exactness = check_exactness
+        self.on_finish = on_finish
+        self.stats = SchedulerStats()
+        self.sequences = [
+            ServedRequest(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
+            for i, p in enumerate(prompts)
+        ]
+        self.waiting: list[ServedRequest] = list(self.sequences)
+        self.running: list[ServedRequest] = []
+        self.results: list[RequestResult | None] = [None] * len(prompts)
+        # Every request added to the cache and not yet finished: exactly these are finished if
+        # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
+        self.live: dict[str, ServedRequest] = {}
+        self.block_size = engine.kv_cache.block_size
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def serve(self) -> list[RequestResult]:
+        engine = self.engine
+        for sequence in self.waiting:
+            self._add(sequence)
+        while self.waiting or self.running:
+            if engine._sync_with_model():
+                self._restart_all()
+            scheduled = self._schedule()
+            if not scheduled:
+                self._refuse_stuck()
+            self._step(scheduled)
+            engine.flush_kv_events()
+        return [result for result in self.results if result is not None]
+
+    def abandon(self) -> None:
+        for sequence in self.live.values():
+            self.cache.finish(sequence.request_id)
+        self.live.clear()
+        self.engine.flush_kv_events()
+
+    # -- cache bookkeeping ---------------------------------------------------------------
+
+    def _add(self, sequence: ServedRequest) -> None:
+        # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
+        salt = None if self.engine.prefix_reuse else f"prefix-reuse-off:{sequence.request_id}"
+        self.cache.add_request(
+            sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
+        )
+        self.live[sequence.request_id] = sequence
+
+    def _restart_all(self) -> None:
+        """The weights changed under requests in flight: their KV is stale, and so is what
+        they generated from it, so each starts again from its prompt, under the new context."""
+        for sequence in list(self.live.values()):
+            self.cache.finish(sequence.request_id)
+            del self.live[sequence.request_id]
+            sequence.reset()
+        self.waiting = sorted(self.waiting + self.running, key=lambda s: s.index)
+        self.running = []
+        for sequence in self.waiting:
+            self._add(sequence)
+
+    def _preempt(self, sequence: ServedRequest) -> None:
+        self.cache.preempt(sequence.request_id)
+        sequence.preempted()
+        self.running.remove(sequence)
+        self.waiting.insert(0, sequence)
+        self.stats.preemptions += 1
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _schedule(self) -> list[_Scheduled]:
+        engine = self.engine
+        budget = engine.max_num_batched_tokens
+        lookahead = engine.num_speculative_tokens
+        scheduled: list[_Scheduled] = []
+        # 1. Running requests, oldest first; preempt the newest when the pool runs short.
+        for sequence in list(self.running):
+            if sequence not in self.running or budget == 0:
+                continue  # preempted below to make room for an older one
+            num_new = len(sequence.tokens) - sequence.num_computed
+            if num_new > budget and sequence.drafts:
+                self._drop_drafts(sequence)  # verification is never split across steps
+                num_new = len(sequence.tokens) - sequence.num_computed
+            num_new = min(num_new, budget)
+            room = lookahead
+            while True:
+                try:
+                    self.cache.allocate_slots(
+                        sequence.request_id, num_new, num_lookahead_tokens=room
+                    )
+                    self._tiers_save_evicted()
+                    break
+                except OutOfBlocksError:
+                    victim = self.running[-1]
+                    if victim is sequence and (room or sequence.drafts):
+                        # Drafts are optional room: given up before the request's own place.
+                        room = 0
+                        if sequence.drafts:
+                            self._drop_drafts(sequence)
+                            num_new = min(len(sequence.tokens) - sequence.num_computed, budget)
+                        continue
+                    if victim in (s.sequence for s in scheduled):
+                        scheduled = [s for s in scheduled if s.sequence is not victim]
+                        budget += victim.scheduled_tokens
+                    self._preempt(victim)
+                    if victim is sequence:
+                        break
+            if sequence in self.running:
+                sequence.scheduled_tokens = num_new
+                scheduled.append(_Scheduled(sequence, sequence.num_computed, num_new))
+                budget -= num_new
+        # 2. Waiting requests, in the policy's order, while budget and blocks allow.
+        in_flight = self._blocks_in_flight(scheduled)
+        candidates = self.waiting[: engine.max_waiting_considered]
+        infos = [self._candidate(s, in_flight) for s in candidates]
+        order = order_waiting(infos, engine.scheduling, engine.max_passes)
+        admitted: list[ServedRequest] = []
+        for position in order:
+            sequence = candidates[position]
+            if budget == 0 or len(self.running) >= engine.max_batch_size:
+                break
+            info = infos[position]
+            if (
+                engine.scheduling == "cache_aware"
+                and info.passes < engine.max_passes
+                and self._next_block_in_flight(sequence, info.cached_tokens, in_flight)
+            ):
+                continue  # computed by a request scheduled now: a hit next step
+            # Asked again, not taken from `info`: an earlier admission this step may have evicted
+            # blocks, or published some from a tier (one call, no rehashing).
+            cached = self.cache.start_position(sequence.request_id)
+            # A tier hit is loaded whole at admission, past this step's budget if it is longer
+            # (loading costs no compute); without room for all of it, the chunk alone.
+            hit = self._tiers_probe(sequence, cached)
+            hit_tokens = hit.num_blocks * self.block_size if hit is not None else 0
+            num_new = min(len(sequence.tokens) - cached - hit_tokens, budget)
+            sizes = [hit_tokens + num_new]
+            if hit_tokens:
+                sizes.append(min(len(sequence.tokens) - cached, budget))
+            # Room for drafts is optional: a request alone is admitted without it if need be.
+            rooms = [lookahead, 0] if lookahead and not self.running else [lookahead]
+            slots = None
+            for room, size in ((room, size) for room in rooms for size in sizes):
+                try:
+                    slots = self.cache.allocate_slots(
+                        sequence.request_id,
+                        size,
+                        num_lookahead_tokens=room,
+                        watermark_blocks=engine.watermark_blocks if self.running else 0,
+                    )
+                except OutOfBlocksError:
+                    continue  # nothing changed
+                end = slots.num_computed_tokens + size
+                break
+            if slots is None:
+                break  # wait for blocks
+            self._tiers_save_evicted()
+            sequence.admitted(slots)
+            start = self._tiers_load(sequence, slots, hit, end)
+            num_new = min(end - start, budget)
+            self.stats.admitted_tokens += len(sequence.tokens)
+            self.stats.cached_tokens += start - slots.num_computed_tokens + slots.num_cached_tokens
+            self.waiting.remove(sequence)
+            self.running.append(sequence)
+            admitted.append(sequence)
+            sequence.scheduled_tokens = num_new
+            scheduled.append(_Scheduled(sequence, start, num_new))
+            budget -= num_new
+            in_flight |= self._sequence_blocks_in_flight(sequence, start, num_new)
+        # Whoever was passed over by a later arrival this step is one step closer to the front.
+        if admitted:
+            newest = max(s.index for s in admitted)
+            for sequence in self.waiting:
+                if sequence.index < newest:
+                    sequence.passes += 1
+        return scheduled
+
+    # -- lower tiers (prefixkv.tiers; docs/tiers.md) ---------------------------------------
+
+    def _tiers_save_evicted(self) -> None:
+        """Right after an allocation: the blocks it evicted go to the host tier."""
+        if self.engine.tiers is not None:
+            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+            self.engine.tiers.save_evicted_by(self.cache)
+
+    def _tiers_probe(self, sequence: ServedRequest, start: int) -> TierHit | None:
+        """What the lower tiers hold of a waiting request's blocks from `start` on
+        (`KVTiers.probe_request`). Kept on the request while it waits: a remote value never
+        changes under its key, and `KVTiers.load_request` checks the keys are still its own."""
+        tiers = self.engine.tiers
+        if tiers is None or not self.engine.prefix_reuse:
+            return None
+        hit = sequence.tier_hit
+        if hit is None or hit.first * self.block_size != start:
+            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+            hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
+            sequence.tier_hit = hit
+        return hit
+
+    def _tiers_load(
+        self, sequence: ServedRequest, slots: Slots | GroupSlots, hit: TierHit | None, end: int
+    ) -> int:
+        """Extends a fresh admission's device hit with a probed tier hit, loaded into its own
+        fresh blocks (those before the block of token ``end - 1``: at least one allocated
+        token is left to compute), counted computed and committed; returns where computing
+        starts."""
+        sequence.tier_hit = None
+        tiers = self.engine.tiers
+        start = slots.num_computed_tokens
+        if tiers is None or hit is None or slots.last_token_shared:
+            return start
+        assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+        loaded = tiers.load_request(
+            self.cache, sequence.request_id, sequence.tokens, start, hit, end
+        )
+        if loaded != start:
+            sequence.num_computed = loaded
+            if sequence.admissions == 1:
+                sequence.cached_tokens = loaded
+        return loaded
+
+    def _tiers_record(self, sequence: ServedRequest, start: int, end: int) -> None:
+        """Blocks ``start // block_size .. end // block_size - 1`` were just published."""
+        if self.engine.tiers is not None:
+            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+            self.engine.tiers.record_request(
+                self.cache, sequence.request_id, sequence.tokens, start, end
+            )
+
+    def _drop_drafts(self, sequence: ServedRequest) -> None:
+        verified = len(sequence.tokens) - len(sequence.drafts)
+        self.cache.truncate(sequence.request_id, verified)
+        del sequence.tokens[verified:]
+        sequence.drafts = []
+
+    def _candidate(self, sequence: ServedRequest, in_flight: set[bytes]) -> WaitingCandidate:
+        cached = 0
+        if self.engine.prefix_reuse:
+            # From the request's kept keys: a waiting request is not rehashed every step.
+            cached = self.cache.start_position(sequence.request_id)
+        return WaitingCandidate(
+            arrival=sequence.index,
+            cached_tokens=cached,
+            next_block_in_flight=self._next_block_in_flight(sequence, cached, in_flight),
+            passes=sequence.passes,
+        )
+
+    def _next_block_in_flight(
+        self, sequence: ServedRequest, cached_tokens: int, in_flight: set[bytes]
+    ) -> bool:
+        """Whether the first block `sequence` would compute is computed this step by another
+        request (the block keys come from the cache, each hashed once per request)."""
+        if not in_flight or not self.engine.prefix_reuse:
+            return False
+        keys = self.cache.request_block_keys(sequence.request_id)
+        next_block = cached_tokens // self.block_size
+        return next_block < len(keys) and keys[next_block] in in_flight
+
+    def _blocks_in_flight(self, scheduled: list[_Scheduled]) -> set[bytes]:
+        keys: set[bytes] = set()
+        for item in scheduled:
+            keys |= self._sequence_blocks_in_flight(item.sequence, item.start, item.num_new)
+        return keys
+
+    def _sequence_blocks_in_flight(
+        self, sequence: ServedRequest, start: int, num_new: int
+    ) -> set[bytes]:
+        """Keys of the full prompt blocks this step computes for `sequence`."""
+        if not self.engine.prefix_reuse or sequence.prefilled:
+            return set()
+        keys = self.cache.request_block_keys(sequence.request_id)
+        first = start // self.block_size
+        last = (start + num_new) // self.block_size
+        return set(keys[first:last])
+
+    def _refuse_stuck(self) -> None:
+        """Nothing could be scheduled: only blocks that never come back (pins, or references
+        held outside the engine) can cause it, since a lone request always fits the pool."""
+        sequence = self.waiting[0]
+        stats = self.cache.stats()
+        pools = "; ".join(
+            f"{pool.blocks_free} free, {pool.blocks_pinned} pinned, {pool.blocks_in_use} in use"
+            for pool in (stats.groups if isinstance(stats, GroupedCacheStats) else (stats,))
+        )
+        raise OutOfBlocksError(
+            f"cannot schedule request {sequence.index}: the pool cannot supply its blocks "
+            f"({pools}) and nothing running can be preempted"
+        )
+
+    # -- one model call ------------------------------------------------------------------
+
+    def _step(self, scheduled: list[_Scheduled]) -> None:
+        engine = self.engine
+        self.stats.steps += 1
+        self.stats.tokens_per_step.append(sum(item.num_new for item in scheduled))
+        batch = []
+        for item in scheduled:
+            sequence = item.sequence
+            end = item.start + item.num_new
+            # A reuse-last-block full hit: the last token's KV is already in a shared block.
+            write_kv = item.start != sequence.shared_position
+            sequence.shared_position = None
+            if isinstance(self.cache, GroupedPrefixCache):
+                # One table per KV group; a sliding group's starts with null blocks.
+                request = PrefillRequest(
+                    sequence.tokens,
+                    (),
+                    num_cached_tokens=item.start,
+                    num_tokens=end,
+                    group_block_tables=self.cache.block_tables(sequence.request_id),
+                )
+            else:
+                request = PrefillRequest(
+                    sequence.tokens,
+                    self.cache.block_table(sequence.request_id),
+                    num_cached_tokens=item.start,
+                    num_tokens=end,
+                    write_kv=write_kv,
+                )
+            batch.append(request)
+            if not sequence.prefilled:
+                self.stats.prefill_chunks += 1
+        rows: Sequence[torch.Tensor]
+        if engine.num_speculative_tokens:
+            # Drafts are verified from the logits of every position they follow.
+            rows = engine.model.prefill(engine.kv_cache, batch, return_all_logits=True)
+        else:
+            # Only the last position's logits: a vocabulary-wide projection of every prompt
+            # position would cost more than the attention.
+            last = engine.model.prefill(engine.kv_cache, batch)
+            rows = [last[i : i + 1] for i in range(len(batch))]
+        now = time.perf_counter()
+        reuse = engine.prefix_reuse
+        for item, logits in zip(scheduled, rows, strict=True):
+            sequence = item.sequence
+            sequence.num_computed = item.start + item.num_new
+            # Also with reuse off: the cache learns how far the request got (`_cache_context`).
+            self.cache.commit(sequence.request_id, sequence.num_computed)
+            if reuse:
+                self._tiers_record(sequence, item.start, sequence.num_computed)
+            if sequence.num_computed < len(sequence.tokens):
+                continue  # a prompt chunk: nothing to sample yet
+            self._sample(sequence, logits, now)
+
+    def _sample(self, sequence: ServedRequest, logits: torch.Tensor, now: float) -> None:
+        """Greedy sampling of a request that computed its last known token; under speculative
+        decoding, verification of its drafts first."""
+        engine = self.engine
+        num_drafts = len(sequence.drafts)
+        rows = logits[-(num_drafts + 1) :]
+        predicted = rows.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < num_drafts and predicted[accepted] == sequence.drafts[accepted]:
+            accepted += 1
+        new_tokens = [*sequence.drafts[:accepted], int(predicted[accepted])]
+        if num_drafts:
+            self.cache.accept_drafts(sequence.request_id, accepted)
+            sequence.tokens = sequence.tokens[: len(sequence.tokens) - num_drafts + accepted]
+            sequence.num_computed = len(sequence.tokens)
+            if engine.prefix_reuse:  # accepted drafts may complete published blocks
+                self._tiers_record(
+                    sequence, sequence.num_computed - accepted - 1, sequence.num_computed
+                )
+            sequence.draft_tokens += num_drafts
+            sequence.accepted_draft_tokens += accepted
+            self.stats.draft_tokens += num_drafts
+            self.stats.accepted_draft_tokens += accepted
+            sequence.drafts = []
+        if not sequence.prefilled:
+            sequence.prefilled = True
+            sequence.first_token_time = now - self.start
+        done = False
+        kept: list[int] = []
+        for row, token in zip(rows[: len(new_tokens)], new_tokens, strict=True):
+            kept.append(token)
+            if self.check_exactness:
+                sequence.logits.append(row.detach().to("cpu", torch.float64))
+            if len(sequence.generated) + len(kept) >= self.max_new_tokens or token in self.stops:
+                done = True
+                break
+        sequence.generated.extend(kept)
+        if done:
+            self._finish(sequence)
+            return
+        # The accepted drafts are in the KV already; the new token is not (computed next step).
+        bonus = kept[-1]
+        self.cache.append_tokens(sequence.request_id, [bonus])
+        sequence.tokens.append(bonus)
+        if engine.num_speculative_tokens:
+            room = self.max_new_tokens - len(sequence.generated) - 1
+            drafts = ngram_drafts(sequence.tokens, min(engine.num_speculative_tokens, room))
+            if drafts:
+                self.cache.append_tokens(sequence.request_id, drafts, draft=True)
+                sequence.tokens.extend(drafts)
+                sequence.drafts = drafts
+
+    def _finish(self, sequence: ServedRequest) -> None:
+        self.cache.finish(sequence.request_id)
+        del self.live[sequence.request_id]
+        self.running.remove(sequence)
+        result = sequence.result(self.engine.model, self.engine.tokenizer, self.check_exactness)
+        self.results[sequence.index] = result
+        if self.on_finish is not None:
+            self.on_finish(sequence.index, result)
