@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from prefixkv.checkpoint_record import Checkpoint
 from prefixkv.errors import InvalidInputError, MissingDependencyError
 from prefixkv.model_config import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
     from prefixkv.chat import ChatTemplateSet, JinjaChatTemplate
-    from prefixkv.checkpoint import Checkpoint
     from prefixkv.text import HFTokenizer
 
 __all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
@@ -137,7 +137,6 @@ def load_gguf(
         import gguf
     except ImportError as exc:
         raise _missing_gguf() from exc
-    from prefixkv.checkpoint import Checkpoint
     from prefixkv.model import LlamaModel
 
     path = Path(path)

@@ -69,11 +69,11 @@ from prefixkv.batch import (
     pack_prefill_batch,
     token_tensor,
 )
-from prefixkv.checkpoint import load_pretrained, save_pretrained
 from prefixkv.context import CacheContext
 from prefixkv.decode_attention import paged_decode_attention
 from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
 from prefixkv.grouped_kv import GroupedKVCache
+from prefixkv.hf_weights import load_pretrained, save_pretrained
 from prefixkv.kv import PagedKVCache
 from prefixkv.lora import AdapterSet, random_adapter
 from prefixkv.model_config import ModelConfig, RopeScaling, model_context
@@ -281,7 +281,7 @@ class LlamaModel(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` in Hugging Face Llama layout
-        (`prefixkv.checkpoint.save_pretrained`; adapters are not saved)."""
+        (`prefixkv.hf_weights.save_pretrained`; adapters are not saved)."""
         save_pretrained(self, directory)
 
     @classmethod
@@ -294,7 +294,7 @@ class LlamaModel(nn.Module):
         **config_overrides: Any,
     ) -> LlamaModel:
         """Load a local Hugging Face Llama checkpoint: ``config.json`` plus ``*.safetensors``
-        (`prefixkv.checkpoint.load_pretrained`: strict, offline; a tied-embedding checkpoint
+        (`prefixkv.hf_weights.load_pretrained`: strict, offline; a tied-embedding checkpoint
         that also stores ``lm_head.weight`` loads as transformers loads it)."""
         return load_pretrained(cls, directory, dtype=dtype, device=device, **config_overrides)
 
