@@ -214,6 +214,8 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         # transformers ignores it at inference; another value means weights sliced for tensor
         # parallelism, which would be loaded as if whole.
         raise InvalidInputError(f"pretraining_tp {hf['pretraining_tp']!r} is unsupported")
+    if ("prefixkv_lora_rank" in hf) != ("prefixkv_lora_alpha" in hf):
+        raise InvalidInputError("set both prefixkv_lora_rank and prefixkv_lora_alpha, or neither")
     num_layers = fields.integer("num_hidden_layers")
     num_heads = fields.integer("num_attention_heads")
     hidden_size = fields.integer("hidden_size")
@@ -350,7 +352,9 @@ def _number(key: str, value: Any) -> float:
 def _dtype(hf: Mapping[str, Any]) -> torch.dtype:
     # transformers: `dtype` wins when both are given (PreTrainedConfig.__post_init__).
     key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
-    name = hf.get(key) or "float32"
+    name = hf.get(key)
+    if name is None:
+        return torch.float32
     if not isinstance(name, str) or name not in _DTYPES:
         raise InvalidInputError(
             f"config.json field {key!r}: unsupported dtype {_show(name)} "
@@ -466,15 +470,15 @@ def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeSc
     if _number(fraction_key, rotary_fraction) != 1.0:
         raise InvalidInputError(f"{fraction_key} {rotary_fraction} is unsupported")
     theta = _number("rope_theta", parameters.get("rope_theta", 10000.0))
-    has_scaling = "rope_type" in parameters or "type" in parameters
     max_positions = fields.integer("max_position_embeddings")
-    return theta, _rope_scaling_from_hf(parameters, key, max_positions) if has_scaling else None
+    return theta, _rope_scaling_from_hf(parameters, key, max_positions)
 
 
 def _rope_scaling_from_hf(
     raw: Mapping[str, Any], key: str, max_position_embeddings: int
 ) -> RopeScaling | None:
-    kind = raw.get("rope_type", raw.get("type"))
+    # No type is the default RoPE (whose parameters are checked all the same).
+    kind = raw.get("rope_type", raw.get("type", "default"))
     kinds = {
         "linear": "linear",
         "ntk": "ntk",
@@ -494,7 +498,7 @@ def _rope_scaling_from_hf(
     )
     if unknown:
         raise InvalidInputError(
-            f"rope scaling {kind!r} has parameter(s) this decoder does not implement: "
+            f"config.json field {key!r}: rope type {kind!r} has parameter(s) this decoder does not implement: "
             f"{', '.join(map(repr, unknown))}"
         )
     if kinds[kind] is None:
