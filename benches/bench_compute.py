@@ -1,6 +1,6 @@
 """Section 3: prefill compute saved by a cached prefix, against what an ideal cache would save.
 
-The reference decoder (`prefixkv.model.LlamaModel`, random weights, a config where matrix work
+The reference decoder (`prefixkv.models.decoder.LlamaModel`, random weights, a config where matrix work
 dominates Python overhead) prefills one prompt with a fraction f of it cached: the pages hold
 the prefix's KV, and `prefill` computes positions m .. n-1 only, reading keys 0 .. n-1 from the
 pages. Three ideals, all from measurements of the same run:

@@ -2,7 +2,7 @@
 
     python benches/real_model.py --model SmolLM2-135M-Instruct.Q4_1.gguf [--threads 1] [--quick]
 
-`--model` is a GGUF file or a Hugging Face directory (`prefixkv.checkpoint.load_checkpoint`).
+`--model` is a GGUF file or a Hugging Face directory (`prefixkv.models.checkpoint.load_checkpoint`).
 Both sides compute in float32 from the same weights: ours as loaded (a GGUF is dequantized),
 transformers' from a directory our loader writes (`save_pretrained`), so the comparison is of
 the two forward paths, not of two quantizations. Prompts are real text (the demo's agent

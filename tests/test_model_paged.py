@@ -387,7 +387,7 @@ class RopeScalingDropped(LlamaModel):
         def unscaled(config: ModelConfig, length: int) -> torch.Tensor:
             return rope_inverse_frequencies(config.replace(rope_scaling=None), length)
 
-        # The packing (and its RoPE tables) lives in prefixkv.batch.
+        # The packing (and its RoPE tables) lives in prefixkv.kv.batch.
         with mock.patch.object(batch_module, "rope_inverse_frequencies", unscaled):
             return super()._pack(kv_cache, batch)
 

@@ -28,6 +28,7 @@ __all__ = [
     "KVIndexError",
     "KVShapeError",
     "MissingDependencyError",
+    "ModelTooLargeError",
     "OutOfBlocksError",
     "PagedKVError",
     "PrefixKVError",
@@ -140,3 +141,8 @@ class ChatTemplateError(InvalidInputError):
 class KVAllocationError(PrefixKVError, MemoryError):
     """The KV pages asked for cannot be allocated on their device (too large for its memory,
     or for torch's size limits); the message names the size."""
+
+
+class ModelTooLargeError(PrefixKVError, MemoryError):
+    """A checkpoint's config describes a model larger than this machine's memory; refused before
+    any weight is allocated, the message giving the bytes it needs and the limit."""

@@ -5,7 +5,7 @@ layers, which read only the last W tokens, with full-attention layers, which rea
 If one block held the KV of every layer, a block that fell out of the window would still hold
 the full layers' KV and could never be freed. So the layers are split into *KV groups*, one
 per attention kind (vLLM's ``KVCacheGroupSpec``): each group has its own pages
-(`prefixkv.grouped_kv.GroupedKVCache`), its own block table per request and its own block
+(`prefixkv.kv.grouped.GroupedKVCache`), its own block table per request and its own block
 manager (`prefixkv.group_cache.GroupedPrefixCache`). A sliding group's manager releases the
 blocks its window has passed, and a shared *null block* stands at their table positions.
 

@@ -51,7 +51,7 @@ def _check_count(text: str) -> int | None:
 _CHECK_DEFAULT = -1  # not a string: argparse would run it through _check_count
 
 #: `prefixkv demo --model-size` choices, spelled out so that the parser (and `--help`,
-#: `--version`) works without torch; `prefixkv.demo.MODEL_SIZES` holds the configs and
+#: `--version`) works without torch; `prefixkv.apps.demo.MODEL_SIZES` holds the configs and
 #: tests/test_cli.py checks that the two agree.
 DEMO_MODEL_SIZES = ("base", "small", "tiny")
 

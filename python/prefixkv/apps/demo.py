@@ -12,7 +12,7 @@ each time:
   first blocks, so nearly everything is recomputed.
 
 ``--model PATH`` serves a real checkpoint instead (a Hugging Face directory or a GGUF file,
-`prefixkv.checkpoint.load_checkpoint`), rendered with its own chat template and stopped at its
+`prefixkv.models.checkpoint.load_checkpoint`), rendered with its own chat template and stopped at its
 own end-of-turn tokens, and shows its first answers.
 
 Requests arrive one at a time (as turns of independent agent sessions), so a request's time to

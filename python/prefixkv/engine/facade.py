@@ -20,7 +20,7 @@ call per step over a token budget, decode tokens and prompt chunks mixed, blocks
 they fill (generated ones too, so a conversation's next turn reuses the previous answer),
 requests preempted and resumed from their cached blocks when the pool is short, prompt-lookup
 drafts with `num_speculative_tokens`. The loop of one `generate` call is
-`prefixkv.engine_loop.GenerateRun`; the policy (ordering, fairness, drafts) is
+`prefixkv.engine.loop.GenerateRun`; the policy (ordering, fairness, drafts) is
 `prefixkv.engine.scheduler`'s; the pools and what a request needs of them are `prefixkv.engine.pools`';
 a request's state while served and its `RequestResult` are `prefixkv.engine.requests`'.
 Requests become token ids in `prefixkv.engine.inputs` (with the chat-template and stop-token
@@ -91,7 +91,7 @@ class Engine:
         chat_template: renders chat requests: a `ChatTemplate`, a template file, a checkpoint
             directory, or ``"simple"`` for the built-in `SimpleChatTemplate`. Default: the
             built-in one with the built-in `ByteTokenizer`, none with any other tokenizer
-            (chat requests are then refused; see `prefixkv.engine_inputs.resolve_chat_template`).
+            (chat requests are then refused; see `prefixkv.engine.inputs.resolve_chat_template`).
         stop_token_ids: tokens that end a request unless `generate` is given its own.
         num_blocks / kv_memory_bytes: size of the KV pool (give at most one; default
             1024 blocks).
@@ -458,7 +458,7 @@ class Engine:
         and stop tokens come from its metadata), served as the checkpoint says it should be:
 
         * tokenizer: ``tokenizer.json`` when none is given (needs ``prefixkv[hf]``);
-        * chat template: the checkpoint's (`prefixkv.checkpoint.find_chat_template`: the
+        * chat template: the checkpoint's (`prefixkv.models.checkpoint.find_chat_template`: the
           ``chat_template.jinja`` file, named templates, or ``tokenizer_config.json``'s entry)
           when none is given. A checkpoint without one gets *no* template: chat requests are
           refused with an error naming what was looked for, text and token requests are
@@ -521,7 +521,7 @@ class Engine:
 
     def encode(self, request: EngineInput) -> list[int]:
         """The prompt token ids of a request: ids as given, text tokenized, chat rendered
-        (`prefixkv.engine_inputs.encode_request`)."""
+        (`prefixkv.engine.inputs.encode_request`)."""
         return encode_request(
             request,
             tokenizer=self.tokenizer,

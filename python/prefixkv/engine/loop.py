@@ -4,13 +4,13 @@ A run holds two queues, *waiting* and *running*, and repeats one step until both
 
 1. **schedule**: running requests first (a decode token plus drafts, or a prompt's next chunk),
    preempting the newest running request when the pool is short; then waiting requests, in the
-   order `prefixkv.scheduler.order_waiting` gives, while the step's token budget and the pool
+   order `prefixkv.engine.scheduler.order_waiting` gives, while the step's token budget and the pool
    allow. Admission matches the request's cached prefix (`PrefixCache.allocate_slots`) and
    extends it from the lower tiers (`prefixkv.tiers.KVTiers`).
 2. **step**: one `LlamaModel.prefill` over every scheduled chunk (decode tokens and prompt
    chunks mixed, varlen), then `commit`, which publishes the blocks that filled.
 3. **sample**: greedy; under speculative decoding the drafts are verified first
-   (`accept_drafts`) and new ones proposed (`prefixkv.scheduler.ngram_drafts`).
+   (`accept_drafts`) and new ones proposed (`prefixkv.engine.scheduler.ngram_drafts`).
 4. **finish**: at `max_new_tokens` or a stop token the request's blocks go back to the cache
    (cached, evictable) and its `RequestResult` is handed to the caller.
 

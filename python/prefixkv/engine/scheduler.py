@@ -21,7 +21,7 @@ passed over `max_passes` times by later arrivals goes first, in arrival order: n
 waits forever behind a stream of luckier ones.
 
 This module holds the parts of the policy that need no cache (the waiting order, the draft
-proposals, the counters); `prefixkv.engine_loop.GenerateRun` applies it step by step, with the
+proposals, the counters); `prefixkv.engine.loop.GenerateRun` applies it step by step, with the
 cache calls that go with it.
 """
 

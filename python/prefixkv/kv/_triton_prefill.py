@@ -210,7 +210,7 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None,
 ) -> Tensor:
-    """Launch the kernel; arguments as validated by `prefixkv.attention.paged_prefill_attention`."""
+    """Launch the kernel; arguments as validated by `prefixkv.kv.prefill.paged_prefill_attention`."""
     output = torch.empty_like(query)
     num_heads, head_dim = int(query.shape[1]), int(query.shape[2])
     num_kv_heads = int(key_pages.shape[2])

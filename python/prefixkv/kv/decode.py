@@ -1,7 +1,7 @@
 """Attention for a batch where every request computes one query (a decode step, or a full
 prefix hit recomputing its last token): `paged_decode_attention`.
 
-`prefixkv.attention.paged_prefill_attention` handles any batch, one request and one KV tile at
+`prefixkv.kv.prefill.paged_prefill_attention` handles any batch, one request and one KV tile at
 a time, which is right for prefill (long query tiles amortise each loop iteration) and slow for
 decode: there each request does a handful of tiny matmuls per layer, and with 8 requests the
 Python loop and its small ops cost as much as the model's linear layers (a SmolLM2-135M decode

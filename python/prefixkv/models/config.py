@@ -2,105 +2,39 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 configs (with their
-projection biases and any static RoPE scaling: linear, NTK, Llama 3, YaRN) and refuses the rest
-by name (another activation, an unknown field or RoPE parameter) rather than load it. `model_context` is
-the one place that says which settings change the KV a model writes (the essay of
-`prefixkv.models.decoder` says why each does).
+decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 configs as
+transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds the reader and its
+rules). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
+`model_context` is the one place that says which settings change the KV a model writes (the
+essay of `prefixkv.models.decoder` says why each does).
 """
 
 from __future__ import annotations
 
-import json
-import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
-from prefixkv.errors import InvalidInputError
-from prefixkv.models.rope import rope_base
+from prefixkv.errors import InvalidInputError, ModelTooLargeError
+from prefixkv.models.hf_config import KNOWN_HF_CONFIG_FIELDS, read_hf_config
+from prefixkv.models.rope import RopeScaling, rope_base
 
 if TYPE_CHECKING:
     from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
 
-__all__ = ["KNOWN_HF_CONFIG_FIELDS", "ModelConfig", "RopeScaling", "model_context"]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How RoPE is stretched beyond the context length the model was trained for.
-
-    kind:
-        ``"linear"``: positions are divided by `factor` (position interpolation).
-        ``"ntk"``: static NTK-aware scaling, the base becomes
-        ``theta * factor ** (d / (d - 2))`` for every length.
-        ``"dynamic_ntk"``: the NTK base is recomputed from the sequence length L once L exceeds
-        `max_position_embeddings` (HF's ``"dynamic"``). This makes RoPE depend on the total
-        length: see `ModelConfig.position_encoding_is_length_dependent`.
-        ``"llama3"``: Llama 3.1's static per-frequency scaling: wavelengths longer than
-        ``original_max_position_embeddings / low_freq_factor`` are divided by `factor`, those
-        shorter than ``... / high_freq_factor`` kept, the band between interpolated smoothly.
-        ``"yarn"``: YaRN (Qwen2.5, DeepSeek): frequencies blended between kept and divided by
-        `factor` along a ramp set by `beta_fast` / `beta_slow` rotations over
-        ``original_max_position_embeddings``, and cos/sin multiplied by `attention_factor`.
-        Static: no length enters, so cached KV stays exact.
-    """
-
-    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3", "yarn"]
-    factor: float
-    #: Llama 3 only (the defaults are Llama 3.1's).
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    #: Llama 3 and YaRN: the context length the model was pretrained with.
-    original_max_position_embeddings: int = 8192
-    #: YaRN only (the defaults are the paper's and transformers'). `attention_factor` None means
-    #: ``0.1 * ln(factor) + 1`` (resolved by `yarn_attention_factor`).
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3", "yarn"):
-            raise InvalidInputError(
-                f"unsupported rope scaling kind {self.kind!r}; "
-                "expected 'linear', 'ntk', 'dynamic_ntk', 'llama3' or 'yarn'"
-            )
-        if self.kind == "yarn" and not (
-            self.beta_fast > 0 and self.beta_slow > 0 and self.original_max_position_embeddings > 0
-        ):
-            raise InvalidInputError(
-                "yarn rope scaling needs positive beta_fast, beta_slow and "
-                "original_max_position_embeddings"
-            )
-        if self.kind == "llama3" and not (
-            0 < self.low_freq_factor < self.high_freq_factor
-            and self.original_max_position_embeddings > 0
-        ):
-            raise InvalidInputError(
-                "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a "
-                "positive original_max_position_embeddings"
-            )
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):
-            raise InvalidInputError(
-                f"rope scaling factor must be a finite number, got {self.factor!r}"
-            )
-        if self.factor < 1.0:
-            raise InvalidInputError(f"rope scaling factor must be >= 1, got {self.factor}")
-
-    @property
-    def yarn_attention_factor(self) -> float:
-        """YaRN's multiplier of cos and sin (1 for every other kind): `attention_factor` when
-        the config gives it, else the paper's ``0.1 * ln(factor) + 1``."""
-        if self.kind != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+__all__ = [
+    "KNOWN_HF_CONFIG_FIELDS",
+    "ModelConfig",
+    "RopeScaling",
+    "check_fits_in_memory",
+    "model_context",
+    "physical_memory_bytes",
+]
 
 
 #: The per-layer attention kinds `ModelConfig.layer_types` may name (transformers' spelling).
@@ -257,9 +191,30 @@ class ModelConfig:
         """How many query heads share one KV head."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def parameter_count(self) -> int:
+        """How many weights the model has (embedding, head unless tied, layers, norms, biases)."""
+        hidden, q_width = self.hidden_size, self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        attention = hidden * (q_width + 2 * kv_width) + q_width * hidden
+        if self.attention_qkv_bias:
+            attention += q_width + 2 * kv_width
+        if self.attention_output_bias:
+            attention += hidden
+        mlp = 3 * hidden * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + hidden
+        layer = attention + mlp + 2 * hidden  # two RMSNorm weights
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * hidden + self.num_layers * layer + hidden
+
+    def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes the weights take in `dtype` (loaders build in float32, then cast)."""
+        return self.parameter_count * torch.empty((), dtype=dtype).element_size()
+
     def rope_base(self, sequence_length: int) -> float:
         """The RoPE base for a sequence whose positions end at ``sequence_length - 1``
-        (`prefixkv.rope.rope_base`; only dynamic NTK scaling reads the length)."""
+        (`prefixkv.models.rope.rope_base`; only dynamic NTK scaling reads the length)."""
         return rope_base(self, sequence_length)
 
     @classmethod
@@ -268,98 +223,24 @@ class ModelConfig:
     ) -> ModelConfig:
         """Read a Hugging Face Llama/Mistral-style ``config.json`` (a dict, file or directory).
 
-        Llama, Mistral and Qwen2 configs, with the projection biases they name (Llama's
-        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), and the sliding window per
-        layer as transformers applies it (every layer for Mistral, Qwen2's
-        ``use_sliding_window`` with ``layer_types`` or ``max_window_layers``; docs/hybrid.md).
-        Refuses what this decoder does not implement (another activation or model type, a RoPE
-        scaling it lacks, a mixed ``layer_types`` that transformers would not honour for the
-        model type) and any field it does not know, naming it
-        (`KNOWN_HF_CONFIG_FIELDS`): a setting it would silently ignore could change what the
-        model computes. Keyword `overrides` replace fields after reading, e.g.
+        Every field is read as transformers' config class for the ``model_type`` reads it,
+        defaults included (`prefixkv.models.hf_config.read_hf_config`): the projection biases (Llama's
+        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), the sliding window per layer
+        (every layer for Mistral, none for Llama, Qwen2's ``use_sliding_window`` with
+        ``layer_types`` or ``max_window_layers``; docs/hybrid.md), RoPE. Metadata no forward
+        pass reads is accepted; a value of the wrong type, a setting this decoder does not
+        implement, or a field transformers does not declare for the type is refused with an
+        `InvalidInputError` naming it. Keyword `overrides` replace fields after reading, e.g.
         ``dtype=torch.float32``.
         """
-        if isinstance(config, (str, Path)):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            try:
-                hf = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise InvalidInputError(f"cannot read model config {path}: {exc}") from exc
-        else:
-            hf = dict(config)
-        if not isinstance(hf, dict):
-            raise InvalidInputError("a Hugging Face config must be a JSON object")
-
-        def require(key: str) -> Any:
-            if key not in hf:
-                raise InvalidInputError(f"Hugging Face config is missing {key!r}")
-            return hf[key]
-
-        _refuse_unknown_fields(hf)
-        activation = hf.get("hidden_act", "silu")
-        if activation != "silu":
-            raise InvalidInputError(f"unsupported hidden_act {activation!r}: only SwiGLU ('silu')")
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise InvalidInputError(
-                f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
-            )
-        if hf.get("rope_interleaved", False):
-            # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
-            raise InvalidInputError("rope_interleaved=true is unsupported")
-        if hf.get("pretraining_tp", 1) != 1:
-            # transformers itself ignores it at inference; a value other than 1 means weights
-            # sliced for tensor parallelism, which we would load as if whole.
-            raise InvalidInputError(f"pretraining_tp {hf['pretraining_tp']!r} is unsupported")
-        layer_types: list[str] | None = None
-        if model_type == "qwen2":
-            # Qwen2: q/k/v biased, o not (its own attention_bias key is not read by transformers).
-            qkv_bias, output_bias = True, False
-            sliding_window, layer_types = _qwen2_layer_types(hf, int(require("num_hidden_layers")))
-        else:
-            qkv_bias = output_bias = bool(hf.get("attention_bias", False))
-            sliding_window = hf.get("sliding_window")
-            # transformers' Llama and Mistral apply one kind to every layer (Mistral warns that
-            # a layer_types list is ignored), so a mixed list here is refused, not guessed at.
-            _check_layer_types(hf, "sliding_attention" if sliding_window else "full_attention")
-        rope_theta, rope_scaling = _rope_from_hf(hf)
-        num_heads = int(require("num_attention_heads"))
-        hidden_size = int(require("hidden_size"))
-        head_dim = hf.get("head_dim") or hidden_size // num_heads
-        dtype_name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-        if dtype_name not in dtypes:
-            raise InvalidInputError(f"unsupported torch_dtype {dtype_name!r}")
-        values: dict[str, Any] = {
-            "vocab_size": int(require("vocab_size")),
-            "hidden_size": hidden_size,
-            "num_layers": int(require("num_hidden_layers")),
-            "num_heads": num_heads,
-            "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
-            "head_dim": int(head_dim),
-            "intermediate_size": int(require("intermediate_size")),
-            "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "rope_theta": rope_theta,
-            "rope_scaling": rope_scaling,
-            "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
-            "position_offset": int(hf.get("prefixkv_position_offset", 0)),
-            "sliding_window": sliding_window,
-            "layer_types": layer_types,
-            "lora_rank": hf.get("prefixkv_lora_rank"),
-            "lora_alpha": hf.get("prefixkv_lora_alpha"),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "attention_qkv_bias": qkv_bias,
-            "attention_output_bias": output_bias,
-            "mlp_bias": bool(hf.get("mlp_bias", False)),
-            "dtype": dtypes[dtype_name],
-        }
+        values = read_hf_config(config)
         values.update(overrides)
         return cls(**values)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """This config as a Hugging Face ``LlamaForCausalLM`` ``config.json`` dict.
+        """This config as a Hugging Face ``config.json`` dict that transformers reads as the
+        same model: Llama, Mistral when every layer has a window (transformers' Llama ignores
+        ``sliding_window``), Qwen2 for q/k/v biases without an output bias or a per-layer pattern.
 
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.
@@ -406,9 +287,18 @@ class ModelConfig:
                 "a per-layer attention pattern (layer_types) is written only as a Qwen2 config "
                 "(attention_qkv_bias without attention_output_bias)"
             )
+        # A window on every layer is written as Mistral: transformers' Llama reads no window.
+        mistral = not qwen2 and windows[0] is not None
+        if mistral and (self.attention_qkv_bias or self.mlp_bias):
+            raise InvalidInputError(
+                "a sliding window is written as a Mistral config, which has no projection "
+                "biases: transformers' Llama would load this config with full attention"
+            )
+        model_type = "qwen2" if qwen2 else "mistral" if mistral else "llama"
+        architecture = {"qwen2": "Qwen2", "mistral": "Mistral", "llama": "Llama"}[model_type]
         hf: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen2 else "llama",
+            "architectures": [f"{architecture}ForCausalLM"],
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -429,8 +319,9 @@ class ModelConfig:
             "mlp_bias": self.mlp_bias,
             "torch_dtype": str(self.dtype).removeprefix("torch."),
         }
-        if qwen2:
+        if qwen2 or mistral:
             del hf["attention_bias"], hf["mlp_bias"]
+        if qwen2:
             hf["use_sliding_window"] = hf["sliding_window"] is not None
             if hf["sliding_window"] is None:
                 del hf["sliding_window"]
@@ -457,196 +348,22 @@ class ModelConfig:
         return data
 
 
-#: Every ``config.json`` key `ModelConfig.from_hf_config` accepts. Anything else is refused,
-#: named, because a setting this decoder silently ignored could change what the model computes.
-#: Most are read; the rest are known not to change a forward pass (token ids for generation,
-#: training-only settings, transformers' bookkeeping).
-KNOWN_HF_CONFIG_FIELDS = frozenset(
-    {
-        # read
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps",
-        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-        "max_position_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
-        "layer_types", "tie_word_embeddings", "attention_bias", "mlp_bias", "pretraining_tp",
-        "model_type", "torch_dtype", "dtype", "rope_interleaved",
-        "prefixkv_position_offset", "prefixkv_lora_rank", "prefixkv_lora_alpha",
-        # inert at inference
-        "architectures", "_name_or_path", "transformers_version", "bos_token_id",
-        "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-        "initializer_range", "use_cache", "attention_dropout", "output_attentions",
-        "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
-        "id2label", "label2id", "problem_type", "tokenizer_class", "use_bidirectional_attention",
-        # SmolLM2's (nanotron's) markers, and transformers.js runtime settings
-        "is_llama_config", "transformers.js_config",
-    }
-)  # fmt: skip
+def physical_memory_bytes() -> int:
+    """This machine's physical memory (``os.sysconf``), the most a loader lets a model take.
+    Tests lower it by patching this function."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _refuse_unknown_fields(hf: Mapping[str, Any]) -> None:
-    unknown = sorted(key for key in hf if key not in KNOWN_HF_CONFIG_FIELDS)
-    if unknown:
-        raise InvalidInputError(
-            f"config.json has field(s) this decoder does not implement or know to be inert: "
-            f"{', '.join(map(repr, unknown))}; refusing rather than ignoring them"
+def check_fits_in_memory(config: ModelConfig, source: object) -> None:
+    """Refuse, before anything is allocated, a model whose float32 weights (what a loader builds
+    first) exceed the machine's memory: a config or GGUF header is untrusted, and a few bytes
+    of it can ask torch for terabytes. `source` names the file in the error."""
+    needed, limit = config.weight_bytes(torch.float32), physical_memory_bytes()
+    if needed > limit:
+        raise ModelTooLargeError(
+            f"{source}: the model needs {needed:,} bytes of weights in float32 "
+            f"({config.parameter_count:,} parameters), more than this machine's {limit:,} bytes"
         )
-
-
-def _check_layer_types(hf: Mapping[str, Any], expected: str) -> None:
-    """transformers 5 writes ``layer_types``; only one kind for every layer is implemented."""
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and any(kind != expected for kind in layer_types):
-        raise InvalidInputError(
-            f"layer_types {sorted(set(layer_types))} is unsupported: every layer must be "
-            f"{expected!r} here"
-        )
-
-
-def _qwen2_layer_types(
-    hf: Mapping[str, Any], num_layers: int
-) -> tuple[int | None, list[str] | None]:
-    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them.
-
-    ``sliding_window`` applies only with ``use_sliding_window``: off, it is ignored (every layer
-    full). On, ``layer_types`` names each layer's kind, or, absent, layers from
-    ``max_window_layers`` (default 28) on slide. A pattern of one kind collapses to the plain
-    fields (no `layer_types`), so equal models get equal configs and cache contexts.
-    """
-    # transformers' default window when the key is absent.
-    window = hf.get("sliding_window", 4096)
-    if not hf.get("use_sliding_window", False) or window is None:
-        _check_layer_types(hf, "full_attention")
-        return None, None
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        first_sliding = hf.get("max_window_layers", 28)
-        layer_types = [
-            "sliding_attention" if index >= first_sliding else "full_attention"
-            for index in range(num_layers)
-        ]
-    if not isinstance(layer_types, list):
-        raise InvalidInputError(f"layer_types must be a list, got {layer_types!r}")
-    if all(kind == "full_attention" for kind in layer_types):
-        return None, None
-    if all(kind == "sliding_attention" for kind in layer_types):
-        return window, None
-    return window, layer_types
-
-
-#: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
-#: everywhere). Another key is refused by name, as in the config itself.
-_ROPE_KEYS: dict[str, frozenset[str]] = {
-    "default": frozenset(),
-    "linear": frozenset({"factor"}),
-    "ntk": frozenset({"factor"}),
-    "dynamic": frozenset({"factor"}),
-    "llama3": frozenset(
-        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    ),
-    "yarn": frozenset(
-        {
-            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-            "attention_factor", "mscale", "mscale_all_dim", "truncate",
-        }
-    ),
-}  # fmt: skip
-
-
-def _yarn_from_hf(raw: Mapping[str, Any], max_position_embeddings: int) -> RopeScaling:
-    """transformers' ``_compute_yarn_parameters``, read once: `mscale` / `mscale_all_dim`
-    resolve to the attention factor here, so the model sees only `attention_factor`."""
-    factor = float(raw["factor"])
-    original = int(raw.get("original_max_position_embeddings") or max_position_embeddings)
-    attention_factor = raw.get("attention_factor")
-    mscale, mscale_all_dim = raw.get("mscale"), raw.get("mscale_all_dim")
-    if attention_factor is None and mscale and mscale_all_dim:
-
-        def scale(value: float) -> float:
-            return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
-
-        attention_factor = scale(float(mscale)) / scale(float(mscale_all_dim))
-    return RopeScaling(
-        kind="yarn",
-        factor=factor,
-        original_max_position_embeddings=original,
-        beta_fast=float(raw.get("beta_fast") or 32.0),
-        beta_slow=float(raw.get("beta_slow") or 1.0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
-        truncate=bool(raw.get("truncate", True)),
-    )
-
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either config style.
-
-    transformers 5 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}``; earlier
-    versions wrote ``rope_theta`` and ``rope_scaling`` at the top level. Reading only the old
-    keys from a new config would silently fall back to theta 10000, so both are understood.
-    """
-    parameters = hf.get("rope_parameters")
-    if parameters is None:
-        scaling = hf.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, Mapping):
-            raise InvalidInputError(f"rope_scaling must be an object or null, got {scaling!r}")
-        parameters = dict(scaling or {})
-        if "rope_theta" in hf:
-            parameters["rope_theta"] = hf["rope_theta"]
-    if not isinstance(parameters, Mapping):
-        raise InvalidInputError(f"rope parameters must be an object, got {parameters!r}")
-    if parameters and all(isinstance(value, Mapping) for value in parameters.values()):
-        raise InvalidInputError("per-layer-type RoPE parameters are unsupported")
-    rotary_fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if rotary_fraction != 1.0:
-        raise InvalidInputError(f"partial_rotary_factor {rotary_fraction} is unsupported")
-    theta = float(parameters.get("rope_theta", 10000.0))
-    has_scaling = "rope_type" in parameters or "type" in parameters
-    max_positions = int(hf.get("max_position_embeddings", 2048))
-    return theta, _rope_scaling_from_hf(parameters, max_positions) if has_scaling else None
-
-
-def _rope_scaling_from_hf(
-    raw: Mapping[str, Any], max_position_embeddings: int
-) -> RopeScaling | None:
-    kind = raw.get("rope_type", raw.get("type"))
-    kinds = {
-        "linear": "linear",
-        "ntk": "ntk",
-        "dynamic": "dynamic_ntk",
-        "llama3": "llama3",
-        "yarn": "yarn",
-        "default": None,
-    }
-    if kind not in kinds:
-        raise InvalidInputError(
-            f"unsupported rope_scaling type {kind!r}: this model implements "
-            "'linear', 'ntk' (static NTK-aware), 'dynamic' (dynamic NTK), 'llama3' and 'yarn'"
-        )
-    unknown = sorted(
-        set(raw) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-    )
-    if unknown:
-        raise InvalidInputError(
-            f"rope scaling {kind!r} has parameter(s) this decoder does not implement: "
-            f"{', '.join(map(repr, unknown))}"
-        )
-    if kinds[kind] is None:
-        return None
-    if "factor" not in raw:
-        raise InvalidInputError("rope_scaling needs a 'factor'")
-    if kind == "llama3":
-        try:
-            return RopeScaling(
-                kind="llama3",
-                factor=float(raw["factor"]),
-                low_freq_factor=float(raw["low_freq_factor"]),
-                high_freq_factor=float(raw["high_freq_factor"]),
-                original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-            )
-        except KeyError as missing:
-            raise InvalidInputError(f"llama3 rope_scaling needs {missing}") from None
-    if kind == "yarn":
-        return _yarn_from_hf(raw, max_position_embeddings)
-    return RopeScaling(kind=kinds[kind], factor=float(raw["factor"]))  # type: ignore[arg-type]
 
 
 def model_context(

@@ -75,8 +75,8 @@ from prefixkv.kv.pages import PagedKVCache
 # types, adapters and checkpoint I/O live in their own modules and are re-exported so that
 # `from prefixkv.models.decoder import ModelConfig` (and the rest) keeps working.
 from prefixkv.kv.prefill import AttentionBackend, paged_prefill_attention
-from prefixkv.models.checkpoint import load_pretrained, save_pretrained
 from prefixkv.models.config import ModelConfig, RopeScaling, model_context
+from prefixkv.models.hf_weights import load_pretrained, save_pretrained
 from prefixkv.models.lora import AdapterSet, random_adapter
 from prefixkv.models.rope import apply_rotate_half_rope as _apply_rotate_half_rope
 from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
@@ -282,7 +282,7 @@ class LlamaModel(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` in Hugging Face Llama layout
-        (`prefixkv.checkpoint.save_pretrained`; adapters are not saved)."""
+        (`prefixkv.models.hf_weights.save_pretrained`; adapters are not saved)."""
         save_pretrained(self, directory)
 
     @classmethod
@@ -295,7 +295,7 @@ class LlamaModel(nn.Module):
         **config_overrides: Any,
     ) -> LlamaModel:
         """Load a local Hugging Face Llama checkpoint: ``config.json`` plus ``*.safetensors``
-        (`prefixkv.checkpoint.load_pretrained`: strict, offline; a tied-embedding checkpoint
+        (`prefixkv.models.hf_weights.load_pretrained`: strict, offline; a tied-embedding checkpoint
         that also stores ``lm_head.weight`` loads as transformers loads it)."""
         return load_pretrained(cls, directory, dtype=dtype, device=device, **config_overrides)
 
@@ -306,7 +306,7 @@ class LlamaModel(nn.Module):
         config: ModelConfig, seed: int = 0, std: float = 0.5
     ) -> dict[str, torch.Tensor]:
         """Seeded LoRA weights for every q/k/v/o projection, named as `load_adapter` expects
-        (`prefixkv.lora.random_adapter`: both factors non-zero, so K and V visibly change)."""
+        (`prefixkv.models.lora.random_adapter`: both factors non-zero, so K and V visibly change)."""
         return random_adapter(config, seed, std)
 
     def load_adapter(self, name: str, weights: Mapping[str, torch.Tensor]) -> None:
@@ -314,7 +314,7 @@ class LlamaModel(nn.Module):
 
         Keys name a layer and projection and end in ``lora_A`` / ``lora_B`` (optionally
         ``.weight``); PEFT names work, and a projection may be left out. The update is
-        ``(lora_alpha / lora_rank) * B @ A`` (`prefixkv.lora.AdapterSet.load`).
+        ``(lora_alpha / lora_rank) * B @ A`` (`prefixkv.models.lora.AdapterSet.load`).
         """
         self._adapters.load(self.config, name, weights)
 
@@ -367,7 +367,7 @@ class LlamaModel(nn.Module):
         chat_template: ChatTemplate | None = None,
         weights_digest: str | None = None,
     ) -> CacheContext:
-        """The `CacheContext` of this model's KV (`prefixkv.model_config.model_context`): the
+        """The `CacheContext` of this model's KV (`prefixkv.models.config.model_context`): the
         weights digest (computed unless given), position encoding, mask, KV dtype, and the
         tokenizer and chat template that turn requests into its tokens."""
         return model_context(
@@ -400,7 +400,7 @@ class LlamaModel(nn.Module):
         return (self.config, tensors)
 
     def adapter_version(self) -> Hashable | None:
-        """Like `weights_version`, for the active adapter (`prefixkv.lora.AdapterSet.version`)."""
+        """Like `weights_version`, for the active adapter (`prefixkv.models.lora.AdapterSet.version`)."""
         return self._adapters.version()
 
     def _project(self, layer_index: int, projection: str, hidden: torch.Tensor) -> torch.Tensor:
@@ -706,7 +706,7 @@ class LlamaModel(nn.Module):
         self, kv_cache: PagedKVCache | GroupedKVCache, batch: Sequence[PrefillRequest]
     ) -> PackedBatch:
         """Validate the cache and every request, and lay the batch out as packed tensors
-        (`prefixkv.batch.pack_prefill_batch`)."""
+        (`prefixkv.kv.batch.pack_prefill_batch`)."""
         self._check_cache(kv_cache)
         return pack_prefill_batch(
             self.config, kv_cache, batch, device=self.device, dtype=self.dtype

@@ -26,6 +26,7 @@ it; a file the reader cannot parse is refused the same way. Never a guess:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,10 +36,11 @@ import numpy as np
 import torch
 
 from prefixkv.errors import InvalidInputError, MissingDependencyError
-from prefixkv.models.config import ModelConfig, RopeScaling
+from prefixkv.models.checkpoint_record import Checkpoint
+from prefixkv.models.config import ModelConfig, RopeScaling, check_fits_in_memory
+from prefixkv.models.gguf_header import check_gguf_header
 
 if TYPE_CHECKING:
-    from prefixkv.models.checkpoint import Checkpoint
     from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate
     from prefixkv.text.tokenizers import HFTokenizer
 
@@ -137,12 +139,13 @@ def load_gguf(
         import gguf
     except ImportError as exc:
         raise _missing_gguf() from exc
-    from prefixkv.models.checkpoint import Checkpoint
     from prefixkv.models.decoder import LlamaModel
 
     path = Path(path)
     if not path.is_file():
         raise InvalidInputError(f"no GGUF file at {path}")
+    # The reader trusts the header's counts; a lying one would make it loop past the file.
+    check_gguf_header(path, {int(kind): sizes for kind, sizes in gguf.GGML_QUANT_SIZES.items()})
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
@@ -155,6 +158,7 @@ def load_gguf(
             f"{', '.join(_ARCHITECTURES)})"
         )
     config = _config(metadata, architecture, dtype)
+    check_fits_in_memory(config, path)  # before a tensor is dequantized
     state, tensor_types = _tensors(reader, config, architecture, path, gguf)
     tied = "lm_head.weight" not in state
     config = config.replace(tie_word_embeddings=tied)
@@ -188,7 +192,7 @@ def load_gguf(
         tokenizer=tokenizer,
         chat_template=_chat_template(metadata, path),
         eos_token_ids=_eos_token_ids(metadata, config.vocab_size),
-        name=str(metadata.get("general.name") or path.stem),
+        name=metadata.string("general.name", path.stem),
         tensor_types=tensor_types,
     )
 
@@ -213,7 +217,7 @@ class _Metadata:
             raise InvalidInputError(f"{self.path}: cannot decode metadata {key!r}: {exc}") from exc
 
     def number(self, key: str, default: float | None = None) -> float:
-        """A float metadata value. GGUF stores float32, so 1e-5 reads back as
+        """A finite float metadata value. GGUF stores float32, so 1e-5 reads back as
         9.99999974e-06: take the shortest decimal that is the same float32, which is what
         the Hugging Face config it came from says (and what its float64 math then uses)."""
         value = self.get(key)
@@ -221,7 +225,47 @@ class _Metadata:
             if default is None:
                 raise InvalidInputError(f"{self.path}: metadata {key!r} is missing")
             return default
-        return float(str(np.float32(value)))
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise InvalidInputError(
+                f"{self.path}: metadata {key!r} must be a number, got {value!r:.60}"
+            )
+        number = float(str(np.float32(value)))
+        if not math.isfinite(number):
+            raise InvalidInputError(f"{self.path}: metadata {key!r} must be finite, got {value!r}")
+        return number
+
+    def integer(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+        """An int metadata value of at least `minimum`; a missing one is `default` (0 and
+        missing alike, for the keys llama.cpp treats 0 as unset), else an error."""
+        value = self.get(key)
+        if value is None or (value == 0 and default is not None and minimum > 0):
+            if default is None:
+                raise InvalidInputError(f"{self.path}: metadata {key!r} is missing")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise InvalidInputError(
+                f"{self.path}: metadata {key!r} must be an int >= {minimum}, got {value!r:.60}"
+            )
+        return value
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self.get(key)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, str):
+            raise InvalidInputError(
+                f"{self.path}: metadata {key!r} must be a string, got {value!r:.60}"
+            )
+        return value
+
+    def strings(self, key: str) -> list[str]:
+        """A required array of strings (the vocabulary, the merges)."""
+        value = self.require(key)
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise InvalidInputError(
+                f"{self.path}: metadata {key!r} must be an array of strings, got {value!r:.60}"
+            )
+        return value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -244,21 +288,21 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
     if any(key.startswith("split.") for key in metadata):
         raise InvalidInputError(f"{metadata.path}: split GGUF files are not supported; merge them")
 
-    def value(key: str) -> Any:
-        return metadata.require(prefix + key)
+    def value(key: str) -> int:
+        return metadata.integer(prefix + key)
 
-    hidden = int(value("embedding_length"))
-    heads = int(value("attention.head_count"))
-    head_dim = int(metadata.get(prefix + "attention.key_length") or hidden // heads)
-    value_dim = int(metadata.get(prefix + "attention.value_length") or head_dim)
-    rotary = int(metadata.get(prefix + "rope.dimension_count") or head_dim)
+    hidden = value("embedding_length")
+    heads = value("attention.head_count")
+    head_dim = metadata.integer(prefix + "attention.key_length", hidden // heads)
+    value_dim = metadata.integer(prefix + "attention.value_length", head_dim)
+    rotary = metadata.integer(prefix + "rope.dimension_count", head_dim)
     if value_dim != head_dim or rotary != head_dim:
         raise InvalidInputError(
             f"{metadata.path}: key/value/rotary dims {head_dim}/{value_dim}/{rotary} differ; "
             "only equal ones (full rotary) are implemented"
         )
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = int(metadata.get(prefix + "vocab_size") or (len(tokens) if tokens else 0))
+    vocab = metadata.integer(prefix + "vocab_size", len(tokens) if isinstance(tokens, list) else 0)
     if vocab <= 0:
         raise InvalidInputError(
             f"{metadata.path}: no vocabulary size ({prefix}vocab_size, tokenizer.ggml.tokens)"
@@ -266,33 +310,33 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=int(value("block_count")),
+        num_layers=value("block_count"),
         num_heads=heads,
-        num_kv_heads=int(metadata.get(prefix + "attention.head_count_kv") or heads),
+        num_kv_heads=metadata.integer(prefix + "attention.head_count_kv", heads),
         head_dim=head_dim,
-        intermediate_size=int(value("feed_forward_length")),
+        intermediate_size=value("feed_forward_length"),
         rms_norm_eps=metadata.number(prefix + "attention.layer_norm_rms_epsilon"),
         rope_theta=metadata.number(prefix + "rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(metadata, prefix),
-        max_position_embeddings=int(metadata.get(prefix + "context_length") or 2048),
+        max_position_embeddings=metadata.integer(prefix + "context_length", 2048),
         attention_qkv_bias=arch == "qwen2",
         dtype=dtype,
     )
 
 
 def _rope_scaling(metadata: _Metadata, prefix: str) -> RopeScaling | None:
-    kind = metadata.get(prefix + "rope.scaling.type")
-    if kind in (None, "none"):
+    kind = metadata.string(prefix + "rope.scaling.type", "none")
+    if kind == "none":
         return None
     factor = metadata.number(prefix + "rope.scaling.factor")
     if kind == "linear":
         return RopeScaling("linear", factor)
     if kind == "yarn":
-        original = metadata.require(prefix + "rope.scaling.original_context_length")
+        original = metadata.integer(prefix + "rope.scaling.original_context_length")
         return RopeScaling(
             "yarn",
             factor,
-            original_max_position_embeddings=int(original),
+            original_max_position_embeddings=original,
             beta_fast=metadata.number(prefix + "rope.scaling.yarn_beta_fast", 32.0),
             beta_slow=metadata.number(prefix + "rope.scaling.yarn_beta_slow", 1.0),
             attention_factor=(
@@ -331,6 +375,12 @@ def _tensors(
             raise InvalidInputError(f"{path}: cannot read tensor {tensor.name!r}: {exc}") from exc
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            if values.shape != (heads * config.head_dim, config.hidden_size):
+                # Checked here, not only with the others below: `_unpermute` reshapes by head.
+                raise InvalidInputError(
+                    f"{path}: {name!r} has shape {values.shape}, the config says "
+                    f"{(heads * config.head_dim, config.hidden_size)}"
+                )
             values = _unpermute(values, heads)
         state[name] = torch.from_numpy(values.copy())
         types[type_name] = types.get(type_name, 0) + 1
@@ -370,28 +420,42 @@ def _tokenizer(metadata: _Metadata, path: Path) -> HFTokenizer:
     from prefixkv.text.tokenizers import HFTokenizer
 
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind != "gpt2":  # compared, never used: any other value or type is refused here
         raise InvalidInputError(
             f"{path}: tokenizer.ggml.model {kind!r} is not supported; byte-level BPE ('gpt2') is"
         )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
+    pre = metadata.string("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise InvalidInputError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not supported (known: "
             f"{', '.join(sorted(_PRE_TOKENIZERS))}); another split would give other token ids"
         )
-    tokens = [str(token) for token in metadata.require("tokenizer.ggml.tokens")]
-    merges: list[tuple[str, str]] = []
-    for merge in metadata.require("tokenizer.ggml.merges"):
-        left, space, right = str(merge).partition(" ")
-        if not (left and space and right):
-            raise InvalidInputError(f"{path}: tokenizer.ggml.merges entry {merge!r} is not 'a b'")
-        merges.append((left, right))
-    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = metadata.strings("tokenizer.ggml.tokens")
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise InvalidInputError(f"{path}: tokenizer.ggml.tokens repeats a token")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    merges: list[tuple[str, str]] = []
+    for merge in metadata.strings("tokenizer.ggml.merges"):
+        left, space, right = merge.partition(" ")
+        if not (left and space and right):
+            raise InvalidInputError(f"{path}: tokenizer.ggml.merges entry {merge!r} is not 'a b'")
+        # `tokenizers` raises a bare Exception for these; name the entry instead.
+        missing = [part for part in (left, right, left + right) if part not in vocab]
+        if missing:
+            raise InvalidInputError(
+                f"{path}: tokenizer.ggml.merges entry {merge!r:.60} names {missing[0]!r:.40}, "
+                "which is not in tokenizer.ggml.tokens"
+            )
+        merges.append((left, right))
+    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(token_types, list) or len(token_types) != len(tokens):
+        raise InvalidInputError(
+            f"{path}: tokenizer.ggml.token_type must be an array with one entry per token"
+        )
+    try:
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise InvalidInputError(f"{path}: cannot build the BPE tokenizer: {exc}") from exc
     split = _PRE_TOKENIZERS[pre]
     gpt2_regex = split in ("gpt2", "digits+gpt2")  # else the Split does it
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex)
@@ -416,11 +480,18 @@ def _tokenizer(metadata: _Metadata, path: Path) -> HFTokenizer:
 
 
 def _token_text(metadata: _Metadata, key: str) -> str:
-    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    token_id = _token_id(metadata, key)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
-    if token_id is None or not 0 <= int(token_id) < len(tokens):
+    if token_id is None or not isinstance(tokens, list) or token_id >= len(tokens):
         return ""
-    return str(tokens[int(token_id)])
+    return str(tokens[token_id])
+
+
+def _token_id(metadata: _Metadata, key: str) -> int | None:
+    """``tokenizer.ggml.<key>``: None when absent, an int >= 0, or an error naming it."""
+    if metadata.get(f"tokenizer.ggml.{key}") is None:
+        return None
+    return metadata.integer(f"tokenizer.ggml.{key}", minimum=0)
 
 
 def _chat_template(metadata: _Metadata, path: Path) -> JinjaChatTemplate | ChatTemplateSet | None:
@@ -428,10 +499,10 @@ def _chat_template(metadata: _Metadata, path: Path) -> JinjaChatTemplate | ChatT
 
     sources: dict[str, str] = {}
     if metadata.get("tokenizer.chat_template"):
-        sources["default"] = str(metadata.get("tokenizer.chat_template"))
+        sources["default"] = metadata.string("tokenizer.chat_template")
     for key in metadata:
         if key.startswith("tokenizer.chat_template.") and metadata.get(key):
-            sources[key.removeprefix("tokenizer.chat_template.")] = str(metadata.get(key))
+            sources[key.removeprefix("tokenizer.chat_template.")] = metadata.string(key)
     if not sources:
         return None
     extra = {
@@ -460,7 +531,7 @@ def _chat_template(metadata: _Metadata, path: Path) -> JinjaChatTemplate | ChatT
 def _eos_token_ids(metadata: _Metadata, vocab_size: int) -> tuple[int, ...]:
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and 0 <= int(value) < vocab_size and int(value) not in ids:
-            ids.append(int(value))
+        value = _token_id(metadata, key)
+        if value is not None and value < vocab_size and value not in ids:
+            ids.append(value)
     return tuple(ids)

@@ -1,5 +1,8 @@
-"""RoPE math: the base, the per-pair frequencies, and the rotation, for every scaling
-`RopeScaling` names.
+"""RoPE: its scaling settings (`RopeScaling`) and math: the base, the per-pair frequencies, and
+the rotation, for every scaling `RopeScaling` names.
+
+Below the model config in the layers: the formulas read a config through the `RopeSettings`
+protocol, and `prefixkv.models.config` imports `RopeScaling` from here.
 
 One home for the formulas both forward paths use: `rope_inverse_frequencies` feeds the paged
 path (`LlamaModel.prefill`, which rotates with `apply_rotate_half_rope`) and the full recompute
@@ -11,14 +14,16 @@ and transformers.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from prefixkv.models.config import ModelConfig, RopeScaling
+from prefixkv.errors import InvalidInputError
 
 __all__ = [
+    "RopeScaling",
+    "RopeSettings",
     "apply_rotate_half_rope",
     "rope_attention_factor",
     "rope_base",
@@ -26,7 +31,94 @@ __all__ = [
 ]
 
 
-def rope_base(config: ModelConfig, sequence_length: int) -> float:
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE is stretched beyond the context length the model was trained for.
+
+    kind:
+        ``"linear"``: positions are divided by `factor` (position interpolation).
+        ``"ntk"``: static NTK-aware scaling, the base becomes
+        ``theta * factor ** (d / (d - 2))`` for every length.
+        ``"dynamic_ntk"``: the NTK base is recomputed from the sequence length L once L exceeds
+        `max_position_embeddings` (HF's ``"dynamic"``). This makes RoPE depend on the total
+        length: see `ModelConfig.position_encoding_is_length_dependent`.
+        ``"llama3"``: Llama 3.1's static per-frequency scaling: wavelengths longer than
+        ``original_max_position_embeddings / low_freq_factor`` are divided by `factor`, those
+        shorter than ``... / high_freq_factor`` kept, the band between interpolated smoothly.
+        ``"yarn"``: YaRN (Qwen2.5, DeepSeek): frequencies blended between kept and divided by
+        `factor` along a ramp set by `beta_fast` / `beta_slow` rotations over
+        ``original_max_position_embeddings``, and cos/sin multiplied by `attention_factor`.
+        Static: no length enters, so cached KV stays exact.
+    """
+
+    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3", "yarn"]
+    factor: float
+    #: Llama 3 only (the defaults are Llama 3.1's).
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    #: Llama 3 and YaRN: the context length the model was pretrained with.
+    original_max_position_embeddings: int = 8192
+    #: YaRN only (the defaults are the paper's and transformers'). `attention_factor` None means
+    #: ``0.1 * ln(factor) + 1`` (resolved by `yarn_attention_factor`).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3", "yarn"):
+            raise InvalidInputError(
+                f"unsupported rope scaling kind {self.kind!r}; "
+                "expected 'linear', 'ntk', 'dynamic_ntk', 'llama3' or 'yarn'"
+            )
+        if self.kind == "yarn" and not (
+            self.beta_fast > 0 and self.beta_slow > 0 and self.original_max_position_embeddings > 0
+        ):
+            raise InvalidInputError(
+                "yarn rope scaling needs positive beta_fast, beta_slow and "
+                "original_max_position_embeddings"
+            )
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor
+            and self.original_max_position_embeddings > 0
+        ):
+            raise InvalidInputError(
+                "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a "
+                "positive original_max_position_embeddings"
+            )
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):
+            raise InvalidInputError(
+                f"rope scaling factor must be a finite number, got {self.factor!r}"
+            )
+        if self.factor < 1.0:
+            raise InvalidInputError(f"rope scaling factor must be >= 1, got {self.factor}")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's multiplier of cos and sin (1 for every other kind): `attention_factor` when
+        the config gives it, else the paper's ``0.1 * ln(factor) + 1``."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
+class RopeSettings(Protocol):
+    """What the formulas read of a model's settings (`prefixkv.models.config.ModelConfig` is one):
+    a protocol, so this module sits below the config and imports nothing of it."""
+
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+def rope_base(config: RopeSettings, sequence_length: int) -> float:
     """The RoPE base used for a sequence whose positions end at ``sequence_length - 1``.
 
     Only dynamic NTK scaling reads `sequence_length`; the formula is HF's
@@ -43,7 +135,7 @@ def rope_base(config: ModelConfig, sequence_length: int) -> float:
     return config.rope_theta * stretch**exponent
 
 
-def rope_inverse_frequencies(config: ModelConfig, sequence_length: int) -> torch.Tensor:
+def rope_inverse_frequencies(config: RopeSettings, sequence_length: int) -> torch.Tensor:
     """Angle per position of each rotated pair, ``[head_dim // 2]`` float64 on the CPU.
 
     Position p rotates pair i by ``(p + position_offset) * result[i]``. Linear scaling is folded
@@ -64,7 +156,7 @@ def rope_inverse_frequencies(config: ModelConfig, sequence_length: int) -> torch
     return inverse
 
 
-def rope_attention_factor(config: ModelConfig) -> float:
+def rope_attention_factor(config: RopeSettings) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor, else 1. Both forward paths
     scale the rotated queries and keys by it (the same as scaling cos and sin)."""
     return 1.0 if config.rope_scaling is None else config.rope_scaling.yarn_attention_factor

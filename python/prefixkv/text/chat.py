@@ -17,7 +17,7 @@ attribution itself is `prefixkv.text.segments`).
   then each content string is searched for in the plain render instead; when even that fails
   the segment is "unknown". ``jinja2`` is an optional dependency (`prefixkv[hf]`).
 * `ChatTemplateSet`: a checkpoint's named templates, chosen per request as transformers does.
-  `prefixkv.checkpoint.find_chat_template` finds the template(s) a checkpoint ships.
+  `prefixkv.models.checkpoint.find_chat_template` finds the template(s) a checkpoint ships.
 """
 
 from __future__ import annotations

@@ -1,0 +1,561 @@
+"""Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
+``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
+``mistral`` and ``qwen2``.
+
+The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
+runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
+and each type's config class fields with their defaults. ``tests/test_config_reading.py`` checks
+them against the installed transformers, on configs its ``save_pretrained`` wrote.
+
+How a field is judged (do the same for a new one):
+
+* It changes what the model computes (a shape, the RoPE, the window, a bias, the dtype): it is
+  **read**, as that type's config class and modeling code read it, default included, with its
+  type checked as transformers' strict dataclass checks it (a bool is not an int, a float is not
+  an int, no NaN or infinity), or the file is **refused** naming the field when the decoder does
+  not implement the value.
+* The reference never reads it in a forward pass (token ids for generation, training settings,
+  bookkeeping such as ``transformers_version``, another runtime's settings): it is **accepted**
+  (`INERT_FIELDS`) and ignored, whatever its value.
+* Anything else is **refused by name**: a field transformers does not declare for the type may
+  be a setting of an architecture this decoder does not implement.
+
+Where a type's modeling code ignores a field another type reads (Llama ignores ``sliding_window``
+and ``layer_types``), the field is read as that type reads it: ignored (`_IGNORED_BY_TYPE`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixkv.errors import InvalidInputError
+from prefixkv.models.rope import RopeScaling
+
+__all__ = ["INERT_FIELDS", "KNOWN_HF_CONFIG_FIELDS", "TRANSFORMERS_VERSION", "read_hf_config"]
+
+#: The transformers release the tables below were read from.
+TRANSFORMERS_VERSION = "5.24.0"
+
+#: Per model_type, the fields its config class declares (beyond PreTrainedConfig's) and their
+#: defaults, as in ``configuration_<type>.py``. ``None`` for a head count or head dim means
+#: "derived" (``__post_init__``): KV heads = attention heads, head dim = hidden / heads.
+TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False,
+        "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+        "mlp_bias": False, "head_dim": None,
+    },
+    "mistral": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
+        "attention_dropout": 0.0,
+    },
+    "qwen2": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
+        "rope_parameters": None, "use_sliding_window": False, "sliding_window": 4096,
+        "max_window_layers": 28, "layer_types": None, "attention_dropout": 0.0,
+        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+        # Not a Qwen2Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
+}  # fmt: skip
+
+#: PreTrainedConfig's fields, and the keys its ``__post_init__`` takes from a config.json.
+_COMMON_FIELDS = frozenset(
+    {
+        "transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
+        "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+        "model_type", "torch_dtype", "rope_scaling", "rope_theta", "partial_rotary_factor",
+        "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
+        "attn_implementation", "experts_implementation", "num_labels",
+    }
+)  # fmt: skip
+
+#: GenerationConfig's parameters, which PreTrainedConfig pops from a config.json (how to decode,
+#: not what the model computes).
+_GENERATION_FIELDS = frozenset(
+    {
+        "assistant_confidence_threshold", "assistant_lookbehind", "bad_words_ids",
+        "begin_suppress_tokens", "diversity_penalty", "do_sample", "early_stopping",
+        "encoder_no_repeat_ngram_size", "encoder_repetition_penalty", "epsilon_cutoff",
+        "eta_cutoff", "exponential_decay_length_penalty", "forced_bos_token_id",
+        "forced_eos_token_id", "length_penalty", "max_length", "min_length",
+        "no_repeat_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+        "num_beam_groups", "num_beams", "num_return_sequences", "output_scores",
+        "remove_invalid_values", "repetition_penalty", "return_dict_in_generate",
+        "suppress_tokens", "target_lookbehind", "temperature", "top_k", "top_p", "typical_p",
+        "use_cache",
+    }
+)  # fmt: skip
+
+#: Accepted whatever their value: a forward pass of the reference never reads them.
+INERT_FIELDS = _GENERATION_FIELDS | frozenset(
+    {
+        # PreTrainedConfig's bookkeeping, output switches and fine-tuning heads
+        "transformers_version", "architectures", "output_hidden_states", "return_dict",
+        "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+        "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
+        "attn_implementation", "experts_implementation", "num_labels",
+        # the per-type classes' token ids and training settings
+        "pad_token_id", "bos_token_id", "eos_token_id", "initializer_range", "attention_dropout",
+        # written by transformers' GGUF conversion (`load_gguf_checkpoint`), never read
+        "_model_name_or_path", "unk_token_id",
+        # written by other tools: older transformers, nanotron (SmolLM2), transformers.js
+        "sep_token_id", "decoder_start_token_id", "tokenizer_class",
+        "use_bidirectional_attention", "is_llama_config", "transformers.js_config",
+    }
+)  # fmt: skip
+
+#: Fields a type's modeling code never reads though another type's does; read as it does
+#: (ignored). A Llama ``layer_types`` mixing kinds is still refused (`_llama_layer_types`).
+_IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
+    "llama": frozenset({"sliding_window", "layer_types"}),
+    "mistral": frozenset({"layer_types"}),
+    "qwen2": frozenset(),
+}
+
+#: Llama's fields that Mistral's and Qwen2's config classes do not declare, accepted there
+#: only with the value those types compute with (no biases, unsliced weights): configs copied
+#: from a Llama one carry them.
+_LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+}
+
+#: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
+_PREFIXKV_FIELDS = frozenset(
+    {"prefixkv_position_offset", "prefixkv_lora_rank", "prefixkv_lora_alpha"}
+)
+
+#: Read and refused unless transformers' model would compute as this decoder does.
+_REFUSED_UNLESS_DEFAULT = frozenset({"rope_interleaved"})
+
+#: Every key `read_hf_config` accepts for some model type.
+KNOWN_HF_CONFIG_FIELDS = (
+    _COMMON_FIELDS
+    | INERT_FIELDS
+    | _PREFIXKV_FIELDS
+    | _REFUSED_UNLESS_DEFAULT
+    | frozenset().union(*(set(fields) for fields in TYPE_DEFAULTS.values()))
+    | frozenset().union(*_IGNORED_BY_TYPE.values())
+    | frozenset().union(*(set(fields) for fields in _LLAMA_FIELDS_AT_DEFAULT.values()))
+)
+
+#: An int field above this is no real model's (and would overflow the sizes computed from it).
+_MAX_INT = 2**31 - 1
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """The `ModelConfig` fields a Hugging Face config (a dict, file or directory) means, read as
+    transformers reads it for its ``model_type`` (defaults included). Raises
+    `InvalidInputError` naming the field for a value of the wrong type, a setting this decoder
+    does not implement, or a field transformers does not declare for the type."""
+    hf = _load(config)
+    model_type = hf.get("model_type", "llama")
+    if model_type not in TYPE_DEFAULTS:
+        raise InvalidInputError(
+            f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
+        )
+    known = set(
+        _COMMON_FIELDS
+        | INERT_FIELDS
+        | _PREFIXKV_FIELDS
+        | _REFUSED_UNLESS_DEFAULT
+        | set(TYPE_DEFAULTS[model_type])
+        | _IGNORED_BY_TYPE[model_type]
+    )
+    for key, expected in _LLAMA_FIELDS_AT_DEFAULT[model_type].items():
+        if key in hf and not (hf[key] == expected and type(hf[key]) is type(expected)):
+            raise InvalidInputError(
+                f"config.json field {key!r} = {_show(hf[key])} is not read by transformers' "
+                f"{model_type} (it computes as {key} = {expected!r}); refusing it"
+            )
+        known.add(key)
+    unknown = sorted(key for key in hf if key not in known)
+    if unknown:
+        raise InvalidInputError(
+            f"config.json has field(s) transformers' {model_type} config does not declare and "
+            f"this decoder does not know to be inert: {', '.join(map(repr, unknown))}; "
+            "refusing rather than ignoring them"
+        )
+    fields = _Fields(hf, TYPE_DEFAULTS[model_type])
+    activation = fields.string("hidden_act")
+    if activation != "silu":
+        raise InvalidInputError(f"unsupported hidden_act {activation!r}: only SwiGLU ('silu')")
+    if hf.get("rope_interleaved", False) is not False:
+        # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
+        raise InvalidInputError(f"rope_interleaved={hf['rope_interleaved']!r} is unsupported")
+    if model_type == "llama" and fields.integer("pretraining_tp", nullable=True) not in (1, None):
+        # transformers ignores it at inference; another value means weights sliced for tensor
+        # parallelism, which would be loaded as if whole.
+        raise InvalidInputError(f"pretraining_tp {hf['pretraining_tp']!r} is unsupported")
+    if ("prefixkv_lora_rank" in hf) != ("prefixkv_lora_alpha" in hf):
+        raise InvalidInputError("set both prefixkv_lora_rank and prefixkv_lora_alpha, or neither")
+    num_layers = fields.integer("num_hidden_layers")
+    num_heads = fields.integer("num_attention_heads")
+    hidden_size = fields.integer("hidden_size")
+    layer_types: list[str] | None = None
+    if model_type == "qwen2":
+        # Qwen2: q/k/v biased, o not (transformers reads no bias field for it).
+        qkv_bias, output_bias, mlp_bias = True, False, False
+        sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "mistral":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window = fields.integer("sliding_window", nullable=True)
+        _check_single_kind(hf, "sliding_attention" if sliding_window else "full_attention")
+    else:
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = fields.boolean("mlp_bias")
+        sliding_window = None  # transformers' Llama reads no window
+        _check_single_kind(hf, None)
+    rope_theta, rope_scaling = _rope_from_hf(hf, fields)
+    head_dim = fields.integer("head_dim", nullable=True)
+    num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
+    return {
+        "vocab_size": fields.integer("vocab_size"),
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_heads if num_kv_heads is None else num_kv_heads,
+        "head_dim": hidden_size // num_heads if head_dim is None else head_dim,
+        "intermediate_size": fields.integer("intermediate_size"),
+        "rms_norm_eps": fields.number("rms_norm_eps"),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": fields.integer("max_position_embeddings"),
+        "position_offset": fields.integer("prefixkv_position_offset", default=0, minimum=0),
+        "sliding_window": sliding_window,
+        "layer_types": layer_types,
+        "lora_rank": fields.integer("prefixkv_lora_rank", default=None, nullable=True),
+        "lora_alpha": fields.number("prefixkv_lora_alpha", default=None, nullable=True),
+        "tie_word_embeddings": fields.boolean("tie_word_embeddings"),
+        "attention_qkv_bias": qkv_bias,
+        "attention_output_bias": output_bias,
+        "mlp_bias": mlp_bias,
+        "dtype": _dtype(hf),
+    }
+
+
+def _load(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise InvalidInputError(f"cannot read model config {path}: {exc}") from exc
+    elif isinstance(config, Mapping):
+        hf = dict(config)
+    else:
+        hf = config
+    if not isinstance(hf, dict) or not all(isinstance(key, str) for key in hf):
+        raise InvalidInputError("a Hugging Face config must be a JSON object")
+    return hf
+
+
+class _Fields:
+    """Typed reads of a config's fields, each with the type's default when absent, checked as
+    transformers' strict dataclasses check them; an error names the field."""
+
+    def __init__(self, hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+        self.hf, self.defaults = hf, defaults
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key in self.hf:
+            return self.hf[key]
+        return self.defaults.get(key) if default is ... else default
+
+    def integer(
+        self, key: str, *, default: Any = ..., nullable: bool = False, minimum: int = 1
+    ) -> Any:
+        value = self.get(key, default)
+        if value is None and nullable:
+            return None
+        return _integer(key, value, minimum=minimum)
+
+    def number(self, key: str, *, default: Any = ..., nullable: bool = False) -> Any:
+        value = self.get(key, default)
+        if value is None and nullable:
+            return None
+        return _number(key, value)
+
+    def boolean(self, key: str) -> bool:
+        value = self.get(key)
+        if not isinstance(value, bool):
+            raise InvalidInputError(
+                f"config.json field {key!r} must be true or false, got {_show(value)}"
+            )
+        return value
+
+    def string(self, key: str) -> str:
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise InvalidInputError(
+                f"config.json field {key!r} must be a string, got {_show(value)}"
+            )
+        return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(key: str, value: Any, *, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInputError(f"config.json field {key!r} must be an int, got {_show(value)}")
+    if not minimum <= value <= _MAX_INT:
+        raise InvalidInputError(
+            f"config.json field {key!r} must be between {minimum} and {_MAX_INT}, got {_show(value)}"
+        )
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidInputError(f"config.json field {key!r} must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidInputError(f"config.json field {key!r} must be finite, got {_show(value)}")
+    return number
+
+
+def _dtype(hf: Mapping[str, Any]) -> torch.dtype:
+    # transformers: `dtype` wins when both are given (PreTrainedConfig.__post_init__).
+    key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    name = hf.get(key)
+    if name is None:
+        return torch.float32
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise InvalidInputError(
+            f"config.json field {key!r}: unsupported dtype {_show(name)} "
+            f"(supported: {', '.join(_DTYPES)})"
+        )
+    return _DTYPES[name]
+
+
+def _layer_type_list(hf: Mapping[str, Any]) -> list[str] | None:
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        return None
+    if not isinstance(layer_types, list) or not all(isinstance(k, str) for k in layer_types):
+        raise InvalidInputError(
+            f"config.json field 'layer_types' must be a list of strings, got {_show(layer_types)}"
+        )
+    return layer_types
+
+
+def _check_single_kind(hf: Mapping[str, Any], expected: str | None) -> None:
+    """Llama and Mistral apply one kind to every layer (Mistral warns that a ``layer_types``
+    is ignored): a list naming one kind is read as transformers reads it (ignored), a mixed
+    one, or one contradicting Mistral's window, refused rather than guessed at."""
+    layer_types = _layer_type_list(hf)
+    if layer_types is None:
+        return
+    kinds = set(layer_types)
+    if len(kinds) > 1 or (expected is not None and kinds - {expected}):
+        raise InvalidInputError(
+            f"config.json field 'layer_types' {sorted(kinds)} is unsupported for this "
+            f"model_type: transformers applies one kind to every layer"
+            + ("" if expected is None else f", here {expected!r}")
+        )
+
+
+def _qwen2_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them.
+
+    ``sliding_window`` applies only with ``use_sliding_window``: off, it is ignored (every layer
+    full). On, ``layer_types`` names each layer's kind, or, absent, layers from
+    ``max_window_layers`` (default 28) on slide. A pattern of one kind collapses to the plain
+    fields (no `layer_types`), so equal models get equal configs and cache contexts.
+    """
+    use_window = fields.boolean("use_sliding_window")
+    window = fields.integer("sliding_window", nullable=True)
+    first_sliding = fields.integer("max_window_layers", minimum=0)
+    layer_types = _layer_type_list(fields.hf)
+    if not use_window or window is None:
+        if layer_types is not None and set(layer_types) - {"full_attention"}:
+            raise InvalidInputError(
+                f"config.json field 'layer_types' {sorted(set(layer_types))} needs "
+                "use_sliding_window and a sliding_window"
+            )
+        return None, None
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if index >= first_sliding else "full_attention"
+            for index in range(num_layers)
+        ]
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
+#: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
+#: everywhere). Another key is refused by name, as in the config itself.
+_ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "ntk": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "attention_factor", "mscale", "mscale_all_dim", "truncate",
+        }
+    ),
+}  # fmt: skip
+
+
+def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either config style.
+
+    transformers 5 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}``; earlier
+    versions wrote ``rope_theta`` and ``rope_scaling`` at the top level. Reading only the old
+    keys from a new config would silently fall back to theta 10000, so both are understood.
+    """
+    key = "rope_parameters"
+    parameters = hf.get("rope_parameters")
+    if parameters is None:
+        key = "rope_scaling"
+        scaling = hf.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise InvalidInputError(
+                f"config.json field 'rope_scaling' must be an object or null, got {_show(scaling)}"
+            )
+        parameters = dict(scaling or {})
+        if "rope_theta" in hf:
+            parameters["rope_theta"] = hf["rope_theta"]
+    if not isinstance(parameters, Mapping):
+        raise InvalidInputError(
+            f"config.json field {key!r} must be an object, got {_show(parameters)}"
+        )
+    if parameters and all(isinstance(value, Mapping) for value in parameters.values()):
+        raise InvalidInputError(f"config.json field {key!r}: per-layer-type RoPE is unsupported")
+    fraction_key = "partial_rotary_factor"
+    rotary_fraction = parameters.get(fraction_key, hf.get(fraction_key, 1.0))
+    if _number(fraction_key, rotary_fraction) != 1.0:
+        raise InvalidInputError(f"{fraction_key} {rotary_fraction} is unsupported")
+    theta = _number("rope_theta", parameters.get("rope_theta", 10000.0))
+    max_positions = fields.integer("max_position_embeddings")
+    return theta, _rope_scaling_from_hf(parameters, key, max_positions)
+
+
+def _rope_scaling_from_hf(
+    raw: Mapping[str, Any], key: str, max_position_embeddings: int
+) -> RopeScaling | None:
+    # No type is the default RoPE (whose parameters are checked all the same).
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    kinds = {
+        "linear": "linear",
+        "ntk": "ntk",
+        "dynamic": "dynamic_ntk",
+        "llama3": "llama3",
+        "yarn": "yarn",
+        "default": None,
+    }
+    if not isinstance(kind, str) or kind not in kinds:
+        raise InvalidInputError(
+            f"config.json field {key!r}: unsupported rope type {_show(kind)}: this model "
+            "implements 'linear', 'ntk' (static NTK-aware), 'dynamic' (dynamic NTK), 'llama3' "
+            "and 'yarn'"
+        )
+    unknown = sorted(
+        set(raw) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    )
+    if unknown:
+        raise InvalidInputError(
+            f"config.json field {key!r}: rope type {kind!r} has parameter(s) this decoder does not implement: "
+            f"{', '.join(map(repr, unknown))}"
+        )
+    if kinds[kind] is None:
+        return None
+
+    def number(name: str, default: float | None = None) -> float:
+        value = raw.get(name, default)
+        if value is None:
+            raise InvalidInputError(f"{kind} rope scaling ({key}) needs {name!r}")
+        return _number(f"{key}.{name}", value)
+
+    def integer(name: str, default: int | None = None) -> int:
+        value = raw.get(name, default)
+        if value is None:
+            raise InvalidInputError(f"{kind} rope scaling ({key}) needs {name!r}")
+        return _integer(f"{key}.{name}", value)
+
+    factor = number("factor")
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=factor,
+            low_freq_factor=number("low_freq_factor"),
+            high_freq_factor=number("high_freq_factor"),
+            original_max_position_embeddings=integer("original_max_position_embeddings"),
+        )
+    if kind == "yarn":
+        # transformers' `_compute_yarn_parameters`, read once: `mscale` / `mscale_all_dim`
+        # resolve to the attention factor here, so the model sees only `attention_factor`.
+        # A null or 0 falls back to the default, as transformers' `or` does.
+        original = raw.get("original_max_position_embeddings") or max_position_embeddings
+        attention_factor = raw.get("attention_factor")
+        mscale, mscale_all_dim = raw.get("mscale"), raw.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:
+
+            def scale(value: float) -> float:
+                return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
+
+            attention_factor = scale(_number(f"{key}.mscale", mscale)) / scale(
+                _number(f"{key}.mscale_all_dim", mscale_all_dim)
+            )
+        truncate = raw.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InvalidInputError(f"config.json field '{key}.truncate' must be true or false")
+        return RopeScaling(
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=_integer(
+                f"{key}.original_max_position_embeddings", original
+            ),
+            beta_fast=_number(f"{key}.beta_fast", raw.get("beta_fast") or 32.0),
+            beta_slow=_number(f"{key}.beta_slow", raw.get("beta_slow") or 1.0),
+            attention_factor=(
+                None
+                if attention_factor is None
+                else _number(f"{key}.attention_factor", attention_factor)
+            ),
+            truncate=truncate,
+        )
+    return RopeScaling(kind=kinds[kind], factor=factor)  # type: ignore[arg-type]
