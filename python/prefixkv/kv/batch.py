@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from prefixkv.errors import InvalidInputError, KVIndexError, KVShapeError
+from prefixkv.errors import (
+    InvalidInputError,
+    KVDeviceError,
+    KVDtypeError,
+    KVIndexError,
+    KVShapeError,
+)
 from prefixkv.models.rope import rope_inverse_frequencies
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ __all__ = [
     "PackedBatch",
     "PrefillRequest",
     "TokenIds",
+    "check_kv_cache",
     "int_tensor",
     "pack_prefill_batch",
     "token_tensor",
@@ -110,6 +117,45 @@ def computed_range(request: PrefillRequest, n: int, where: str) -> tuple[int, in
             f"compute up to ({end}); at least one position must be computed"
         )
     return start, end
+
+
+def check_kv_cache(
+    config: ModelConfig,
+    kv_cache: PagedKVCache | GroupedKVCache,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Refuse a KV cache the model with `config` (computing in `dtype` on `device`) cannot use:
+    another layer layout, other sliding windows per layer, dtype or device."""
+    from prefixkv.kv.grouped import GroupedKVCache
+    from prefixkv.kv.pages import PagedKVCache
+
+    if not isinstance(kv_cache, (PagedKVCache, GroupedKVCache)):
+        raise InvalidInputError(
+            f"expected a PagedKVCache or GroupedKVCache, got {type(kv_cache).__name__}"
+        )
+    if isinstance(kv_cache, GroupedKVCache):
+        windows = tuple(
+            kv_cache.specs[kv_cache.layer_location[layer][0]].sliding_window
+            for layer in range(kv_cache.num_layers)
+        )
+        if windows != config.layer_sliding_windows:
+            raise KVShapeError(
+                f"the KV groups give the layers windows {windows}, the model "
+                f"{config.layer_sliding_windows}"
+            )
+    model_shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+    cache_shape = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
+    if cache_shape != model_shape:
+        raise KVShapeError(
+            f"KV cache (num_layers, num_kv_heads, head_dim) = {cache_shape}, "
+            f"the model needs {model_shape}"
+        )
+    if kv_cache.dtype != dtype:
+        raise KVDtypeError(f"KV cache holds {kv_cache.dtype}, the model computes {dtype}")
+    if kv_cache.device != device:
+        raise KVDeviceError(f"KV cache is on {kv_cache.device}, the model on {device}")
 
 
 def pack_prefill_batch(

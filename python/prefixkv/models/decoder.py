@@ -37,33 +37,33 @@ The model tells a cache what its KV depends on through public methods: `cache_co
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
 change tokens `weights_version` / `adapter_version` an engine checks every step.
 
-The decoder is this module; the rest of the journey has its own: `model_config` (settings and
+The decoder is this module: the model class, its two forward paths (the paged one and its
+oracle, read side by side) and what its KV depends on. The rest of the journey has its own:
+`decoder_layers` (the layer modules and the seeded random init), `model_config` (settings and
 HF ``config.json``), `rope` (position math), `batch` (request types and packing), `lora`
-(adapters), `checkpoint` (HF directories). This module stays a little over 600 lines because
-the two forward paths, the paged one and its oracle, are read side by side.
+(adapters), `checkpoint` (HF directories).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixkv.context import CacheContext
-from prefixkv.errors import InvalidInputError, KVDeviceError, KVDtypeError, KVShapeError
+from prefixkv.errors import InvalidInputError
 from prefixkv.kv.batch import (
     BlockTable,
     DecodeRequest,
     PackedBatch,
     PrefillRequest,
     TokenIds,
+    check_kv_cache,
     pack_prefill_batch,
     token_tensor,
 )
@@ -77,6 +77,7 @@ from prefixkv.kv.pages import PagedKVCache
 from prefixkv.kv.prefill import AttentionBackend, paged_prefill_attention
 from prefixkv.models.config import ModelConfig, RopeScaling, model_context
 from prefixkv.models.hf_weights import load_pretrained, save_pretrained
+from prefixkv.models.layers import DecoderLayer, DecoderStack, draw_random_weights
 from prefixkv.models.lora import AdapterSet, random_adapter
 from prefixkv.models.rope import apply_rotate_half_rope as _apply_rotate_half_rope
 from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
@@ -95,76 +96,6 @@ __all__ = [
 
 #: Kept under its old private name: tests plant bugs by subclassing `LlamaModel._pack`.
 _PackedBatch = PackedBatch
-
-# --------------------------------------------------------------------------------------------
-# Modules (attribute names mirror HF Llama so state_dict keys are HF parameter names)
-# --------------------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in (at least) float32 as HF Llama does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden.dtype
-        wide = hidden.to(torch.promote_types(input_dtype, torch.float32))
-        variance = wide.pow(2).mean(-1, keepdim=True)
-        normalized = wide * torch.rsqrt(variance + self.eps)
-        return self.weight * normalized.to(input_dtype)
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        qkv_bias = config.attention_qkv_bias
-        self.q_proj = nn.Linear(
-            config.hidden_size, config.num_heads * config.head_dim, bias=qkv_bias
-        )
-        self.k_proj = nn.Linear(
-            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
-        )
-        self.o_proj = nn.Linear(
-            config.num_heads * config.head_dim,
-            config.hidden_size,
-            bias=config.attention_output_bias,
-        )
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.self_attn = SelfAttention(config)
-        self.mlp = SwiGLU(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
 
 # --------------------------------------------------------------------------------------------
 # The model
@@ -204,52 +135,8 @@ class LlamaModel(nn.Module):
         identical weights for the same seed.
         """
         config = config or ModelConfig()
-        generator = torch.Generator().manual_seed(seed)
-
-        def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
-            return torch.randn(shape, generator=generator, dtype=torch.float32) * std
-
         model = cls(config.replace(dtype=torch.float32))
-        hidden = config.hidden_size
-        qk_std = math.sqrt(attention_sharpness / hidden)
-        with torch.no_grad():
-            model.model.embed_tokens.weight.copy_(normal((config.vocab_size, hidden), 1.0))
-            for layer in model.model.layers:
-                assert isinstance(layer, DecoderLayer)
-                attention = layer.self_attn
-                attention.q_proj.weight.copy_(normal(tuple(attention.q_proj.weight.shape), qk_std))
-                attention.k_proj.weight.copy_(normal(tuple(attention.k_proj.weight.shape), qk_std))
-                attention.v_proj.weight.copy_(
-                    normal(tuple(attention.v_proj.weight.shape), hidden**-0.5)
-                )
-                out_features = config.num_heads * config.head_dim
-                attention.o_proj.weight.copy_(
-                    normal(tuple(attention.o_proj.weight.shape), out_features**-0.5)
-                )
-                for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
-                    projection.weight.copy_(normal(tuple(projection.weight.shape), hidden**-0.5))
-                layer.mlp.down_proj.weight.copy_(
-                    normal(tuple(layer.mlp.down_proj.weight.shape), config.intermediate_size**-0.5)
-                )
-                # Biases large enough to move the logits, so a dropped one is visible.
-                for projection in (
-                    attention.q_proj,
-                    attention.k_proj,
-                    attention.v_proj,
-                    attention.o_proj,
-                    layer.mlp.gate_proj,
-                    layer.mlp.up_proj,
-                    layer.mlp.down_proj,
-                ):
-                    if projection.bias is not None:
-                        projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
-                # Norm weights away from 1, so a dropped or misapplied norm is visible.
-                layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
-                layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
-            model.model.norm.weight.copy_(1.0 + normal((hidden,), 0.2))
-            if not config.tie_word_embeddings:
-                # Logits of order a few units: a peaked but not one-hot next-token distribution.
-                model.lm_head.weight.copy_(normal((config.vocab_size, hidden), 2.0 * hidden**-0.5))
+        draw_random_weights(model.model, model.lm_head, config, seed, attention_sharpness)
         model.config = config
         return model.to(dtype=config.dtype)
 
@@ -674,40 +561,12 @@ class LlamaModel(nn.Module):
 
     # ---------------------------------------------------------------- paged path helpers
 
-    def _check_cache(self, kv_cache: PagedKVCache | GroupedKVCache) -> None:
-        config = self.config
-        if not isinstance(kv_cache, (PagedKVCache, GroupedKVCache)):
-            raise InvalidInputError(
-                f"expected a PagedKVCache or GroupedKVCache, got {type(kv_cache).__name__}"
-            )
-        if isinstance(kv_cache, GroupedKVCache):
-            windows = tuple(
-                kv_cache.specs[kv_cache.layer_location[layer][0]].sliding_window
-                for layer in range(kv_cache.num_layers)
-            )
-            if windows != config.layer_sliding_windows:
-                raise KVShapeError(
-                    f"the KV groups give the layers windows {windows}, the model "
-                    f"{config.layer_sliding_windows}"
-                )
-        model_shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-        cache_shape = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
-        if cache_shape != model_shape:
-            raise KVShapeError(
-                f"KV cache (num_layers, num_kv_heads, head_dim) = {cache_shape}, "
-                f"the model needs {model_shape}"
-            )
-        if kv_cache.dtype != self.dtype:
-            raise KVDtypeError(f"KV cache holds {kv_cache.dtype}, the model computes {self.dtype}")
-        if kv_cache.device != self.device:
-            raise KVDeviceError(f"KV cache is on {kv_cache.device}, the model on {self.device}")
-
     def _pack(
         self, kv_cache: PagedKVCache | GroupedKVCache, batch: Sequence[PrefillRequest]
     ) -> PackedBatch:
         """Validate the cache and every request, and lay the batch out as packed tensors
         (`prefixkv.kv.batch.pack_prefill_batch`)."""
-        self._check_cache(kv_cache)
+        check_kv_cache(self.config, kv_cache, dtype=self.dtype, device=self.device)
         return pack_prefill_batch(
             self.config, kv_cache, batch, device=self.device, dtype=self.dtype
         )

@@ -1,0 +1,150 @@
+"""The layers of the reference decoder (`prefixkv.models.decoder.LlamaModel`) and their seeded random
+init: HF Llama's modules with HF's attribute names, so a ``state_dict`` key is the checkpoint's
+parameter name (``model.layers.N.self_attn.q_proj.weight``).
+
+These hold weights and the two pieces of per-layer math both forward paths share unchanged
+(`RMSNorm`, `SwiGLU`). The attention itself (projections plus adapter, RoPE, paged or
+contiguous softmax, residual adds) is written in `prefixkv.models.decoder`, where the paged path and its
+full-recompute oracle are read side by side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixkv.models.config import ModelConfig
+
+__all__ = [
+    "DecoderLayer",
+    "DecoderStack",
+    "RMSNorm",
+    "SelfAttention",
+    "SwiGLU",
+    "draw_random_weights",
+]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in (at least) float32 as HF Llama does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        wide = hidden.to(torch.promote_types(input_dtype, torch.float32))
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        normalized = wide * torch.rsqrt(variance + self.eps)
+        return self.weight * normalized.to(input_dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        qkv_bias = config.attention_qkv_bias
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_heads * config.head_dim, bias=qkv_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.attention_output_bias,
+        )
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def draw_random_weights(
+    stack: DecoderStack,
+    lm_head: nn.Linear,
+    config: ModelConfig,
+    seed: int,
+    attention_sharpness: float,
+) -> None:
+    """Overwrite `stack` and `lm_head` (float32) with seeded draws: the weights of
+    `LlamaModel.random` (see it for what `attention_sharpness` means). The draw order is fixed,
+    so a seed names the same weights for every config of the same shapes."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+    hidden = config.hidden_size
+    qk_std = math.sqrt(attention_sharpness / hidden)
+    with torch.no_grad():
+        stack.embed_tokens.weight.copy_(normal((config.vocab_size, hidden), 1.0))
+        for layer in stack.layers:
+            assert isinstance(layer, DecoderLayer)
+            attention = layer.self_attn
+            attention.q_proj.weight.copy_(normal(tuple(attention.q_proj.weight.shape), qk_std))
+            attention.k_proj.weight.copy_(normal(tuple(attention.k_proj.weight.shape), qk_std))
+            attention.v_proj.weight.copy_(
+                normal(tuple(attention.v_proj.weight.shape), hidden**-0.5)
+            )
+            out_features = config.num_heads * config.head_dim
+            attention.o_proj.weight.copy_(
+                normal(tuple(attention.o_proj.weight.shape), out_features**-0.5)
+            )
+            for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
+                projection.weight.copy_(normal(tuple(projection.weight.shape), hidden**-0.5))
+            layer.mlp.down_proj.weight.copy_(
+                normal(tuple(layer.mlp.down_proj.weight.shape), config.intermediate_size**-0.5)
+            )
+            # Biases large enough to move the logits, so a dropped one is visible.
+            for projection in (
+                attention.q_proj,
+                attention.k_proj,
+                attention.v_proj,
+                attention.o_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            ):
+                if projection.bias is not None:
+                    projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
+            # Norm weights away from 1, so a dropped or misapplied norm is visible.
+            layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
+            layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
+        stack.norm.weight.copy_(1.0 + normal((hidden,), 0.2))
+        if not config.tie_word_embeddings:
+            # Logits of order a few units: a peaked but not one-hot next-token distribution.
+            lm_head.weight.copy_(normal((config.vocab_size, hidden), 2.0 * hidden**-0.5))
