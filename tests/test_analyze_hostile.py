@@ -640,3 +640,87 @@ def test_shipped_hostile_lines_sample() -> None:
     assert "UTF-8" in report.skipped_lines[0].error
     assert "surrogate" in report.skipped_lines[1].error
     assert main([str(DATA / "hostile_lines.jsonl"), "--json"]) == 1
+
+
+# -- Nesting (issue 20, item 14): JSON nested deeper than the renderer's encoders survive ---------
+
+
+@st.composite
+def nested_lines(draw: st.DrawFn) -> tuple[str, int]:
+    """A valid request line with a message's content or a tool nested `depth` levels (lists or
+    objects), around where Python's recursive JSON encoder and decoder give up, and the level
+    of its deepest container (the message or tool is level 1)."""
+    depth = draw(st.one_of(st.integers(1, 150), st.integers(900, 1000)))
+    as_dict = draw(st.booleans())
+    value = ('{"k": ' * depth + "1" + "}" * depth) if as_dict else "[" * depth + "]" * depth
+    if draw(st.booleans()):
+        line = '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"p": ' + value + "}]}"
+        return line, depth + 1
+    line = '{"messages": [{"role": "user", "content": [{"type": "image", "x": ' + value + "}]}]}"
+    return line, depth + 3  # the message, its content list, the part
+
+
+NESTING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if tools %}{{ tools | tojson }}{% endif %}"
+)
+
+
+@settings(max_examples=40)
+@given(nested_lines(), st.booleans())
+def test_nested_lines_are_one_line_errors(case: tuple[str, int], jinja: bool) -> None:
+    from prefixkv.chat import MAX_NESTING
+
+    line, level = case
+    with tempfile.TemporaryDirectory() as directory:
+        template = Path(directory) / "t.jinja"
+        template.write_text(NESTING_TEMPLATE)
+        options = ["--chat-template", str(template)] if jinja else []
+        trace = Path(directory) / "t.jsonl"
+        trace.write_text(json.dumps({"text": STABLE}) + "\n" + line + "\n")
+        status = main([str(trace), *options])
+        report = analyze_trace(trace, chat_template=str(template) if jinja else None)
+    if level <= MAX_NESTING:
+        assert status == 0 and report.requests == 2
+    else:
+        assert status == 1 and report.requests == 1
+        (skipped,) = report.skipped_lines
+        assert skipped.line == 2
+        assert "nested" in skipped.error
+
+
+def test_tools_nested_980_deep_through_a_jinja_template_is_one_line_error(tmp_path: Path) -> None:
+    # The shape of the report: a RecursionError traceback from the template's size check.
+    import subprocess
+    import sys
+
+    template = tmp_path / "t.jinja"
+    template.write_text(NESTING_TEMPLATE)
+    trace = tmp_path / "t.jsonl"
+    lines = [json.dumps({"text": STABLE})]
+    for depth in range(960, 990, 2):
+        lines.append(
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"p": '
+            + "[" * depth
+            + "]" * depth
+            + "}]}"
+        )
+    trace.write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixkv.cli",
+            "analyze",
+            str(trace),
+            "--chat-template",
+            str(template),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1
+    assert "tools[0] is nested deeper than" in result.stdout

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError, PrefixKVError
@@ -312,3 +312,83 @@ def test_real_templates_render_as_transformers_renders_them(
         eos_token="</s>",
     )
     assert ours == rendered[0]
+
+
+# -- Hostile input (issue 20, item 14): messages and tools of the wrong shape or nested past
+# -- what Python's recursive encoders survive are refused by field name, by every template.
+
+INPUT_TEMPLATES = [
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if tools %}{{ tools | tojson }}{% endif %}",
+    None,  # the built-in SimpleChatTemplate
+]
+
+
+def _template(source: str | None):  # type: ignore[no-untyped-def]
+    from prefixkv.chat import SimpleChatTemplate
+
+    return SimpleChatTemplate() if source is None else JinjaChatTemplate(source)
+
+
+def nested(depth: int, leaf: object = "x", as_dict: bool = False) -> object:
+    """A value `depth` levels deep, built without recursion."""
+    value = leaf
+    for _ in range(depth):
+        value = {"k": value} if as_dict else [value]
+    return value
+
+
+@pytest.mark.parametrize("source", INPUT_TEMPLATES, ids=["jinja", "simple"])
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ((5,), "messages must be a list"),
+        ((["hi"],), r"messages\[0\] must be a mapping, got str"),
+        (({"role": "user"},), "messages must be a list of mappings, got dict"),
+        (([{"role": "user", "content": nested(5000)}],), r"messages\[0\] is nested deeper"),
+        ((MESSAGES, True, [{"a": nested(5000, as_dict=True)}]), r"tools\[0\] is nested deeper"),
+        ((MESSAGES, True, 5), "tools must be a list of mappings, got int"),
+        ((MESSAGES, True, [MESSAGES[0], "tool"]), r"tools\[1\] must be a mapping"),
+    ],
+)
+def test_input_of_the_wrong_shape_is_refused_by_field(
+    source: str | None, args: tuple[object, ...], field: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=field):
+        _template(source).render(*args)
+
+
+@st.composite
+def nested_input(draw: st.DrawFn) -> tuple[list[object], list[object] | None, int]:
+    """Messages and tools holding JSON nested up to 6,000 levels (lists and objects), and the
+    deepest level drawn (a message or tool is level 1)."""
+    depth = draw(st.one_of(st.integers(1, 120), st.integers(1, 6000)))
+    value = nested(depth - 1, draw(st.sampled_from(["x", 1, None])), draw(st.booleans()))
+    where = draw(st.sampled_from(["content", "part", "tool"]))
+    messages: list[object] = [{"role": "user", "content": "hello"}]
+    tools: list[object] | None = None
+    if where == "content":
+        messages = [{"role": "user", "content": value}]
+    elif where == "part":
+        messages = [{"role": "user", "content": [{"type": "image", "data": value}]}]
+        depth += 2  # the content list and the part around it
+    else:
+        tools = [{"type": "function", "parameters": value}]
+    return messages, tools, depth
+
+
+@settings(max_examples=30)
+@given(nested_input(), st.sampled_from(INPUT_TEMPLATES))
+def test_nested_input_renders_or_is_refused_by_field(
+    case: tuple[list[object], list[object] | None, int], source: str | None
+) -> None:
+    from prefixkv.chat import MAX_NESTING
+
+    messages, tools, depth = case
+    template = _template(source)
+    if depth > MAX_NESTING:
+        field = "tools[0]" if tools else "messages[0]"
+        with pytest.raises(InvalidInputError, match=field.replace("[", r"\[")):
+            template.render(messages, True, tools)  # type: ignore[arg-type]
+    else:
+        assert template.render(messages, True, tools)  # type: ignore[arg-type]

@@ -69,8 +69,60 @@ def remote(engine: Engine):  # type: ignore[no-untyped-def]
 def test_store_round_trip_and_missing_keys(server: RedisServer, client: redis.Redis) -> None:
     store = RedisStore(server.url)
     _STORES.append(store)
-    store.put_many([("a", b"1"), ("b", b"\x00\xff")])
-    assert store.get_many(["a", "x", "b"]) == [b"1", None, b"\x00\xff"]
+    store.put_many([("a", b"1"), ("b", b"\x00\xff"), ("c", b"0123456789")])
+    assert store.get_many(["a", "x", "b"], [8, 8, 8]) == [b"1", None, b"\x00\xff"]
+    # Never more than one byte past the expected length: enough to see a value is longer.
+    assert store.get_many(["c", "c"], [3, 10]) == [b"0123", b"0123456789"]
+    client.rpush("a list", b"x")  # another type under the key: a miss, not an error
+    assert store.get_many(["a list"], [8]) == [None]
+
+
+def test_the_expected_length_is_the_encoded_length() -> None:
+    import torch
+
+    from prefixkv.tiers.format import encode_block, value_length
+
+    for dtype, shape, tokens in (
+        (torch.float32, (2, 2, 4, 1, 8), (1, 2, 3, 4)),
+        (torch.bfloat16, (2, 3, 16, 2, 4), tuple(range(16))),
+        (torch.float16, (2, 1), ()),
+    ):
+        kv = torch.zeros(shape, dtype=dtype)
+        value = encode_block(b"k" * 32, b"p" * 32, tokens, b"c" * 32, kv)
+        assert value_length(len(tokens), dtype, shape) == len(value)
+
+
+def test_hostile_values_cost_at_most_their_expected_length(
+    server: RedisServer, client: redis.Redis
+) -> None:
+    # Three 32 MiB values under keys a lookup will ask for: the old probe (one MGET of the
+    # whole run) held them all before checking any.
+    import tracemalloc
+
+    import torch
+
+    from prefixkv.tiers.host import BlockRecord
+    from prefixkv.tiers.remote import RemoteTier
+
+    store = RedisStore(server.url, timeout=5.0)
+    _STORES.append(store)
+    tier = RemoteTier(store)
+    try:
+        records = [BlockRecord(bytes([n]) * 32, None, (1, 2, 3, 4)) for n in range(3)]
+        huge = b"\x00" * (32 * 2**20)
+        for record in records:
+            client.set(tier.store_key(record.key), huge)
+        tracemalloc.start()
+        try:
+            served = tier.fetch(records, b"c" * 32, torch.float32, (2, 2, 4, 1, 8))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert served == []
+        assert tier.stats.invalid == 1 and tier.stats.hits == 0
+        assert peak < 2**20, f"the probe held {peak / 2**20:.1f} MiB"
+    finally:
+        tier.close()
 
 
 def test_a_second_engine_serves_the_first_ones_prefix(

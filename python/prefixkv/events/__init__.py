@@ -22,7 +22,12 @@ from prefixkv.events.recorder import EventRecorder
 
 if TYPE_CHECKING:
     from prefixkv.events.publisher import KVEventPublisher, ZmqEventPublisher
-    from prefixkv.events.subscriber import Endpoint, EventSubscriber
+    from prefixkv.events.subscriber import (
+        Endpoint,
+        EventSubscriber,
+        SubscriberFailedError,
+        SubscriberStatus,
+    )
 
 __all__ = [
     "Endpoint",
@@ -30,6 +35,8 @@ __all__ = [
     "EventSubscriber",
     "KVEventPublisher",
     "PrefixIndex",
+    "SubscriberFailedError",
+    "SubscriberStatus",
     "ZmqEventPublisher",
     "hash64",
     "prompt_hashes",
@@ -40,6 +47,8 @@ _LAZY = {
     "ZmqEventPublisher": "prefixkv.events.publisher",
     "EventSubscriber": "prefixkv.events.subscriber",
     "Endpoint": "prefixkv.events.subscriber",
+    "SubscriberFailedError": "prefixkv.events.subscriber",
+    "SubscriberStatus": "prefixkv.events.subscriber",
 }
 
 

@@ -146,6 +146,10 @@ class ZmqEventPublisher:
         if replay_endpoint is not None:
             replay = self._context.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
+            # A ROUTER drops what passes its send high-water mark (ZMQ's default: 1000), so a
+            # consumer that reads a replay later than it asked would lose most of it and the
+            # end marker. Room for two whole replays, as vLLM sizes it: 2 * (buffer_steps + 1).
+            replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             replay.bind(replay_endpoint)
             self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
             self._replay_thread = threading.Thread(

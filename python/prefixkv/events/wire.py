@@ -104,6 +104,9 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         return _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise InvalidInputError(f"not a KV event batch: {exc}") from exc
+    except RecursionError:
+        # msgspec recurses per nesting level of an `Any` field (`extra_keys`).
+        raise InvalidInputError("not a KV event batch: nested too deeply") from None
 
 
 def hash64(block_hash: ExternalBlockHash) -> int:

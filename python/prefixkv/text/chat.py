@@ -26,7 +26,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +37,13 @@ if TYPE_CHECKING:
     from prefixkv.text.sandbox import RenderLimits
 
 __all__ = [
+    "MAX_NESTING",
     "ChatTemplate",
     "ChatTemplateSet",
     "JinjaChatTemplate",
     "Segment",
     "SimpleChatTemplate",
+    "checked_input",
     "load_chat_template",
     "message_text",
     "segment_at",
@@ -54,8 +56,59 @@ def _missing_jinja() -> MissingDependencyError:
     )
 
 
+#: The deepest nesting of lists and objects a message or tool may hold (a message or tool is
+#: level 1). Real tool schemas nest a few levels; Python's recursive encoders (`json.dumps`,
+#: `tojson`, a template's own filters) fail near 1,000, and exactly where depends on how deep
+#: the caller's stack already is, so the bound is checked here, without recursing.
+MAX_NESTING = 100
+
+
+def checked_input(
+    messages: Any, tools: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """`messages` and `tools` as lists of dicts, or `InvalidInputError` naming the field:
+    each must be a list (or tuple) of mappings, nested at most `MAX_NESTING` deep."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for field, items in (("messages", messages), ("tools", tools)):
+        if items is None and field == "tools":
+            continue
+        if isinstance(items, str | bytes | Mapping) or not isinstance(items, Sequence):
+            raise InvalidInputError(
+                f"{field} must be a list of mappings, got {type(items).__name__}"
+            )
+        converted = []
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise InvalidInputError(
+                    f"{field}[{i}] must be a mapping, got {type(item).__name__}"
+                )
+            _check_nesting(item, f"{field}[{i}]")
+            converted.append(dict(item))
+        out[field] = converted
+    return out["messages"], out.get("tools")
+
+
+def _check_nesting(value: Mapping[str, Any], where: str) -> None:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > MAX_NESTING:
+            raise InvalidInputError(f"{where} is nested deeper than {MAX_NESTING} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
 class ChatTemplate:
-    """Turns OpenAI-style messages (and optional tool schemas) into prompt text."""
+    """Turns OpenAI-style messages (and optional tool schemas) into prompt text.
+
+    Every template refuses input of the wrong shape, or nested deeper than `MAX_NESTING`, with
+    an `InvalidInputError` naming the field (`checked_input`).
+    """
 
     name: str = "template"
     version: str = "0"
@@ -120,6 +173,7 @@ class SimpleChatTemplate(ChatTemplate):
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[Segment]]:
+        messages, tools = checked_input(messages, tools)
         parts: list[str] = []
         segments: list[Segment] = []
         pos = 0
@@ -305,17 +359,18 @@ class JinjaChatTemplate(ChatTemplate):
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        context: dict[str, Any] = {
-            **self.extra_context,
-            "messages": [dict(m) for m in messages],
-            "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-        }
-        if tools is not None:
-            context["tools"] = [dict(t) for t in tools]
-        limits = self._limits(messages, tools)
+        checked_messages, checked_tools = checked_input(messages, tools)
         try:
+            context: dict[str, Any] = {
+                **self.extra_context,
+                "messages": checked_messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+            }
+            if checked_tools is not None:
+                context["tools"] = checked_tools
+            limits = self._limits(checked_messages, checked_tools)
             return self._environment.run(self._template, context, limits, self.name)
         except ChatTemplateError:
             raise

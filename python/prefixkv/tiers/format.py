@@ -29,7 +29,7 @@ import torch
 
 from prefixkv.errors import PrefixKVError
 
-__all__ = ["FORMAT_VERSION", "BlockFormatError", "decode_block", "encode_block"]
+__all__ = ["FORMAT_VERSION", "BlockFormatError", "decode_block", "encode_block", "value_length"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"PKVB"
@@ -47,6 +47,18 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
 
 class BlockFormatError(PrefixKVError, ValueError):
     """A stored block value that is not the block asked for (or not a block at all)."""
+
+
+def value_length(num_tokens: int, dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """The exact length of the value of a block of `num_tokens` tokens whose KV has `dtype` and
+    `shape`: a reader never needs more bytes than this, so it never reads more (a store's value
+    is untrusted; a longer one is refused like any other wrong length)."""
+    payload = torch.empty((), dtype=dtype).element_size()
+    for size in shape:
+        payload *= size
+    # magic, version, dtype, ndim | shape | three keys | token count, tokens | payload length
+    header = 8 + 4 * len(shape) + 3 * _KEY_BYTES + 4 + 4 * num_tokens + 8
+    return header + _CHECKSUM_BYTES + payload
 
 
 def _checksum(header: bytes, payload: bytes | memoryview) -> bytes:

@@ -6,10 +6,12 @@ implements it on Valkey or Redis through redis-py. `RemoteTier` puts the policy 
 * Keys: ``namespace + ":" + hex(SHA-256 block key)``; the block key already binds the context
   fingerprint, salt, adapter and every earlier token, so two engines share a value exactly when
   they would share the device block.
-* Reads: one round trip (``MGET``) for the run of consecutive keys after the device and host
-  hits, served from the first key up to the first miss. Each value is verified
-  (`prefixkv.tiers.format`); a value that fails, a timeout or a dead server ends the run and is
-  counted, never raised to the scheduler.
+* Reads: one round trip (pipelined ``GETRANGE``) for the run of consecutive keys after the
+  device and host hits, served from the first key up to the first miss. A block's value has one
+  exact length (`format.value_length`), and no more than that is read per key: a store value is
+  untrusted, and one hostile 100 MB value must not cost 100 MB (a longer value arrives cut and
+  fails verification). Each value is verified (`prefixkv.tiers.format`); a value that fails, a
+  timeout or a dead server ends the run and is counted, never raised to the scheduler.
 * Time bound: every call runs under the store's socket timeout; after a failure the tier stops
   asking for `retry_after` seconds, so a dead server costs one timeout, not one per step.
 * Writes: a bounded queue drained by one background thread, batched into one pipelined round
@@ -29,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from prefixkv.errors import InvalidInputError, PrefixKVError, missing_dependency
-from prefixkv.tiers.format import BlockFormatError, decode_block, encode_block
+from prefixkv.tiers.format import BlockFormatError, decode_block, encode_block, value_length
 from prefixkv.tiers.host import BlockRecord
 
 __all__ = ["RedisStore", "RemoteStore", "RemoteTier", "StoreError"]
@@ -43,7 +45,11 @@ class RemoteStore(Protocol):
     """A key-value store for block values. Both calls are one round trip, and raise
     `StoreError` (only) when the store cannot answer."""
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
+    def get_many(self, keys: Sequence[str], max_bytes: Sequence[int]) -> list[bytes | None]:
+        """Per key, its value (None when absent), of which at most `max_bytes[i] + 1` bytes
+        are read: one byte past the expected length, so that a longer value is seen to be
+        longer."""
+        ...
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None: ...
 
@@ -83,12 +89,20 @@ class RedisStore:
         # Closes the connections when the store is dropped (a collected socket warns).
         self._closer = weakref.finalize(self, self._client.close)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], max_bytes: Sequence[int]) -> list[bytes | None]:
+        if len(max_bytes) != len(keys):
+            raise InvalidInputError(f"max_bytes has {len(max_bytes)} entries for {len(keys)} keys")
         try:
-            values: list[Any] = self._client.mget(list(keys))
+            pipe = self._client.pipeline(transaction=False)
+            for key, limit in zip(keys, max_bytes, strict=True):
+                # GETRANGE's end is inclusive: limit + 1 bytes at most.
+                pipe.getrange(key, 0, limit)
+            values: list[Any] = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             raise StoreError(f"{self.url}: {type(exc).__name__}: {exc}") from None
-        return [value if isinstance(value, bytes) else None for value in values]
+        # A missing key reads as b"" (as does an empty value: no block is empty); a key of
+        # another type answers an error: both are misses.
+        return [value if isinstance(value, bytes) and value else None for value in values]
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         try:
@@ -181,7 +195,10 @@ class RemoteTier:
             self.stats.skipped += 1
             return []
         try:
-            values = self.store.get_many([self.store_key(r.key) for r in records])
+            values = self.store.get_many(
+                [self.store_key(r.key) for r in records],
+                [value_length(len(r.tokens), dtype, shape) for r in records],
+            )
         except StoreError:
             self.stats.errors += 1
             self._down_until = self._clock() + self.retry_after
