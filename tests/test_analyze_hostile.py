@@ -669,7 +669,7 @@ NESTING_TEMPLATE = (
 @settings(max_examples=40)
 @given(nested_lines(), st.booleans())
 def test_nested_lines_are_one_line_errors(case: tuple[str, int], jinja: bool) -> None:
-    from prefixkv.chat import MAX_NESTING
+    from prefixkv.text.chat import MAX_NESTING
 
     line, level = case
     with tempfile.TemporaryDirectory() as directory:
@@ -710,7 +710,7 @@ def test_tools_nested_980_deep_through_a_jinja_template_is_one_line_error(tmp_pa
         [
             sys.executable,
             "-m",
-            "prefixkv.cli",
+            "prefixkv.apps.cli",
             "analyze",
             str(trace),
             "--chat-template",

@@ -325,7 +325,7 @@ INPUT_TEMPLATES = [
 
 
 def _template(source: str | None):  # type: ignore[no-untyped-def]
-    from prefixkv.chat import SimpleChatTemplate
+    from prefixkv.text.chat import SimpleChatTemplate
 
     return SimpleChatTemplate() if source is None else JinjaChatTemplate(source)
 
@@ -382,7 +382,7 @@ def nested_input(draw: st.DrawFn) -> tuple[list[object], list[object] | None, in
 def test_nested_input_renders_or_is_refused_by_field(
     case: tuple[list[object], list[object] | None, int], source: str | None
 ) -> None:
-    from prefixkv.chat import MAX_NESTING
+    from prefixkv.text.chat import MAX_NESTING
 
     messages, tools, depth = case
     template = _template(source)
