@@ -24,7 +24,7 @@ This class gives an engine the step API of one `PrefixCache` over all groups:
 Only ``full_hit="recompute_last_block"`` is served: with ``reuse_last_block`` the groups could
 disagree on whether the last token's KV is to be written.
 
-Each request-keyed method is one call into the Rust core's `KvGroups` (``rust/core/src/groups.rs``,
+Each request-keyed method is one call into the Rust core's `KvGroups` (``rust/core/src/groups/``,
 which states these rules as invariants), over the very caches in `groups`: a decode step costs
 about what it costs in one `PrefixCache`, not one wrapper call per group.
 """

@@ -13,7 +13,7 @@
 //!   extensions of current x86 and Arm CPUs it is the fastest such hash on inputs this short.
 //! - the **table key** (`TableKey`, 128-bit XXH3, seeded at random per cache) indexes the
 //!   in-process table and never leaves it, so it needs no cryptographic strength: every hit is
-//!   verified against the stored tokens, extras and parent (`table.rs`), so a collision, even a
+//!   verified against the stored tokens, extras and parent (`table/mod.rs`), so a collision, even a
 //!   crafted one, can only cost a miss, and the per-cache seed leaves an attacker nothing to aim
 //!   at. It is several times cheaper than SHA-256, and hashing is most of what a lookup costs.
 //!

@@ -12,7 +12,7 @@
 //!   from its tail, so no cached chain loses its middle.
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
 //!   `acquire` and `release`; `release` of a block whose refcount is already zero is a bug and
-//!   panics (callers check ownership first, see `cache.rs`), and a block returns to the free list
+//!   panics (callers check ownership first, see `cache/mod.rs`), and a block returns to the free list
 //!   exactly once, when it is neither referenced nor cached.
 //!
 //! Eviction order: lowest retention priority first, then least recently used, then lowest id

@@ -7,7 +7,7 @@
 //!
 //! Under `--cfg loom` both become loom types with the same contract (mutual exclusion; a
 //! linearizable load and store), so the loom model runs the cache's real code and loom schedules
-//! around every one of these steps. The lookup table has its stand-in in `table.rs`; what the
+//! around every one of these steps. The lookup table has its stand-in in `table/shared.rs`; what the
 //! model covers and what it cannot is written at the top of `tests/loom_pool.rs`.
 
 use crate::key::BlockKey;

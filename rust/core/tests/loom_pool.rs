@@ -6,14 +6,14 @@
 //! loom_pool --release` (`make loom`).
 //!
 //! ## What runs under loom: the real cache
-//! The models drive the real `PrefixCache`: its lookup walk and verification (`cache.rs`), its
-//! publishing, deduplication and collision rules (`request.rs`), its eviction, release and
+//! The models drive the real `PrefixCache`: its lookup walk and verification (`cache/lookup.rs`), its
+//! publishing, deduplication and collision rules (`request/publish.rs`), its eviction, release and
 //! reset paths, all unchanged. Only the three synchronisation primitives underneath are swapped,
-//! under `--cfg loom`, for loom types with the same contract (`src/sync.rs`, `src/table.rs`):
+//! under `--cfg loom`, for loom types with the same contract (`src/sync.rs`, `src/table/shared.rs`):
 //! - the writer mutex (`parking_lot`) becomes `loom::sync::Mutex`;
 //! - the context cell (`arc-swap`) becomes a `loom::sync::RwLock<BlockKey>`: one linearizable
 //!   load or store;
-//! - the lookup table (`table.rs`: a compact index beside per-block seqlocked slots) becomes a
+//! - the lookup table (`table/mod.rs`: a compact index beside per-block seqlocked slots) becomes a
 //!   `loom::sync::RwLock<HashMap<_, Entry>>`: each `get`, `try_insert` and `remove` one
 //!   linearizable step handing out owned snapshots, as the real table does.
 //!
@@ -31,7 +31,7 @@
 //!   backward-shifting index), arc-swap on `std` atomics and thread-local debts. So the models
 //!   *assume* their contracts: every table operation and every load/store is linearizable, and
 //!   a reader gets a consistent snapshot. The table's own tests check that contract with real
-//!   threads (`table.rs`: readers racing insert/remove/refill never see a torn or wrong entry;
+//!   threads (`table/tests.rs`: readers racing insert/remove/refill never see a torn or wrong entry;
 //!   removals keep every other entry reachable); the stand-ins give exactly that contract,
 //!   nothing stronger per operation.
 //! - **Weak memory orderings inside those crates.** The stand-ins are sequentially consistent;

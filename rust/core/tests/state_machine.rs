@@ -8,7 +8,7 @@
 //! Collisions are the one thing it cannot know by itself, because they depend on the hash. With
 //! `key_bits` of 1 to 4 they are constant, so the model asks the real `TableHasher` (same seed)
 //! which *key* a content would take, and only that: a content whose key is held by another
-//! content is not published, exactly as `request.rs` says. Everything else (matching, refcounts,
+//! content is not published, exactly as `request/publish.rs` says. Everything else (matching, refcounts,
 //! the free list and the eviction order with its tie-breaks, epochs, ownership, ids, counters,
 //! and which error each refused call returns) the model computes on its own.
 //!
@@ -270,7 +270,7 @@ impl Model {
         m.priority = m.priority.max(priority);
     }
 
-    /// Publishes positions `anchors.len() .. target` (the rules of `request.rs`).
+    /// Publishes positions `anchors.len() .. target` (the rules of `request/publish.rs`).
     fn extend(&mut self, req: &mut ModelRequest, target: usize) {
         while let Some(last) = req.anchors.last() {
             if self.blocks[last.block as usize].entry.as_ref() == Some(last) {

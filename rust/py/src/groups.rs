@@ -1,6 +1,6 @@
 //! `CoreGroups`: a hybrid model's KV groups (`prefixkv_core::KvGroups`) over `CoreCache`s that
 //! Python keeps using directly. `prefixkv.GroupedPrefixCache` (Python) is the documented API on
-//! top; the rules (one hit length, all or nothing) are in `rust/core/src/groups.rs`.
+//! top; the rules (one hit length, all or nothing) are in `rust/core/src/groups/`.
 
 use std::sync::Arc;
 

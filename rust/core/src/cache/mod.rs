@@ -1,8 +1,8 @@
 //! `PrefixCache`: the block manager's shared state, its lookups, its low-level API and reset.
 //!
-//! The request life (`begin` to `finish`, and how a commit publishes blocks) is in `request.rs`;
+//! The request life (`begin` to `finish`, and how a commit publishes blocks) is in `request/`;
 //! pins are in `pins.rs`: both are further `impl PrefixCache` blocks over the state defined here.
-//! What a key covers is in `key.rs`, why a hash collision can only cost a miss in `table.rs`, and
+//! What a key covers is in `key.rs`, why a hash collision can only cost a miss in `table/`, and
 //! the refcount, pin and eviction mechanics in `pool.rs`.
 //!
 //! ## Threads
@@ -36,28 +36,30 @@
 //! ## Two inserts of the same key
 //! Writers never race each other: the mutex orders them. The later insert finds the key taken
 //! and either deduplicates (same content: the first copy stays canonical) or is refused (a hash
-//! collision: never published). The rules are in `request.rs`, where blocks are published.
+//! collision: never published). The rules are in `request/publish.rs`, where blocks are published.
 //!
 //! ## Reset and epochs
 //! `clear` and `set_context` drop every cached block nobody references, detach the referenced
 //! ones (out of the table, freed at their last release) and drop every pin. Each starts a new
 //! *epoch*. A block records the epoch in which it was allocated, that is in which its KV was
 //! computed, and KV of an older epoch is never published: requests live at the reset become
-//! non-cacheable (`request.rs`), and `commit_blocks` refuses such blocks. So every cached block
+//! non-cacheable (`request/publish.rs`), and `commit_blocks` refuses such blocks. So every cached block
 //! belongs to the current epoch (`check_invariants` asserts that too).
 
-use std::collections::HashMap;
+mod lookup;
+mod low_level;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
 use crate::events::Events;
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableHasher, TableKey};
+use crate::key::{root_key, BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool};
-use crate::request::{Request, Requests};
+use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
-use crate::table::{Anchor, Parent, SharedTable};
+use crate::table::{Anchor, SharedTable};
 
 pub use crate::request::{BeginResult, RequestId, Slots};
 
@@ -72,7 +74,7 @@ pub struct CacheConfig {
     pub vocab_size: Option<u32>,
     /// Bits of each table key kept: 128 in production; tests lower it to force collisions.
     pub key_bits: u32,
-    /// How a prompt whose every block is cached is served (`request.rs`, "Full hits").
+    /// How a prompt whose every block is cached is served (`request/allocate.rs`, "Full hits").
     pub full_hit: FullHit,
     /// `None`: full attention, every token reads every earlier one. `Some(w)`: a sliding-window
     /// KV group, where the query at position `i` reads keys `i - w < j <= i` only; blocks that
@@ -233,7 +235,7 @@ impl PrefixCache {
         let num_blocks = config.num_blocks as usize;
         let pool = BlockPool::new(config.num_blocks)?;
         Ok(Self {
-            // One entry slot per block, allocated now: the table never grows (`table.rs`).
+            // One entry slot per block, allocated now: the table never grows (`table/mod.rs`).
             table: SharedTable::new(num_blocks, config.block_size).ok_or(
                 CacheError::OutOfBlocks {
                     needed: num_blocks,
@@ -281,214 +283,6 @@ impl PrefixCache {
     #[must_use]
     pub fn context(&self) -> BlockKey {
         self.context.load()
-    }
-
-    // ----- lookups ---------------------------------------------------------------------------
-
-    /// The cached prefix of `tokens`, without taking references. Lock-free; the answer is a
-    /// probe (blocks may be evicted right after), for routing and hit-length estimates.
-    pub fn lookup(
-        &self,
-        tokens: &[u32],
-        salt: &[u8],
-        extras: &RequestExtras,
-    ) -> Result<PrefixMatch> {
-        self.check_tokens(tokens)?;
-        // A statistics counter, not part of any protocol: relaxed.
-        self.probes.fetch_add(1, Ordering::Relaxed);
-        if let Some(window) = self.config.sliding_window {
-            return Ok(self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras));
-        }
-        let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
-        Ok(self.prefix_match(blocks, tokens.len()))
-    }
-
-    /// SHA-256 block keys of every full block of `tokens` under the current context: the keys
-    /// that may leave the process (events, external tiers, routers). Lookups never need them.
-    pub fn block_keys(
-        &self,
-        tokens: &[u32],
-        salt: &[u8],
-        extras: &RequestExtras,
-    ) -> Result<Vec<BlockKey>> {
-        self.check_tokens(tokens)?;
-        let mut parent = root_key(&self.context.load(), salt);
-        let mut buffer = Vec::new();
-        let bs = self.config.block_size;
-        Ok(tokens
-            .chunks_exact(bs)
-            .enumerate()
-            .map(|(i, chunk)| {
-                let block_extras = block_extras(extras, i, bs);
-                parent = block_key_with(&mut buffer, &parent, chunk, &block_extras);
-                parent
-            })
-            .collect())
-    }
-
-    /// Computes the table key of every full block of `tokens` and nothing else; returns how
-    /// many. The floor under `lookup` and `begin`, for benchmarks.
-    pub fn hash_prompt(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> usize {
-        let root = root_key(&self.context.load(), salt);
-        let mut parent = self.hasher.root(&root);
-        let mut buffer = Vec::new();
-        let bs = self.config.block_size;
-        let mut count = 0;
-        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs);
-            parent = self.hasher.block(&mut buffer, parent, chunk, &block_extras);
-            count += 1;
-        }
-        std::hint::black_box(parent);
-        count
-    }
-
-    // ----- low-level calls, for engines that keep their own block tables ---------------------
-
-    /// Matches the cached prefix and takes a reference on each matched block, atomically.
-    /// The caller owns those references and drops them with `release`. In a sliding-window
-    /// cache the leading blocks the hit does not need are the null block: not referenced, so
-    /// never released (`sliding.rs`).
-    pub fn match_and_acquire(
-        &self,
-        tokens: &[u32],
-        salt: &[u8],
-        extras: &RequestExtras,
-        priority: i32,
-    ) -> Result<PrefixMatch> {
-        self.check_tokens(tokens)?;
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let matched = match self.config.sliding_window {
-            Some(window) => self.sliding_lookup(&mut inner.scratch, window, tokens, salt, extras),
-            None => {
-                let blocks = self.matched_blocks(&mut inner.scratch, tokens, salt, extras);
-                // Only the blocks the hit uses (a `RecomputeLastBlock` full hit leaves the last
-                // out).
-                self.prefix_match(blocks, tokens.len())
-            }
-        };
-        inner.tick += 1;
-        let null = self.null_block();
-        for &block in matched.blocks.iter().filter(|&&b| Some(b) != null) {
-            inner.pool.acquire(block);
-            inner.external_refs[block as usize] += 1;
-            inner.pool.touch(block, inner.tick, priority);
-        }
-        inner.counters.lookups += 1;
-        inner.counters.lookup_tokens += tokens.len() as u64;
-        inner.counters.hit_tokens += matched.num_cached_tokens as u64;
-        Ok(matched)
-    }
-
-    /// How many blocks `allocate` could hand out right now, capped at `up_to`, changing nothing.
-    /// Costs O(1) when the free list covers `up_to`; otherwise it plans the eviction (about
-    /// O(k log n) for k blocks planned), so ask for what you need rather than the pool size.
-    #[must_use]
-    pub fn blocks_obtainable(&self, up_to: usize) -> usize {
-        self.inner.lock().pool.available(up_to)
-    }
-
-    /// Takes `count` free blocks (evicting if needed), each with one reference the caller owns.
-    pub fn allocate(&self, count: usize) -> Result<Vec<BlockId>> {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let blocks = self.acquire_and_allocate(inner, &[], count)?;
-        for &block in &blocks {
-            inner.external_refs[block as usize] += 1;
-        }
-        Ok(blocks)
-    }
-
-    /// Publishes full blocks of a sequence the caller manages itself. `blocks[i]` holds the KV
-    /// of tokens `i*block_size .. (i+1)*block_size`; the caller must hold a reference on each,
-    /// taken with `allocate` or `match_and_acquire` since the last `clear` / `set_context`.
-    /// Returns the canonical block of each position that is now cached: the caller's own, or an
-    /// existing identical one (then the caller's copy is a duplicate, freed at its release).
-    /// The result can be shorter than `blocks` if a key collision stops the chain.
-    pub fn commit_blocks(
-        &self,
-        tokens: &[u32],
-        blocks: &[BlockId],
-        salt: &[u8],
-        extras: &RequestExtras,
-        priority: i32,
-    ) -> Result<Vec<BlockId>> {
-        self.check_tokens(tokens)?;
-        self.refuse_in_sliding_mode("commit_blocks")?;
-        let bs = self.config.block_size;
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        for (position, &block) in blocks.iter().enumerate() {
-            inner.pool.check_id(block)?;
-            if inner.external_refs[block as usize] == 0 {
-                return Err(CacheError::InvalidBlock {
-                    block,
-                    reason: "not held by the caller (take it with allocate or match_and_acquire)",
-                });
-            }
-            if inner.block_epoch[block as usize] != inner.epoch {
-                return Err(CacheError::BlockState {
-                    block,
-                    reason: "its KV was computed before clear() or set_context(): never published",
-                });
-            }
-            if (position + 1) * bs > tokens.len() {
-                return Err(CacheError::BlockState {
-                    block,
-                    reason: "not full: too few tokens to commit it",
-                });
-            }
-        }
-        // Published exactly as a request's commit would publish them (`request.rs`).
-        let mut sequence = Request::computed(
-            tokens[..blocks.len() * bs].to_vec(),
-            blocks.to_vec(),
-            root_key(&self.context.load(), salt),
-            inner.epoch,
-            extras.clone(),
-            priority,
-        );
-        inner.tick += 1;
-        self.publish(inner, &mut sequence, blocks.len());
-        Ok(sequence.anchors.iter().map(|e| e.block).collect())
-    }
-
-    /// Drops one reference per listed block (a block may be listed as often as it is held).
-    /// Only references taken with `allocate` / `match_and_acquire` can be dropped here.
-    pub fn release(&self, blocks: &[BlockId]) -> Result<()> {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let mut counts: HashMap<BlockId, u32> = HashMap::new();
-        for &block in blocks {
-            if Some(block) == self.null_block() {
-                return Err(CacheError::InvalidBlock {
-                    block,
-                    reason: "the null block of a sliding-window cache: never referenced, so \
-                             never released",
-                });
-            }
-            inner.pool.check_id(block)?;
-            let count = counts.entry(block).or_insert(0);
-            *count += 1;
-            if *count > inner.external_refs[block as usize] {
-                return Err(CacheError::BlockState {
-                    block,
-                    reason: "released more often than it was acquired with allocate or \
-                             match_and_acquire (a double release, or a block a request owns)",
-                });
-            }
-        }
-        inner.tick += 1;
-        for &block in blocks {
-            if inner.pool.is_cached(block) {
-                // The lowest priority: a release refreshes recency but never protects a block.
-                inner.pool.touch(block, inner.tick, i32::MIN);
-            }
-            inner.external_refs[block as usize] -= 1;
-            inner.pool.release(block);
-        }
-        Ok(())
     }
 
     // ----- reset -----------------------------------------------------------------------------
@@ -662,82 +456,6 @@ impl PrefixCache {
         root_key(&self.context.load(), salt)
     }
 
-    /// The blocks of the cached prefix of `tokens` under the current context and `salt`.
-    pub(crate) fn matched_blocks(
-        &self,
-        buffer: &mut Vec<u8>,
-        tokens: &[u32],
-        salt: &[u8],
-        extras: &RequestExtras,
-    ) -> Vec<BlockId> {
-        let mut blocks = Vec::new();
-        self.match_chain(buffer, self.root_key(salt), tokens, extras, |anchor| {
-            blocks.push(anchor.block);
-        });
-        blocks
-    }
-
-    /// Walks the cached chain of `tokens` from the root, verifying every entry, calling
-    /// `on_hit` with the anchor of each matched entry in order.
-    pub(crate) fn match_chain(
-        &self,
-        buffer: &mut Vec<u8>,
-        root: BlockKey,
-        tokens: &[u32],
-        extras: &RequestExtras,
-        mut on_hit: impl FnMut(Anchor),
-    ) {
-        let bs = self.config.block_size;
-        let guard = self.table.guard();
-        let mut parent_key = self.hasher.root(&root);
-        let mut parent = Parent::Root(root);
-        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
-        // and its index reads started together: their cache misses overlap instead of queueing.
-        let mut keys = [TableKey(0); LOOKAHEAD];
-        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
-            let first = batch_index * LOOKAHEAD;
-            let mut key = parent_key;
-            let mut batch_len = 0;
-            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
-                let block_extras = block_extras(extras, first + offset, bs);
-                key = self.hasher.block(buffer, key, chunk, &block_extras);
-                keys[offset] = key;
-                batch_len += 1;
-            }
-            // Back to back, after the hashing: the loads are then in flight together.
-            for key in &keys[..batch_len] {
-                self.table.prefetch(key, None);
-            }
-            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
-                let key = keys[offset];
-                let block_extras = block_extras(extras, first + offset, bs);
-                match self
-                    .table
-                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
-                {
-                    Some(anchor) => {
-                        on_hit(anchor);
-                        parent = Parent::Entry(anchor.id);
-                        parent_key = key;
-                    }
-                    None => return,
-                }
-            }
-        }
-    }
-
-    pub(crate) fn prefix_match(&self, mut blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
-        let shape = self.hit_shape(blocks.len(), num_tokens);
-        blocks.truncate(self.hit_blocks(shape));
-        let (num_cached_tokens, full_hit, last_token_shared) = shape;
-        PrefixMatch {
-            blocks,
-            num_cached_tokens,
-            full_hit,
-            last_token_shared,
-        }
-    }
-
     /// References `hits` and allocates `count` fresh blocks in the current epoch, removing the
     /// table entry of every block evicted for them; or changes nothing.
     pub(crate) fn acquire_and_allocate(
@@ -830,242 +548,4 @@ fn per_block<T: Clone>(num_blocks: usize, value: T) -> Result<Vec<T>> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::key::context_fingerprint;
-
-    /// A cache with full-width keys and a fixed seed.
-    pub(crate) fn cache(num_blocks: u32, block_size: usize) -> PrefixCache {
-        PrefixCache::with_table_seed(
-            CacheConfig::new(num_blocks, block_size),
-            context_fingerprint(b"unit"),
-            7,
-        )
-        .unwrap()
-    }
-
-    pub(crate) fn no_extras() -> RequestExtras {
-        RequestExtras::default()
-    }
-
-    #[test]
-    fn the_first_copy_stays_canonical_and_the_duplicate_is_freed() {
-        let c = cache(8, 2);
-        let prompt = vec![1, 2, 3, 4, 5];
-        // Two requests compute the same prefix side by side: both miss, both get own blocks.
-        let a = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
-        let b = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
-        assert_eq!((a.num_cached_tokens, b.num_cached_tokens), (0, 0));
-        assert_eq!(c.commit(&a.request_id, 5).unwrap(), 2);
-        // The second commit finds both keys taken by identical content: it deduplicates.
-        assert_eq!(c.commit(&b.request_id, 5).unwrap(), 2);
-        let stats = c.stats();
-        assert_eq!((stats.committed_blocks, stats.deduplicated_blocks), (2, 2));
-        for position in 0..2 {
-            assert!(c.is_cached(a.block_table[position]).unwrap());
-            assert!(!c.is_cached(b.block_table[position]).unwrap());
-        }
-        // A third request hits a's blocks, never b's.
-        let hit = c.lookup(&prompt, b"", &no_extras()).unwrap();
-        assert_eq!(hit.blocks, a.block_table[..2]);
-        // b's duplicates go back to the free list at finish; a's stay cached.
-        let free = c.stats().blocks_free;
-        c.finish(&b.request_id).unwrap();
-        assert_eq!(c.stats().blocks_free, free + 3);
-        c.finish(&a.request_id).unwrap();
-        assert_eq!(c.stats().blocks_cached, 2);
-        c.check_invariants();
-    }
-
-    #[test]
-    fn commit_blocks_returns_the_canonical_copy() {
-        let c = cache(8, 2);
-        let prompt = [1, 2, 3, 4];
-        let first = c.allocate(2).unwrap();
-        assert_eq!(
-            c.commit_blocks(&prompt, &first, b"", &no_extras(), 0)
-                .unwrap(),
-            first
-        );
-        let second = c.allocate(2).unwrap();
-        assert_eq!(
-            c.commit_blocks(&prompt, &second, b"", &no_extras(), 0)
-                .unwrap(),
-            first,
-            "the duplicate commit is told to read the first copy"
-        );
-        assert_eq!(c.stats().deduplicated_blocks, 2);
-        c.release(&second).unwrap();
-        assert_eq!(
-            c.stats().blocks_free,
-            6,
-            "the duplicates are freed at release"
-        );
-        c.check_invariants();
-    }
-
-    #[test]
-    fn low_level_blocks_computed_before_a_reset_are_never_published() {
-        for reset in [PrefixCache::clear as fn(&PrefixCache), |c: &PrefixCache| {
-            c.set_context(context_fingerprint(b"other"))
-        }] {
-            let c = cache(8, 2);
-            let old = c.allocate(2).unwrap();
-            reset(&c);
-            let err = c
-                .commit_blocks(&[1, 2, 3, 4], &old, b"", &no_extras(), 0)
-                .unwrap_err();
-            assert!(
-                matches!(err, CacheError::BlockState { block, .. } if block == old[0]),
-                "{err:?}"
-            );
-            assert_eq!(c.stats().blocks_cached, 0);
-            // Blocks allocated after the reset publish normally, and the old ones release.
-            let fresh = c.allocate(2).unwrap();
-            assert_eq!(
-                c.commit_blocks(&[1, 2, 3, 4], &fresh, b"", &no_extras(), 0)
-                    .unwrap(),
-                fresh
-            );
-            c.release(&old).unwrap();
-            c.release(&fresh).unwrap();
-            c.check_invariants();
-        }
-    }
-
-    #[test]
-    fn cached_blocks_acquired_before_a_reset_are_not_republished() {
-        let c = cache(8, 2);
-        let blocks = c.allocate(2).unwrap();
-        c.commit_blocks(&[1, 2, 3, 4], &blocks, b"", &no_extras(), 0)
-            .unwrap();
-        let held = c
-            .match_and_acquire(&[1, 2, 3, 4, 5], b"", &no_extras(), 0)
-            .unwrap();
-        assert_eq!(held.blocks, blocks);
-        c.release(&blocks).unwrap();
-        c.clear();
-        // Detached, still held: neither cached nor publishable again.
-        assert!(!c.is_cached(held.blocks[0]).unwrap());
-        assert!(matches!(
-            c.commit_blocks(&[1, 2, 3, 4], &held.blocks, b"", &no_extras(), 0),
-            Err(CacheError::BlockState { .. })
-        ));
-        c.release(&held.blocks).unwrap();
-        assert_eq!(c.stats().blocks_free, 8);
-        c.check_invariants();
-    }
-
-    #[test]
-    fn release_cannot_drop_a_reference_a_request_owns() {
-        let c = cache(8, 2);
-        let request = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
-        let own = request.block_table[0];
-        let before = c.stats();
-        let err = c.release(&[own]).unwrap_err();
-        assert!(
-            matches!(err, CacheError::BlockState { block, .. } if block == own),
-            "{err:?}"
-        );
-        assert_eq!(c.stats(), before);
-        // A block both the request and the caller hold: the caller may drop only its own.
-        c.commit(&request.request_id, 3).unwrap();
-        let held = c
-            .match_and_acquire(&[1, 2, 3], b"", &no_extras(), 0)
-            .unwrap();
-        assert_eq!(held.blocks, vec![own]);
-        assert_eq!(c.ref_count(own).unwrap(), 2);
-        assert!(
-            c.release(&[own, own]).is_err(),
-            "the second is the request's"
-        );
-        assert_eq!(
-            c.ref_count(own).unwrap(),
-            2,
-            "a refused release changes nothing"
-        );
-        c.release(&[own]).unwrap();
-        assert_eq!(c.ref_count(own).unwrap(), 1);
-        assert!(c.release(&[own]).is_err(), "a double release");
-        c.finish(&request.request_id).unwrap();
-        assert_eq!(c.ref_count(own).unwrap(), 0);
-        assert!(c.is_cached(own).unwrap());
-        c.check_invariants();
-    }
-
-    #[test]
-    fn release_checks_every_id_before_dropping_any() {
-        let c = cache(4, 2);
-        let blocks = c.allocate(2).unwrap();
-        assert!(matches!(
-            c.release(&[blocks[0], 99]),
-            Err(CacheError::InvalidBlock { block: 99, .. })
-        ));
-        assert_eq!(c.ref_count(blocks[0]).unwrap(), 1);
-        c.release(&blocks).unwrap();
-        c.check_invariants();
-    }
-
-    #[test]
-    fn commit_blocks_refuses_blocks_it_does_not_hold_or_that_are_not_full() {
-        let c = cache(4, 2);
-        let blocks = c.allocate(2).unwrap();
-        let other = 3;
-        assert!(matches!(
-            c.commit_blocks(&[1, 2, 3, 4], &[blocks[0], other], b"", &no_extras(), 0),
-            Err(CacheError::InvalidBlock { block: 3, .. })
-        ));
-        assert!(matches!(
-            c.commit_blocks(&[1, 2, 3], &blocks, b"", &no_extras(), 0),
-            Err(CacheError::BlockState { .. })
-        ));
-        assert_eq!(
-            c.stats().blocks_cached,
-            0,
-            "a refused commit publishes nothing"
-        );
-        c.release(&blocks).unwrap();
-        c.check_invariants();
-    }
-
-    #[test]
-    fn eviction_removes_the_table_entry_before_reuse() {
-        let c = cache(2, 1);
-        let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
-        c.commit(&first.request_id, 2).unwrap();
-        c.finish(&first.request_id).unwrap();
-        // The same two blocks, now holding other KV: the old prefix must miss.
-        let second = c.begin(None, vec![3, 4], b"", no_extras(), 0).unwrap();
-        assert_eq!(c.stats().evictions, 2);
-        assert!(c
-            .lookup(&[1, 2], b"", &no_extras())
-            .unwrap()
-            .blocks
-            .is_empty());
-        c.finish(&second.request_id).unwrap();
-        c.check_invariants();
-    }
-
-    #[test]
-    fn eviction_log_lists_evicted_blocks_once_and_only_when_on() {
-        let c = cache(2, 1);
-        let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
-        let first_blocks = c.block_table(&first.request_id).unwrap();
-        c.commit(&first.request_id, 2).unwrap();
-        c.finish(&first.request_id).unwrap();
-        assert!(c.drain_evicted().is_empty(), "off by default");
-        c.set_eviction_log(true);
-        let second = c.begin(None, vec![3], b"", no_extras(), 0).unwrap();
-        let evicted = c.drain_evicted();
-        assert_eq!(evicted.len(), 1);
-        assert!(first_blocks.contains(&evicted[0]));
-        assert_eq!(c.block_table(&second.request_id).unwrap(), evicted);
-        assert!(c.drain_evicted().is_empty(), "drained");
-        c.finish(&second.request_id).unwrap();
-        c.set_eviction_log(false);
-        let third = c.begin(None, vec![5, 6], b"", no_extras(), 0).unwrap();
-        assert!(c.drain_evicted().is_empty(), "off again");
-        c.finish(&third.request_id).unwrap();
-        c.check_invariants();
-    }
-}
+pub(crate) mod tests;

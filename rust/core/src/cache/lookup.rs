@@ -1,0 +1,146 @@
+//! Lookups: the cached prefix of a prompt, matched without taking references (`lookup`), and the
+//! chain walk every match shares (`match_chain`). Why a lock-free lookup is only a probe: `mod.rs`.
+
+use std::sync::atomic::Ordering;
+
+use super::{block_extras, PrefixCache, PrefixMatch, LOOKAHEAD};
+use crate::error::Result;
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableKey};
+use crate::pool::BlockId;
+use crate::table::{Anchor, Parent};
+
+impl PrefixCache {
+    /// The cached prefix of `tokens`, without taking references. Lock-free; the answer is a
+    /// probe (blocks may be evicted right after), for routing and hit-length estimates.
+    pub fn lookup(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<PrefixMatch> {
+        self.check_tokens(tokens)?;
+        // A statistics counter, not part of any protocol: relaxed.
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        if let Some(window) = self.config.sliding_window {
+            return Ok(self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras));
+        }
+        let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
+        Ok(self.prefix_match(blocks, tokens.len()))
+    }
+
+    /// SHA-256 block keys of every full block of `tokens` under the current context: the keys
+    /// that may leave the process (events, external tiers, routers). Lookups never need them.
+    pub fn block_keys(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<Vec<BlockKey>> {
+        self.check_tokens(tokens)?;
+        let mut parent = root_key(&self.context.load(), salt);
+        let mut buffer = Vec::new();
+        let bs = self.config.block_size;
+        Ok(tokens
+            .chunks_exact(bs)
+            .enumerate()
+            .map(|(i, chunk)| {
+                let block_extras = block_extras(extras, i, bs);
+                parent = block_key_with(&mut buffer, &parent, chunk, &block_extras);
+                parent
+            })
+            .collect())
+    }
+
+    /// Computes the table key of every full block of `tokens` and nothing else; returns how
+    /// many. The floor under `lookup` and `begin`, for benchmarks.
+    pub fn hash_prompt(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> usize {
+        let root = root_key(&self.context.load(), salt);
+        let mut parent = self.hasher.root(&root);
+        let mut buffer = Vec::new();
+        let bs = self.config.block_size;
+        let mut count = 0;
+        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
+            let block_extras = block_extras(extras, index, bs);
+            parent = self.hasher.block(&mut buffer, parent, chunk, &block_extras);
+            count += 1;
+        }
+        std::hint::black_box(parent);
+        count
+    }
+
+    /// The blocks of the cached prefix of `tokens` under the current context and `salt`.
+    pub(crate) fn matched_blocks(
+        &self,
+        buffer: &mut Vec<u8>,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Vec<BlockId> {
+        let mut blocks = Vec::new();
+        self.match_chain(buffer, self.root_key(salt), tokens, extras, |anchor| {
+            blocks.push(anchor.block);
+        });
+        blocks
+    }
+
+    /// Walks the cached chain of `tokens` from the root, verifying every entry, calling
+    /// `on_hit` with the anchor of each matched entry in order.
+    pub(crate) fn match_chain(
+        &self,
+        buffer: &mut Vec<u8>,
+        root: BlockKey,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        mut on_hit: impl FnMut(Anchor),
+    ) {
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        let mut parent_key = self.hasher.root(&root);
+        let mut parent = Parent::Root(root);
+        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
+        // and its index reads started together: their cache misses overlap instead of queueing.
+        let mut keys = [TableKey(0); LOOKAHEAD];
+        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
+            let first = batch_index * LOOKAHEAD;
+            let mut key = parent_key;
+            let mut batch_len = 0;
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
+                let block_extras = block_extras(extras, first + offset, bs);
+                key = self.hasher.block(buffer, key, chunk, &block_extras);
+                keys[offset] = key;
+                batch_len += 1;
+            }
+            // Back to back, after the hashing: the loads are then in flight together.
+            for key in &keys[..batch_len] {
+                self.table.prefetch(key, None);
+            }
+            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
+                let key = keys[offset];
+                let block_extras = block_extras(extras, first + offset, bs);
+                match self
+                    .table
+                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
+                {
+                    Some(anchor) => {
+                        on_hit(anchor);
+                        parent = Parent::Entry(anchor.id);
+                        parent_key = key;
+                    }
+                    None => return,
+                }
+            }
+        }
+    }
+
+    pub(crate) fn prefix_match(&self, mut blocks: Vec<BlockId>, num_tokens: usize) -> PrefixMatch {
+        let shape = self.hit_shape(blocks.len(), num_tokens);
+        blocks.truncate(self.hit_blocks(shape));
+        let (num_cached_tokens, full_hit, last_token_shared) = shape;
+        PrefixMatch {
+            blocks,
+            num_cached_tokens,
+            full_hit,
+            last_token_shared,
+        }
+    }
+}

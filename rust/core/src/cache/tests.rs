@@ -1,0 +1,237 @@
+use super::*;
+use crate::key::context_fingerprint;
+
+/// A cache with full-width keys and a fixed seed.
+pub(crate) fn cache(num_blocks: u32, block_size: usize) -> PrefixCache {
+    PrefixCache::with_table_seed(
+        CacheConfig::new(num_blocks, block_size),
+        context_fingerprint(b"unit"),
+        7,
+    )
+    .unwrap()
+}
+
+pub(crate) fn no_extras() -> RequestExtras {
+    RequestExtras::default()
+}
+
+#[test]
+fn the_first_copy_stays_canonical_and_the_duplicate_is_freed() {
+    let c = cache(8, 2);
+    let prompt = vec![1, 2, 3, 4, 5];
+    // Two requests compute the same prefix side by side: both miss, both get own blocks.
+    let a = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+    let b = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+    assert_eq!((a.num_cached_tokens, b.num_cached_tokens), (0, 0));
+    assert_eq!(c.commit(&a.request_id, 5).unwrap(), 2);
+    // The second commit finds both keys taken by identical content: it deduplicates.
+    assert_eq!(c.commit(&b.request_id, 5).unwrap(), 2);
+    let stats = c.stats();
+    assert_eq!((stats.committed_blocks, stats.deduplicated_blocks), (2, 2));
+    for position in 0..2 {
+        assert!(c.is_cached(a.block_table[position]).unwrap());
+        assert!(!c.is_cached(b.block_table[position]).unwrap());
+    }
+    // A third request hits a's blocks, never b's.
+    let hit = c.lookup(&prompt, b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, a.block_table[..2]);
+    // b's duplicates go back to the free list at finish; a's stay cached.
+    let free = c.stats().blocks_free;
+    c.finish(&b.request_id).unwrap();
+    assert_eq!(c.stats().blocks_free, free + 3);
+    c.finish(&a.request_id).unwrap();
+    assert_eq!(c.stats().blocks_cached, 2);
+    c.check_invariants();
+}
+
+#[test]
+fn commit_blocks_returns_the_canonical_copy() {
+    let c = cache(8, 2);
+    let prompt = [1, 2, 3, 4];
+    let first = c.allocate(2).unwrap();
+    assert_eq!(
+        c.commit_blocks(&prompt, &first, b"", &no_extras(), 0)
+            .unwrap(),
+        first
+    );
+    let second = c.allocate(2).unwrap();
+    assert_eq!(
+        c.commit_blocks(&prompt, &second, b"", &no_extras(), 0)
+            .unwrap(),
+        first,
+        "the duplicate commit is told to read the first copy"
+    );
+    assert_eq!(c.stats().deduplicated_blocks, 2);
+    c.release(&second).unwrap();
+    assert_eq!(
+        c.stats().blocks_free,
+        6,
+        "the duplicates are freed at release"
+    );
+    c.check_invariants();
+}
+
+#[test]
+fn low_level_blocks_computed_before_a_reset_are_never_published() {
+    for reset in [PrefixCache::clear as fn(&PrefixCache), |c: &PrefixCache| {
+        c.set_context(context_fingerprint(b"other"))
+    }] {
+        let c = cache(8, 2);
+        let old = c.allocate(2).unwrap();
+        reset(&c);
+        let err = c
+            .commit_blocks(&[1, 2, 3, 4], &old, b"", &no_extras(), 0)
+            .unwrap_err();
+        assert!(
+            matches!(err, CacheError::BlockState { block, .. } if block == old[0]),
+            "{err:?}"
+        );
+        assert_eq!(c.stats().blocks_cached, 0);
+        // Blocks allocated after the reset publish normally, and the old ones release.
+        let fresh = c.allocate(2).unwrap();
+        assert_eq!(
+            c.commit_blocks(&[1, 2, 3, 4], &fresh, b"", &no_extras(), 0)
+                .unwrap(),
+            fresh
+        );
+        c.release(&old).unwrap();
+        c.release(&fresh).unwrap();
+        c.check_invariants();
+    }
+}
+
+#[test]
+fn cached_blocks_acquired_before_a_reset_are_not_republished() {
+    let c = cache(8, 2);
+    let blocks = c.allocate(2).unwrap();
+    c.commit_blocks(&[1, 2, 3, 4], &blocks, b"", &no_extras(), 0)
+        .unwrap();
+    let held = c
+        .match_and_acquire(&[1, 2, 3, 4, 5], b"", &no_extras(), 0)
+        .unwrap();
+    assert_eq!(held.blocks, blocks);
+    c.release(&blocks).unwrap();
+    c.clear();
+    // Detached, still held: neither cached nor publishable again.
+    assert!(!c.is_cached(held.blocks[0]).unwrap());
+    assert!(matches!(
+        c.commit_blocks(&[1, 2, 3, 4], &held.blocks, b"", &no_extras(), 0),
+        Err(CacheError::BlockState { .. })
+    ));
+    c.release(&held.blocks).unwrap();
+    assert_eq!(c.stats().blocks_free, 8);
+    c.check_invariants();
+}
+
+#[test]
+fn release_cannot_drop_a_reference_a_request_owns() {
+    let c = cache(8, 2);
+    let request = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    let own = request.block_table[0];
+    let before = c.stats();
+    let err = c.release(&[own]).unwrap_err();
+    assert!(
+        matches!(err, CacheError::BlockState { block, .. } if block == own),
+        "{err:?}"
+    );
+    assert_eq!(c.stats(), before);
+    // A block both the request and the caller hold: the caller may drop only its own.
+    c.commit(&request.request_id, 3).unwrap();
+    let held = c
+        .match_and_acquire(&[1, 2, 3], b"", &no_extras(), 0)
+        .unwrap();
+    assert_eq!(held.blocks, vec![own]);
+    assert_eq!(c.ref_count(own).unwrap(), 2);
+    assert!(
+        c.release(&[own, own]).is_err(),
+        "the second is the request's"
+    );
+    assert_eq!(
+        c.ref_count(own).unwrap(),
+        2,
+        "a refused release changes nothing"
+    );
+    c.release(&[own]).unwrap();
+    assert_eq!(c.ref_count(own).unwrap(), 1);
+    assert!(c.release(&[own]).is_err(), "a double release");
+    c.finish(&request.request_id).unwrap();
+    assert_eq!(c.ref_count(own).unwrap(), 0);
+    assert!(c.is_cached(own).unwrap());
+    c.check_invariants();
+}
+
+#[test]
+fn release_checks_every_id_before_dropping_any() {
+    let c = cache(4, 2);
+    let blocks = c.allocate(2).unwrap();
+    assert!(matches!(
+        c.release(&[blocks[0], 99]),
+        Err(CacheError::InvalidBlock { block: 99, .. })
+    ));
+    assert_eq!(c.ref_count(blocks[0]).unwrap(), 1);
+    c.release(&blocks).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn commit_blocks_refuses_blocks_it_does_not_hold_or_that_are_not_full() {
+    let c = cache(4, 2);
+    let blocks = c.allocate(2).unwrap();
+    let other = 3;
+    assert!(matches!(
+        c.commit_blocks(&[1, 2, 3, 4], &[blocks[0], other], b"", &no_extras(), 0),
+        Err(CacheError::InvalidBlock { block: 3, .. })
+    ));
+    assert!(matches!(
+        c.commit_blocks(&[1, 2, 3], &blocks, b"", &no_extras(), 0),
+        Err(CacheError::BlockState { .. })
+    ));
+    assert_eq!(
+        c.stats().blocks_cached,
+        0,
+        "a refused commit publishes nothing"
+    );
+    c.release(&blocks).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn eviction_removes_the_table_entry_before_reuse() {
+    let c = cache(2, 1);
+    let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+    c.commit(&first.request_id, 2).unwrap();
+    c.finish(&first.request_id).unwrap();
+    // The same two blocks, now holding other KV: the old prefix must miss.
+    let second = c.begin(None, vec![3, 4], b"", no_extras(), 0).unwrap();
+    assert_eq!(c.stats().evictions, 2);
+    assert!(c
+        .lookup(&[1, 2], b"", &no_extras())
+        .unwrap()
+        .blocks
+        .is_empty());
+    c.finish(&second.request_id).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn eviction_log_lists_evicted_blocks_once_and_only_when_on() {
+    let c = cache(2, 1);
+    let first = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+    let first_blocks = c.block_table(&first.request_id).unwrap();
+    c.commit(&first.request_id, 2).unwrap();
+    c.finish(&first.request_id).unwrap();
+    assert!(c.drain_evicted().is_empty(), "off by default");
+    c.set_eviction_log(true);
+    let second = c.begin(None, vec![3], b"", no_extras(), 0).unwrap();
+    let evicted = c.drain_evicted();
+    assert_eq!(evicted.len(), 1);
+    assert!(first_blocks.contains(&evicted[0]));
+    assert_eq!(c.block_table(&second.request_id).unwrap(), evicted);
+    assert!(c.drain_evicted().is_empty(), "drained");
+    c.finish(&second.request_id).unwrap();
+    c.set_eviction_log(false);
+    let third = c.begin(None, vec![5, 6], b"", no_extras(), 0).unwrap();
+    assert!(c.drain_evicted().is_empty(), "off again");
+    c.finish(&third.request_id).unwrap();
+    c.check_invariants();
+}

@@ -1,0 +1,469 @@
+//! A request's life in the cache, step by step as a scheduler drives it, and how its blocks
+//! are published.
+//!
+//! ## The life
+//! A request is a sequence of tokens (its prompt, then what it generates) under an id the
+//! engine chooses. It is *waiting* while it holds no blocks, *scheduled* while it does.
+//! 1. `add_request` registers it: no blocks, no hashing, nothing referenced.
+//! 2. `allocate_slots(n, lookahead)` makes room for the next `n` tokens to compute (a chunk
+//!    of the prompt, or decode tokens) plus `lookahead` slots for draft tokens not yet known.
+//!    The first call on a waiting request first matches its cached prefix and references it,
+//!    so the hit and the room for the first chunk are taken in one step under the mutex: a
+//!    chunk that does not fit fails with nothing changed, and the scheduler can wait or
+//!    preempt. A prompt never needs all its blocks at once.
+//! 3. The engine writes KV into the slots and says so with `commit(num_computed_tokens)`,
+//!    which publishes every block that is now full and *verified* (below).
+//! 4. `append_tokens` adds sampled tokens, or draft tokens (`draft = true`) for speculative
+//!    decoding. After verification `accept_drafts(k)` keeps the first `k` drafts and drops
+//!    the rest; `truncate` drops any unpublished tail. Blocks left without tokens go back.
+//! 5. `preempt` drops every reference the request holds and forgets its KV: its committed
+//!    blocks stay cached (evictable), so the next `allocate_slots` re-matches them, usually as
+//!    a hit, from the block keys the request kept (no rehashing).
+//! 6. `finish` drops its references and forgets it. Its cached blocks stay, evictable in LRU
+//!    order; its private blocks go back to the free list.
+//!
+//! `begin` (add + slots for the whole prompt) and `append` (tokens + their slots) keep the
+//! simple whole-prompt loop for callers that want it.
+//!
+//! An id is live from `add_request`/`begin` to `finish`; a second `add_request` of a live id
+//! is `DuplicateRequest`, every other call on an id that is not live is `UnknownRequest`, and
+//! both change nothing. The request owns one reference on each block of its block table and
+//! is the only one that may drop it (`cache/mod.rs`), so its blocks, shared or private, cannot be
+//! evicted or reused while it holds them.
+//!
+//! The parts, each with its own invariants:
+//! - `allocate.rs`: matching a waiting request's cached prefix and making room for its tokens;
+//! - `drafts.rs`: draft tokens, `accept_drafts` and `truncate`;
+//! - `keys.rs`: the block keys a request keeps, computed once;
+//! - `publish.rs`: `commit`, and how blocks are published.
+
+mod allocate;
+mod drafts;
+mod keys;
+mod publish;
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::cache::{Inner, PrefixCache};
+use crate::error::{CacheError, Result};
+use crate::key::{BlockKey, RequestExtras, TableKey};
+use crate::pool::BlockId;
+use crate::sliding::positions_out_of_window;
+use crate::table::Anchor;
+
+/// An engine's own name for a request: an integer or a string.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RequestId {
+    /// An integer id (`begin` without an id picks the next unused one).
+    Int(i64),
+    /// A string id, as most engines use.
+    Str(Box<str>),
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Int(id) => write!(f, "{id}"),
+            Self::Str(id) => write!(f, "{id:?}"),
+        }
+    }
+}
+
+impl From<i64> for RequestId {
+    fn from(id: i64) -> Self {
+        Self::Int(id)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(id: &str) -> Self {
+        Self::Str(id.into())
+    }
+}
+
+/// What `begin` hands the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BeginResult {
+    /// The request's id: the one given, or one `begin` picked.
+    pub request_id: RequestId,
+    /// Blocks covering every prompt token: the cached ones, then the request's own.
+    pub block_table: Vec<BlockId>,
+    /// Tokens whose KV is already in the cached blocks.
+    pub num_cached_tokens: usize,
+    /// See `PrefixMatch::full_hit`.
+    pub full_hit: bool,
+    /// See `PrefixMatch::last_token_shared`.
+    pub last_token_shared: bool,
+}
+
+/// What `allocate_slots` hands the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slots {
+    /// Blocks this call appended to the request's block table, in order: when it matched the
+    /// cached prefix (the first call after `add_request` or `preempt`), those blocks first.
+    pub block_ids: Vec<BlockId>,
+    /// Tokens whose KV the request has: the scheduled tokens start at this position.
+    pub num_computed_tokens: usize,
+    /// Tokens of the cached prefix this call matched (0 when it matched nothing or did not
+    /// match, being a later call).
+    pub num_cached_tokens: usize,
+    /// This call matched every block of the prompt (see `PrefixMatch::full_hit`).
+    pub full_hit: bool,
+    /// See `PrefixMatch::last_token_shared`.
+    pub last_token_shared: bool,
+}
+
+/// One request: its tokens, the blocks holding their KV, and what it has published.
+/// `commit_blocks` publishes through a short-lived one of these.
+pub(crate) struct Request {
+    /// Prompt, generated and draft tokens, in order.
+    tokens: Vec<u32>,
+    /// How many of the last `tokens` are unverified drafts.
+    num_drafts: usize,
+    /// Tokens whose KV is written (`commit`).
+    num_computed: usize,
+    /// One slot block per `block_size` positions; the request holds a reference on each.
+    block_table: Vec<BlockId>,
+    /// False while waiting (no blocks held, no prefix matched).
+    scheduled: bool,
+    salt: Box<[u8]>,
+    /// Root key of context and salt, for the epoch below.
+    root: BlockKey,
+    /// The epoch `root` and `keys` belong to.
+    epoch: u64,
+    extras: RequestExtras,
+    priority: i32,
+    /// The canonical cached entry of each committed position, in order (see the module docs).
+    pub(crate) anchors: Vec<Anchor>,
+    /// Table key of each leading full block hashed so far (prefix-closed, never rehashed).
+    keys: Vec<TableKey>,
+    /// SHA-256 key of each leading full block exported so far.
+    export_keys: Vec<BlockKey>,
+    /// False once the request may no longer publish (after a collision, `clear`, `set_context`).
+    cacheable: bool,
+    /// Sliding-window caches: the leading positions of `block_table` that hold the null block
+    /// (out of the window, or not needed by the hit). Always 0 in a full-attention cache.
+    released: usize,
+    /// The longest hit its matches may use (`limit_cached_prefix`); kept until changed.
+    max_cached_tokens: Option<usize>,
+}
+
+impl Request {
+    fn waiting(
+        tokens: Vec<u32>,
+        salt: &[u8],
+        root: BlockKey,
+        epoch: u64,
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Self {
+        Self {
+            tokens,
+            num_drafts: 0,
+            num_computed: 0,
+            block_table: Vec::new(),
+            scheduled: false,
+            salt: salt.into(),
+            root,
+            epoch,
+            extras,
+            priority,
+            anchors: Vec::new(),
+            keys: Vec::new(),
+            export_keys: Vec::new(),
+            cacheable: true,
+            released: 0,
+            max_cached_tokens: None,
+        }
+    }
+
+    /// A sequence whose KV is all in `block_table` already (the low-level `commit_blocks`).
+    pub(crate) fn computed(
+        tokens: Vec<u32>,
+        block_table: Vec<BlockId>,
+        root: BlockKey,
+        epoch: u64,
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Self {
+        let mut request = Self::waiting(tokens, b"", root, epoch, extras, priority);
+        request.num_computed = request.tokens.len();
+        request.block_table = block_table;
+        request.scheduled = true;
+        request
+    }
+
+    fn num_verified(&self) -> usize {
+        self.tokens.len() - self.num_drafts
+    }
+}
+
+/// The live requests, by id.
+pub(crate) struct Requests {
+    live: HashMap<RequestId, Request>,
+    /// Next id `begin` tries when given none.
+    next_auto: i64,
+}
+
+impl Default for Requests {
+    fn default() -> Self {
+        Self {
+            live: HashMap::new(),
+            next_auto: 1,
+        }
+    }
+}
+
+impl Requests {
+    pub(crate) fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    fn get(&self, id: &RequestId) -> Result<&Request> {
+        self.live
+            .get(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+    }
+
+    fn get_mut(&mut self, id: &RequestId) -> Result<&mut Request> {
+        self.live
+            .get_mut(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+    }
+
+    /// Takes a request out of the map (its key with it, so putting it back clones nothing).
+    fn take(&mut self, id: &RequestId) -> Result<(RequestId, Request)> {
+        self.live
+            .remove_entry(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+    }
+
+    fn put(&mut self, id: RequestId, request: Request) {
+        self.live.insert(id, request);
+    }
+
+    fn check_new(&self, id: &RequestId) -> Result<()> {
+        if self.live.contains_key(id) {
+            return Err(CacheError::DuplicateRequest(id.clone()));
+        }
+        Ok(())
+    }
+
+    /// The id `begin` gives a request that came without one: never a live id, and never one
+    /// it gave before.
+    fn auto_id(&mut self) -> RequestId {
+        loop {
+            let id = RequestId::Int(self.next_auto);
+            self.next_auto += 1;
+            if !self.live.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Every block reference the live requests hold, one item per reference.
+    pub(crate) fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.live
+            .values()
+            .flat_map(|r| r.block_table[r.released..].iter().copied())
+    }
+
+    /// The sliding-window invariants of every live request (`sliding.rs`), for
+    /// `check_invariants`.
+    pub(crate) fn check_sliding(&self, window: usize, block_size: usize, num_blocks: u32) {
+        let null = num_blocks;
+        for (id, request) in &self.live {
+            let table = &request.block_table;
+            assert!(
+                request.released <= table.len(),
+                "request {id}: {} released positions of {}",
+                request.released,
+                table.len()
+            );
+            assert!(
+                table[..request.released].iter().all(|&b| b == null),
+                "request {id}: a released position holds a real block"
+            );
+            assert!(
+                table[request.released..].iter().all(|&b| b < num_blocks),
+                "request {id}: the null block past the released positions"
+            );
+            let settled = request.num_computed.min(request.num_verified());
+            assert!(
+                request.released <= positions_out_of_window(window, block_size, settled),
+                "request {id}: released a block the window at {settled} still reads"
+            );
+        }
+    }
+
+    /// At a reset: no scheduled request may publish again, and none still anchors on the
+    /// table. (Waiting ones hold no KV: they re-key at their next match, `epoch` tells them.)
+    pub(crate) fn forget_cached_prefixes(&mut self) {
+        for request in self.live.values_mut() {
+            if request.scheduled {
+                request.cacheable = false;
+            }
+            request.anchors.clear();
+        }
+    }
+}
+
+impl PrefixCache {
+    // ----- starting -------------------------------------------------------------------------
+
+    /// Registers a request under the engine's id: no blocks taken, nothing hashed yet.
+    pub fn add_request(
+        &self,
+        id: RequestId,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Result<()> {
+        self.check_prompt(&tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        inner.requests.check_new(&id)?;
+        let request = Request::waiting(
+            tokens,
+            salt,
+            self.root_key(salt),
+            inner.epoch,
+            extras,
+            priority,
+        );
+        inner.requests.put(id, request);
+        Ok(())
+    }
+
+    /// Starts a request with slots for its whole prompt: `add_request` and `allocate_slots`
+    /// for every prompt token in one step. `id` None picks an unused integer id.
+    pub fn begin(
+        &self,
+        id: Option<RequestId>,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        extras: RequestExtras,
+        priority: i32,
+    ) -> Result<BeginResult> {
+        self.check_prompt(&tokens)?;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        if let Some(id) = &id {
+            inner.requests.check_new(id)?;
+        }
+        let mut request = Request::waiting(
+            tokens,
+            salt,
+            self.root_key(salt),
+            inner.epoch,
+            extras,
+            priority,
+        );
+        let slots = self.allocate_locked(inner, &mut request, None, 0, 0)?;
+        let request_id = id.unwrap_or_else(|| inner.requests.auto_id());
+        inner.requests.put(request_id.clone(), request);
+        Ok(BeginResult {
+            request_id,
+            block_table: slots.block_ids,
+            num_cached_tokens: slots.num_cached_tokens,
+            full_hit: slots.full_hit,
+            last_token_shared: slots.last_token_shared,
+        })
+    }
+
+    /// Drops every reference the request holds and its KV; its drafts are dropped too. The
+    /// blocks it committed stay cached (evictable), so its next `allocate_slots` matches them
+    /// again. Preempting a waiting request changes nothing.
+    pub fn preempt(&self, id: &RequestId) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        with_request(inner, id, |inner, request| {
+            if !request.scheduled {
+                return;
+            }
+            inner.tick += 1;
+            self.release_table(inner, request);
+            let verified = request.num_verified();
+            request.tokens.truncate(verified);
+            request.num_drafts = 0;
+            request.block_table.clear();
+            request.released = 0;
+            request.anchors.clear();
+            request.num_computed = 0;
+            request.scheduled = false;
+            // Its KV is gone: computed afresh, it may publish again (a collision is found
+            // again; a reset is noticed by the epoch at the next match).
+            request.cacheable = true;
+        })
+    }
+
+    /// Ends a request: drops its references. Cached blocks stay, now evictable.
+    pub fn finish(&self, id: &RequestId) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let (_, request) = inner.requests.take(id)?;
+        inner.tick += 1;
+        self.release_table(inner, &request);
+        Ok(())
+    }
+
+    // ----- observation ----------------------------------------------------------------------
+
+    /// A live request's block table (empty while it waits).
+    pub fn block_table(&self, id: &RequestId) -> Result<Vec<BlockId>> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.block_table.clone())
+    }
+
+    /// A live request's token count (drafts included).
+    pub fn num_tokens(&self, id: &RequestId) -> Result<usize> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.tokens.len())
+    }
+
+    /// A live request's tokens with KV written.
+    pub fn num_computed_tokens(&self, id: &RequestId) -> Result<usize> {
+        let inner = self.inner.lock();
+        Ok(inner.requests.get(id)?.num_computed)
+    }
+
+    // ----- internals ------------------------------------------------------------------------
+
+    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
+        self.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Err(CacheError::InvalidInput(
+                "a request needs at least one token".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn release_table(&self, inner: &mut Inner, request: &Request) {
+        for &block in &request.block_table[request.released..] {
+            if inner.pool.is_cached(block) {
+                inner.pool.touch(block, inner.tick, request.priority);
+            }
+            // The reference the request took: only it drops it (see `cache/mod.rs`).
+            inner.pool.release(block);
+        }
+    }
+}
+
+/// Runs `f` on request `id` taken out of the map, so that `f` may borrow the rest of `inner`
+/// mutably (`publish` does), and puts it back: its key with it, so nothing is cloned.
+fn with_request<T>(
+    inner: &mut Inner,
+    id: &RequestId,
+    f: impl FnOnce(&mut Inner, &mut Request) -> T,
+) -> Result<T> {
+    let (key, mut request) = inner.requests.take(id)?;
+    let result = f(inner, &mut request);
+    inner.requests.put(key, request);
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests;

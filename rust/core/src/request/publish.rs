@@ -1,0 +1,249 @@
+//! `commit`, and how a request's blocks are published.
+//!
+//! ## Publishing, and two inserts of the same key
+//! A request remembers, as *anchors*, the canonical entry of each position it has committed, in
+//! order; a commit extends them. For the next position it takes the table key (chained on the
+//! previous one) and inserts an entry for its own block with one probe of the table:
+//! - the key is free: the block is published, child of the previous anchor's block;
+//! - the key holds an entry that verifies (same parent entry, tokens and extras): another
+//!   sequence published this block first. That copy stays canonical and becomes the anchor, so
+//!   later positions chain on it; this request's own copy stays private and is freed when the
+//!   request finishes (deduplication);
+//! - the key holds an entry that does not verify: a hash collision. Nothing is published under
+//!   it, and since every later block would chain on this one, the request publishes nothing more
+//!   (it becomes non-cacheable). Correctness never depends on the hash: the cost is a miss.
+//!
+//! Inserts never race: they happen under the mutex, so "first" is the mutex order.
+//!
+//! A deduplicated anchor is another sequence's block, which this request does not hold: it can be
+//! evicted between two commits. Liveness is prefix-closed (a cached child keeps its parent), so
+//! dead anchors are dropped from the tip and their positions committed again from the request's
+//! own copies.
+//!
+//! ## Non-cacheable requests
+//! A scheduled request stops publishing for good after a collision, and after a `clear` or
+//! `set_context`: its KV was computed under the old weights or context and must never be
+//! published under the new one (`cache/mod.rs`, on epochs). It keeps its blocks and its references;
+//! `commit` then reports the positions still committed (none after a reset). Once preempted it
+//! holds no KV, so it computes afresh under the new context and may publish again.
+
+use super::keys::table_key;
+use super::{with_request, Request};
+use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
+use crate::error::{CacheError, Result};
+use crate::key::BlockKey;
+use crate::request::RequestId;
+use crate::table::{Anchor, Entry, Parent};
+
+impl PrefixCache {
+    /// Records that the KV of the first `num_computed_tokens` tokens is written, and publishes
+    /// every full block of verified tokens among them. Returns how many leading positions of
+    /// the request are now committed.
+    pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let request = inner.requests.get(id)?;
+        let len = request.tokens.len();
+        if num_computed_tokens > len {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
+        let slots = request.block_table.len() * self.config.block_size;
+        if num_computed_tokens > slots {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
+                 no KV can have been written past them (allocate_slots first)"
+            )));
+        }
+        // Nothing new to publish (most decode steps): no need to take the request out.
+        let target = num_computed_tokens
+            .max(request.num_computed)
+            .min(request.num_verified())
+            / self.config.block_size;
+        // Anchors at released positions are never republished (their blocks are gone), so
+        // only a dead tip past them sends the commit down the slow path.
+        let tip_live = request.anchors.len() <= request.released
+            || request
+                .anchors
+                .last()
+                .is_none_or(|last| anchor_live(inner, last));
+        if tip_live && (!request.cacheable || target <= request.anchors.len()) {
+            let request = inner.requests.get_mut(id)?;
+            request.num_computed = request.num_computed.max(num_computed_tokens);
+            if !self.window_moved(request) {
+                return Ok(request.anchors.len());
+            }
+        }
+        with_request(inner, id, |inner, request| {
+            request.num_computed = request.num_computed.max(num_computed_tokens);
+            self.publish_verified(inner, request);
+            self.release_out_of_window(inner, request);
+            request.anchors.len()
+        })
+    }
+
+    /// Publishes the full blocks of verified tokens with KV written, if the request may.
+    pub(super) fn publish_verified(&self, inner: &mut Inner, request: &mut Request) {
+        if request.cacheable {
+            inner.tick += 1;
+            let target = request.num_computed.min(request.num_verified()) / self.config.block_size;
+            self.publish(inner, request, target);
+        }
+    }
+
+    /// Commits positions `request.anchors.len() .. target` of `request`, whose KV lies in
+    /// `request.block_table[position]`, by the rules in the module docs.
+    pub(crate) fn publish(&self, inner: &mut Inner, request: &mut Request, target: usize) {
+        // Dead anchors are recommitted from the request's own copies; a released position has
+        // none any more (the null block stands there), so the pops stop above it.
+        while request.anchors.len() > request.released {
+            let last = request.anchors[request.anchors.len() - 1];
+            if anchor_live(inner, &last) {
+                break;
+            }
+            request.anchors.pop();
+        }
+        if request.anchors.len() < request.released {
+            return;
+        }
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        let sliding = self.config.sliding_window.is_some();
+        if sliding {
+            // Keys from the SHA-256 block keys: an entry names its parent by key (`sliding.rs`).
+            self.extend_sliding_keys(
+                &mut inner.scratch,
+                &request.root,
+                &request.tokens,
+                &request.extras,
+                &mut request.export_keys,
+                &mut request.keys,
+                target,
+            );
+        }
+        // Every key to publish, kept by the request (computed once, chained on keys whatever
+        // the table holds); then the table reads of the next few positions start together so
+        // their cache misses overlap (`match_chain`).
+        for p in request.keys.len()..target {
+            let chunk = &request.tokens[p * bs..(p + 1) * bs];
+            let block_extras = block_extras(&request.extras, p, bs);
+            table_key(
+                &self.hasher,
+                &mut inner.scratch,
+                &mut request.keys,
+                &request.root,
+                chunk,
+                &block_extras,
+                p,
+            );
+        }
+        let mut prefetched_to = 0;
+        while request.anchors.len() < target {
+            let position = request.anchors.len();
+            let (parent, parent_block) = match request.anchors.last() {
+                _ if sliding => (Parent::Root(sliding_parent(request, position)), None),
+                Some(e) => (Parent::Entry(e.id), Some(e.block)),
+                None => (Parent::Root(request.root), None),
+            };
+            if position >= prefetched_to {
+                prefetched_to = target.min(position + LOOKAHEAD);
+                for p in position..prefetched_to {
+                    self.table
+                        .prefetch(&request.keys[p], Some(request.block_table[p]));
+                }
+            }
+            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let block_extras = block_extras(&request.extras, position, bs);
+            let key = request.keys[position];
+            let own_block = request.block_table[position];
+            if inner.pool.is_cached(own_block) {
+                // A shared block of the request's own hit (reuse-last-block full hits), or a
+                // block `commit_blocks` was passed that is already cached. Fine if it is
+                // exactly this entry; it cannot stand anywhere else.
+                match self.table.get(&key, &guard) {
+                    Some(e)
+                        if e.block == own_block && e.verifies(&parent, chunk, &block_extras) =>
+                    {
+                        let anchor = e.anchor(key);
+                        inner.pool.touch(anchor.block, inner.tick, request.priority);
+                        request.anchors.push(anchor);
+                        continue;
+                    }
+                    _ => {
+                        request.cacheable = false;
+                        return;
+                    }
+                }
+            }
+            let entry = Entry {
+                id: inner.next_entry,
+                block: own_block,
+                parent,
+                tokens: chunk.into(),
+                extras: block_extras.into_boxed_slice(),
+            };
+            let anchor = match self.table.try_insert(key, entry, &guard) {
+                Ok(inserted) => {
+                    inner.next_entry += 1;
+                    inner.pool.mark_cached(own_block, parent_block);
+                    let origin = (&request.root, &request.extras);
+                    if sliding {
+                        // The parent block may be released or evicted: name it by key.
+                        let block_key = request.export_keys[position];
+                        let parent_key = position.checked_sub(1).map(|p| request.export_keys[p]);
+                        inner.events.stored_with_keys(
+                            own_block,
+                            (block_key, parent_key),
+                            origin,
+                            chunk,
+                            &inserted.extras,
+                        );
+                    } else {
+                        inner.events.stored(
+                            own_block,
+                            parent_block,
+                            origin,
+                            chunk,
+                            &inserted.extras,
+                        );
+                    }
+                    let anchor = inserted.anchor(key);
+                    inner.entries[own_block as usize] = Some(anchor);
+                    inner.counters.committed_blocks += 1;
+                    anchor
+                }
+                Err(occupied) => {
+                    let existing = occupied.current;
+                    let mine = &occupied.not_inserted;
+                    if !existing.verifies(&mine.parent, &mine.tokens, &mine.extras) {
+                        inner.counters.collisions += 1;
+                        request.cacheable = false;
+                        return;
+                    }
+                    inner.counters.deduplicated_blocks += 1;
+                    existing.anchor(key)
+                }
+            };
+            inner.pool.touch(anchor.block, inner.tick, request.priority);
+            request.anchors.push(anchor);
+        }
+    }
+}
+
+/// Whether `anchor` is still the entry published in its block (a null stand-in never is).
+pub(super) fn anchor_live(inner: &Inner, anchor: &Anchor) -> bool {
+    inner
+        .entries
+        .get(anchor.block as usize)
+        .and_then(Option::as_ref)
+        .is_some_and(|e| e.id == anchor.id)
+}
+
+/// The parent an entry at `position` names in a sliding-window cache: the previous block's
+/// SHA-256 key, or the request's root for block 0 (`sliding.rs`).
+pub(super) fn sliding_parent(request: &Request, position: usize) -> BlockKey {
+    position
+        .checked_sub(1)
+        .map_or(request.root, |p| request.export_keys[p])
+}

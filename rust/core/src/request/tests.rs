@@ -1,0 +1,250 @@
+use crate::cache::tests::{cache, no_extras};
+use crate::error::CacheError;
+use crate::key::context_fingerprint;
+use crate::request::RequestId;
+use crate::{CacheConfig, FullHit, PrefixCache};
+
+#[test]
+fn calls_on_an_id_that_is_not_live_are_unknown_request_and_change_nothing() {
+    let c = cache(8, 2);
+    let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    c.finish(&r.request_id).unwrap();
+    let before = c.stats();
+    for id in [r.request_id, RequestId::Int(99), "x".into()] {
+        let unknown = CacheError::UnknownRequest(id.clone());
+        let id = &id;
+        assert_eq!(c.finish(id), Err(unknown.clone()));
+        assert_eq!(c.commit(id, 0), Err(unknown.clone()));
+        assert_eq!(c.append(id, &[1]), Err(unknown.clone()));
+        assert_eq!(c.append_tokens(id, &[1], true), Err(unknown.clone()));
+        assert_eq!(c.allocate_slots(id, 0, 0, 0), Err(unknown.clone()));
+        assert_eq!(c.can_allocate_slots(id, 0, 0, 0), Err(unknown.clone()));
+        assert_eq!(c.truncate(id, 1), Err(unknown.clone()));
+        assert_eq!(c.accept_drafts(id, 0), Err(unknown.clone()));
+        assert_eq!(c.preempt(id), Err(unknown.clone()));
+        assert_eq!(c.request_block_keys(id), Err(unknown.clone()));
+        assert_eq!(c.block_table(id), Err(unknown.clone()));
+        assert_eq!(c.num_tokens(id), Err(unknown));
+    }
+    assert_eq!(c.stats(), before);
+    c.check_invariants();
+}
+
+#[test]
+fn request_ids_are_never_reused() {
+    let c = cache(8, 2);
+    let a = c.begin(None, vec![1], b"", no_extras(), 0).unwrap();
+    c.finish(&a.request_id).unwrap();
+    let b = c.begin(None, vec![1], b"", no_extras(), 0).unwrap();
+    assert_ne!(a.request_id, b.request_id);
+    assert_eq!(
+        c.finish(&a.request_id),
+        Err(CacheError::UnknownRequest(a.request_id))
+    );
+    c.finish(&b.request_id).unwrap();
+}
+
+#[test]
+fn malformed_calls_are_invalid_input_and_change_nothing() {
+    let c = PrefixCache::new(
+        crate::CacheConfig {
+            vocab_size: Some(10),
+            ..crate::CacheConfig::new(8, 2)
+        },
+        context_fingerprint(b"unit"),
+    )
+    .unwrap();
+    assert!(matches!(
+        c.begin(None, vec![], b"", no_extras(), 0),
+        Err(CacheError::InvalidInput(_))
+    ));
+    assert!(matches!(
+        c.begin(None, vec![1, 10], b"", no_extras(), 0),
+        Err(CacheError::InvalidInput(_))
+    ));
+    let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    let before = c.stats();
+    assert!(matches!(
+        c.commit(&r.request_id, 4),
+        Err(CacheError::InvalidInput(_))
+    ));
+    assert!(matches!(
+        c.append(&r.request_id, &[3, 11]),
+        Err(CacheError::InvalidInput(_))
+    ));
+    assert_eq!(c.stats(), before);
+    assert_eq!(
+        c.num_tokens(&r.request_id),
+        Ok(3),
+        "the request is still live"
+    );
+    c.finish(&r.request_id).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn out_of_blocks_leaves_the_request_as_it_was() {
+    let c = cache(2, 2);
+    let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    assert_eq!(
+        c.append(&r.request_id, &[4, 5]),
+        Err(CacheError::OutOfBlocks {
+            needed: 1,
+            available: 0
+        })
+    );
+    assert_eq!(c.num_tokens(&r.request_id), Ok(3));
+    assert_eq!(c.block_table(&r.request_id).unwrap().len(), 2);
+    // Room for the last token of the current block needs no new block.
+    assert_eq!(c.append(&r.request_id, &[4]), Ok(vec![]));
+    c.finish(&r.request_id).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn commit_is_idempotent_and_publishes_only_full_blocks() {
+    let c = cache(8, 2);
+    let r = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    assert_eq!(c.commit(&r.request_id, 1), Ok(0));
+    assert_eq!(c.commit(&r.request_id, 3), Ok(1));
+    assert_eq!(c.commit(&r.request_id, 3), Ok(1));
+    assert_eq!(c.stats().committed_blocks, 1);
+    c.append(&r.request_id, &[4, 5]).unwrap();
+    assert_eq!(
+        c.commit(&r.request_id, 5),
+        Ok(2),
+        "generated tokens publish too"
+    );
+    c.finish(&r.request_id).unwrap();
+    assert_eq!(
+        c.lookup(&[1, 2, 3, 4, 5], b"", &no_extras())
+            .unwrap()
+            .num_cached_tokens,
+        4
+    );
+    c.check_invariants();
+}
+
+#[test]
+fn a_request_live_across_a_reset_never_publishes() {
+    for reset in [PrefixCache::clear as fn(&PrefixCache), |c: &PrefixCache| {
+        c.set_context(context_fingerprint(b"other"))
+    }] {
+        let c = cache(8, 2);
+        let r = c
+            .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+            .unwrap();
+        assert_eq!(c.commit(&r.request_id, 2), Ok(1));
+        reset(&c);
+        assert_eq!(
+            c.commit(&r.request_id, 4),
+            Ok(0),
+            "nothing is committed any more"
+        );
+        c.append(&r.request_id, &[5, 6]).unwrap();
+        assert_eq!(
+            c.commit(&r.request_id, 6),
+            Ok(0),
+            "not even blocks allocated after"
+        );
+        assert_eq!(c.stats().blocks_cached, 0);
+        c.finish(&r.request_id).unwrap();
+        assert_eq!(c.stats().blocks_free, 8, "its blocks are freed, not cached");
+        c.check_invariants();
+    }
+}
+
+#[test]
+fn a_full_hit_in_reuse_mode_shares_every_block_and_recomputes_one_token() {
+    let c = PrefixCache::new(
+        CacheConfig {
+            full_hit: FullHit::ReuseLastBlock,
+            ..CacheConfig::new(8, 2)
+        },
+        context_fingerprint(b"unit"),
+    )
+    .unwrap();
+    let a = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&a.request_id, 4).unwrap();
+    let b = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    assert!(b.full_hit && b.last_token_shared);
+    assert_eq!(b.num_cached_tokens, 3);
+    assert_eq!(b.block_table, a.block_table);
+    assert_eq!(c.ref_count(a.block_table[1]), Ok(2));
+    c.finish(&a.request_id).unwrap();
+    c.finish(&b.request_id).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn a_collision_stops_publishing_and_only_costs_a_miss() {
+    // One-bit table keys: find a seed under which the two prompts' first blocks collide.
+    let (a, b) = (vec![1, 2], vec![3, 4]);
+    let c = (0..64)
+        .map(|seed| {
+            let config = crate::CacheConfig {
+                key_bits: 1,
+                ..crate::CacheConfig::new(8, 2)
+            };
+            PrefixCache::with_table_seed(config, context_fingerprint(b"unit"), seed).unwrap()
+        })
+        .find(|c| {
+            let key = |t: &[u32]| {
+                let root = c.hasher.root(&c.root_key(b""));
+                c.hasher.block(&mut Vec::new(), root, t, b"")
+            };
+            key(&a) == key(&b)
+        })
+        .expect("half the seeds collide");
+    let first = c.begin(None, a.clone(), b"", no_extras(), 0).unwrap();
+    assert_eq!(c.commit(&first.request_id, 2), Ok(1));
+    let second = c.begin(None, b.clone(), b"", no_extras(), 0).unwrap();
+    assert_eq!(
+        second.num_cached_tokens, 0,
+        "the colliding entry does not verify"
+    );
+    assert_eq!(c.commit(&second.request_id, 2), Ok(0));
+    assert_eq!(c.stats().collisions, 1);
+    c.finish(&first.request_id).unwrap();
+    c.finish(&second.request_id).unwrap();
+    let probe = |t: &[u32]| [t, &[0]].concat();
+    assert_eq!(
+        c.lookup(&probe(&a), b"", &no_extras()).unwrap().blocks,
+        first.block_table
+    );
+    assert!(c
+        .lookup(&probe(&b), b"", &no_extras())
+        .unwrap()
+        .blocks
+        .is_empty());
+    c.check_invariants();
+}
+
+#[test]
+fn an_evicted_deduplicated_anchor_is_recommitted_from_the_own_copy() {
+    let c = cache(5, 1);
+    let a = c.begin(None, vec![1, 2], b"", no_extras(), 0).unwrap();
+    let b = c.begin(None, vec![1, 2, 3], b"", no_extras(), 0).unwrap();
+    c.commit(&a.request_id, 2).unwrap();
+    c.commit(&b.request_id, 1).unwrap(); // anchors on a's first block
+    c.finish(&a.request_id).unwrap();
+    // Pressure evicts a's cached chain (b holds only its own, uncached copies).
+    let pressure = c.allocate(2).unwrap();
+    assert_eq!(c.stats().evictions, 2);
+    assert_eq!(
+        c.commit(&b.request_id, 3),
+        Ok(3),
+        "b republishes from its own blocks"
+    );
+    assert_eq!(
+        c.lookup(&[1, 2, 3, 0], b"", &no_extras()).unwrap().blocks,
+        b.block_table
+    );
+    c.release(&pressure).unwrap();
+    c.finish(&b.request_id).unwrap();
+    c.check_invariants();
+}

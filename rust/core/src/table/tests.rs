@@ -1,0 +1,128 @@
+use std::hash::BuildHasher;
+
+use super::*;
+
+fn entry(id: u64, block: BlockId, token: u32) -> Entry {
+    Entry {
+        id,
+        block,
+        parent: Parent::Entry(id + 1000),
+        tokens: SmallVec::from_slice(&[token, token + 1]),
+        extras: if token.is_multiple_of(3) {
+            vec![token as u8; 3].into_boxed_slice()
+        } else {
+            Box::default()
+        },
+    }
+}
+
+#[test]
+fn removals_shift_back_and_keep_every_other_entry_reachable() {
+    // Four-bit keys on a 64-block table: long probe runs of colliding index hashes, then
+    // random removals and refills, checked against a plain map after every step.
+    let table = Table::new(64, 2).unwrap();
+    let mut model: std::collections::HashMap<u128, Entry> = Default::default();
+    let mut next_id = 1;
+    let mut state = 12345u64;
+    for step in 0..4000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let block = (state % 64) as BlockId;
+        let published = model
+            .iter()
+            .find(|(_, e)| e.block == block)
+            .map(|(k, _)| *k);
+        if let Some(key) = published {
+            table.remove(&TableKey(key));
+            model.remove(&key);
+        } else {
+            let key = u128::from(state >> 60) << 124 | u128::from(step as u64);
+            let e = entry(next_id, block, step);
+            next_id += 1;
+            if model.contains_key(&key) {
+                continue;
+            }
+            assert!(table.try_insert(TableKey(key), e.clone()).is_ok());
+            assert!(table.try_insert(TableKey(key), e.clone()).is_err());
+            model.insert(key, e);
+        }
+        assert_eq!(table.len(), model.len());
+        for (&key, e) in &model {
+            let got = table
+                .get(&TableKey(key))
+                .expect("published entry reachable");
+            assert_eq!((got.id, got.block, got.parent), (e.id, e.block, e.parent));
+            assert_eq!((&got.tokens, &got.extras), (&e.tokens, &e.extras));
+            assert!(table
+                .get_verified(&TableKey(key), &e.parent, &e.tokens, &e.extras)
+                .is_some());
+            assert!(table
+                .get_verified(&TableKey(key), &e.parent, &[7, 7], &e.extras)
+                .is_none());
+        }
+    }
+}
+
+#[test]
+fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
+    // Every entry's tokens are derived from its id, so a torn snapshot would not match.
+    let table = std::sync::Arc::new(Table::new(32, 4).unwrap());
+    let key_of = |id: u64| TableKey(u128::from(id % 48) << 122);
+    let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (table, stop) = (table.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut seen = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for slot in 0..48u64 {
+                        if let Some(e) = table.get(&key_of(slot)) {
+                            assert_eq!(key_of(e.id), key_of(slot));
+                            assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
+                            assert_eq!(e.parent, Parent::Entry(e.id ^ 1));
+                            seen += 1;
+                        }
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut owner: Vec<Option<u64>> = vec![None; 32];
+    let mut live = std::collections::HashSet::new();
+    // From 2: `id ^ 1` must name a real entry, and entry id 0 is no entry (a slot stores
+    // a parent of 0 as "a root"), so id 1 would read back with a root parent.
+    for id in 2..200_000u64 {
+        let block = (id % 32) as BlockId;
+        if let Some(old) = owner[block as usize].take() {
+            table.remove(&key_of(old));
+            live.remove(&(old % 48));
+        }
+        if live.insert(id % 48) {
+            let e = Entry {
+                id,
+                block,
+                parent: Parent::Entry(id ^ 1),
+                tokens: SmallVec::from_slice(&tokens_of(id)),
+                extras: Box::default(),
+            };
+            assert!(table.try_insert(key_of(id), e).is_ok());
+            owner[block as usize] = Some(id);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for reader in readers {
+        assert!(reader.join().unwrap() > 0);
+    }
+}
+
+#[test]
+fn truncated_keys_still_spread_over_slots() {
+    // 6-bit keys, as the stress test uses: every key's low 64 bits are zero.
+    let low_bits: std::collections::HashSet<u64> = (0..64u128)
+        .map(|k| BuildKeyHasher.hash_one(TableKey(k << 122)) & 63)
+        .collect();
+    assert_eq!(low_bits.len(), 64, "each 6-bit key gets its own slot of 64");
+}
