@@ -38,9 +38,9 @@ import torch
 from hypothesis import given, note, settings, target
 from hypothesis import strategies as st
 
-from prefixkv.kv import batch as batch_module
 from prefixkv.kv.pages import PagedKVCache
 from prefixkv.kv.prefill import paged_prefill_attention
+from prefixkv.models import batch as batch_module
 from prefixkv.models import decoder as model_module
 from prefixkv.models.decoder import (
     LlamaModel,
@@ -387,7 +387,7 @@ class RopeScalingDropped(LlamaModel):
         def unscaled(config: ModelConfig, length: int) -> torch.Tensor:
             return rope_inverse_frequencies(config.replace(rope_scaling=None), length)
 
-        # The packing (and its RoPE tables) lives in prefixkv.kv.batch.
+        # The packing (and its RoPE tables) lives in prefixkv.models.batch.
         with mock.patch.object(batch_module, "rope_inverse_frequencies", unscaled):
             return super()._pack(kv_cache, batch)
 

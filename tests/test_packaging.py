@@ -193,3 +193,65 @@ def test_analyze_main_is_a_deprecated_alias_of_the_cli_entry_point() -> None:
 
     with pytest.warns(DeprecationWarning, match="apps.cli.analyze_main"):
         assert prefixkv.analyze.main is analyze_main
+
+
+#: The layers, base first (docs/design.md, "Map of the code"): a module imports its own layer
+#: and the layers before it, never one after. Top-level modules are the block manager, except
+#: metrics, which reads the event publisher's counters.
+LAYERS = (
+    "block manager",
+    "events",
+    "metrics",
+    "text",
+    "analyze",
+    "kv",
+    "tiers",
+    "models",
+    "engine",
+    "integrations",
+    "apps",
+)
+PACKAGE_DIR = Path(prefixkv.__file__).parent
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and (PACKAGE_DIR / parts[1]).is_dir():
+        return parts[1]
+    return "metrics" if parts[1:2] == ["metrics"] else "block manager"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every prefixkv module a file names in an import, at any depth (type-only and
+    function-local imports count: they are dependencies a reader follows too)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "prefixkv":
+                names.update(f"prefixkv.{a.name}" for a in node.names)
+            else:
+                names.add(node.module)
+    return {n for n in names if n == "prefixkv" or n.startswith("prefixkv.")}
+
+
+def test_every_module_imports_only_its_own_layer_and_the_layers_below() -> None:
+    """The package's folders are its architecture: no module imports a layer above its own. The
+    curated `prefixkv/__init__.py` (which re-exports every layer, lazily) and `__main__`
+    entry points are the two exceptions."""
+    upward = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name == "__main__.py" or path == PACKAGE_DIR / "__init__.py":
+            continue
+        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        rank = LAYERS.index(_layer_of(module))
+        for target in _imports(path):
+            if target in ("prefixkv", "prefixkv._core"):
+                continue
+            if LAYERS.index(_layer_of(target)) > rank:
+                upward.append(f"{module} ({_layer_of(module)}) imports {target}")
+    assert not upward, "\n".join(upward)

@@ -49,7 +49,7 @@ from prefixkv.errors import (
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 
-_compat.install()  # old module paths (prefixkv.models.decoder, ...) as deprecated aliases
+_compat.install()  # the flat package's old module paths, as deprecated aliases
 
 if TYPE_CHECKING:
     from prefixkv.engine.facade import Engine, RequestResult

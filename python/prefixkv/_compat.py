@@ -21,7 +21,7 @@ MOVED = {
     "prefixkv.attention": "prefixkv.kv.prefill",
     "prefixkv.decode_attention": "prefixkv.kv.decode",
     "prefixkv.grouped_kv": "prefixkv.kv.grouped",
-    "prefixkv.batch": "prefixkv.kv.batch",
+    "prefixkv.batch": "prefixkv.models.batch",
     "prefixkv.model": "prefixkv.models.decoder",
     "prefixkv.model_config": "prefixkv.models.config",
     "prefixkv.rope": "prefixkv.models.rope",

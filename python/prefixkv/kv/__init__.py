@@ -2,7 +2,6 @@
 
 - `pages` (`PagedKVCache`): the pages of every layer in one allocation, slots, page copies.
 - `grouped` (`GroupedKVCache`): one set of pages per KV group of a hybrid model.
-- `batch`: what one paged forward pass is asked to compute, packed for the attention calls.
 - `prefill` (`paged_prefill_attention`): new tokens attending to keys read from pages, tiled
   FlashAttention-style; `_triton_prefill` is its CUDA kernel.
 - `decode` (`paged_decode_attention`): one query per request (decode steps).

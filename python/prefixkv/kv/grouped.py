@@ -9,7 +9,7 @@ window of every query), so its zeros are never seen.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -17,8 +17,18 @@ from prefixkv.errors import InvalidInputError
 from prefixkv.kv.pages import PagedKVCache
 from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 
-if TYPE_CHECKING:
-    from prefixkv.models.config import ModelConfig
+
+class KVShape(Protocol):
+    """What the pages of a model need from its config (`prefixkv.models.config.ModelConfig` has
+    it): named structurally, so the KV layer does not import the model layer above it."""
+
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def layer_sliding_windows(self) -> Sequence[int | None]: ...
+
 
 __all__ = ["GroupedKVCache"]
 
@@ -91,7 +101,7 @@ class GroupedKVCache:
     @classmethod
     def for_model(
         cls,
-        config: ModelConfig,
+        config: KVShape,
         num_blocks: Sequence[int],
         block_size: int,
         *,

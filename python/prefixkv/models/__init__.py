@@ -3,6 +3,7 @@
 - `config` (`ModelConfig`): a model's shape and position-encoding settings, and the
   `CacheContext` they imply; read from and written to Hugging Face ``config.json``.
 - `rope`: RoPE bases, frequencies and rotation for every scaling `RopeScaling` names.
+- `batch`: what one paged forward pass is asked to compute, packed for the attention calls.
 - `decoder` (`LlamaModel`): the Llama-style decoder on paged KV: prefill, decode, full recompute.
 - `lora`: LoRA adapters, the active one, and what names it in a cache key.
 - `checkpoint`: local Hugging Face checkpoint directories (weights, config, stop tokens).

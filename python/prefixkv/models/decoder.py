@@ -57,7 +57,15 @@ from torch import nn
 
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv.batch import (
+from prefixkv.kv.decode import paged_decode_attention
+from prefixkv.kv.grouped import GroupedKVCache
+from prefixkv.kv.pages import PagedKVCache
+
+# `LlamaModel` is what most callers import from here; the configuration, RoPE math, request
+# types, adapters and checkpoint I/O live in their own modules and are re-exported so that
+# `from prefixkv.models.decoder import ModelConfig` (and the rest) keeps working.
+from prefixkv.kv.prefill import AttentionBackend, paged_prefill_attention
+from prefixkv.models.batch import (
     BlockTable,
     DecodeRequest,
     PackedBatch,
@@ -67,14 +75,6 @@ from prefixkv.kv.batch import (
     pack_prefill_batch,
     token_tensor,
 )
-from prefixkv.kv.decode import paged_decode_attention
-from prefixkv.kv.grouped import GroupedKVCache
-from prefixkv.kv.pages import PagedKVCache
-
-# `LlamaModel` is what most callers import from here; the configuration, RoPE math, request
-# types, adapters and checkpoint I/O live in their own modules and are re-exported so that
-# `from prefixkv.models.decoder import ModelConfig` (and the rest) keeps working.
-from prefixkv.kv.prefill import AttentionBackend, paged_prefill_attention
 from prefixkv.models.config import ModelConfig, RopeScaling, model_context
 from prefixkv.models.hf_weights import load_pretrained, save_pretrained
 from prefixkv.models.layers import DecoderLayer, DecoderStack, draw_random_weights
@@ -565,7 +565,7 @@ class LlamaModel(nn.Module):
         self, kv_cache: PagedKVCache | GroupedKVCache, batch: Sequence[PrefillRequest]
     ) -> PackedBatch:
         """Validate the cache and every request, and lay the batch out as packed tensors
-        (`prefixkv.kv.batch.pack_prefill_batch`)."""
+        (`prefixkv.models.batch.pack_prefill_batch`)."""
         check_kv_cache(self.config, kv_cache, dtype=self.dtype, device=self.device)
         return pack_prefill_batch(
             self.config, kv_cache, batch, device=self.device, dtype=self.dtype
