@@ -194,7 +194,7 @@ def test_a_replay_that_never_ends_is_cut_at_its_deadline() -> None:
         send_and_settle(pub, subscriber, [[b"", seq_bytes(100), stored(100)]])  # a gap: replay
         start = time.monotonic()
         subscriber.close()
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 3.0  # the old loop outlived close()'s 5 s join
         assert subscriber.status().state == "stopped"
 
 
