@@ -724,3 +724,22 @@ def test_tools_nested_980_deep_through_a_jinja_template_is_one_line_error(tmp_pa
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.returncode == 1
     assert "tools[0] is nested deeper than" in result.stdout
+
+
+def test_a_line_of_many_short_messages_costs_a_small_multiple_of_its_size(tmp_path: Path) -> None:
+    # Issue 20, item 16: one 7.8 MB line of 600,000 messages took 950 MB (about 120 bytes per
+    # byte of the line): a (start, end) tuple per token from the tokenizer, and three segments
+    # per message held before merging. The same shape, smaller.
+    import tracemalloc
+
+    path = tmp_path / "many.jsonl"
+    line = '{"messages": [' + ",".join(['{"role":"u"}'] * 30_000) + "]}"
+    path.write_text(line + "\n")
+    tracemalloc.start()
+    try:
+        report = analyze_trace(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.requests == 1 and report.prompt_tokens == 8 * 30_000 + 2
+    assert peak < 40 * len(line), f"{peak / len(line):.0f} bytes per byte of the line"

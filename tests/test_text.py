@@ -84,6 +84,9 @@ def test_byte_tokenizer_round_trips_and_offsets_cover_the_text(text: str) -> Non
         assert 0 <= start < end <= len(text)
         covered.update(range(start, end))
     assert covered == set(range(len(text)))
+    # The compact form the analyzer keeps: the same ids and each token's start.
+    compact_ids, starts = tok.encode_with_starts(text)
+    assert compact_ids == ids and list(starts) == [start for start, _ in offsets]
 
 
 def test_byte_tokenizer_specials_are_single_ids() -> None:
@@ -113,6 +116,8 @@ def test_hf_tokenizer_round_trip_offsets_and_digest(tokenizer_json: Path) -> Non
     assert len(offsets) == len(ids) and offsets[-1][1] == len(text)
     assert tok.digest() == hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
     assert tok.vocab_size <= 600
+    compact_ids, starts = tok.encode_with_starts(text)
+    assert compact_ids == ids and list(starts) == [start for start, _ in offsets]
 
 
 def test_load_tokenizer(tokenizer_json: Path, tmp_path: Path) -> None:

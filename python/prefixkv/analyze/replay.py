@@ -98,9 +98,13 @@ def prepare(request: TraceRequest, tokenizer: Tokenizer, template: ChatTemplate)
         text, segments = template.render_with_segments(request.messages, True, request.tools)
     else:
         text = request.text or ""
-    tokens, offsets = tokenizer.encode_with_offsets(text)
-    starts = array("q", [start for start, _ in offsets])
-    del offsets
+    encode_with_starts = getattr(tokenizer, "encode_with_starts", None)
+    if encode_with_starts is not None:  # prefixkv's tokenizers: no tuple per token, even briefly
+        tokens, starts = encode_with_starts(text)
+    else:
+        tokens, offsets = tokenizer.encode_with_offsets(text)
+        starts = array("q", (start for start, _ in offsets))
+        del offsets
     return Prepared(request, tokens, text, starts, segments)
 
 

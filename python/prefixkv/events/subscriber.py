@@ -206,7 +206,14 @@ class EventSubscriber:
             self.malformed_frames += 1
             self._note(f"{name}: a frame of {len(frames)} parts is not [topic, seq, payload]")
             return
-        self._receive(name, int.from_bytes(frames[1], "big"), frames[2])
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq < 0:
+            # Sequence numbers are signed 64-bit on the replay channel (-1 ends a replay): one
+            # at 2**63 or above is no publisher's.
+            self.malformed_frames += 1
+            self._note(f"{name}: sequence number {seq + 2**64} is past 2**63")
+            return
+        self._receive(name, seq, frames[2])
 
     def _receive(self, name: str, seq: int, payload: bytes) -> None:
         last = self.index.applied_seq[name]
@@ -264,6 +271,9 @@ class EventSubscriber:
             return
         last = self.index.applied_seq[name]
         start = 0 if last is None else last + 1
+        if start >= 2**63:  # past what the request can say (an index fed by hand)
+            self._resynchronise(name)
+            start = 0
         deadline = time.monotonic() + self.replay_timeout
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError, MissingDependencyError
-from prefixkv.text.segments import Segment, attribute, merge_adjacent, message_text, segment_at
+from prefixkv.text.segments import Segment, attribute, message_text, segment_at
 
 if TYPE_CHECKING:
     from prefixkv.text.sandbox import RenderLimits
@@ -65,10 +66,11 @@ MAX_NESTING = 100
 
 def checked_input(
     messages: Any, tools: Any
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """`messages` and `tools` as lists of dicts, or `InvalidInputError` naming the field:
-    each must be a list (or tuple) of mappings, nested at most `MAX_NESTING` deep."""
-    out: dict[str, list[dict[str, Any]]] = {}
+) -> tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None]:
+    """`messages` and `tools` as given, or `InvalidInputError` naming the field: each must be a
+    list (or tuple) of mappings, nested at most `MAX_NESTING` deep. Nothing is copied (a
+    conversation may hold hundreds of thousands of messages)."""
+    out: dict[str, Sequence[Mapping[str, Any]]] = {}
     for field, items in (("messages", messages), ("tools", tools)):
         if items is None and field == "tools":
             continue
@@ -76,15 +78,13 @@ def checked_input(
             raise InvalidInputError(
                 f"{field} must be a list of mappings, got {type(items).__name__}"
             )
-        converted = []
         for i, item in enumerate(items):
             if not isinstance(item, Mapping):
                 raise InvalidInputError(
                     f"{field}[{i}] must be a mapping, got {type(item).__name__}"
                 )
             _check_nesting(item, f"{field}[{i}]")
-            converted.append(dict(item))
-        out[field] = converted
+        out[field] = items
     return out["messages"], out.get("tools")
 
 
@@ -174,16 +174,25 @@ class SimpleChatTemplate(ChatTemplate):
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[Segment]]:
         messages, tools = checked_input(messages, tools)
-        parts: list[str] = []
+        # Written to one buffer, and template spans merged as they come: a conversation of
+        # 600,000 short messages is three spans each, and holding them all before merging cost
+        # hundreds of bytes per character of the trace line.
+        out = io.StringIO()
         segments: list[Segment] = []
         pos = 0
 
         def emit(text: str, source: str, index: int | None = None, role: str | None = None):
             nonlocal pos
-            if text:
-                parts.append(text)
-                segments.append(Segment(pos, pos + len(text), source, index, role))
-                pos += len(text)
+            if not text:
+                return
+            out.write(text)
+            end = pos + len(text)
+            last = segments[-1] if segments else None
+            if source == "template" and last is not None and last.source == "template":
+                segments[-1] = Segment(last.start, end, "template")
+            else:
+                segments.append(Segment(pos, end, source, index, role))
+            pos = end
 
         def emit_tools() -> None:
             if not tools:
@@ -207,7 +216,7 @@ class SimpleChatTemplate(ChatTemplate):
             emit_tools()
         if add_generation_prompt:
             emit("<|assistant|>\n", "template")
-        return "".join(parts), merge_adjacent(segments)
+        return out.getvalue(), segments
 
     def digest(self) -> str:
         return hashlib.sha256(self.version.encode()).hexdigest()
@@ -363,13 +372,13 @@ class JinjaChatTemplate(ChatTemplate):
         try:
             context: dict[str, Any] = {
                 **self.extra_context,
-                "messages": checked_messages,
+                "messages": [dict(m) for m in checked_messages],
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token,
                 "eos_token": self.eos_token,
             }
             if checked_tools is not None:
-                context["tools"] = checked_tools
+                context["tools"] = [dict(t) for t in checked_tools]
             limits = self._limits(checked_messages, checked_tools)
             return self._environment.run(self._template, context, limits, self.name)
         except ChatTemplateError:
