@@ -43,12 +43,14 @@ from prefixkv.checkpoint import checkpoint_eos_token_ids
 from prefixkv.context import CacheContext
 from prefixkv.engine_inputs import (
     EngineInput,
+    EngineRequest,
     encode_request,
     positive_int,
+    request_options,
     resolve_chat_template,
     stop_tokens,
 )
-from prefixkv.engine_loop import GenerateRun
+from prefixkv.engine_loop import serve
 from prefixkv.engine_pools import build_kv_cache, check_fits, pool_sizes
 from prefixkv.engine_requests import RequestResult
 from prefixkv.errors import InvalidInputError
@@ -66,6 +68,7 @@ from prefixkv.tiers.remote import RemoteStore, RemoteTier
 
 __all__ = [
     "Engine",
+    "EngineRequest",
     "RequestResult",
     "checkpoint_eos_token_ids",
     "model_context",
@@ -372,11 +375,9 @@ class Engine:
         A finer policy is possible (the base does not move while every length stays within
         `max_position_embeddings`) but not implemented: off is the simple correct choice.
 
-        What stays approximate, as in transformers' cached generation: once a request's length
-        passes `max_position_embeddings`, each decoded token is rotated with the base of the
-        length at its own step while earlier positions keep theirs, so decode logits there
-        differ from a full recompute of the whole sequence (``use_cache=False``); the prompt's
-        prefill, computed in one pass, is exact.
+        Approximate, as in transformers' cached generation: past `max_position_embeddings`,
+        each decoded token is rotated with the base of its own step's length, so decode logits
+        differ from a full recompute (``use_cache=False``); the prompt's prefill is exact.
         """
         context = self.context
         if context.reuse_is_safe:
@@ -543,6 +544,11 @@ class Engine:
     ) -> list[RequestResult]:
         """Serve a batch of requests by continuous batching; results in request order.
 
+        A request is token ids, text or chat (`prefixkv.engine_inputs`), bare or wrapped in an
+        `EngineRequest` naming its tenant (`salt`: tenants never share KV blocks) and LoRA
+        adapter (served with it; requests of different adapters are served one adapter after
+        another, since the model runs one at a time).
+
         A request ends after `max_new_tokens` or at a stop token: `stop_token_ids` when given
         (``()`` for none), else the engine's `stop_token_ids` (a checkpoint's EOS tokens for
         `from_pretrained`).
@@ -556,7 +562,8 @@ class Engine:
             raise InvalidInputError("requests must be a list of requests")
         positive_int(max_new_tokens, "max_new_tokens")
         start = time.perf_counter()
-        prompts = [self.encode(request) for request in requests]
+        parsed = [request_options(request, self.model.adapter_names) for request in requests]
+        prompts = [self.encode(request.prompt) for request in parsed]
         check_fits(
             prompts,
             max_new_tokens,
@@ -565,27 +572,23 @@ class Engine:
             grouped=self.grouped,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
-        if stop_token_ids is None:
-            stops = frozenset(self.stop_token_ids)
-        else:
-            stops = frozenset(
-                stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
-            )
-        run = GenerateRun(
-            engine=self,
-            prompts=prompts,
+        stops = frozenset(
+            self.stop_token_ids
+            if stop_token_ids is None
+            else stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
+        )
+        self.last_stats = SchedulerStats()
+        return serve(
+            self,
+            prompts,
+            parsed,
+            self.last_stats,
             max_new_tokens=max_new_tokens,
             stops=stops,
             start=start,
             check_exactness=check_exactness,
             on_finish=on_finish,
         )
-        self.last_stats = run.stats
-        try:
-            return run.serve()
-        except BaseException:
-            run.abandon()
-            raise
 
     def __repr__(self) -> str:
         pools = pool_sizes(self.kv_cache)

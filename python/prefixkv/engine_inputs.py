@@ -2,7 +2,8 @@
 tokens an engine uses.
 
 A request is token ids (a list, numpy array or tensor), text, a list of chat messages, or
-``{"messages": [...], "tools": [...]}``. Text goes through the engine's tokenizer; chat goes
+``{"messages": [...], "tools": [...]}``; wrapped in an `EngineRequest` it also names its tenant
+(`salt`) and LoRA adapter. Text goes through the engine's tokenizer; chat goes
 through its chat template first. The template policy (`resolve_chat_template`) never renders a
 conversation with a template the caller did not choose or the checkpoint did not ship: the
 built-in template is only the default of the built-in tokenizer.
@@ -11,6 +12,7 @@ built-in template is only the default of the built-in tokenizer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,52 @@ from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Token
 
 __all__ = [
     "EngineInput",
+    "EngineRequest",
     "encode_request",
     "positive_int",
+    "request_options",
     "resolve_chat_template",
     "stop_tokens",
 ]
 
 #: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
 EngineInput = Any
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request with what goes into its block keys besides its tokens.
+
+    prompt: token ids, text, chat messages or ``{"messages": ...}`` (what `Engine.generate`
+        also takes bare).
+    salt: the tenant (str or bytes; equal bytes are the same tenant). Requests under different
+        salts never share a KV block, however equal their prompts; None is the shared,
+        unsalted space (`PrefixCache.add_request`'s `salt`).
+    adapter: the name of a LoRA adapter loaded on the engine's model (`LlamaModel.load_adapter`):
+        the request is served with it. None: the model's active adapter, as without a wrapper.
+    """
+
+    prompt: EngineInput
+    salt: str | bytes | None = None
+    adapter: str | None = None
+
+
+def request_options(request: EngineInput, adapters: Sequence[str]) -> EngineRequest:
+    """`request` as an `EngineRequest`, its salt and adapter checked (`adapters`: the names
+    loaded on the model)."""
+    if not isinstance(request, EngineRequest):
+        return EngineRequest(request)
+    if request.salt is not None and not isinstance(request.salt, (str, bytes)):
+        raise InvalidInputError(f"salt must be a str, bytes or None, got {request.salt!r}")
+    if request.adapter is not None:
+        if not isinstance(request.adapter, str):
+            raise InvalidInputError(f"adapter must be a str or None, got {request.adapter!r}")
+        if request.adapter not in adapters:
+            raise InvalidInputError(
+                f"adapter {request.adapter!r} is not loaded on the model (loaded: "
+                f"{', '.join(map(repr, adapters)) or 'none'}; see LlamaModel.load_adapter)"
+            )
+    return request
 
 
 def positive_int(value: object, name: str, minimum: int = 1) -> int:

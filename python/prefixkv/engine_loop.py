@@ -27,11 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixkv.cache import PrefixCache, Slots
+from prefixkv.engine_inputs import EngineRequest
 from prefixkv.engine_requests import RequestResult, ServedRequest
 from prefixkv.errors import OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
@@ -42,7 +43,7 @@ from prefixkv.tiers.manager import TierHit
 if TYPE_CHECKING:
     from prefixkv.engine import Engine
 
-__all__ = ["GenerateRun"]
+__all__ = ["GenerateRun", "serve"]
 
 
 @dataclass
@@ -54,14 +55,57 @@ class _Scheduled:
     num_new: int
 
 
+def serve(
+    engine: Engine,
+    prompts: Sequence[list[int]],
+    requests: Sequence[EngineRequest],
+    stats: SchedulerStats,
+    **run_options: Any,
+) -> list[RequestResult]:
+    """Serve one `generate` call; results in request order.
+
+    The model runs one LoRA adapter at a time, so requests naming different adapters are served
+    one adapter after another (first named first), each group as a `GenerateRun` with its
+    adapter active; the model's own active adapter is put back afterwards. Each adapter is part
+    of its requests' block keys, so no group ever reads another's blocks."""
+    model = engine.model
+    active = model.active_adapter
+    groups: dict[str | None, list[tuple[int, list[int], str | bytes | None]]] = {}
+    for index, (prompt, request) in enumerate(zip(prompts, requests, strict=True)):
+        adapter = active if request.adapter is None else request.adapter
+        groups.setdefault(adapter, []).append((index, prompt, request.salt))
+    results: list[RequestResult | None] = [None] * len(prompts)
+    try:
+        for adapter, group in groups.items():
+            if model.active_adapter != adapter:
+                model.set_adapter(adapter)
+                engine._sync_with_model()  # its key for the blocks of this group
+            run = GenerateRun(
+                engine=engine, requests=group, results=results, stats=stats, **run_options
+            )
+            try:
+                run.serve()
+            except BaseException:
+                run.abandon()
+                raise
+    finally:
+        if model.active_adapter != active:
+            model.set_adapter(active)
+            engine._sync_with_model()
+    return [result for result in results if result is not None]
+
+
 class GenerateRun:
-    """One `generate` call: the queues, the steps, and the cache calls that go with them."""
+    """The requests of one `generate` call that share an adapter: the queues, the steps, and
+    the cache calls that go with them."""
 
     def __init__(
         self,
         *,
         engine: Engine,
-        prompts: list[list[int]],
+        requests: Sequence[tuple[int, list[int], str | bytes | None]],
+        results: list[RequestResult | None],
+        stats: SchedulerStats,
         max_new_tokens: int,
         stops: frozenset[int],
         start: float,
@@ -75,14 +119,17 @@ class GenerateRun:
         self.start = start
         self.check_exactness = check_exactness
         self.on_finish = on_finish
-        self.stats = SchedulerStats()
+        self.stats = stats
         self.sequences = [
-            ServedRequest(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
-            for i, p in enumerate(prompts)
+            ServedRequest(
+                index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p), salt=salt
+            )
+            for i, p, salt in requests
         ]
         self.waiting: list[ServedRequest] = list(self.sequences)
         self.running: list[ServedRequest] = []
-        self.results: list[RequestResult | None] = [None] * len(prompts)
+        #: Indexed by request (`ServedRequest.index`), shared by the runs of one call.
+        self.results = results
         # Every request added to the cache and not yet finished: exactly these are finished if
         # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
         self.live: dict[str, ServedRequest] = {}
@@ -90,7 +137,7 @@ class GenerateRun:
 
     # -- the loop ------------------------------------------------------------------------
 
-    def serve(self) -> list[RequestResult]:
+    def serve(self) -> None:
         engine = self.engine
         for sequence in self.waiting:
             self._add(sequence)
@@ -102,7 +149,6 @@ class GenerateRun:
                 self._refuse_stuck()
             self._step(scheduled)
             engine.flush_kv_events()
-        return [result for result in self.results if result is not None]
 
     def abandon(self) -> None:
         for sequence in self.live.values():
@@ -114,7 +160,9 @@ class GenerateRun:
 
     def _add(self, sequence: ServedRequest) -> None:
         # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
-        salt = None if self.engine.prefix_reuse else f"prefix-reuse-off:{sequence.request_id}"
+        salt = sequence.salt
+        if not self.engine.prefix_reuse:
+            salt = f"prefix-reuse-off:{sequence.request_id}"
         self.cache.add_request(
             sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
         )

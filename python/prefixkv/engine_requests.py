@@ -86,6 +86,8 @@ class ServedRequest:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     scheduled_tokens: int = 0
+    #: The tenant (`EngineRequest.salt`): part of every block key of the request.
+    salt: str | bytes | None = None
     #: While waiting: what the lower tiers hold of its next blocks (probed once, not per step).
     tier_hit: TierHit | None = None
 
