@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixkv.errors import ChatTemplateError, InvalidInputError
+from prefixkv.errors import ChatTemplateError, InvalidInputError, PrefixKVError
 from prefixkv.text import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
 
 __all__ = [
@@ -70,6 +70,20 @@ def request_options(request: EngineInput, adapters: Sequence[str]) -> EngineRequ
                 f"{', '.join(map(repr, adapters)) or 'none'}; see LlamaModel.load_adapter)"
             )
     return request
+
+
+def _mappings(value: object, field: str) -> list[Mapping[str, Any]]:
+    """A chat request's `messages` or `tools`: a list of mappings, refused by name otherwise."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise InvalidInputError(
+            f"a chat request's {field} must be a list of mappings, got {type(value).__name__}"
+        )
+    for item in value:
+        if not isinstance(item, Mapping):
+            raise InvalidInputError(
+                f"a chat request's {field} must hold mappings, got {type(item).__name__}"
+            )
+    return list(value)
 
 
 def positive_int(value: object, name: str, minimum: int = 1) -> int:
@@ -159,15 +173,31 @@ def encode_request(
             )
         return chat_template
 
+    def render(messages: object, tools: object) -> list[int]:
+        messages = _mappings(messages, "messages")
+        tools = None if tools is None else _mappings(tools, "tools")
+        try:
+            text = template().render(messages, add_generation_prompt=True, tools=tools)
+        except PrefixKVError:
+            raise
+        except (TypeError, ValueError) as error:  # content a template cannot render
+            raise ChatTemplateError(
+                f"the chat request's messages or tools cannot be rendered: {error}"
+            ) from error
+        return encode_text(text)
+
     if isinstance(request, str):
         return encode_text(request)
     if isinstance(request, Mapping):
         if "messages" not in request:
             raise InvalidInputError("a chat request mapping needs a 'messages' list")
-        text = template().render(
-            request["messages"], add_generation_prompt=True, tools=request.get("tools")
-        )
-        return encode_text(text)
+        unknown = sorted(map(repr, set(request) - {"messages", "tools"}))
+        if unknown:
+            raise InvalidInputError(
+                f"a chat request mapping has unknown field(s) {', '.join(unknown)}: it takes "
+                "'messages' and 'tools' (a tenant salt or adapter goes in an EngineRequest)"
+            )
+        return render(request["messages"], request.get("tools"))
     if isinstance(request, torch.Tensor):
         request = request.detach().cpu().numpy()
     if isinstance(request, np.ndarray):
@@ -178,8 +208,7 @@ def encode_request(
         ids = [int(token) for token in request.tolist()]
     elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
         if request and all(isinstance(item, Mapping) for item in request):
-            text = template().render(request, add_generation_prompt=True)
-            return encode_text(text)
+            return render(request, None)
         if not all(
             isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in request
         ):
