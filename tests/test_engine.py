@@ -91,6 +91,26 @@ def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: st
     assert engine.cache.lookup([*prompt, 0]).block_ids == prompt_blocks
 
 
+def test_result_docs_describe_both_full_hit_modes(model: LlamaModel) -> None:
+    """Issue 20.15: `RequestResult`'s docs described only the reuse-last-block full hit, not
+    the default; they now say what each mode caches, and the figures they give hold."""
+    doc = RequestResult.__doc__ or ""
+    for phrase in (
+        '"recompute_last_block"`` (the default)',
+        "``prompt_tokens - block_size``",
+        '"reuse_last_block"',
+        "``prompt_tokens - 1``",
+    ):
+        assert phrase in doc
+    prompt = _prompt(3 * BLOCK, seed=4)
+    for mode, cached in (("recompute_last_block", 2 * BLOCK), ("reuse_last_block", 3 * BLOCK - 1)):
+        engine = _engine(model, full_hit=mode)
+        engine.generate([prompt], max_new_tokens=1)
+        (hit,) = engine.generate([prompt], max_new_tokens=1)
+        assert hit.full_hit and hit.cached_tokens == cached
+        assert hit.computed_tokens == len(prompt) - cached
+
+
 def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:
     engine = _engine(model)
     turn_one = _prompt(10, seed=3)
