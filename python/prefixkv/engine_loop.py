@@ -134,6 +134,8 @@ class GenerateRun:
         # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
         self.live: dict[str, ServedRequest] = {}
         self.block_size = engine.kv_cache.block_size
+        #: (request id, start, what the tiers held) of the last probe (`_tiers_probe`).
+        self.last_probe: tuple[str, int, TierHit | None] | None = None
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class GenerateRun:
     def _restart_all(self) -> None:
         """The weights changed under requests in flight: their KV is stale, and so is what
         they generated from it, so each starts again from its prompt, under the new context."""
+        self.last_probe = None
         for sequence in list(self.live.values()):
             self.cache.finish(sequence.request_id)
             del self.live[sequence.request_id]
@@ -306,16 +309,18 @@ class GenerateRun:
 
     def _tiers_probe(self, sequence: ServedRequest, start: int) -> TierHit | None:
         """What the lower tiers hold of a waiting request's blocks from `start` on
-        (`KVTiers.probe_request`). Kept on the request while it waits: a remote value never
-        changes under its key, and `KVTiers.load_request` checks the keys are still its own."""
+        (`KVTiers.probe_request`). The last probe is kept while its request waits (one, so a
+        long queue holds no fetched KV): a blocked request is not probed again every step. A
+        remote value never changes under its key, and `KVTiers.load_request` checks the keys
+        are still the request's own."""
         tiers = self.engine.tiers
         if tiers is None or not self.engine.prefix_reuse:
             return None
-        hit = sequence.tier_hit
-        if hit is None or hit.first * self.block_size != start:
-            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
-            hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
-            sequence.tier_hit = hit
+        if self.last_probe is not None and self.last_probe[:2] == (sequence.request_id, start):
+            return self.last_probe[2]
+        assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+        hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
+        self.last_probe = (sequence.request_id, start, hit)
         return hit
 
     def _tiers_load(
@@ -325,7 +330,7 @@ class GenerateRun:
         fresh blocks (those before the block of token ``end - 1``: at least one allocated
         token is left to compute), counted computed and committed; returns where computing
         starts."""
-        sequence.tier_hit = None
+        self.last_probe = None
         tiers = self.engine.tiers
         start = slots.num_computed_tokens
         if tiers is None or hit is None or slots.last_token_shared:

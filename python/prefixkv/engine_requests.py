@@ -17,7 +17,6 @@ from prefixkv.cache import Slots
 from prefixkv.group_cache import GroupSlots
 from prefixkv.model import LlamaModel
 from prefixkv.text import Tokenizer
-from prefixkv.tiers.manager import TierHit
 
 __all__ = ["RequestResult", "ServedRequest"]
 
@@ -106,8 +105,6 @@ class ServedRequest:
     scheduled_tokens: int = 0
     #: The tenant (`EngineRequest.salt`): part of every block key of the request.
     salt: str | bytes | None = None
-    #: While waiting: what the lower tiers hold of its next blocks (probed once, not per step).
-    tier_hit: TierHit | None = None
 
     def admitted(self, slots: Slots | GroupSlots) -> None:
         if self.admissions == 0:
