@@ -1,12 +1,15 @@
-"""One `Engine.generate` call, step by step: `GenerateRun`.
+"""One `Engine.generate` call, step by step: `serve` and `GenerateRun`.
 
-A run holds two queues, *waiting* and *running*, and repeats one step until both are empty:
+`serve` splits the call's requests by LoRA adapter (the model runs one at a time) and serves
+each group as a `GenerateRun`. A run holds two queues, *waiting* and *running*, and repeats one step until both are empty:
 
 1. **schedule**: running requests first (a decode token plus drafts, or a prompt's next chunk),
    preempting the newest running request when the pool is short; then waiting requests, in the
    order `prefixkv.scheduler.order_waiting` gives, while the step's token budget and the pool
    allow. Admission matches the request's cached prefix (`PrefixCache.allocate_slots`) and
-   extends it from the lower tiers (`prefixkv.tiers.KVTiers`).
+   extends it from the lower tiers (`prefixkv.tiers.KVTiers`), the whole tier hit at once
+   however many steps' budgets it spans. Room for draft tokens is optional: a request gives
+   it up before it would preempt itself or wait alone.
 2. **step**: one `LlamaModel.prefill` over every scheduled chunk (decode tokens and prompt
    chunks mixed, varlen), then `commit`, which publishes the blocks that filled.
 3. **sample**: greedy; under speculative decoding the drafts are verified first
