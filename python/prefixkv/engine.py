@@ -64,7 +64,7 @@ from prefixkv.scheduler import SCHEDULING_POLICIES, SchedulerStats
 from prefixkv.text import ByteTokenizer, ChatTemplate, Tokenizer
 from prefixkv.threads import configure_torch_threads
 from prefixkv.tiers.manager import KVTiers
-from prefixkv.tiers.remote import RemoteStore, RemoteTier
+from prefixkv.tiers.remote import RemoteStore
 
 __all__ = [
     "Engine",
@@ -255,16 +255,13 @@ class Engine:
         # -- lower tiers (prefixkv.tiers): off unless asked for
         self.tiers: KVTiers | None = None
         if host_tier_bytes is not None or remote_store is not None:
-            remote = None
-            if remote_store is not None:
-                remote = RemoteTier(
-                    remote_store, namespace=remote_namespace, queue_size=remote_queue_size
-                )
             assert isinstance(self.kv_cache, PagedKVCache) and isinstance(self.cache, PrefixCache)
-            self.tiers = KVTiers(
+            self.tiers = KVTiers.build(
                 self.kv_cache,
                 host_tier_bytes=host_tier_bytes,
-                remote=remote,
+                remote_store=remote_store,
+                remote_namespace=remote_namespace,
+                remote_queue_size=remote_queue_size,
                 write_policy=remote_write,
             )
             self.cache.set_eviction_log(self.tiers.needs_eviction_log)
