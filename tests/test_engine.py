@@ -8,10 +8,13 @@ such a bug and checks that the comparison notices.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixkv import InvalidInputError, OutOfBlocksError
 from prefixkv.engine.facade import Engine, RequestResult, weights_digest
@@ -86,6 +89,26 @@ def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: st
     after = engine.kv_cache.storage
     assert torch.equal(before[:, :, prompt_blocks], after[:, :, prompt_blocks])
     assert engine.cache.lookup([*prompt, 0]).block_ids == prompt_blocks
+
+
+def test_result_docs_describe_both_full_hit_modes(model: LlamaModel) -> None:
+    """Issue 20.15: `RequestResult`'s docs described only the reuse-last-block full hit, not
+    the default; they now say what each mode caches, and the figures they give hold."""
+    doc = RequestResult.__doc__ or ""
+    for phrase in (
+        '"recompute_last_block"`` (the default)',
+        "``prompt_tokens - block_size``",
+        '"reuse_last_block"',
+        "``prompt_tokens - 1``",
+    ):
+        assert phrase in doc
+    prompt = _prompt(3 * BLOCK, seed=4)
+    for mode, cached in (("recompute_last_block", 2 * BLOCK), ("reuse_last_block", 3 * BLOCK - 1)):
+        engine = _engine(model, full_hit=mode)
+        engine.generate([prompt], max_new_tokens=1)
+        (hit,) = engine.generate([prompt], max_new_tokens=1)
+        assert hit.full_hit and hit.cached_tokens == cached
+        assert hit.computed_tokens == len(prompt) - cached
 
 
 def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:
@@ -439,3 +462,58 @@ def test_pinned_blocks_are_not_counted_as_obtainable() -> None:
     # It ran until decode needed a third block: its two prompt blocks stay cached.
     assert (stats.requests_live, stats.blocks_cached, stats.blocks_in_use) == (0, 8, 0)
     engine.cache.check_invariants()
+
+
+# -- hostile chat requests (issue 20.14) ----------------------------------------------------------
+
+_OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        ({"messages": "hello"}, "messages"),
+        ({"messages": None}, "messages"),
+        ({"messages": [None]}, "messages"),
+        ({"messages": ["hello"]}, "messages"),
+        ({"messages": _OK_MESSAGES, "tools": 5}, "tools"),
+        ({"messages": _OK_MESSAGES, "tools": "search"}, "tools"),
+        ({"messages": _OK_MESSAGES, "tools": [5]}, "tools"),
+        ({"messages": _OK_MESSAGES, "tools": [{"name": object()}]}, "tools"),
+        ({"messages": _OK_MESSAGES, "salt": "tenant"}, "salt"),  # silently unsalted otherwise
+    ],
+)
+def test_malformed_chat_requests_are_refused_by_field(
+    model: LlamaModel, request_: object, field: str
+) -> None:
+    engine = _engine(model)
+    with pytest.raises(InvalidInputError, match=field):
+        engine.generate([request_], max_new_tokens=1)
+    assert engine.cache.stats().requests_live == 0
+    assert engine.cache.stats().blocks_in_use == 0
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_hostile_chat = st.one_of(
+    st.fixed_dictionaries({"messages": _json}),
+    st.fixed_dictionaries({"messages": st.just(_OK_MESSAGES), "tools": _json}),
+    st.lists(st.dictionaries(st.sampled_from(["role", "content"]), _json, max_size=2), max_size=3),
+)
+
+
+@given(request_=_hostile_chat)
+def test_any_chat_payload_is_served_or_refused_with_a_typed_error(request_: object) -> None:
+    engine = _HOSTILE_ENGINE
+    with contextlib.suppress(InvalidInputError):  # served, or refused with a typed error
+        engine.generate([request_], max_new_tokens=1)
+    stats = engine.cache.stats()
+    assert stats.requests_live == 0 and stats.blocks_in_use == 0
+
+
+_HOSTILE_ENGINE = Engine(num_blocks=256, block_size=16)

@@ -42,12 +42,14 @@ from prefixkv.cache import FULL_HIT_MODES, PrefixCache
 from prefixkv.context import CacheContext
 from prefixkv.engine.inputs import (
     EngineInput,
+    EngineRequest,
     encode_request,
     positive_int,
+    request_options,
     resolve_chat_template,
     stop_tokens,
 )
-from prefixkv.engine.loop import GenerateRun
+from prefixkv.engine.loop import serve
 from prefixkv.engine.pools import build_kv_cache, check_fits, pool_sizes
 from prefixkv.engine.requests import RequestResult
 from prefixkv.engine.scheduler import SCHEDULING_POLICIES, SchedulerStats
@@ -62,10 +64,11 @@ from prefixkv.models.config import model_context
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.text.tokenizers import ByteTokenizer, ChatTemplate, Tokenizer
 from prefixkv.tiers.manager import KVTiers
-from prefixkv.tiers.remote import RemoteStore, RemoteTier
+from prefixkv.tiers.remote import RemoteStore
 
 __all__ = [
     "Engine",
+    "EngineRequest",
     "RequestResult",
     "checkpoint_eos_token_ids",
     "model_context",
@@ -252,16 +255,13 @@ class Engine:
         # -- lower tiers (prefixkv.tiers): off unless asked for
         self.tiers: KVTiers | None = None
         if host_tier_bytes is not None or remote_store is not None:
-            remote = None
-            if remote_store is not None:
-                remote = RemoteTier(
-                    remote_store, namespace=remote_namespace, queue_size=remote_queue_size
-                )
             assert isinstance(self.kv_cache, PagedKVCache) and isinstance(self.cache, PrefixCache)
-            self.tiers = KVTiers(
+            self.tiers = KVTiers.build(
                 self.kv_cache,
                 host_tier_bytes=host_tier_bytes,
-                remote=remote,
+                remote_store=remote_store,
+                remote_namespace=remote_namespace,
+                remote_queue_size=remote_queue_size,
                 write_policy=remote_write,
             )
             self.cache.set_eviction_log(self.tiers.needs_eviction_log)
@@ -372,11 +372,9 @@ class Engine:
         A finer policy is possible (the base does not move while every length stays within
         `max_position_embeddings`) but not implemented: off is the simple correct choice.
 
-        What stays approximate, as in transformers' cached generation: once a request's length
-        passes `max_position_embeddings`, each decoded token is rotated with the base of the
-        length at its own step while earlier positions keep theirs, so decode logits there
-        differ from a full recompute of the whole sequence (``use_cache=False``); the prompt's
-        prefill, computed in one pass, is exact.
+        Approximate, as in transformers' cached generation: past `max_position_embeddings`,
+        each decoded token is rotated with the base of its own step's length, so decode logits
+        differ from a full recompute (``use_cache=False``); the prompt's prefill is exact.
         """
         context = self.context
         if context.reuse_is_safe:
@@ -543,6 +541,11 @@ class Engine:
     ) -> list[RequestResult]:
         """Serve a batch of requests by continuous batching; results in request order.
 
+        A request is token ids, text or chat (`prefixkv.engine.inputs`), bare or wrapped in an
+        `EngineRequest` naming its tenant (`salt`: tenants never share KV blocks) and LoRA
+        adapter (served with it; requests of different adapters are served one adapter after
+        another, since the model runs one at a time).
+
         A request ends after `max_new_tokens` or at a stop token: `stop_token_ids` when given
         (``()`` for none), else the engine's `stop_token_ids` (a checkpoint's EOS tokens for
         `from_pretrained`).
@@ -556,7 +559,8 @@ class Engine:
             raise InvalidInputError("requests must be a list of requests")
         positive_int(max_new_tokens, "max_new_tokens")
         start = time.perf_counter()
-        prompts = [self.encode(request) for request in requests]
+        parsed = [request_options(request, self.model.adapter_names) for request in requests]
+        prompts = [self.encode(request.prompt) for request in parsed]
         check_fits(
             prompts,
             max_new_tokens,
@@ -565,27 +569,23 @@ class Engine:
             grouped=self.grouped,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
-        if stop_token_ids is None:
-            stops = frozenset(self.stop_token_ids)
-        else:
-            stops = frozenset(
-                stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
-            )
-        run = GenerateRun(
-            engine=self,
-            prompts=prompts,
+        stops = frozenset(
+            self.stop_token_ids
+            if stop_token_ids is None
+            else stop_tokens(stop_token_ids, self.model.config.vocab_size, "stop_token_ids")
+        )
+        self.last_stats = SchedulerStats()
+        return serve(
+            self,
+            prompts,
+            parsed,
+            self.last_stats,
             max_new_tokens=max_new_tokens,
             stops=stops,
             start=start,
             check_exactness=check_exactness,
             on_finish=on_finish,
         )
-        self.last_stats = run.stats
-        try:
-            return run.serve()
-        except BaseException:
-            run.abandon()
-            raise
 
     def __repr__(self) -> str:
         pools = pool_sizes(self.kv_cache)

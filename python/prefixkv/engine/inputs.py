@@ -2,7 +2,8 @@
 tokens an engine uses.
 
 A request is token ids (a list, numpy array or tensor), text, a list of chat messages, or
-``{"messages": [...], "tools": [...]}``. Text goes through the engine's tokenizer; chat goes
+``{"messages": [...], "tools": [...]}``; wrapped in an `EngineRequest` it also names its tenant
+(`salt`) and LoRA adapter. Text goes through the engine's tokenizer; chat goes
 through its chat template first. The template policy (`resolve_chat_template`) never renders a
 conversation with a template the caller did not choose or the checkpoint did not ship: the
 built-in template is only the default of the built-in tokenizer.
@@ -11,25 +12,78 @@ built-in template is only the default of the built-in tokenizer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from prefixkv.errors import ChatTemplateError, InvalidInputError
+from prefixkv.errors import ChatTemplateError, InvalidInputError, PrefixKVError
 from prefixkv.text.tokenizers import ByteTokenizer, ChatTemplate, SimpleChatTemplate, Tokenizer
 
 __all__ = [
     "EngineInput",
+    "EngineRequest",
     "encode_request",
     "positive_int",
+    "request_options",
     "resolve_chat_template",
     "stop_tokens",
 ]
 
 #: A request: token ids, text, chat messages, or ``{"messages": [...], "tools": [...]}``.
 EngineInput = Any
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request with what goes into its block keys besides its tokens.
+
+    prompt: token ids, text, chat messages or ``{"messages": ...}`` (what `Engine.generate`
+        also takes bare).
+    salt: the tenant (str or bytes; equal bytes are the same tenant). Requests under different
+        salts never share a KV block, however equal their prompts; None is the shared,
+        unsalted space (`PrefixCache.add_request`'s `salt`).
+    adapter: the name of a LoRA adapter loaded on the engine's model (`LlamaModel.load_adapter`):
+        the request is served with it. None: the model's active adapter, as without a wrapper.
+    """
+
+    prompt: EngineInput
+    salt: str | bytes | None = None
+    adapter: str | None = None
+
+
+def request_options(request: EngineInput, adapters: Sequence[str]) -> EngineRequest:
+    """`request` as an `EngineRequest`, its salt and adapter checked (`adapters`: the names
+    loaded on the model)."""
+    if not isinstance(request, EngineRequest):
+        return EngineRequest(request)
+    if request.salt is not None and not isinstance(request.salt, (str, bytes)):
+        raise InvalidInputError(f"salt must be a str, bytes or None, got {request.salt!r}")
+    if request.adapter is not None:
+        if not isinstance(request.adapter, str):
+            raise InvalidInputError(f"adapter must be a str or None, got {request.adapter!r}")
+        if request.adapter not in adapters:
+            raise InvalidInputError(
+                f"adapter {request.adapter!r} is not loaded on the model (loaded: "
+                f"{', '.join(map(repr, adapters)) or 'none'}; see LlamaModel.load_adapter)"
+            )
+    return request
+
+
+def _mappings(value: object, field: str) -> list[Mapping[str, Any]]:
+    """A chat request's `messages` or `tools`: a list of mappings, refused by name otherwise."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise InvalidInputError(
+            f"a chat request's {field} must be a list of mappings, got {type(value).__name__}"
+        )
+    for item in value:
+        if not isinstance(item, Mapping):
+            raise InvalidInputError(
+                f"a chat request's {field} must hold mappings, got {type(item).__name__}"
+            )
+    return list(value)
 
 
 def positive_int(value: object, name: str, minimum: int = 1) -> int:
@@ -119,15 +173,31 @@ def encode_request(
             )
         return chat_template
 
+    def render(messages: object, tools: object) -> list[int]:
+        messages = _mappings(messages, "messages")
+        tools = None if tools is None else _mappings(tools, "tools")
+        try:
+            text = template().render(messages, add_generation_prompt=True, tools=tools)
+        except PrefixKVError:
+            raise
+        except (TypeError, ValueError) as error:  # content a template cannot render
+            raise ChatTemplateError(
+                f"the chat request's messages or tools cannot be rendered: {error}"
+            ) from error
+        return encode_text(text)
+
     if isinstance(request, str):
         return encode_text(request)
     if isinstance(request, Mapping):
         if "messages" not in request:
             raise InvalidInputError("a chat request mapping needs a 'messages' list")
-        text = template().render(
-            request["messages"], add_generation_prompt=True, tools=request.get("tools")
-        )
-        return encode_text(text)
+        unknown = sorted(map(repr, set(request) - {"messages", "tools"}))
+        if unknown:
+            raise InvalidInputError(
+                f"a chat request mapping has unknown field(s) {', '.join(unknown)}: it takes "
+                "'messages' and 'tools' (a tenant salt or adapter goes in an EngineRequest)"
+            )
+        return render(request["messages"], request.get("tools"))
     if isinstance(request, torch.Tensor):
         request = request.detach().cpu().numpy()
     if isinstance(request, np.ndarray):
@@ -138,8 +208,7 @@ def encode_request(
         ids = [int(token) for token in request.tolist()]
     elif isinstance(request, Sequence) and not isinstance(request, (bytes, bytearray)):
         if request and all(isinstance(item, Mapping) for item in request):
-            text = template().render(request, add_generation_prompt=True)
-            return encode_text(text)
+            return render(request, None)
         if not all(
             isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in request
         ):

@@ -1,12 +1,15 @@
-"""One `Engine.generate` call, step by step: `GenerateRun`.
+"""One `Engine.generate` call, step by step: `serve` and `GenerateRun`.
 
-A run holds two queues, *waiting* and *running*, and repeats one step until both are empty:
+`serve` splits the call's requests by LoRA adapter (the model runs one at a time) and serves
+each group as a `GenerateRun`. A run holds two queues, *waiting* and *running*, and repeats one step until both are empty:
 
 1. **schedule**: running requests first (a decode token plus drafts, or a prompt's next chunk),
    preempting the newest running request when the pool is short; then waiting requests, in the
    order `prefixkv.engine.scheduler.order_waiting` gives, while the step's token budget and the pool
    allow. Admission matches the request's cached prefix (`PrefixCache.allocate_slots`) and
-   extends it from the lower tiers (`prefixkv.tiers.KVTiers`).
+   extends it from the lower tiers (`prefixkv.tiers.KVTiers`), the whole tier hit at once
+   however many steps' budgets it spans. Room for draft tokens is optional: a request gives
+   it up before it would preempt itself or wait alone.
 2. **step**: one `LlamaModel.prefill` over every scheduled chunk (decode tokens and prompt
    chunks mixed, varlen), then `commit`, which publishes the blocks that filled.
 3. **sample**: greedy; under speculative decoding the drafts are verified first
@@ -27,11 +30,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixkv.cache import PrefixCache, Slots
+from prefixkv.engine.inputs import EngineRequest
 from prefixkv.engine.requests import RequestResult, ServedRequest
 from prefixkv.engine.scheduler import SchedulerStats, WaitingCandidate, ngram_drafts, order_waiting
 from prefixkv.errors import OutOfBlocksError
@@ -42,7 +46,7 @@ from prefixkv.tiers.manager import TierHit
 if TYPE_CHECKING:
     from prefixkv.engine.facade import Engine
 
-__all__ = ["GenerateRun"]
+__all__ = ["GenerateRun", "serve"]
 
 
 @dataclass
@@ -54,14 +58,57 @@ class _Scheduled:
     num_new: int
 
 
+def serve(
+    engine: Engine,
+    prompts: Sequence[list[int]],
+    requests: Sequence[EngineRequest],
+    stats: SchedulerStats,
+    **run_options: Any,
+) -> list[RequestResult]:
+    """Serve one `generate` call; results in request order.
+
+    The model runs one LoRA adapter at a time, so requests naming different adapters are served
+    one adapter after another (first named first), each group as a `GenerateRun` with its
+    adapter active; the model's own active adapter is put back afterwards. Each adapter is part
+    of its requests' block keys, so no group ever reads another's blocks."""
+    model = engine.model
+    active = model.active_adapter
+    groups: dict[str | None, list[tuple[int, list[int], str | bytes | None]]] = {}
+    for index, (prompt, request) in enumerate(zip(prompts, requests, strict=True)):
+        adapter = active if request.adapter is None else request.adapter
+        groups.setdefault(adapter, []).append((index, prompt, request.salt))
+    results: list[RequestResult | None] = [None] * len(prompts)
+    try:
+        for adapter, group in groups.items():
+            if model.active_adapter != adapter:
+                model.set_adapter(adapter)
+                engine._sync_with_model()  # its key for the blocks of this group
+            run = GenerateRun(
+                engine=engine, requests=group, results=results, stats=stats, **run_options
+            )
+            try:
+                run.serve()
+            except BaseException:
+                run.abandon()
+                raise
+    finally:
+        if model.active_adapter != active:
+            model.set_adapter(active)
+            engine._sync_with_model()
+    return [result for result in results if result is not None]
+
+
 class GenerateRun:
-    """One `generate` call: the queues, the steps, and the cache calls that go with them."""
+    """The requests of one `generate` call that share an adapter: the queues, the steps, and
+    the cache calls that go with them."""
 
     def __init__(
         self,
         *,
         engine: Engine,
-        prompts: list[list[int]],
+        requests: Sequence[tuple[int, list[int], str | bytes | None]],
+        results: list[RequestResult | None],
+        stats: SchedulerStats,
         max_new_tokens: int,
         stops: frozenset[int],
         start: float,
@@ -75,22 +122,27 @@ class GenerateRun:
         self.start = start
         self.check_exactness = check_exactness
         self.on_finish = on_finish
-        self.stats = SchedulerStats()
+        self.stats = stats
         self.sequences = [
-            ServedRequest(index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p))
-            for i, p in enumerate(prompts)
+            ServedRequest(
+                index=i, request_id=engine._new_request_id(), prompt=p, tokens=list(p), salt=salt
+            )
+            for i, p, salt in requests
         ]
         self.waiting: list[ServedRequest] = list(self.sequences)
         self.running: list[ServedRequest] = []
-        self.results: list[RequestResult | None] = [None] * len(prompts)
+        #: Indexed by request (`ServedRequest.index`), shared by the runs of one call.
+        self.results = results
         # Every request added to the cache and not yet finished: exactly these are finished if
         # anything goes wrong (a model error, an on_finish callback raising, Ctrl-C).
         self.live: dict[str, ServedRequest] = {}
         self.block_size = engine.kv_cache.block_size
+        #: (request id, start, what the tiers held) of the last probe (`_tiers_probe`).
+        self.last_probe: tuple[str, int, TierHit | None] | None = None
 
     # -- the loop ------------------------------------------------------------------------
 
-    def serve(self) -> list[RequestResult]:
+    def serve(self) -> None:
         engine = self.engine
         for sequence in self.waiting:
             self._add(sequence)
@@ -102,7 +154,6 @@ class GenerateRun:
                 self._refuse_stuck()
             self._step(scheduled)
             engine.flush_kv_events()
-        return [result for result in self.results if result is not None]
 
     def abandon(self) -> None:
         for sequence in self.live.values():
@@ -114,7 +165,9 @@ class GenerateRun:
 
     def _add(self, sequence: ServedRequest) -> None:
         # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
-        salt = None if self.engine.prefix_reuse else f"prefix-reuse-off:{sequence.request_id}"
+        salt = sequence.salt
+        if not self.engine.prefix_reuse:
+            salt = f"prefix-reuse-off:{sequence.request_id}"
         self.cache.add_request(
             sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
         )
@@ -123,6 +176,7 @@ class GenerateRun:
     def _restart_all(self) -> None:
         """The weights changed under requests in flight: their KV is stale, and so is what
         they generated from it, so each starts again from its prompt, under the new context."""
+        self.last_probe = None
         for sequence in list(self.live.values()):
             self.cache.finish(sequence.request_id)
             del self.live[sequence.request_id]
@@ -258,16 +312,18 @@ class GenerateRun:
 
     def _tiers_probe(self, sequence: ServedRequest, start: int) -> TierHit | None:
         """What the lower tiers hold of a waiting request's blocks from `start` on
-        (`KVTiers.probe_request`). Kept on the request while it waits: a remote value never
-        changes under its key, and `KVTiers.load_request` checks the keys are still its own."""
+        (`KVTiers.probe_request`). The last probe is kept while its request waits (one, so a
+        long queue holds no fetched KV): a blocked request is not probed again every step. A
+        remote value never changes under its key, and `KVTiers.load_request` checks the keys
+        are still the request's own."""
         tiers = self.engine.tiers
         if tiers is None or not self.engine.prefix_reuse:
             return None
-        hit = sequence.tier_hit
-        if hit is None or hit.first * self.block_size != start:
-            assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
-            hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
-            sequence.tier_hit = hit
+        if self.last_probe is not None and self.last_probe[:2] == (sequence.request_id, start):
+            return self.last_probe[2]
+        assert isinstance(self.cache, PrefixCache)  # no tiers with KV groups
+        hit = tiers.probe_request(self.cache, sequence.request_id, sequence.tokens, start)
+        self.last_probe = (sequence.request_id, start, hit)
         return hit
 
     def _tiers_load(
@@ -277,7 +333,7 @@ class GenerateRun:
         fresh blocks (those before the block of token ``end - 1``: at least one allocated
         token is left to compute), counted computed and committed; returns where computing
         starts."""
-        sequence.tier_hit = None
+        self.last_probe = None
         tiers = self.engine.tiers
         start = slots.num_computed_tokens
         if tiers is None or hit is None or slots.last_token_shared:

@@ -17,26 +17,43 @@ from prefixkv.cache import Slots
 from prefixkv.group_cache import GroupSlots
 from prefixkv.models.decoder import LlamaModel
 from prefixkv.text.tokenizers import Tokenizer
-from prefixkv.tiers.manager import TierHit
 
 __all__ = ["RequestResult", "ServedRequest"]
 
 
 @dataclass
 class RequestResult:
-    """What serving one request produced, and what it cost."""
+    """What serving one request produced, and what it cost.
+
+    A *full hit* (`full_hit`) is a prompt whose every block was cached (its length a multiple
+    of the block size). Its last token must still be computed for its logits; how depends on
+    the engine's ``full_hit`` mode:
+
+    * ``"recompute_last_block"`` (the default): the last block is recomputed into a private
+      block (its KV written there; the copy deduplicates at commit), so `cached_tokens` is
+      ``prompt_tokens - block_size`` and `computed_tokens` is ``block_size``.
+    * ``"reuse_last_block"``: every block is shared and only the last token is computed,
+      reading its KV from the shared block and writing nothing: `cached_tokens` is
+      ``prompt_tokens - 1``.
+
+    `cached_tokens` counts the first admission's hit: blocks matched on the device plus blocks
+    loaded from the host or remote tier. A request preempted and resumed recomputes what it
+    lost without changing it.
+    """
 
     prompt_token_ids: list[int]
-    #: Prompt tokens whose KV was read from the cache (for a full hit: all but the last).
+    #: Prompt tokens whose KV was read from the cache or a lower tier at the first admission
+    #: (for a full hit, see above: all but the last block by default).
     cached_tokens: int
-    #: Prompt positions the model computed (``prompt_tokens - cached_tokens``, at least 1).
+    #: Prompt positions the model computed at the first admission
+    #: (``prompt_tokens - cached_tokens``, at least 1).
     computed_tokens: int
     #: Seconds from the `generate` call to this request's first output token.
     time_to_first_token: float
     output_token_ids: list[int]
     #: The output decoded by the engine's tokenizer (None without one).
     output_text: str | None
-    #: Every prompt block was cached: only the last token was recomputed, nothing written.
+    #: Every prompt block was cached (see above for what was computed and written).
     full_hit: bool
     #: With ``check_exactness=True``: the largest |logit difference| between what the engine
     #: computed (prefill and every decode step) and a full recompute without cache.
@@ -86,8 +103,8 @@ class ServedRequest:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     scheduled_tokens: int = 0
-    #: While waiting: what the lower tiers hold of its next blocks (probed once, not per step).
-    tier_hit: TierHit | None = None
+    #: The tenant (`EngineRequest.salt`): part of every block key of the request.
+    salt: str | bytes | None = None
 
     def admitted(self, slots: Slots | GroupSlots) -> None:
         if self.admissions == 0:

@@ -33,7 +33,7 @@ from prefixkv.cache import PrefixCache
 from prefixkv.errors import InvalidInputError
 from prefixkv.kv.pages import PagedKVCache
 from prefixkv.tiers.host import BlockRecord, HostTier
-from prefixkv.tiers.remote import RemoteTier
+from prefixkv.tiers.remote import RemoteStore, RemoteTier
 
 __all__ = ["WRITE_POLICIES", "KVTiers", "TierHit", "TierStats"]
 
@@ -97,6 +97,26 @@ class KVTiers:
             device_pool.num_kv_heads,
             device_pool.head_dim,
         )
+
+    @classmethod
+    def build(
+        cls,
+        device_pool: PagedKVCache,
+        *,
+        host_tier_bytes: int | None,
+        remote_store: RemoteStore | None,
+        remote_namespace: str,
+        remote_queue_size: int,
+        write_policy: str,
+    ) -> KVTiers:
+        """The tiers an `Engine` asks for: a host tier of `host_tier_bytes`, and a `RemoteTier`
+        over `remote_store` (created last, once the other settings were accepted)."""
+        tiers = cls(device_pool, host_tier_bytes=host_tier_bytes, write_policy=write_policy)
+        if remote_store is not None:
+            tiers.remote = RemoteTier(
+                remote_store, namespace=remote_namespace, queue_size=remote_queue_size
+            )
+        return tiers
 
     @property
     def needs_eviction_log(self) -> bool:
