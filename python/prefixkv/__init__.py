@@ -52,7 +52,7 @@ from prefixkv.kv_groups import KVGroupSpec, kv_group_specs
 _compat.install()  # the flat package's old module paths, as deprecated aliases
 
 if TYPE_CHECKING:
-    from prefixkv.engine.facade import Engine, RequestResult
+    from prefixkv.engine.facade import Engine, EngineRequest, RequestResult
     from prefixkv.kv.grouped import GroupedKVCache
     from prefixkv.kv.pages import PagedKVCache
     from prefixkv.kv.prefill import paged_prefill_attention
@@ -74,6 +74,7 @@ _LAZY = {
     "DecodeRequest": "prefixkv.models.decoder",
     "GroupedKVCache": "prefixkv.kv.grouped",
     "Engine": "prefixkv.engine.facade",
+    "EngineRequest": "prefixkv.engine.facade",
     "RequestResult": "prefixkv.engine.facade",
 }
 
@@ -106,6 +107,7 @@ __all__ = [
     "DecodeRequest",
     "DuplicateRequestError",
     "Engine",
+    "EngineRequest",
     "GroupedCacheStats",
     "GroupedKVCache",
     "GroupedPrefixCache",

@@ -32,6 +32,7 @@ __all__ = [
     "OutOfBlocksError",
     "PagedKVError",
     "PrefixKVError",
+    "SubscriberFailedError",
     "UnknownRequestError",
     "missing_dependency",
 ]
@@ -146,3 +147,9 @@ class KVAllocationError(PrefixKVError, MemoryError):
 class ModelTooLargeError(PrefixKVError, MemoryError):
     """A checkpoint's config describes a model larger than this machine's memory; refused before
     any weight is allocated, the message giving the bytes it needs and the limit."""
+
+
+# -- KV events (events/subscriber.py) -------------------------------------------------------------
+class SubscriberFailedError(PrefixKVError, RuntimeError):
+    """The subscriber's thread stopped on its own (its sockets failed): the index no longer
+    follows the instances. The message names the cause."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,11 +40,50 @@ from prefixkv.engine.requests import RequestResult, ServedRequest
 from prefixkv.engine.scheduler import SchedulerStats, WaitingCandidate, ngram_drafts, order_waiting
 from prefixkv.errors import OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
-from prefixkv.models.decoder import PrefillRequest
-from prefixkv.tiers.manager import TierHit
+from prefixkv.kv.grouped import GroupedKVCache
+from prefixkv.kv.pages import PagedKVCache
+from prefixkv.models.decoder import LlamaModel, PrefillRequest
+from prefixkv.text.tokenizers import Tokenizer
+from prefixkv.tiers.manager import KVTiers, TierHit
 
-if TYPE_CHECKING:
-    from prefixkv.engine.facade import Engine
+
+class Engine(Protocol):
+    """What the loop reads of the `prefixkv.engine.facade.Engine` that runs it. Named
+    structurally, so that the loop does not import the facade above it (the facade imports the
+    loop); mypy checks that the Engine has every member, with these types."""
+
+    @property
+    def model(self) -> LlamaModel: ...
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+    @property
+    def cache(self) -> PrefixCache | GroupedPrefixCache: ...
+    @property
+    def kv_cache(self) -> PagedKVCache | GroupedKVCache: ...
+    @property
+    def tiers(self) -> KVTiers | None: ...
+    @property
+    def prefix_reuse(self) -> bool: ...
+    @property
+    def scheduling(self) -> str: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_passes(self) -> int: ...
+    @property
+    def max_waiting_considered(self) -> int: ...
+    @property
+    def num_speculative_tokens(self) -> int: ...
+    @property
+    def watermark_blocks(self) -> int: ...
+    @property
+    def _adapter_key(self) -> str | None: ...
+    def flush_kv_events(self) -> None: ...
+    def _sync_with_model(self) -> bool: ...
+    def _new_request_id(self) -> str: ...
+
 
 __all__ = ["GenerateRun", "serve"]
 

@@ -40,7 +40,7 @@ from typing import Literal
 
 import zmq
 
-from prefixkv.errors import InvalidInputError, PrefixKVError
+from prefixkv.errors import InvalidInputError, SubscriberFailedError
 from prefixkv.events.index import PrefixIndex
 from prefixkv.events.wire import AllBlocksCleared, KVEventBatch, decode_batch
 
@@ -48,11 +48,6 @@ State = Literal["starting", "running", "stopped", "failed"]
 
 #: The longest error text kept in the status (an error may quote a hostile frame).
 _ERROR_CHARS = 300
-
-
-class SubscriberFailedError(PrefixKVError, RuntimeError):
-    """The subscriber's thread stopped on its own (its sockets failed): the index no longer
-    follows the instances. The message names the cause."""
 
 
 @dataclass(frozen=True)
