@@ -106,9 +106,13 @@ def test_constructor_arguments_are_refused_by_name() -> None:
         GroupedPrefixCache(("full",), (8,), context=context)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="specs must be a sequence"):
         GroupedPrefixCache(FULL, (8,), context=context)  # type: ignore[arg-type]
+
+
+def test_two_specs_under_one_group_index_are_refused() -> None:
+    """Both groups would run under one context, so share every block key."""
     twin = KVGroupSpec(0, 8, (1,))
     with pytest.raises(InvalidInputError, match=r"specs\[1\] has group index 0, as specs\[0\]"):
-        GroupedPrefixCache((FULL, twin), (16, 16), context=context)
+        GroupedPrefixCache((FULL, twin), (16, 16), context=CacheContext(block_size=4))
 
 
 def test_a_request_id_with_a_lone_surrogate_is_invalid_input() -> None:

@@ -34,7 +34,9 @@
 //! - `commit` asks every group whether it would accept the count (`check_commit`) before
 //!   committing in any: a commit publishes at once, and with different block sizes one group
 //!   may hold slots for tokens another does not (a refused commit must not have published a
-//!   block, half written, in an earlier group).
+//!   block, half written, in an earlier group). With one block size every group holds as many
+//!   slots (allocations and truncations are all or nothing, a released position keeps its
+//!   place), so every group judges a commit alike and the check pass is skipped.
 //! - `append_tokens` and `accept_drafts` are refused only for reasons every group judges alike
 //!   (the same tokens, drafts and ids in every group), so the first group refuses and nothing
 //!   changed.
@@ -77,6 +79,10 @@ pub struct KvGroups {
     groups: Vec<Arc<PrefixCache>>,
     /// Hit lengths are multiples of this: the least common multiple of the block sizes.
     hit_granularity: usize,
+    /// Every group has the same block size: then every group holds as many slots for a request
+    /// as the others, so a commit one refuses every one refuses, and `commit` needs no check
+    /// pass (module docs, "All or nothing").
+    uniform_blocks: bool,
     /// Requests that matched their prefix and hold blocks in every group; the others wait.
     /// The mutex also serialises every call (module docs, "All or nothing").
     scheduled: Mutex<HashSet<RequestId>>,
@@ -116,8 +122,13 @@ impl KvGroups {
                     "the least common multiple of the groups' block sizes overflows".into(),
                 )
             })?;
+        let first_size = groups[0].config().block_size;
+        let uniform_blocks = groups
+            .iter()
+            .all(|cache| cache.config().block_size == first_size);
         Ok(Self {
             groups,
+            uniform_blocks,
             hit_granularity,
             scheduled: Mutex::new(HashSet::new()),
         })
@@ -277,14 +288,17 @@ impl KvGroups {
     /// refuses, with nothing committed or published in any group.
     pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
         let _serialised = self.scheduled.lock();
-        for (index, cache) in self.groups.iter().enumerate() {
-            cache
-                .check_commit(id, num_computed_tokens)
-                .map_err(|error| in_group(index, error))?;
+        if !self.uniform_blocks {
+            for (index, cache) in self.groups.iter().enumerate() {
+                cache
+                    .check_commit(id, num_computed_tokens)
+                    .map_err(|error| in_group(index, error))?;
+            }
         }
         let mut committed = usize::MAX;
         for (index, cache) in self.groups.iter().enumerate() {
-            // Accepted by the check above under the same lock.
+            // Accepted by the check above under the same lock; or, with one block size, refused
+            // by the first group if by any, before anything changed.
             let positions = cache
                 .commit(id, num_computed_tokens)
                 .map_err(|error| in_group(index, error))?;

@@ -381,3 +381,21 @@ fn a_hit_that_grew_is_cut_back_alike_in_every_group() {
         "{refused}"
     );
 }
+
+/// With one block size the check pass is skipped: the first group refuses what every group
+/// would, before anything changed.
+#[test]
+fn with_one_block_size_a_refused_commit_changes_no_group() {
+    let groups = pair((16, 16), (4, 4), 8);
+    add(&groups, "a", &prompt(16));
+    groups.allocate_slots(&id("a"), 4, 0, 0).unwrap();
+    let before: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    let refused = groups.commit(&id("a"), 8).unwrap_err();
+    assert!(
+        matches!(&refused, CacheError::InKvGroup { group: 0, error } if matches!(**error, CacheError::InvalidInput(_))),
+        "{refused:?}"
+    );
+    let after: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    assert_eq!(after, before);
+    assert_eq!(groups.commit(&id("a"), 4).unwrap(), 1);
+}
