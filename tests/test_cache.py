@@ -561,7 +561,9 @@ def test_huge_counts_raise_instead_of_aborting():
     for count in (2**40, 2**62):
         with pytest.raises(OutOfBlocksError):
             cache.allocate(count)
-    with pytest.raises(MemoryError):
+    # Refused by its figure before allocating (issue 20): never an OutOfBlocksError, since no
+    # block was asked for.
+    with pytest.raises(InvalidInputError, match="bytes up front"):
         PrefixCache(2**32 - 1, block_size=BS)
 
 

@@ -289,3 +289,54 @@ def test_context_fields_are_checked_at_construction() -> None:
     ):
         with pytest.raises(InvalidInputError):
             build()
+
+
+# ----- issue 20 --------------------------------------------------------------------------------
+
+
+@given(name=st.text(max_size=3), where=st.integers(0, 3))
+def test_a_request_id_with_a_lone_surrogate_is_invalid_input(name: str, where: int) -> None:
+    """A str that has no UTF-8 form names no request: refused by name (it used to escape as
+    UnicodeEncodeError), whatever the call."""
+    bad = name[:where] + "\udc80" + name[where:]
+    cache = PrefixCache(16, block_size=BS)
+    live = cache.begin([1] * 6)
+    before = snapshot(cache, live)
+    for call in (
+        lambda: cache.add_request(bad, [1, 2]),
+        lambda: cache.begin([1, 2], request_id=bad),
+        lambda: cache.allocate_slots(bad, 1),
+        lambda: cache.finish(bad),
+    ):
+        with pytest.raises(InvalidInputError, match="request id must be valid Unicode"):
+            call()
+    assert snapshot(cache, live) == before
+
+
+def test_absurd_sizes_are_refused_by_figure_not_as_out_of_blocks() -> None:
+    """`PrefixCache(16, block_size=2**24)` allocated (and wrote) 1 GiB at construction, and
+    without that memory said "OutOfBlocksError: needed 16, only 0 free"."""
+    with pytest.raises(InvalidInputError, match="block_size 16777216 is above the largest"):
+        PrefixCache(16, block_size=2**24)
+    with pytest.raises(InvalidInputError, match=r"num_blocks 4294967295 .* bytes up front"):
+        PrefixCache(2**32 - 1, block_size=BS)
+    assert PrefixCache(4, block_size=2**16).block_size == 2**16
+
+
+def test_a_hit_that_grew_since_start_position_leaves_room_for_the_tokens() -> None:
+    """A waiting request's `start_position` was 0; another request then committed the same
+    prefix. `allocate_slots(B, 13)` said "... (append them first)"; now the hit is cut back so
+    the 13 tokens the scheduler counted fit, and `Slots` says where they start."""
+    cache = PrefixCache(16, block_size=BS)
+    tokens = list(range(14))
+    cache.add_request("B", tokens)
+    assert cache.start_position("B") == 0
+    first = cache.begin(tokens)
+    cache.commit(first, 14)
+    assert cache.start_position("B") == 12
+    slots = cache.allocate_slots("B", 13)
+    assert (slots.num_computed_tokens, len(slots.block_ids)) == (0, 4)
+    cache.add_request("C", tokens)
+    slots = cache.allocate_slots("C", 6)
+    assert (slots.num_computed_tokens, slots.num_cached_tokens) == (8, 8)
+    cache.check_invariants()

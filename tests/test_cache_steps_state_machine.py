@@ -174,6 +174,22 @@ class StepsMachine(RuleBasedStateMachine):
         got = self.cache.lookup(req.tokens[: req.verified], salt=req.salt)
         return list(got.block_ids), got.num_cached_tokens, got.full_hit, got.last_token_shared
 
+    def hit_leaving_room(self, req: Req, hit, n: int):
+        """The hit `allocate_slots(n)` takes on a waiting request: the longest leaving room for
+        the `n` tokens before the request's end (issue 20, item 13: a hit that grew since the
+        scheduler counted `n` is cut back, not refused), by the core's `hit_length`."""
+        blocks, cached, full, _ = hit
+        room = len(req.tokens) - n
+        if cached <= room:
+            return hit
+        matched = req.verified // self.bs if full else len(blocks)
+        keep = min(matched, room // self.bs)
+        if keep * self.bs == req.verified and keep > 0:
+            if self.reuse:
+                return blocks[:keep], req.verified - 1, True, True
+            return blocks[: keep - 1], req.verified - self.bs, True, False
+        return blocks[:keep], keep * self.bs, False, False
+
     def reject(self, req: Req, bound: int) -> None:
         if len(req.tokens) > bound:
             self.rejected.append((req.salt, list(req.tokens), bound))
@@ -268,6 +284,11 @@ class StepsMachine(RuleBasedStateMachine):
         n = round(known * frac) + extra
         args = (rid, n)
         kw = {"num_lookahead_tokens": lookahead, "watermark_blocks": watermark}
+        if hit is not None and n <= len(req.tokens):
+            # A count taken from an older, shorter hit: the hit leaves room for it.
+            hit = self.hit_leaving_room(req, hit, n)
+            start = hit[1]
+            known = len(req.tokens) - start
         if n > known:
             self.refused(InvalidInputError, self.cache.allocate_slots, *args, **kw)
             self.refused(InvalidInputError, self.cache.can_allocate_slots, *args, **kw)

@@ -350,7 +350,9 @@ class PrefixCache:
         On a waiting request (just added, or preempted) it first matches and references the
         cached prefix: `Slots.num_computed_tokens` says where computing starts and
         `Slots.block_ids` lists the blocks added to the request's table (the cached ones
-        first). `watermark_blocks` more blocks must stay obtainable afterwards (admit new
+        first). The hit is the longest one that leaves room for the `num_new_tokens` before
+        the request's end, so if it grew since `start_position` it is cut back rather than
+        refused (docs/scheduling.md). `watermark_blocks` more blocks must stay obtainable afterwards (admit new
         requests with one, so running ones keep room to decode). Raises `OutOfBlocksError`
         with nothing changed when the pool cannot supply them: wait, or preempt someone.
         """

@@ -58,6 +58,45 @@ def group_context(
     return dataclasses.replace(context, extra=extra, block_size=size)
 
 
+def _specs(specs: Sequence[KVGroupSpec]) -> tuple[KVGroupSpec, ...]:
+    """`specs` as a tuple, refused by name unless it is a non-empty sequence of `KVGroupSpec`
+    with distinct group indices (a group's index joins its block keys: two groups under one
+    index would share keys)."""
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+        raise InvalidInputError(
+            f"specs must be a sequence of KVGroupSpec, not {type(specs).__name__}"
+        )
+    if not specs:
+        raise InvalidInputError("specs must name at least one KV group")
+    seen: dict[int, int] = {}
+    for position, spec in enumerate(specs):
+        if not isinstance(spec, KVGroupSpec):
+            raise InvalidInputError(
+                f"specs[{position}] must be a KVGroupSpec, not {type(spec).__name__}"
+            )
+        if spec.index in seen:
+            raise InvalidInputError(
+                f"specs[{position}] has group index {spec.index}, as specs[{seen[spec.index]}]: "
+                "each KV group needs its own index (it joins the group's block keys)"
+            )
+        seen[spec.index] = position
+    return tuple(specs)
+
+
+def _per_group(values: Sequence[int], name: str, num_groups: int) -> list[int]:
+    """One value per KV group, refused by name unless it is a sequence of that length (each
+    value is checked by the group's `PrefixCache`)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidInputError(
+            f"{name} must be a sequence with one value per KV group, not {type(values).__name__}"
+        )
+    if len(values) != num_groups:
+        raise InvalidInputError(
+            f"{name} needs one value per KV group: {len(values)} for {num_groups} groups"
+        )
+    return list(values)
+
+
 # `GroupSlots` is the native module's frozen class (`rust/py/src/groups.rs`): what
 # `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group), with
 # group_block_ids (one list per group), num_computed_tokens, num_cached_tokens, full_hit and
@@ -127,17 +166,12 @@ class GroupedPrefixCache:
         vocab_size: int | None = None,
         block_sizes: Sequence[int] | None = None,
     ) -> None:
-        specs = tuple(specs)
-        if not specs or len(num_blocks) != len(specs):
-            raise InvalidInputError(
-                f"need one num_blocks per KV group: {len(num_blocks)} for {len(specs)} groups"
-            )
+        specs = _specs(specs)
+        num_blocks = _per_group(num_blocks, "num_blocks", len(specs))
         if block_sizes is None:
             block_sizes = [context.block_size] * len(specs)
-        elif len(block_sizes) != len(specs):
-            raise InvalidInputError(
-                f"need one block size per KV group: {len(block_sizes)} for {len(specs)} groups"
-            )
+        else:
+            block_sizes = _per_group(block_sizes, "block_sizes", len(specs))
         self.specs = specs
         self._context = context
         self.groups = tuple(

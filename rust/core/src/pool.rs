@@ -103,6 +103,10 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
+    /// Bytes of metadata the pool allocates up front per block.
+    pub const BYTES_PER_BLOCK: usize =
+        std::mem::size_of::<BlockMeta>() + std::mem::size_of::<BlockId>();
+
     /// A pool of `num_blocks` free blocks; `OutOfBlocks` if the metadata does not fit in memory.
     pub fn new(num_blocks: u32) -> Result<Self> {
         let too_big = |_| CacheError::OutOfBlocks {

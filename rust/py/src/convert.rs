@@ -467,7 +467,11 @@ impl FromPyObject<'_, '_> for RequestRef {
             return Ok(RequestRef(request.get().id.clone()));
         }
         if let Ok(name) = obj.cast::<PyString>() {
-            return Ok(RequestRef(RequestId::Str(name.to_str()?.into())));
+            // A str with a lone surrogate has no UTF-8 form: no id can be made of it.
+            let name = name.to_str().map_err(|_| {
+                invalid("request id must be valid Unicode text (it has a lone surrogate)".into())
+            })?;
+            return Ok(RequestRef(RequestId::Str(name.into())));
         }
         let obj = obj.to_owned();
         let value = index(&obj, "request").map_err(|_| {

@@ -233,20 +233,24 @@ impl PrefixCache {
             ));
         }
         let num_blocks = config.num_blocks as usize;
-        let pool = BlockPool::new(config.num_blocks)?;
+        let bytes = check_up_front_bytes(&config)?;
+        // Refused by the figure, never as `OutOfBlocks`: no block was asked for.
+        let unallocated = || {
+            CacheError::InvalidInput(format!(
+                "num_blocks {num_blocks} of block_size {} tokens: the cache's metadata needs \
+                 {bytes} bytes up front, which could not be allocated",
+                config.block_size
+            ))
+        };
+        let pool = BlockPool::new(config.num_blocks).map_err(|_| unallocated())?;
         Ok(Self {
             // One entry slot per block, allocated now: the table never grows (`table/mod.rs`).
-            table: SharedTable::new(num_blocks, config.block_size).ok_or(
-                CacheError::OutOfBlocks {
-                    needed: num_blocks,
-                    available: 0,
-                },
-            )?,
+            table: SharedTable::new(num_blocks, config.block_size).ok_or_else(unallocated)?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
                 pool,
-                entries: per_block(num_blocks, None)?,
+                entries: per_block(num_blocks, None).ok_or_else(unallocated)?,
                 requests: Requests::default(),
                 pins: Pins::default(),
                 next_entry: 1,
@@ -254,8 +258,8 @@ impl PrefixCache {
                 counters: Counters::default(),
                 scratch: Vec::new(),
                 epoch: 0,
-                block_epoch: per_block(num_blocks, 0)?,
-                external_refs: per_block(num_blocks, 0)?,
+                block_epoch: per_block(num_blocks, 0).ok_or_else(unallocated)?,
+                external_refs: per_block(num_blocks, 0).ok_or_else(unallocated)?,
                 events: Events::default(),
                 eviction_log: None,
             }),
@@ -534,17 +538,47 @@ pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usi
     extras.for_block(start, start + block_size as u64)
 }
 
-/// One value per block, or `OutOfBlocks` if the pool's metadata does not fit in memory.
-fn per_block<T: Clone>(num_blocks: usize, value: T) -> Result<Vec<T>> {
+/// One value per block, or `None` if they do not fit in memory.
+fn per_block<T: Clone>(num_blocks: usize, value: T) -> Option<Vec<T>> {
     let mut values = Vec::new();
-    values
-        .try_reserve_exact(num_blocks)
-        .map_err(|_| CacheError::OutOfBlocks {
-            needed: num_blocks,
-            available: 0,
-        })?;
+    values.try_reserve_exact(num_blocks).ok()?;
     values.resize(num_blocks, value);
-    Ok(values)
+    Some(values)
+}
+
+/// Tokens per block no engine's blocks reach (a few thousand at most, for hybrid models whose
+/// attention blocks match a state's page): the table mirrors every block's tokens up front.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+
+/// Metadata a cache may allocate up front (table, pool and per-block state): 16 GiB, some
+/// 2**28 blocks of 16 tokens, describing far more KV than any device holds.
+pub const MAX_UP_FRONT_BYTES: usize = 1 << 34;
+
+/// The bytes a cache of `config` allocates at construction, or the refusal naming the size
+/// that makes them absurd: everything is allocated (and written) up front, so an absurd size
+/// would take the memory, or report its absence as something else.
+fn check_up_front_bytes(config: &CacheConfig) -> Result<usize> {
+    let (num_blocks, block_size) = (config.num_blocks as usize, config.block_size);
+    if block_size > MAX_BLOCK_SIZE {
+        return Err(CacheError::InvalidInput(format!(
+            "block_size {block_size} is above the largest supported, {MAX_BLOCK_SIZE} tokens \
+             per block"
+        )));
+    }
+    let per_block = std::mem::size_of::<Option<Anchor>>()
+        + std::mem::size_of::<u64>()
+        + std::mem::size_of::<u32>()
+        + BlockPool::BYTES_PER_BLOCK;
+    let bytes = crate::table::Table::bytes_up_front(num_blocks, block_size)
+        .and_then(|table| num_blocks.checked_mul(per_block)?.checked_add(table));
+    match bytes {
+        Some(bytes) if bytes <= MAX_UP_FRONT_BYTES => Ok(bytes),
+        _ => Err(CacheError::InvalidInput(format!(
+            "num_blocks {num_blocks} of block_size {block_size} tokens: the cache's metadata \
+             would take {} bytes up front, more than the {MAX_UP_FRONT_BYTES} allowed",
+            bytes.map_or_else(|| "over 2**64".to_owned(), |b| b.to_string())
+        ))),
+    }
 }
 
 #[cfg(test)]

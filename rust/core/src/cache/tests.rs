@@ -235,3 +235,33 @@ fn eviction_log_lists_evicted_blocks_once_and_only_when_on() {
     c.finish(&third.request_id).unwrap();
     c.check_invariants();
 }
+
+/// Issue 20, item 14: an absurd size is refused by its figure before anything is allocated,
+/// never reported as `OutOfBlocks` (no block was asked for).
+#[test]
+fn absurd_sizes_are_refused_by_figure_before_allocating() {
+    let refused = |num_blocks, block_size| match PrefixCache::new(
+        CacheConfig::new(num_blocks, block_size),
+        context_fingerprint(b"x"),
+    ) {
+        Err(CacheError::InvalidInput(message)) => message,
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("{num_blocks} blocks of {block_size} tokens accepted"),
+    };
+    let message = refused(16, 1 << 24);
+    assert!(message.contains("block_size 16777216"), "{message}");
+    let message = refused(u32::MAX, 16);
+    assert!(
+        message.contains("num_blocks 4294967295") && message.contains("bytes"),
+        "{message}"
+    );
+    let message = refused(1 << 20, MAX_BLOCK_SIZE);
+    assert!(message.contains("bytes up front"), "{message}");
+    // Real sizes are accepted.
+    PrefixCache::new(CacheConfig::new(1 << 16, 16), context_fingerprint(b"x")).unwrap();
+    PrefixCache::new(
+        CacheConfig::new(4, MAX_BLOCK_SIZE),
+        context_fingerprint(b"x"),
+    )
+    .unwrap();
+}

@@ -31,10 +31,15 @@
 //!   cutting any: a sliding group refuses a cut into positions it already released, which a full
 //!   group would accept.
 //! - `add_request` finishes the groups it added to when a later one refuses.
-//! - `append_tokens`, `commit` and `accept_drafts` are refused only for reasons every group
-//!   judges alike (the same tokens, drafts and ids in every group), so the first group refuses
-//!   and nothing changed. (One exception: with different block sizes, a `commit` past the slots
-//!   of one group but not of another; no engine commits past what it allocated.)
+//! - `commit` asks every group whether it would accept the count (`check_commit`) before
+//!   committing in any: a commit publishes at once, and with different block sizes one group
+//!   may hold slots for tokens another does not (a refused commit must not have published a
+//!   block, half written, in an earlier group). With one block size every group holds as many
+//!   slots (allocations and truncations are all or nothing, a released position keeps its
+//!   place), so every group judges a commit alike and the check pass is skipped.
+//! - `append_tokens` and `accept_drafts` are refused only for reasons every group judges alike
+//!   (the same tokens, drafts and ids in every group), so the first group refuses and nothing
+//!   changed.
 //! - `preempt` and `finish` go to every group even if one fails, then report the first error.
 //!
 //! ## The decode step
@@ -74,6 +79,10 @@ pub struct KvGroups {
     groups: Vec<Arc<PrefixCache>>,
     /// Hit lengths are multiples of this: the least common multiple of the block sizes.
     hit_granularity: usize,
+    /// Every group has the same block size: then every group holds as many slots for a request
+    /// as the others, so a commit one refuses every one refuses, and `commit` needs no check
+    /// pass (module docs, "All or nothing").
+    uniform_blocks: bool,
     /// Requests that matched their prefix and hold blocks in every group; the others wait.
     /// The mutex also serialises every call (module docs, "All or nothing").
     scheduled: Mutex<HashSet<RequestId>>,
@@ -113,8 +122,13 @@ impl KvGroups {
                     "the least common multiple of the groups' block sizes overflows".into(),
                 )
             })?;
+        let first_size = groups[0].config().block_size;
+        let uniform_blocks = groups
+            .iter()
+            .all(|cache| cache.config().block_size == first_size);
         Ok(Self {
             groups,
+            uniform_blocks,
             hit_granularity,
             scheduled: Mutex::new(HashSet::new()),
         })
@@ -172,7 +186,7 @@ impl KvGroups {
         if scheduled.contains(id) {
             return self.groups[0].start_position(id);
         }
-        self.agree_on_hit(id)
+        self.agree_on_hit(id, None)
     }
 
     /// `PrefixCache::allocate_slots` in every group, or in none: a refusal is
@@ -188,7 +202,7 @@ impl KvGroups {
         let mut scheduled = self.scheduled.lock();
         let waiting = !scheduled.contains(id);
         if waiting {
-            self.agree_on_hit(id)?;
+            self.agree_on_hit(id, Some(num_new_tokens))?;
         } else if let Some(slots) =
             self.covered_in_every_group(id, num_new_tokens, num_lookahead_tokens, watermark)?
         {
@@ -249,7 +263,7 @@ impl KvGroups {
     ) -> Result<bool> {
         let scheduled = self.scheduled.lock();
         if !scheduled.contains(id) {
-            self.agree_on_hit(id)?;
+            self.agree_on_hit(id, Some(num_new_tokens))?;
         }
         for cache in &self.groups {
             if !cache.can_allocate_slots(id, num_new_tokens, num_lookahead_tokens, watermark)? {
@@ -270,11 +284,25 @@ impl KvGroups {
 
     /// Records written KV in every group (a sliding group then releases what its window
     /// passed); returns the committed positions of the group with fewest.
+    /// All or nothing: a refusal is `CacheError::InKvGroup` naming the first group that
+    /// refuses, with nothing committed or published in any group.
     pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
         let _serialised = self.scheduled.lock();
+        if !self.uniform_blocks {
+            for (index, cache) in self.groups.iter().enumerate() {
+                cache
+                    .check_commit(id, num_computed_tokens)
+                    .map_err(|error| in_group(index, error))?;
+            }
+        }
         let mut committed = usize::MAX;
-        for cache in &self.groups {
-            committed = committed.min(cache.commit(id, num_computed_tokens)?);
+        for (index, cache) in self.groups.iter().enumerate() {
+            // Accepted by the check above under the same lock; or, with one block size, refused
+            // by the first group if by any, before anything changed.
+            let positions = cache
+                .commit(id, num_computed_tokens)
+                .map_err(|error| in_group(index, error))?;
+            committed = committed.min(positions);
         }
         Ok(committed)
     }
@@ -362,14 +390,34 @@ impl KvGroups {
 
     // ----- internals --------------------------------------------------------------------------
 
-    /// The hit every group can serve (module docs), left set as each group's cap. Called with
-    /// the lock held.
-    fn agree_on_hit(&self, id: &RequestId) -> Result<usize> {
-        agree(self.hit_granularity, self.groups.len(), |group, cap| {
-            let cache = &self.groups[group];
-            cache.limit_cached_prefix(id, cap)?;
-            cache.start_position(id)
-        })
+    /// The hit every group can serve (module docs), left set as each group's cap; with
+    /// `num_new` tokens to allocate, one that leaves room for them before the request's end
+    /// (as `PrefixCache::allocate_slots` does for one cache: a hit that grew since
+    /// `start_position` is cut back rather than refused). Called with the lock held.
+    fn agree_on_hit(&self, id: &RequestId, num_new: Option<usize>) -> Result<usize> {
+        let room = match num_new {
+            None => None,
+            Some(num_new) => {
+                let len = self.groups[0].num_tokens(id)?;
+                let room = len.checked_sub(num_new).ok_or_else(|| {
+                    CacheError::InvalidInput(format!(
+                        "num_new_tokens {num_new} is more than the request's {len} tokens \
+                         (append them first)"
+                    ))
+                })?;
+                Some(room - room % self.hit_granularity)
+            }
+        };
+        agree(
+            self.hit_granularity,
+            self.groups.len(),
+            room,
+            |group, cap| {
+                let cache = &self.groups[group];
+                cache.limit_cached_prefix(id, cap)?;
+                cache.start_position(id)
+            },
+        )
     }
 
     /// The decode step's answer when every group's slots already cover it (module docs).
@@ -402,14 +450,16 @@ impl KvGroups {
     }
 }
 
-/// The agreement loop of the module docs over `groups` groups: `start_under(group, cap)` is
-/// the longest hit `group` serves under `cap` (`None`: uncapped), at most `cap`.
+/// The agreement loop of the module docs over `groups` groups, from cap `first_cap` (`None`:
+/// uncapped): `start_under(group, cap)` is the longest hit `group` serves under `cap`, at most
+/// `cap`.
 fn agree(
     granularity: usize,
     groups: usize,
+    first_cap: Option<usize>,
     mut start_under: impl FnMut(usize, Option<usize>) -> Result<usize>,
 ) -> Result<usize> {
-    let mut cap = None;
+    let mut cap = first_cap;
     loop {
         let mut lowest = usize::MAX;
         let mut highest = 0;

@@ -93,7 +93,7 @@ fn the_agreement_loop_lowers_its_cap_until_every_group_agrees() {
         Some(cap) => cap.min(20),
     };
     let mut asked = Vec::new();
-    let agreed = agree(4, 2, |group, cap| {
+    let agreed = agree(4, 2, None, |group, cap| {
         asked.push((group, cap));
         Ok(if group == 0 { full(cap) } else { sliding(cap) })
     });
@@ -111,7 +111,7 @@ fn the_agreement_loop_lowers_its_cap_until_every_group_agrees() {
         ]
     );
     // Rounded down to the granularity: 28 and 36 under blocks of 12 agree on 24.
-    let agreed = agree(12, 2, |group, cap| {
+    let agreed = agree(12, 2, None, |group, cap| {
         let most = if group == 0 { 28 } else { 36 };
         Ok(cap.map_or(most, |cap| cap.min(most)))
     });
@@ -324,4 +324,78 @@ fn a_preempted_request_agrees_again() {
         groups.start_position(&id("a")),
         Err(CacheError::UnknownRequest(_))
     ));
+}
+
+/// Issue 20, item 1: a commit one group refuses publishes in no group. Block sizes 8 and 4, 4
+/// tokens allocated: group 0 holds 8 slots, group 1 four. `commit(8)` used to publish group
+/// 0's block 0 with positions 4-7 never written before group 1 refused it.
+#[test]
+fn a_commit_one_group_refuses_publishes_in_no_group() {
+    let groups = KvGroups::new(vec![cache(8, 8, None, 0), cache(8, 4, None, 1)]).unwrap();
+    let tokens = prompt(16);
+    add(&groups, "a", &tokens);
+    groups.allocate_slots(&id("a"), 4, 0, 0).unwrap();
+    let before: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    let refused = groups.commit(&id("a"), 8).unwrap_err();
+    assert!(
+        matches!(&refused, CacheError::InKvGroup { group: 1, error } if matches!(**error, CacheError::InvalidInput(_))),
+        "{refused:?}"
+    );
+    let after: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    assert_eq!(after, before);
+    assert_eq!(groups.num_computed_tokens(&id("a")).unwrap(), 0);
+    // A later request with the same 8 tokens finds nothing cached in either group.
+    add(&groups, "b", &tokens[..9]);
+    assert_eq!(groups.start_position(&id("b")).unwrap(), 0);
+    // The commit the slots allow is accepted everywhere.
+    assert_eq!(groups.commit(&id("a"), 4).unwrap(), 0);
+    for cache in groups.groups() {
+        cache.check_invariants();
+    }
+}
+
+/// Issue 20, item 13, for groups: a hit that grew after `start_position` is cut back, in every
+/// group alike, so the tokens asked for fit.
+#[test]
+fn a_hit_that_grew_is_cut_back_alike_in_every_group() {
+    let groups = pair((16, 16), (4, 4), 8);
+    let tokens = prompt(14);
+    add(&groups, "late", &tokens);
+    assert_eq!(groups.start_position(&id("late")).unwrap(), 0);
+    add(&groups, "first", &tokens);
+    groups.allocate_slots(&id("first"), 14, 0, 0).unwrap();
+    groups.commit(&id("first"), 14).unwrap();
+    assert_eq!(groups.start_position(&id("late")).unwrap(), 12);
+    // The scheduler asked for 13 tokens from 0: they fit from position 0 only.
+    let slots = groups.allocate_slots(&id("late"), 13, 0, 0).unwrap();
+    assert_eq!(slots.num_computed_tokens, 0);
+    assert_eq!(slots.num_cached_tokens, 0);
+    for cache in groups.groups() {
+        cache.check_invariants();
+    }
+    // More tokens than the request has is still refused, by name.
+    add(&groups, "short", &tokens[..4]);
+    let refused = groups.allocate_slots(&id("short"), 5, 0, 0).unwrap_err();
+    assert!(
+        refused.to_string().contains("num_new_tokens 5"),
+        "{refused}"
+    );
+}
+
+/// With one block size the check pass is skipped: the first group refuses what every group
+/// would, before anything changed.
+#[test]
+fn with_one_block_size_a_refused_commit_changes_no_group() {
+    let groups = pair((16, 16), (4, 4), 8);
+    add(&groups, "a", &prompt(16));
+    groups.allocate_slots(&id("a"), 4, 0, 0).unwrap();
+    let before: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    let refused = groups.commit(&id("a"), 8).unwrap_err();
+    assert!(
+        matches!(&refused, CacheError::InKvGroup { group: 0, error } if matches!(**error, CacheError::InvalidInput(_))),
+        "{refused:?}"
+    );
+    let after: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
+    assert_eq!(after, before);
+    assert_eq!(groups.commit(&id("a"), 4).unwrap(), 1);
 }

@@ -114,7 +114,7 @@ impl PrefixCache {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let plan = self.plan_for(inner, id, num_new_tokens, num_lookahead_tokens)?;
-        let want = plan.fresh + watermark;
+        let want = with_watermark(plan.fresh, watermark)?;
         let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
         if available < want {
             return Err(CacheError::OutOfBlocks {
@@ -251,7 +251,8 @@ impl PrefixCache {
         let held = if request.scheduled {
             request.block_table.len()
         } else if let Some(window) = self.config.sliding_window {
-            let (anchors, hit) = self.match_sliding(inner, request, window);
+            let cap = match_cap(request, num_new)?;
+            let (anchors, hit) = self.match_sliding(inner, request, window, cap);
             plan.anchors = anchors;
             plan.released = hit.first_needed;
             plan.num_cached = hit.num_cached;
@@ -260,9 +261,9 @@ impl PrefixCache {
             plan.start = hit.num_cached;
             plan.anchors.len()
         } else {
+            let cap = match_cap(request, num_new)?;
             plan.anchors = self.match_request(inner, request);
             let verified = request.num_verified();
-            let cap = request.max_cached_tokens;
             let (num_cached, full_hit, shared) = self.hit_length(&mut plan.anchors, verified, cap);
             plan.num_cached = num_cached;
             plan.full_hit = full_hit;
@@ -278,9 +279,15 @@ impl PrefixCache {
                  computed (append them first)"
             )));
         }
-        plan.fresh = (plan.start + num_new + lookahead)
-            .div_ceil(bs)
-            .saturating_sub(held);
+        let end = (plan.start + num_new)
+            .checked_add(lookahead)
+            .ok_or_else(|| {
+                CacheError::InvalidInput(format!(
+                    "num_lookahead_tokens {lookahead} past position {} overflows a 64-bit count",
+                    plan.start + num_new
+                ))
+            })?;
+        plan.fresh = end.div_ceil(bs).saturating_sub(held);
         Ok(plan)
     }
 
@@ -333,6 +340,7 @@ impl PrefixCache {
         inner: &mut Inner,
         request: &mut Request,
         window: usize,
+        cap: Option<usize>,
     ) -> (Vec<Anchor>, crate::sliding::SlidingHit) {
         self.refresh_epoch(inner, request);
         let verified = request.num_verified();
@@ -355,7 +363,7 @@ impl PrefixCache {
             num_full,
         );
         let present: Vec<bool> = found.iter().map(Option::is_some).collect();
-        let hit = self.choose_sliding_hit(window, &present, verified, request.max_cached_tokens);
+        let hit = self.choose_sliding_hit(window, &present, verified, cap);
         let null = null_anchor(self.config.num_blocks);
         let anchors = found[..hit.blocks]
             .iter()
@@ -395,9 +403,12 @@ impl PrefixCache {
             return None;
         }
         let start = request.num_computed;
-        let end = start + num_new_tokens;
+        // Counts that overflow are not covered: `allocate_slots` refuses them by name.
+        let end = start.checked_add(num_new_tokens)?;
         let covered = end <= request.tokens.len()
-            && (end + num_lookahead_tokens).div_ceil(self.config.block_size)
+            && end
+                .checked_add(num_lookahead_tokens)?
+                .div_ceil(self.config.block_size)
                 <= request.block_table.len()
             && !self.window_moved(request);
         covered.then(|| Slots {
@@ -460,7 +471,7 @@ impl PrefixCache {
         let was_waiting = !request.scheduled;
         let plan = self.plan(inner, request, num_new, lookahead)?;
         if watermark > 0 {
-            let want = plan.fresh + watermark;
+            let want = with_watermark(plan.fresh, watermark)?;
             let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
             if available < want {
                 return Err(CacheError::OutOfBlocks {
@@ -498,4 +509,36 @@ impl PrefixCache {
             last_token_shared: plan.last_token_shared,
         })
     }
+}
+
+/// The longest hit a waiting request's match may use: its own cap (`limit_cached_prefix`),
+/// and, when the call names `num_new` tokens, room for them before the request's end. So a hit
+/// that grew since the scheduler last asked `start_position` (another request committed the
+/// same prefix meanwhile) is cut back to leave room for the tokens it asked for, rather than
+/// the call being refused: `Slots::num_computed_tokens` says where they start.
+fn match_cap(request: &Request, num_new: Option<usize>) -> Result<Option<usize>> {
+    let Some(num_new) = num_new else {
+        return Ok(request.max_cached_tokens);
+    };
+    let len = request.tokens.len();
+    let room = len.checked_sub(num_new).ok_or_else(|| {
+        CacheError::InvalidInput(format!(
+            "num_new_tokens {num_new} is more than the request's {len} tokens (append them \
+             first)"
+        ))
+    })?;
+    Ok(Some(
+        request.max_cached_tokens.map_or(room, |cap| cap.min(room)),
+    ))
+}
+
+/// `fresh` blocks plus the `watermark` that must stay obtainable, refused by name when the sum
+/// overflows.
+fn with_watermark(fresh: usize, watermark: usize) -> Result<usize> {
+    fresh.checked_add(watermark).ok_or_else(|| {
+        CacheError::InvalidInput(format!(
+            "watermark_blocks {watermark} plus the {fresh} blocks the call takes overflows a \
+             64-bit count"
+        ))
+    })
 }

@@ -43,19 +43,7 @@ impl PrefixCache {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
         let request = inner.requests.get(id)?;
-        let len = request.tokens.len();
-        if num_computed_tokens > len {
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
-            )));
-        }
-        let slots = request.block_table.len() * self.config.block_size;
-        if num_computed_tokens > slots {
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
-                 no KV can have been written past them (allocate_slots first)"
-            )));
-        }
+        self.commit_refusal(request, num_computed_tokens)?;
         // Nothing new to publish (most decode steps): no need to take the request out.
         let target = num_computed_tokens
             .max(request.num_computed)
@@ -81,6 +69,32 @@ impl PrefixCache {
             self.release_out_of_window(inner, request);
             request.anchors.len()
         })
+    }
+
+    /// Whether `commit(id, num_computed_tokens)` would be accepted now: `Ok` if so, else the
+    /// error it would return. Changes nothing; a caller driving several caches (`groups/`)
+    /// asks each before committing in any, since a commit publishes at once.
+    pub fn check_commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<()> {
+        let inner = self.inner.lock();
+        self.commit_refusal(inner.requests.get(id)?, num_computed_tokens)
+    }
+
+    /// Why `request` may not record `num_computed_tokens` tokens of KV, if it may not.
+    fn commit_refusal(&self, request: &Request, num_computed_tokens: usize) -> Result<()> {
+        let len = request.tokens.len();
+        if num_computed_tokens > len {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
+        let slots = request.block_table.len() * self.config.block_size;
+        if num_computed_tokens > slots {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
+                 no KV can have been written past them (allocate_slots first)"
+            )));
+        }
+        Ok(())
     }
 
     /// Publishes the full blocks of verified tokens with KV written, if the request may.

@@ -248,3 +248,109 @@ fn an_evicted_deduplicated_anchor_is_recommitted_from_the_own_copy() {
     c.finish(&b.request_id).unwrap();
     c.check_invariants();
 }
+
+/// Issue 20, item 2: counts whose sum with the request's position overflows are refused by
+/// name, with nothing changed; they were wrapped (`Slots` for 2**64-1 new tokens, 0 blocks
+/// needed for 2**64-1 lookahead slots).
+#[test]
+fn counts_that_overflow_are_invalid_input_and_change_nothing() {
+    let c = cache(16, 4);
+    let done = c
+        .begin(None, (0..10).collect(), b"", no_extras(), 0)
+        .unwrap();
+    let done = &done.request_id;
+    c.commit(done, 10).unwrap();
+    let waiting = RequestId::from("waiting");
+    c.add_request(waiting.clone(), (100..110).collect(), b"", no_extras(), 0)
+        .unwrap();
+    let before = (c.stats(), c.block_table(done).unwrap());
+    let invalid = |result: Result<_, CacheError>, name: &str| match result {
+        Err(CacheError::InvalidInput(message)) => assert!(message.contains(name), "{message}"),
+        other => panic!("expected InvalidInput naming {name}, got {other:?}"),
+    };
+    invalid(
+        c.allocate_slots(done, usize::MAX, 0, 0).map(|_| ()),
+        "num_new_tokens",
+    );
+    invalid(
+        c.allocate_slots(done, 0, usize::MAX, 0).map(|_| ()),
+        "num_lookahead_tokens",
+    );
+    invalid(
+        c.allocate_slots(&waiting, 1, usize::MAX, 0).map(|_| ()),
+        "num_lookahead_tokens",
+    );
+    invalid(
+        c.can_allocate_slots(done, 0, usize::MAX - 1, 0).map(|_| ()),
+        "num_lookahead_tokens",
+    );
+    invalid(
+        c.blocks_needed(done, 0, usize::MAX).map(|_| ()),
+        "num_lookahead_tokens",
+    );
+    invalid(
+        c.allocate_slots(done, 0, 4, usize::MAX).map(|_| ()),
+        "watermark_blocks",
+    );
+    invalid(
+        c.covered_slots(done, 0, 0, 0)
+            .and(c.allocate_slots(&waiting, 11, 0, 0))
+            .map(|_| ()),
+        "num_new_tokens",
+    );
+    assert_eq!(c.covered_slots(done, usize::MAX, 0, 0), Ok(None));
+    assert_eq!(c.covered_slots(done, 0, usize::MAX, 0), Ok(None));
+    assert_eq!((c.stats(), c.block_table(done).unwrap()), before);
+    assert!(c.block_table(&waiting).unwrap().is_empty());
+    // Counts that do not overflow get their answer: a lookahead beyond the pool is a block
+    // count, and refused as such.
+    assert_eq!(
+        c.blocks_needed(&waiting, 0, usize::MAX - 3),
+        Ok(usize::MAX / 4)
+    );
+    assert_eq!(
+        c.can_allocate_slots(&waiting, 0, usize::MAX - 3, 0),
+        Ok(false)
+    );
+    c.check_invariants();
+}
+
+/// Issue 20, item 13: a waiting request's hit grew after `start_position` (another request
+/// committed the same prefix): `allocate_slots` for the tokens the scheduler counted from the
+/// old start cuts the hit back so they fit, instead of refusing with "append them first".
+#[test]
+fn a_hit_that_grew_since_start_position_is_cut_back_to_fit() {
+    let c = cache(16, 4);
+    let tokens: Vec<u32> = (0..14).collect();
+    let late = RequestId::from("late");
+    c.add_request(late.clone(), tokens.clone(), b"", no_extras(), 0)
+        .unwrap();
+    assert_eq!(c.start_position(&late), Ok(0));
+    let first = c.begin(None, tokens.clone(), b"", no_extras(), 0).unwrap();
+    c.commit(&first.request_id, 14).unwrap();
+    assert_eq!(c.start_position(&late), Ok(12));
+    assert_eq!(c.blocks_needed(&late, 13, 0), Ok(4));
+    // 13 tokens end at 14 from position 0 or 1: the longest hit leaving room is 0 blocks.
+    let slots = c.allocate_slots(&late, 13, 0, 0).unwrap();
+    assert_eq!((slots.num_computed_tokens, slots.num_cached_tokens), (0, 0));
+    assert_eq!(slots.block_ids.len(), 4);
+    c.check_invariants();
+    // 6 tokens fit after a hit of 8: the hit is cut to 2 blocks, not dropped.
+    let again = RequestId::from("again");
+    c.add_request(again.clone(), tokens.clone(), b"", no_extras(), 0)
+        .unwrap();
+    let slots = c.allocate_slots(&again, 6, 0, 0).unwrap();
+    assert_eq!((slots.num_computed_tokens, slots.num_cached_tokens), (8, 8));
+    // More tokens than the request has: refused by name, nothing changed.
+    let short = RequestId::from("short");
+    c.add_request(short.clone(), vec![1, 2], b"", no_extras(), 0)
+        .unwrap();
+    match c.allocate_slots(&short, 3, 0, 0) {
+        Err(CacheError::InvalidInput(message)) => {
+            assert!(message.contains("num_new_tokens 3"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(c.block_table(&short).unwrap().is_empty());
+    c.check_invariants();
+}

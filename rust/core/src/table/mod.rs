@@ -230,6 +230,24 @@ pub struct Occupied {
     pub not_inserted: Entry,
 }
 
+impl Table {
+    /// Bytes `new` allocates up front for `num_blocks` blocks of `block_size` tokens (`None`
+    /// when the figure overflows), so a cache can refuse an absurd size before trying.
+    #[must_use]
+    pub fn bytes_up_front(num_blocks: usize, block_size: usize) -> Option<usize> {
+        let capacity = num_blocks
+            .checked_mul(2)?
+            .checked_next_power_of_two()?
+            .min(1 << 32);
+        let index = capacity.checked_mul(std::mem::size_of::<AtomicU64>())?;
+        let slots = num_blocks.checked_mul(std::mem::size_of::<Slot>())?;
+        let tokens = num_blocks
+            .checked_mul(block_size)?
+            .checked_mul(std::mem::size_of::<AtomicU32>())?;
+        index.checked_add(slots)?.checked_add(tokens)
+    }
+}
+
 /// `len` values made by `make`, or `None` if the allocation fails (never an abort).
 fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
     let mut values = Vec::new();
