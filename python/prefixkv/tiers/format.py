@@ -2,7 +2,7 @@
 
 A value is a header and the KV bytes of one block (K and V of every layer, laid out as the
 engine's pages hold them: ``[2, num_layers, block_size, num_kv_heads, head_dim]``). One block
-per value keeps a batched probe one ``MGET`` of consecutive keys, and lets the probe stop at
+per value keeps a batched probe one pipelined round trip over consecutive keys, and lets the probe stop at
 the first miss without fetching more than it serves.
 
 Layout (little-endian)::
