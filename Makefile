@@ -35,7 +35,9 @@ lint:
 	$(PYTHON) -m mypy python/prefixkv
 	$(PYTHON) -m mypy.stubtest prefixkv._core
 
-## Everything CI runs, with the CI hypothesis profile (more examples).
+## Everything CI runs, with the CI hypothesis profile: more examples, drawn from a seed derived
+## from the commit (fresh each commit, the same on a rerun; the pytest header prints it, and
+## `--hypothesis-seed=N` replays it: tests/hypothesis_profiles.py).
 ci: export HYPOTHESIS_PROFILE = ci
 ci: test rust-test loom lint
 

@@ -248,7 +248,10 @@ class DictStore:
         # As GETRANGE reads: at most one byte past the expected length.
         self.gets += 1
         values = [self.values.get(key) for key in keys]
-        return [None if v is None else v[: limit + 1] for v, limit in zip(values, max_bytes)]
+        return [
+            None if v is None else v[: limit + 1]
+            for v, limit in zip(values, max_bytes, strict=True)
+        ]
 
     def put_many(self, items):  # type: ignore[no-untyped-def]
         self.values.update(items)

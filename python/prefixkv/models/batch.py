@@ -25,7 +25,7 @@ from prefixkv.errors import (
     KVIndexError,
     KVShapeError,
 )
-from prefixkv.models.rope import rope_inverse_frequencies
+from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
 
 if TYPE_CHECKING:
     from prefixkv.kv.grouped import GroupedKVCache
@@ -88,7 +88,8 @@ class PackedBatch:
     """A validated prefill batch, requests concatenated along the token axis."""
 
     tokens: torch.Tensor  # [total] token ids of the computed positions
-    cos: torch.Tensor  # [total, head_dim // 2] RoPE tables of those positions
+    # [total, head_dim // 2] RoPE tables of those positions, YaRN's attention factor folded in
+    cos: torch.Tensor
     sin: torch.Tensor
     slot_mapping: torch.Tensor  # page slot of each written row
     written_rows: torch.Tensor | None  # rows whose K/V are written; None = all of them
@@ -266,11 +267,15 @@ def pack_prefill_batch(
         slot_mappings.append(slots.to(device))
     written_rows = torch.cat(row_chunks) if row_chunks else torch.empty(0, dtype=torch.int64)
     angles = torch.cat(angle_chunks)
+    # YaRN's attention factor (1 otherwise) goes into the float64 tables before they are rounded
+    # to the model dtype, as in the full path and transformers: scaling the rotated queries and
+    # keys instead would round them twice, and the pages would not hold the full path's keys.
+    attention_factor = rope_attention_factor(config)
     padded = tuple(_pad_block_tables(group_tables).to(device) for group_tables in tables)
     return PackedBatch(
         tokens=torch.cat(token_chunks).to(device),
-        cos=torch.cos(angles).to(device, dtype),
-        sin=torch.sin(angles).to(device, dtype),
+        cos=(torch.cos(angles) * attention_factor).to(device, dtype),
+        sin=(torch.sin(angles) * attention_factor).to(device, dtype),
         slot_mapping=slot_mappings[0],
         written_rows=None if written_rows.numel() == row else written_rows.to(device),
         block_tables=padded[0],

@@ -343,7 +343,7 @@ class LlamaModel(nn.Module):
             for window in set(config.layer_sliding_windows)
         }
         half = config.head_dim // 2
-        softmax_dtype = torch.promote_types(self.dtype, torch.float32)
+        compute_dtype = torch.promote_types(self.dtype, torch.float32)
 
         def rotate(x: torch.Tensor) -> torch.Tensor:  # x: [heads, n, dim]
             first, second = x[..., :half], x[..., half:]
@@ -363,14 +363,20 @@ class LlamaModel(nn.Module):
             value = value.transpose(0, 1)
             keys_per_layer.append(key.transpose(0, 1).contiguous())
             values_per_layer.append(value.transpose(0, 1).contiguous())
-            key = key.repeat_interleave(config.num_query_groups, dim=0)
-            value = value.repeat_interleave(config.num_query_groups, dim=0)
-            # HF "eager" attention: matmuls in the model dtype, softmax in float32.
-            scores = torch.matmul(query, key.transpose(1, 2)) * config.head_dim**-0.5
+            key = key.repeat_interleave(config.num_query_groups, dim=0).to(compute_dtype)
+            value = value.repeat_interleave(config.num_query_groups, dim=0).to(compute_dtype)
+            # Scores, softmax and the weighted sum in float32 (at least), only the output rounded
+            # to the model dtype: what SDPA, FlashAttention and the paged backends do, so in half
+            # precision both paths round at the same points. HF's "eager" attention also rounds
+            # scores and weights to the model dtype; with sharp bfloat16 attention, on a row near
+            # a tie between two keys, that difference alone decided which path landed nearer the
+            # float32 oracle (tests/test_model_paged.py, BF16_NEAR_TIE).
+            scores = torch.matmul(query.to(compute_dtype), key.transpose(1, 2))
+            scores = scores * config.head_dim**-0.5
             allowed = masks[config.layer_sliding_window(index)]
-            scores = scores.to(softmax_dtype).masked_fill(~allowed, float("-inf"))
-            weights = torch.softmax(scores, dim=-1).to(self.dtype)
-            attended = torch.matmul(weights, value).transpose(0, 1).reshape(n, -1)
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            attended = torch.matmul(weights, value).to(self.dtype)
+            attended = attended.transpose(0, 1).reshape(n, -1)
             hidden = hidden + self._project(index, "o_proj", attended)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden), keys_per_layer, values_per_layer
@@ -432,8 +438,7 @@ class LlamaModel(nn.Module):
         packed = self._pack(kv_cache, batch)
         config = self.config
         total = packed.tokens.numel()
-        cos, sin = packed.cos, packed.sin
-        attention_factor = rope_attention_factor(config)
+        cos, sin = packed.cos, packed.sin  # YaRN's attention factor is in them
         # A decode step (every request computes one position) takes the batched decode path
         # (`prefixkv.kv.decode`) where the torch backend would run; explicit
         # "reference" / "triton" and CUDA's auto choice keep theirs.
@@ -451,8 +456,6 @@ class LlamaModel(nn.Module):
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
             query = _apply_rotate_half_rope(query, cos, sin)
             key = _apply_rotate_half_rope(key, cos, sin)
-            if attention_factor != 1.0:
-                query, key = query * attention_factor, key * attention_factor
             # A layer's pages, its index in them, and its group's slots and block tables.
             if isinstance(kv_cache, GroupedKVCache):
                 pages, page_layer, group = kv_cache.layer_pages(index)

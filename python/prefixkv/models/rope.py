@@ -158,7 +158,8 @@ def rope_inverse_frequencies(config: RopeSettings, sequence_length: int) -> torc
 
 def rope_attention_factor(config: RopeSettings) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor, else 1. Both forward paths
-    scale the rotated queries and keys by it (the same as scaling cos and sin)."""
+    fold it into the float64 tables before rounding them to the model dtype, as transformers
+    does; scaling the rotated queries and keys instead would round them a second time."""
     return 1.0 if config.rope_scaling is None else config.rope_scaling.yarn_attention_factor
 
 
