@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prefixkv import Engine
@@ -38,9 +38,12 @@ def sharp_model(seed: int = 0) -> LlamaModel:
 
 
 MODEL = sharp_model()
-#: float32 noise from batching and chunking (a wrong block moves logits by far more: see the
-#: planted-bug test).
-TOLERANCE = 1e-3
+#: float32 noise from batching and chunking, amplified by this deliberately sharp model: the
+#: case kept as an @example below differs from the full recompute by 3.6e-3 in float32 with no
+#: tier at all, and by 3.4e-12 with the same model in float64 (so the paths compute the same
+#: thing; the sharp attention amplifies rounding about 1e4-fold). A wrong block moves the
+#: logits by more than 1e-1 (the planted-bug test), well clear of this bound.
+TOLERANCE = 2e-2
 
 
 def prompts_from(seed: int, count: int, length: int, shared: int) -> list[list[int]]:
@@ -182,6 +185,16 @@ def test_bad_tier_settings_are_refused() -> None:
         Engine(MODEL, num_blocks=8, block_size=4, host_tier_bytes="big")  # type: ignore[arg-type]
 
 
+@example(  # found by a fresh CI draw: float32 rounding amplified by sharp attention (TOLERANCE)
+    extra_blocks=0,
+    host_blocks=1,
+    block_size=2,
+    shared=14,
+    rounds=4,
+    speculative=0,
+    budget=2048,
+    seed=1295,
+)
 @given(
     extra_blocks=st.integers(0, 8),
     host_blocks=st.integers(1, 40),
@@ -189,7 +202,7 @@ def test_bad_tier_settings_are_refused() -> None:
     shared=st.integers(0, 16),
     rounds=st.integers(2, 6),
     speculative=st.sampled_from([0, 2]),
-    budget=st.sampled_from([6, 10, 32]),
+    budget=st.sampled_from([6, 10, 32, 2048]),
     seed=st.integers(0, 2**16),
 )
 def test_host_tier_outputs_equal_full_recompute(
