@@ -37,9 +37,9 @@ The model tells a cache what its KV depends on through public methods: `cache_co
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
 change tokens `weights_version` / `adapter_version` an engine checks every step.
 
-The decoder is this module; the rest of the journey has its own: `model_config` (settings and
-HF ``config.json``), `rope` (position math), `batch` (request types and packing), `lora`
-(adapters), `checkpoint` (HF directories). This module stays a little over 600 lines because
+The decoder is this module; the rest of the journey has its own: `model_config` (settings),
+`hf_config` (HF ``config.json``), `rope` (position math), `batch` (request types and packing),
+`lora` (adapters), `hf_weights` (HF weights). The loaders (`checkpoint`, `gguf`) sit above it. This module stays a little over 600 lines because
 the two forward paths, the paged one and its oracle, are read side by side.
 """
 
