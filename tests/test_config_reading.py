@@ -258,6 +258,7 @@ def test_parameter_count_is_the_model_s() -> None:
         ({"rope_scaling": {"rope_type": ["linear"], "factor": 2.0}}, "rope_scaling"),
         ({"rope_scaling": ["linear"]}, "rope_scaling"),
         ({"torch_dtype": ["float32"]}, "torch_dtype"),
+        ({"model_type": ["llama"]}, "model_type"),
         ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "factor"),
     ],
 )
