@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from prefixkv import model_config
 from prefixkv.cli import main
 from prefixkv.errors import InvalidInputError
-from prefixkv.model import LlamaModel, ModelConfig
+from prefixkv.model import LlamaModel, ModelConfig, RopeScaling
 
 TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
 TINY = {
@@ -128,6 +128,14 @@ def test_values_are_not_coerced(tmp_path: Path, field: str, value: Any) -> None:
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(InvalidInputError, match=repr(field)):
         ModelConfig.from_hf_config(tmp_path)
+
+
+def test_the_constructors_refuse_what_the_reader_refuses() -> None:
+    for changes in ({"rope_theta": math.inf}, {"rms_norm_eps": math.nan}, {"rope_theta": True}):
+        with pytest.raises(InvalidInputError, match=next(iter(changes))):
+            ModelConfig(**changes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="factor"):
+        RopeScaling("linear", True)
 
 
 # -- item 4: configs transformers writes load -------------------------------------------------
