@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prefixkv.apps.cli import main
 from prefixkv.errors import InvalidInputError
 from prefixkv.models import config as model_config
-from prefixkv.models.decoder import LlamaModel, ModelConfig
+from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
 
 TOKENS = torch.tensor([(29 * i + 3) % 256 for i in range(40)])
 TINY = {
@@ -128,6 +128,14 @@ def test_values_are_not_coerced(tmp_path: Path, field: str, value: Any) -> None:
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(InvalidInputError, match=repr(field)):
         ModelConfig.from_hf_config(tmp_path)
+
+
+def test_the_constructors_refuse_what_the_reader_refuses() -> None:
+    for changes in ({"rope_theta": math.inf}, {"rms_norm_eps": math.nan}, {"rope_theta": True}):
+        with pytest.raises(InvalidInputError, match=next(iter(changes))):
+            ModelConfig(**changes)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="factor"):
+        RopeScaling("linear", True)
 
 
 # -- item 4: configs transformers writes load -------------------------------------------------
@@ -258,6 +266,7 @@ def test_parameter_count_is_the_model_s() -> None:
         ({"rope_scaling": {"rope_type": ["linear"], "factor": 2.0}}, "rope_scaling"),
         ({"rope_scaling": ["linear"]}, "rope_scaling"),
         ({"torch_dtype": ["float32"]}, "torch_dtype"),
+        ({"model_type": ["llama"]}, "model_type"),
         ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "factor"),
     ],
 )
@@ -303,6 +312,7 @@ WRONG_VALUES = st.one_of(
 )
 
 
+@example(model_type="llama", field="tie_word_embeddings", value=False)
 @given(
     model_type=st.sampled_from(sorted(CONFIG_CLASSES)),
     field=st.sampled_from(READ_FIELDS),
@@ -333,6 +343,10 @@ def _harmless(model_type: str, field: str, value: Any) -> bool:
     theta/rms epsilon/LoRA alpha, one of the supported dtypes."""
     if model_type == "llama" and field in ("sliding_window",):
         return True
+    if field in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        # A boolean field given a boolean is not a wrong value (a fresh CI draw found
+        # tie_word_embeddings=False, which WRONG_VALUES' booleans can produce).
+        return isinstance(value, bool)
     if field in ("model_type", "hidden_act", "torch_dtype", "dtype"):
         return value in (*CONFIG_CLASSES, "silu", "float32", "float16", "bfloat16", "float64")
     if field in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):

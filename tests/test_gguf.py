@@ -79,8 +79,12 @@ def write_gguf(
     pre: str = "default",
     chat_template: str | None = CHATML,
     extra: dict[str, Any] | None = None,
+    replace: dict[str, tuple[Any, Any]] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """`model` and `tokenizer` as llama.cpp's converter writes them."""
+    """`model` and `tokenizer` as llama.cpp's converter writes them; `replace` overwrites
+    metadata keys with (value, GGUFValueType) and `tensors` tensors by GGUF name (hostile
+    files for tests)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
@@ -112,14 +116,21 @@ def write_gguf(
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, (value, value_type) in (replace or {}).items():
+        sub_type = None
+        if value_type == gguf.GGUFValueType.ARRAY:
+            sub_type = gguf.GGUFValueType.get_type(value[0])
+        writer.add_key_value(key, value, value_type, sub_type=sub_type)
     quant = getattr(gguf.GGMLQuantizationType, qtype)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.to(torch.float32).numpy()
+        values = (tensors or {}).get(gguf_name(name), values)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            values = permute(values, heads)
+            if values.shape[0] % (2 * heads) == 0:
+                values = permute(values, heads)
         if values.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
             writer.add_tensor(gguf_name(name), values)
         else:

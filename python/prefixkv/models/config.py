@@ -11,6 +11,7 @@ essay of `prefixkv.models.decoder` says why each does).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -114,6 +115,12 @@ class ModelConfig:
         if self.head_dim % 2 != 0 or self.head_dim < 4:
             # RoPE rotates pairs of dimensions; NTK scaling divides by (d - 2).
             raise InvalidInputError(f"head_dim must be even and >= 4, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidInputError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise InvalidInputError(f"{name} must be finite, got {value!r}")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 1):
             raise InvalidInputError("rms_norm_eps must be > 0 and rope_theta > 1")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):

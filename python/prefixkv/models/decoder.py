@@ -39,9 +39,9 @@ change tokens `weights_version` / `adapter_version` an engine checks every step.
 
 The decoder is this module: the model class, its two forward paths (the paged one and its
 oracle, read side by side) and what its KV depends on. The rest of the journey has its own:
-`decoder_layers` (the layer modules and the seeded random init), `model_config` (settings and
-HF ``config.json``), `rope` (position math), `batch` (request types and packing), `lora`
-(adapters), `checkpoint` (HF directories).
+`layers` (the layer modules and the seeded random init), `config` (settings), `hf_config` (HF
+``config.json``), `rope` (position math), `batch` (request types and packing), `lora`
+(adapters), `hf_weights` (HF weights). The loaders (`checkpoint`, `gguf`) sit above it.
 """
 
 from __future__ import annotations

@@ -301,8 +301,9 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
             f"{metadata.path}: key/value/rotary dims {head_dim}/{value_dim}/{rotary} differ; "
             "only equal ones (full rotary) are implemented"
         )
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = metadata.integer(prefix + "vocab_size", len(tokens) if isinstance(tokens, list) else 0)
+    has_tokens = metadata.get("tokenizer.ggml.tokens") is not None
+    tokens = metadata.strings("tokenizer.ggml.tokens") if has_tokens else []
+    vocab = metadata.integer(prefix + "vocab_size", len(tokens))
     if vocab <= 0:
         raise InvalidInputError(
             f"{metadata.path}: no vocabulary size ({prefix}vocab_size, tokenizer.ggml.tokens)"

@@ -177,7 +177,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     does not implement, or a field transformers does not declare for the type."""
     hf = _load(config)
     model_type = hf.get("model_type", "llama")
-    if model_type not in TYPE_DEFAULTS:
+    if not isinstance(model_type, str) or model_type not in TYPE_DEFAULTS:
         raise InvalidInputError(
             f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
         )

@@ -86,7 +86,8 @@ class RopeScaling:
                 "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a "
                 "positive original_max_position_embeddings"
             )
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):
+        number = isinstance(self.factor, (int, float)) and not isinstance(self.factor, bool)
+        if not (number and math.isfinite(self.factor)):
             raise InvalidInputError(
                 f"rope scaling factor must be a finite number, got {self.factor!r}"
             )
