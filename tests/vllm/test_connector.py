@@ -204,16 +204,24 @@ def test_unknown_extra_config_keys_are_refused_by_name(model_dir: Path, server: 
         engine(model_dir, server.url, namspace="x")
 
 
+@pytest.mark.parametrize("probe", ["verify", "length"])
 @pytest.mark.parametrize(
     "change",
     ["dtype", "weights", "config", "salt", "namespace", "fingerprint"],
 )
 def test_another_model_dtype_salt_or_namespace_never_hits(
-    change: str, tmp_path: Path, model_dir: Path, server: RedisServer, client: redis.Redis
+    change: str,
+    probe: str,
+    tmp_path: Path,
+    model_dir: Path,
+    server: RedisServer,
+    client: redis.Redis,
 ) -> None:
+    """Under the length probe the key alone keeps them apart (a value of another dtype of the
+    same size has the same length): each setting must be in the key, not only in the value."""
     prompt = prompt_of(4 * BS + 1, seed=7)
     serve(engine(model_dir, server.url), prompt)
-    options: dict[str, object] = {}
+    options: dict[str, object] = {"probe": probe}
     kwargs: dict[str, object] = {}
     other_dir = model_dir
     if change == "dtype":
@@ -231,7 +239,7 @@ def test_another_model_dtype_salt_or_namespace_never_hits(
     computed, _ = admit(engine(other_dir, server.url, **options), prompt, **kwargs)
     assert computed == 0
     # The control: the same engine settings as A do hit.
-    computed, _ = admit(engine(model_dir, server.url), prompt)
+    computed, _ = admit(engine(model_dir, server.url, probe=probe), prompt)
     assert computed == 4 * BS
 
 
