@@ -42,7 +42,7 @@ MAX_TOKENS = 12
 def prompts() -> tuple[list[int], list[int]]:
     """Token ids (fixed, no tokenizer involved): a 5.5-block shared prefix, two suffixes."""
     shared = [(i * 7919) % 40000 + 100 for i in range(5 * BLOCK_SIZE + 64)]
-    return shared + [17, 23, 99, 4021, 311], shared + [512, 77, 1999, 6, 820, 13]
+    return [*shared, 17, 23, 99, 4021, 311], [*shared, 512, 77, 1999, 6, 820, 13]
 
 
 # -- one engine, in a child process -----------------------------------------------------------
@@ -84,7 +84,9 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 def in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "python"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(REPO / "python"), env.get("PYTHONPATH", "")]
+    )
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         env=env,
@@ -216,7 +218,13 @@ def main() -> int:
         client.set(victim, original)
 
         other_dtype = in_fresh_process(
-            {**base, "name": "B-fp32", "dtype": "float32", "prompt": prompt_b, "connector": connector}
+            {
+                **base,
+                "name": "B-fp32",
+                "dtype": "float32",
+                "prompt": prompt_b,
+                "connector": connector,
+            }
         )
         check(other_dtype["num_cached_tokens"] == 0, "another dtype: no hit")
         other_model = in_fresh_process(

@@ -16,7 +16,8 @@ import pytest
 import redis
 import torch
 
-from tests.vllm.connector_support import (  # first: it imports vLLM (see there)
+# First: it imports vLLM under a filter for torch's own import-time deprecation warning.
+from tests.vllm.connector_support import (
     Engine,
     make_engine,
     make_request,
@@ -24,7 +25,9 @@ from tests.vllm.connector_support import (  # first: it imports vLLM (see there)
     vllm_config,
     write_model_dir,
 )
-from vllm.v1.request import RequestStatus  # noqa: I001
+
+# isort: split
+from vllm.v1.request import RequestStatus
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector import PrefixKVConnector
@@ -199,7 +202,9 @@ def test_the_fail_policy_is_refused_by_name(model_dir: Path, server: RedisServer
         engine(model_dir, server.url, policy="fail")
 
 
-def test_unknown_extra_config_keys_are_refused_by_name(model_dir: Path, server: RedisServer) -> None:
+def test_unknown_extra_config_keys_are_refused_by_name(
+    model_dir: Path, server: RedisServer
+) -> None:
     with pytest.raises(InvalidInputError, match="namspace"):
         engine(model_dir, server.url, namspace="x")
 

@@ -13,7 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.vllm.connector_support import KV_HEADS, LAYERS, HEAD_SIZE  # noqa: I001  (imports vLLM)
+# First: it imports vLLM under a filter for torch's own import-time deprecation warning.
+from tests.vllm.connector_support import HEAD_SIZE, KV_HEADS, LAYERS
+
+# isort: split
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -100,7 +103,9 @@ def workers(server: RedisServer) -> Iterator[list[Worker]]:
         worker.close()
 
 
-def job(tokens: list[int], block_ids: list[int], first: int = 0, salt: str | None = None) -> BlockJob:
+def job(
+    tokens: list[int], block_ids: list[int], first: int = 0, salt: str | None = None
+) -> BlockJob:
     return BlockJob("r", first, tuple(block_ids), tuple(tokens), salt, None)
 
 
@@ -243,13 +248,27 @@ def test_a_cache_view_of_another_shape_is_refused_by_name(server: RedisServer) -
 
 @given(
     name=st.sampled_from(
-        ["redis_url", "namespace", "timeout", "ttl", "queue_size", "retry_after",
-         "max_probe_blocks", "probe", "model_fingerprint", "nmespace"]
-    ),  # fmt: skip
+        [
+            "redis_url",
+            "namespace",
+            "timeout",
+            "ttl",
+            "queue_size",
+            "retry_after",
+            "max_probe_blocks",
+            "probe",
+            "model_fingerprint",
+            "nmespace",
+        ]
+    ),
     value=st.one_of(
-        st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True),
-        st.text(max_size=8), st.lists(st.integers(), max_size=2),
-    ),  # fmt: skip
+        st.none(),
+        st.booleans(),
+        st.integers(-5, 5),
+        st.floats(allow_nan=True),
+        st.text(max_size=8),
+        st.lists(st.integers(), max_size=2),
+    ),
 )
 def test_extra_config_is_accepted_or_refused_by_name(name: str, value: object) -> None:
     extra = {"redis_url": "redis://127.0.0.1:1/0", name: value}
