@@ -69,7 +69,9 @@ class Worker:
             config, torch.device("cpu"), KVCacheLayout.LBHNC, [KERNEL_BLOCK]
         )
         geometry = BlockGeometry.from_kv_cache_config(config)
-        identity = EngineIdentity("sha256:test", "cfg", str(dtype), "auto", "None", 2, 1, geometry)
+        identity = EngineIdentity(
+            "sha256:test", "cfg", str(dtype), "auto", "None", 2, 1, "cpu/CPU_ATTN/0.32", geometry
+        )
         self.store = RedisStore(url, timeout=1.0)
         self.remote = RemoteTier(self.store, namespace="worker-test")
         self.side = WorkerSide(RequestKeys(identity, rank), self.remote)
@@ -137,7 +139,8 @@ def test_kernel_split_blocks_round_trip_between_two_workers(
         assert torch.equal(b.block(mine), a.block(theirs))
     # Blocks nobody loaded into are untouched (zeros from allocation).
     assert not b.block(2).any()
-    # The stored value is the block in token order (the logical layout), not the kernel's.
+    # The stored value is the scheduler block in the manager view's order (the kernel blocks
+    # in sequence), not in the order of the kernel view it is held in.
     g = a.side.geometry
     records = a.side.keys.records(tokens, 3)
     [first, *_] = a.remote.fetch(records, a.side.keys.fingerprint, g.dtype, g.value_shape)
@@ -278,3 +281,18 @@ def test_extra_config_is_accepted_or_refused_by_name(name: str, value: object) -
         assert name in str(exc)
     else:
         assert getattr(settings_, name) == value
+
+
+def test_the_kv_reader_is_in_the_key() -> None:
+    """Backends read a block's bytes differently: the same tokens on another platform or
+    backend must be another key, or a CUDA engine would read CPU_ATTN's bytes as its own."""
+    geometry = BlockGeometry(2, KV_HEADS, BLOCK, HEAD_SIZE, HEAD_SIZE, torch.float16)
+
+    def first_key(reader: str) -> bytes:
+        identity = EngineIdentity("sha256:x", "cfg", "f16", "auto", "None", 1, 1, reader, geometry)
+        return RequestKeys(identity, 0).records(tokens_for(1), 1)[0].key
+
+    keys = {
+        first_key(r) for r in ("cpu/CPU_ATTN/0.32", "cuda/FLASH_ATTN/0.32", "cpu/CPU_ATTN/0.33")
+    }
+    assert len(keys) == 3

@@ -156,6 +156,17 @@ class PrefixKVConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         group = self._kv_cache_config.kv_cache_groups[0]
+        # The key names the backend vLLM's selector resolves; a layer built with another one
+        # (an override this connector does not know of) would store bytes read another way.
+        layers = self._vllm_config.compilation_config.static_forward_context
+        reader = self.identity.kv_reader.split("/")[1]
+        for name in group.layer_names:
+            backend = getattr(layers.get(name), "attn_backend", None)
+            if backend is not None and backend.get_name() != reader:
+                raise InvalidInputError(
+                    f"layer {name!r} uses attention backend {backend.get_name()}, the connector's "
+                    f"keys name {reader}"
+                )
         self._worker().register_kv_caches(
             kv_caches, group.layer_names, self._kv_cache_config.num_blocks
         )

@@ -7,7 +7,12 @@ compute. In vLLM that depends on:
   or an ``hf_overrides`` entry changes the KV), not the path it was loaded from;
 * the model dtype, the KV cache dtype and the quantization;
 * the tensor-parallel rank and size (each rank holds its own heads) and the pipeline size;
-* the block geometry (block size, layers, KV heads, head sizes) and the value layout;
+* the block geometry (block size, layers, KV heads, head sizes);
+* how the bytes of a block are read: the platform (cpu, cuda, ...), the attention backend vLLM
+  resolves for the model (CPU_ATTN, FLASH_ATTN, ...) and the vLLM release series. A block is
+  stored as its bytes, and backends read them differently (CPU_ATTN reads each head's slice
+  of a block as its K rows then its V rows; another backend may interleave them per token),
+  so a value must only meet engines that read it the same way;
 * per request: the cache salt and the LoRA adapter (its name and the content of its files).
 
 The engine-wide part is a `CacheContext` whose fingerprint roots every key, the per-request
@@ -16,10 +21,11 @@ computes them (SHA-256, stable across processes and machines). vLLM's own block 
 not used: their seed is per process unless PYTHONHASHSEED is fixed, and they bind neither the
 weights nor the rank.
 
-The value layout is logical, not physical: a block is stored as ``[layers, kv_heads,
-block_size, head_size + head_size_v]`` (vLLM's per-layer logical view ``[B, H, N, C]``, one
-block, stacked over layers), so engines whose physical `KVCacheLayout` differs still share
-values, and the layout tag in the key names that logical form.
+A block is stored as ``[layers, kv_heads, block_size, head_size + head_size_v]``: vLLM's
+per-layer view ``[B, H, N, C]`` of one scheduler block (kernel blocks, when the backend splits
+one, concatenated in order), stacked over layers. The view hides the physical
+`KVCacheLayout` (strides), so engines whose layouts differ still share values; what ``C``
+holds is the backend's, hence the backend in the key.
 
 Multimodal requests and prompt embeddings are not keyed (their KV depends on inputs the token
 ids do not name): the connector neither probes nor saves them.
@@ -133,6 +139,8 @@ class EngineIdentity:
     quantization: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    #: ``platform/backend/vllm series``, e.g. ``cpu/CPU_ATTN/0.32``.
+    kv_reader: str
     geometry: BlockGeometry
 
     @classmethod
@@ -162,6 +170,7 @@ class EngineIdentity:
             quantization=str(model_config.quantization),
             tensor_parallel_size=int(parallel.tensor_parallel_size),
             pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            kv_reader=kv_reader(vllm_config, geometry),
             geometry=geometry,
         )
 
@@ -185,7 +194,8 @@ class EngineIdentity:
                 "tp_rank": tp_rank,
                 "tp_size": self.tensor_parallel_size,
                 "pp_size": self.pipeline_parallel_size,
-                "value_layout": "LHNC",
+                "kv_reader": self.kv_reader,
+                "value_layout": "BHNC-view",
                 "num_layers": g.num_layers,
                 "num_kv_heads": g.num_kv_heads,
                 "head_size": g.head_size,
@@ -222,6 +232,30 @@ class RequestKeys:
             BlockRecord(key, keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]))
             for j, key in enumerate(keys[:num_blocks])
         ]
+
+
+def kv_reader(vllm_config: Any, geometry: BlockGeometry) -> str:
+    """``platform/attention backend/vLLM series`` as vLLM resolves them for this model: the
+    scheduler and every worker compute it alike, from the config."""
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    try:
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(
+                geometry.head_size,
+                vllm_config.model_config.dtype,
+                str(vllm_config.cache_config.cache_dtype),
+            ).get_name()
+    except Exception as exc:  # vLLM's selector raises many kinds; the reason is in the text
+        raise InvalidInputError(
+            f"PrefixKVConnector could not resolve the attention backend (which decides how a "
+            f"block's bytes are read): {type(exc).__name__}: {exc}"
+        ) from None
+    series = ".".join(str(vllm.__version__).split(".")[:2])
+    return f"{current_platform.device_type}/{backend}/{series}"
 
 
 def _config_digest(hf_config: Any) -> str:
