@@ -83,8 +83,12 @@ def run(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout:.0f} s"}
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-        return {"error": (lines[-1] if lines else proc.stderr[-300:]).strip()[:300]}
+        # The engine core's own error names the cause; the front end's only says it failed.
+        lines = proc.stderr.splitlines()
+        causes = [line for line in lines if "Worker failed with error" in line]
+        causes = causes or [line for line in lines if "Error" in line]
+        cause = causes[-1] if causes else proc.stderr[-300:]
+        return {"error": cause.split("RuntimeError: ")[-1].strip()[:300]}
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -172,6 +176,11 @@ def main() -> int:
         per = ", ".join(f"{s:.3f}" for s in seconds)
         cached = ", ".join(str(c) for c in result["cached"])
         lines.append(f"| {name} | {statistics.median(seconds):.3f} | {per} | {cached} |")
+    lines += [
+        "",
+        "LMCache (`lmcache` 0.5.6 on PyPI) was not run: it requires `cupy-cuda13x`, ships CUDA "
+        "ops (`lmcache/cuda_ops.so`) and pins `numpy<=2.2.6` against vLLM 0.32's numpy 2.3.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
