@@ -32,6 +32,8 @@ __all__ = [
     "PagedKVError",
     "PrefixKVError",
     "UnknownRequestError",
+    "UnsupportedEngineVersionError",
+    "UnsupportedFeatureError",
     "missing_dependency",
 ]
 
@@ -140,3 +142,14 @@ class ChatTemplateError(InvalidInputError):
 class KVAllocationError(PrefixKVError, MemoryError):
     """The KV pages asked for cannot be allocated on their device (too large for its memory,
     or for torch's size limits); the message names the size."""
+
+
+# -- engine integrations -----------------------------------------------------------------------
+class UnsupportedEngineVersionError(PrefixKVError, ImportError):
+    """An engine integration (`prefixkv.integrations.vllm`) was imported beside a version of the
+    engine it was not written and tested against; the message names the versions supported."""
+
+
+class UnsupportedFeatureError(PrefixKVError, NotImplementedError):
+    """An engine asked an integration for something prefixkv does not do (a hybrid KV layout, a
+    Mamba alignment mode, a partial-block hit, ...); the message names the setting to change."""
