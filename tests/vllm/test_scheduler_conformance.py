@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import given, note
+from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 from tests.vllm.harness import (
     VOCAB,
     RequestSpec,
     SchedulerSetup,
+    StepRecord,
     Workload,
     drive,
     make_scheduler,
@@ -32,13 +33,13 @@ def setups(draw: st.DrawFn, *, spec_decode: bool | None = None) -> SchedulerSetu
     if spec_decode is None:
         spec_decode = draw(st.booleans())
     return SchedulerSetup(
-        num_blocks=draw(st.integers(12, 48)),
+        num_blocks=draw(st.integers(10, 40)),
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.sampled_from([32, 64, 128, 512])),
         max_model_len=512,
         num_speculative_tokens=draw(st.integers(1, 3)) if spec_decode else 0,
-        watermark=draw(st.sampled_from([0.0, 0.0, 0.05, 0.2])),
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
     )
 
@@ -48,12 +49,18 @@ def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
     # A few shared prefixes (system prompts, few-shot examples) that prompts start from, so
     # requests hit each other's blocks, in the same step and later.
     tokens = st.integers(0, VOCAB - 1)
-    prefixes = draw(st.lists(st.lists(tokens, min_size=0, max_size=48), min_size=1, max_size=3))
+    prefixes = draw(
+        st.lists(
+            st.lists(tokens, min_size=2 * setup.block_size, max_size=4 * setup.block_size),
+            min_size=1,
+            max_size=3,
+        )
+    )
     # Keep each request within half the pool, so every one can run (vLLM would hold a request
     # that can never fit in the queue forever, in both runs alike).
     budget = (setup.num_blocks - 1) * setup.block_size // 2
     specs = []
-    for i in range(draw(st.integers(1, 8))):
+    for i in range(draw(st.integers(2, 8))):
         prefix = draw(st.sampled_from(prefixes))
         suffix = draw(st.lists(tokens, min_size=1, max_size=24))
         prompt = (prefix + suffix)[: max(budget - 24, 1)]
@@ -61,7 +68,7 @@ def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
             RequestSpec(
                 request_id=f"r{i}",
                 prompt=tuple(prompt),
-                max_tokens=draw(st.integers(1, min(20, budget - len(prompt)))),
+                max_tokens=draw(st.integers(1, min(40, budget - len(prompt)))),
                 arrival_step=draw(st.sampled_from([0, 0, 1, 2, 5])),
                 cache_salt=draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
             )
@@ -69,7 +76,7 @@ def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
     return Workload(requests=tuple(specs), draft_accuracy=draw(st.sampled_from([0, 500, 1000])))
 
 
-def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> None:
+def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> list[StepRecord]:
     stock = drive(make_scheduler(tiny_model, setup, "stock"), workload, setup.block_size)
     ours_scheduler = make_scheduler(tiny_model, setup, "prefixkv")
     ours = drive(ours_scheduler, workload, setup.block_size)
@@ -77,14 +84,29 @@ def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> Non
     for step, (want, got) in enumerate(zip(stock, ours, strict=True)):
         assert got == want, f"step {step} differs:\nstock    {want}\nprefixkv {got}"
     ours_scheduler.kv_cache_manager.prefix_cache.check_invariants()
+    return ours
 
+
+
+def _record_events(ours: list[StepRecord], workload: Workload) -> None:
+    """What the example exercised (pytest --hypothesis-show-statistics)."""
+    event(f"preemptions: {any(s.preempted for s in ours)}")
+    event(f"prefix hits: {any(n for s in ours for n, _ in s.num_cached_tokens.values())}")
+    prefill_steps: dict[str, int] = {}
+    for record in ours:
+        for rid, n in record.scheduled.items():
+            if n > 1 + len(record.spec_tokens.get(rid, ())):
+                prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
+    event(f"prefill over several steps: {any(n > 1 for n in prefill_steps.values())}")
+    event(f"drafts scheduled: {any(s.spec_tokens for s in ours)}")
+    event(f"unfinished at max_steps: {sum(len(s.finished) for s in ours) < len(workload.requests)}")
 
 @given(data=st.data())
 def test_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
     setup = data.draw(setups())
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
-    _compare(tiny_model, setup, workload)
+    _record_events(_compare(tiny_model, setup, workload), workload)
 
 
 @given(data=st.data())
@@ -92,7 +114,7 @@ def test_spec_decode_schedules_match_stock(tiny_model: Path, data: st.DataObject
     setup = data.draw(setups(spec_decode=True))
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
-    _compare(tiny_model, setup, workload)
+    _record_events(_compare(tiny_model, setup, workload), workload)
 
 
 def test_same_step_shared_prefix_hits(tiny_model: Path) -> None:
@@ -143,3 +165,20 @@ def test_salts_isolate(tiny_model: Path) -> None:
     cached = {rid: n for step in ours for rid, (n, _) in step.num_cached_tokens.items()}
     assert cached == {"a": 0, "b": 0, "c": 16}
     _compare(tiny_model, setup, workload)
+
+
+def test_watermark_holds_admissions_back(tiny_model: Path) -> None:
+    """With a watermark, vLLM admits a waiting request only if the pool keeps that many
+    blocks free afterwards; prefixkv's manager holds the same requests back."""
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", tuple(range(10 * i, 10 * i + 24)), max_tokens=12, arrival_step=i)
+            for i in range(3)
+        )
+    )
+    plain = SchedulerSetup(num_blocks=20, block_size=4, max_num_seqs=4)
+    held = SchedulerSetup(num_blocks=20, block_size=4, max_num_seqs=4, watermark=0.3)
+    without = drive(make_scheduler(tiny_model, plain, "stock"), workload, plain.block_size)
+    with_watermark = drive(make_scheduler(tiny_model, held, "stock"), workload, held.block_size)
+    assert [s.scheduled for s in without] != [s.scheduled for s in with_watermark]
+    _compare(tiny_model, held, workload)
