@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export HYPOTHESIS_PROFILE ?= default
 
-.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release
+.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release vllm-test
 
 ## Build the Rust extension (release) and install the package with test and lint tools.
 install:
@@ -61,3 +61,16 @@ no-extras:
 ## (built from alone), `cargo package` of prefixkv-core. See docs/release.md.
 release:
 	PYTHON=$(PYTHON) scripts/release.sh
+
+## vLLM integration (docs/vllm.md): a venv holding vLLM's CPU build (scripts/install_vllm.sh,
+## idempotent), prefixkv installed into it from this checkout, the SmolLM2 checkpoint
+## (scripts/prepare_smollm2.py), then tests/vllm (vLLM's own scheduler against the stock
+## block manager) and the end-to-end comparison on the real model.
+VLLM_VENV ?= .venv-vllm
+VLLM_MODEL ?= models/smollm2-hf
+vllm-test:
+	scripts/install_vllm.sh "$(VLLM_VENV)"
+	"$(VLLM_VENV)/bin/python" -m pip install --quiet -e .
+	"$(VLLM_VENV)/bin/python" scripts/prepare_smollm2.py "$(VLLM_MODEL)"
+	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" -m pytest tests/vllm
+	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_MODEL)"
