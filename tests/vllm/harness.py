@@ -36,7 +36,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from prefixkv.integrations.vllm import AsyncScheduler, Scheduler
+from prefixkv.integrations.vllm import Scheduler
 
 #: The fake model's vocabulary: small, so generated text repeats and shares prefixes.
 VOCAB = 64
@@ -119,6 +119,9 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
         speculative_config=speculative_config,
         kv_events_config=kv_events_config,
     )
+    # vLLM's CPU platform turns async scheduling off; the GPU default is on. The scheduler
+    # itself runs the same either way, so the harness restores what the setup asks for.
+    vllm_config.scheduler_config.async_scheduling = setup.async_scheduling
     kv_cache_config = KVCacheConfig(
         num_blocks=setup.num_blocks,
         kv_cache_tensors=[],
@@ -138,7 +141,8 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
     if kind == "stock":
         cls: Any = StockAsyncScheduler if setup.async_scheduling else StockScheduler
     elif kind == "prefixkv":
-        cls = AsyncScheduler if setup.async_scheduling else Scheduler
+        # prefixkv's Scheduler turns itself into its AsyncScheduler when the config asks.
+        cls = Scheduler
     else:
         raise ValueError(f"kind must be 'stock' or 'prefixkv', got {kind!r}")
     return cls(
@@ -219,6 +223,42 @@ def make_request(spec: RequestSpec, block_size: int) -> Request:
     )
 
 
+def runner_output_for(scheduler: Any, out: Any) -> ModelRunnerOutput:
+    """What the fake model returns for the step `out` scheduled: a sampled token for every
+    request whose prompt is done, and for each draft the token the model would sample there,
+    stopping after the first wrong draft (so the accepted drafts are the right prefix)."""
+    requests = scheduler.requests
+    req_ids = list(out.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in req_ids:
+        request = requests[rid]
+        if request.num_computed_tokens < request.num_tokens:
+            sampled.append([])  # a prefill chunk that does not end the prompt
+            continue
+        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+        # The first scheduled position samples the token after the known ones; each draft
+        # is accepted while it equals what the model samples at its position.
+        position = request.num_tokens
+        tokens = []
+        for draft in drafts:
+            right = model_token(rid, position)
+            tokens.append(right)
+            position += 1
+            if draft != right:
+                break
+        else:
+            tokens.append(model_token(rid, position))
+        sampled.append(tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
 def drive(scheduler: Any, workload: Workload, block_size: int) -> list[StepRecord]:
     """Run `workload` to completion (or `max_steps`) and record every step."""
     pending = sorted(workload.requests, key=lambda r: r.arrival_step)
@@ -247,35 +287,7 @@ def drive(scheduler: Any, workload: Workload, block_size: int) -> list[StepRecor
             usage=manager.usage,
         )
         records.append(record)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for rid in req_ids:
-            request = requests[rid]
-            if request.num_computed_tokens < request.num_tokens:
-                sampled.append([])  # a prefill chunk that does not end the prompt
-                continue
-            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-            # The first scheduled position samples the token after the known ones; each draft
-            # is accepted while it equals what the model samples at its position.
-            position = request.num_tokens
-            tokens = []
-            for draft in drafts:
-                right = model_token(rid, position)
-                tokens.append(right)
-                position += 1
-                if draft != right:
-                    break
-            else:
-                tokens.append(model_token(rid, position))
-            sampled.append(tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        runner_output = runner_output_for(scheduler, out)
         engine_outputs = scheduler.update_from_output(out, runner_output)
         for outputs in engine_outputs.values():
             stats = outputs.scheduler_stats

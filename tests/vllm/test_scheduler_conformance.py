@@ -28,7 +28,9 @@ from tests.vllm.harness import (
 
 
 @st.composite
-def setups(draw: st.DrawFn, *, spec_decode: bool | None = None) -> SchedulerSetup:
+def setups(
+    draw: st.DrawFn, *, spec_decode: bool | None = None, async_scheduling: bool = False
+) -> SchedulerSetup:
     block_size = draw(st.sampled_from([4, 8, 16]))
     if spec_decode is None:
         spec_decode = draw(st.booleans())
@@ -41,6 +43,7 @@ def setups(draw: st.DrawFn, *, spec_decode: bool | None = None) -> SchedulerSetu
         num_speculative_tokens=draw(st.integers(1, 3)) if spec_decode else 0,
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
+        async_scheduling=async_scheduling,
     )
 
 
@@ -115,6 +118,31 @@ def test_spec_decode_schedules_match_stock(tiny_model: Path, data: st.DataObject
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_async_scheduler_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """vLLM's AsyncScheduler (placeholders for tokens not sampled yet; blocks cached when the
+    tokens arrive), driven one step at a time, with each manager."""
+    setup = data.draw(setups(spec_decode=False, async_scheduling=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+def test_scheduler_cls_picks_async(tiny_model: Path) -> None:
+    """One setting serves both: `Scheduler` builds prefixkv's AsyncScheduler when the config
+    asks for async scheduling, vLLM's default where the platform supports it."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+
+    from prefixkv.integrations.vllm import PrefixKVCacheManager
+
+    scheduler = make_scheduler(tiny_model, SchedulerSetup(async_scheduling=True), "prefixkv")
+    assert isinstance(scheduler, VllmAsyncScheduler)
+    assert isinstance(scheduler.kv_cache_manager, PrefixKVCacheManager)
+    sync = make_scheduler(tiny_model, SchedulerSetup(), "prefixkv")
+    assert not isinstance(sync, VllmAsyncScheduler)
+    assert isinstance(sync.kv_cache_manager, PrefixKVCacheManager)
 
 
 def test_same_step_shared_prefix_hits(tiny_model: Path) -> None:
