@@ -70,7 +70,7 @@ EVENT_CAPACITY = 1 << 16
 class _Tracked:
     """What the manager remembers of one vLLM request between calls."""
 
-    __slots__ = ("cached_blocks", "extras", "known", "table")
+    __slots__ = ("cached_blocks", "committed", "extras", "known", "table")
 
     def __init__(self, known: int, extras: KeyExtras) -> None:
         #: Tokens the core holds for the request (vLLM's verified tokens, never drafts).
@@ -80,6 +80,8 @@ class _Tracked:
         self.table: list[KVCacheBlock] | None = None
         #: Leading blocks of the request that are cached (from the last commit).
         self.cached_blocks = 0
+        #: Tokens committed to the core (its num_computed_tokens; kept here to save a call).
+        self.committed = 0
 
 
 def _request_extras(request: Request) -> KeyExtras:
@@ -331,8 +333,9 @@ class PrefixKVCacheManager:
                 )
             # Drafts verified since the last step: their KV is written up to vLLM's count.
             start = min(vllm_computed, num_tokens)
-            if start > self._cache.num_computed_tokens(rid):
+            if start > tracked.committed:
                 tracked.cached_blocks = self._cache.commit(rid, start)
+                tracked.committed = start
         total_computed = min(start if waiting else vllm_computed, self.max_model_len)
         # Tokens the core knows (verified) among those scheduled; the rest (drafts, and with
         # async scheduling tokens not sampled yet) and the lookahead are slots past them.
@@ -382,6 +385,7 @@ class PrefixKVCacheManager:
         # Publish what vLLM publishes now: the full blocks of verified tokens scheduled.
         if end_known > start or waiting:
             tracked.cached_blocks = self._cache.commit(rid, end_known)
+            tracked.committed = max(tracked.committed, end_known)
         if not new_ids:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks((self._ids.to_vllm(new_ids),))
@@ -395,6 +399,7 @@ class PrefixKVCacheManager:
         self._track(request)
         upto = min(num_computed_tokens, request.num_tokens)
         tracked.cached_blocks = self._cache.commit(request.request_id, upto)
+        tracked.committed = max(tracked.committed, upto)
 
     # -- release ---------------------------------------------------------------------------
     def free(self, request: Request) -> None:
@@ -412,6 +417,7 @@ class PrefixKVCacheManager:
             self._cache.preempt(rid)
             tracked.table = None
             tracked.cached_blocks = 0
+            tracked.committed = 0
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         raise UnsupportedFeatureError(
