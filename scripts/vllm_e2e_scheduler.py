@@ -61,7 +61,9 @@ def run_one(kind: str, model: str, out: Path) -> None:
     tokenizer = llm.get_tokenizer()
     # Round 1 caches the system prompt; round 2 hits it (and round 1's own questions);
     # round 3 sends prompts that share a fresh prefix in one batch.
-    fresh = "A different preamble about block tables and refcounts, long enough to fill blocks. " * 8
+    fresh = (
+        "A different preamble about block tables and refcounts, long enough to fill blocks. " * 8
+    )
     rounds = [
         [SYSTEM + q for q in QUESTIONS[:3]],
         [SYSTEM + q for q in QUESTIONS],
@@ -80,7 +82,9 @@ def run_one(kind: str, model: str, out: Path) -> None:
                 }
             )
     elapsed = time.perf_counter() - started
-    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager if not _mp() else None
+    manager = (
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager if not _mp() else None
+    )
     out.write_text(
         json.dumps(
             {

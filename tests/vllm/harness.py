@@ -279,7 +279,9 @@ def drive(scheduler: Any, workload: Workload, block_size: int) -> list[StepRecor
             resumed_or_running_ids=list(cached.req_ids),
             preempted=sorted(out.preempted_req_ids or ()),
             spec_tokens={k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()},
-            num_computed={rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens},
+            num_computed={
+                rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens
+            },
             table_lengths={
                 rid: len(manager.get_block_ids(rid)[0]) for rid in out.num_scheduled_tokens
             },

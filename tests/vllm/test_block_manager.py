@@ -42,7 +42,9 @@ def _config(*specs: object, num_blocks: int = 16) -> KVCacheConfig:
 
 
 def _full(block_size: int = 4) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
 
 
 def _manager(**overrides: object) -> PrefixKVCacheManager:
@@ -75,7 +77,22 @@ def test_interface_matches_installed_vllm() -> None:
 
 def test_a_new_argument_in_vllm_is_reported() -> None:
     class Upgraded(KVCacheManager):
-        def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=(), pin_blocks=False):  # type: ignore[no-untyped-def,override]  # noqa: E501
+        def allocate_slots(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens=0,
+            new_computed_blocks=None,
+            num_lookahead_tokens=0,
+            num_external_computed_tokens=0,
+            delay_cache_blocks=False,
+            num_encoder_tokens=0,
+            full_sequence_must_fit=False,
+            reserved_blocks=0,
+            has_scheduled_reqs=True,
+            skip_zeroing_group_ids=(),
+            pin_blocks=False,
+        ):  # type: ignore[no-untyped-def,override]
             raise AssertionError
 
         def warm_up(self) -> None:
@@ -182,7 +199,9 @@ def test_fingerprint_names_the_model(tiny_model: Path) -> None:
 
 
 def test_length_dependent_rope_refused(tiny_model: Path) -> None:
-    config = make_scheduler(tiny_model, SchedulerSetup(num_blocks=16, block_size=4), "stock").vllm_config
+    config = make_scheduler(
+        tiny_model, SchedulerSetup(num_blocks=16, block_size=4), "stock"
+    ).vllm_config
     config.model_config.hf_config.rope_parameters = {
         "rope_type": "dynamic",
         "factor": 2.0,

@@ -90,7 +90,6 @@ def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> lis
     return ours
 
 
-
 def _record_events(ours: list[StepRecord], workload: Workload) -> None:
     """What the example exercised (pytest --hypothesis-show-statistics)."""
     event(f"preemptions: {any(s.preempted for s in ours)}")
@@ -103,6 +102,7 @@ def _record_events(ours: list[StepRecord], workload: Workload) -> None:
     event(f"prefill over several steps: {any(n > 1 for n in prefill_steps.values())}")
     event(f"drafts scheduled: {any(s.spec_tokens for s in ours)}")
     event(f"unfinished at max_steps: {sum(len(s.finished) for s in ours) < len(workload.requests)}")
+
 
 @given(data=st.data())
 def test_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:

@@ -33,8 +33,6 @@ hits, EAGLE's dropped last block, copy-on-write, KV connector loads and deferred
 
 from __future__ import annotations
 
-from typing import Any
-
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -151,7 +149,9 @@ class PrefixKVCacheManager:
         }
         for name, is_set in refused.items():
             if is_set:
-                raise UnsupportedFeatureError(f"{name} is not supported by prefixkv's block manager")
+                raise UnsupportedFeatureError(
+                    f"{name} is not supported by prefixkv's block manager"
+                )
 
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -457,7 +457,9 @@ class PrefixKVCacheManager:
             return []
         drain = _core.drain_events(self._cache._core)
         kind, window = self.kv_cache_event_metadata[0]
-        return vllm_events(drain.events, block_size=self.block_size, kind=kind, sliding_window=window)
+        return vllm_events(
+            drain.events, block_size=self.block_size, kind=kind, sliding_window=window
+        )
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         table = self.table(request_id)
@@ -475,7 +477,11 @@ class PrefixKVCacheManager:
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request in cached blocks (vLLM: the deepest hashed block's end)."""
         tracked = self._requests.get(request.request_id)
-        return 0 if tracked is None or tracked.table is None else tracked.cached_blocks * self.block_size
+        return (
+            0
+            if tracked is None or tracked.table is None
+            else tracked.cached_blocks * self.block_size
+        )
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks

@@ -39,7 +39,7 @@ class BlockIds:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         # prefixkv id p is vLLM id p + 1; prefixkv's null block (num_vllm_blocks - 1) is 0.
-        self.of_prefixkv = self.blocks[1:] + [self.null_block]
+        self.of_prefixkv = [*self.blocks[1:], self.null_block]
 
     def to_vllm(self, prefixkv_ids: list[int]) -> list[KVCacheBlock]:
         of = self.of_prefixkv
