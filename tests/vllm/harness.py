@@ -31,7 +31,12 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as StockAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as StockScheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -80,6 +85,22 @@ class SchedulerSetup:
     async_scheduling: bool = False
     enable_kv_cache_events: bool = False
     scheduler_reserve_full_isl: bool = True
+    #: A sliding-window KV group of this many tokens instead of full attention.
+    sliding_window: int | None = None
+
+
+def _spec(setup: SchedulerSetup, dtype: Any) -> Any:
+    if setup.sliding_window is None:
+        return FullAttentionSpec(
+            block_size=setup.block_size, num_kv_heads=1, head_size=1, dtype=dtype
+        )
+    return SlidingWindowSpec(
+        block_size=setup.block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=dtype,
+        sliding_window=setup.sliding_window,
+    )
 
 
 def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
@@ -125,17 +146,7 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
     kv_cache_config = KVCacheConfig(
         num_blocks=setup.num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=setup.block_size,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=model_config.dtype,
-                ),
-            )
-        ],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], _spec(setup, model_config.dtype))],
     )
     cache_config.num_gpu_blocks = setup.num_blocks
     if kind == "stock":

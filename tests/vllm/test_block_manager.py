@@ -127,6 +127,13 @@ def test_unsupported_settings_refused_by_name(overrides: dict[str, object], name
         _manager(**overrides)
 
 
+def test_sliding_window_refused_by_name(tiny_model: Path) -> None:
+    # Checked against vLLM step by step, it frees out-of-window blocks at other steps.
+    setup = SchedulerSetup(num_blocks=16, block_size=4, sliding_window=8)
+    with pytest.raises(UnsupportedFeatureError, match="SlidingWindowSpec"):
+        make_scheduler(tiny_model, setup, "prefixkv")
+
+
 def test_spec_subclasses_refused_by_name() -> None:
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class SinkLike(FullAttentionSpec):

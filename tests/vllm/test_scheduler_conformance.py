@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 
@@ -67,6 +68,11 @@ def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
         prefix = draw(st.sampled_from(prefixes))
         suffix = draw(st.lists(tokens, min_size=1, max_size=24))
         prompt = (prefix + suffix)[: max(budget - 24, 1)]
+        if len(prompt) % setup.block_size == 0:
+            # A prompt of whole blocks can be a full hit, whose recomputed last block
+            # deduplicates against the cached one; that leads to the known divergence
+            # `test_full_hit_dedup_divergence` pins down. Kept out of the random workloads.
+            prompt = prompt[:-1]
         specs.append(
             RequestSpec(
                 request_id=f"r{i}",
@@ -210,3 +216,32 @@ def test_watermark_holds_admissions_back(tiny_model: Path) -> None:
     with_watermark = drive(make_scheduler(tiny_model, held, "stock"), workload, held.block_size)
     assert [s.scheduled for s in without] != [s.scheduled for s in with_watermark]
     _compare(tiny_model, held, workload)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known divergence (docs/vllm.md): after a full prompt hit the request's recomputed "
+    "last block is a private duplicate and its later blocks chain on the cached original; "
+    "prefixkv never evicts a block with a held descendant, vLLM may, so under pool pressure "
+    "prefixkv preempts where vLLM still allocates",
+)
+def test_full_hit_dedup_divergence(tiny_model: Path) -> None:
+    setup = SchedulerSetup(
+        num_blocks=21,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        scheduler_reserve_full_isl=False,
+        async_scheduling=True,
+    )
+    prompt = (0, 0, 0, 0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0)
+    workload = Workload(
+        requests=(
+            RequestSpec("r0", prompt, 4),
+            RequestSpec("r1", prompt, 6, arrival_step=1),
+            RequestSpec("r2", prompt, 10),
+            RequestSpec("r3", prompt, 10),
+            RequestSpec("r4", prompt, 9, cache_salt="tenant-a"),
+        )
+    )
+    _compare(tiny_model, setup, workload)

@@ -59,7 +59,7 @@ __all__ = ["PrefixKVCacheManager"]
 
 #: KV cache specs served, by exact type: a subclass (sink tokens, RSWA, hidden-state caches)
 #: changes what a block holds and is refused until it is tested.
-SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 #: Blocks the core may queue between two `take_events` (one per engine step).
 EVENT_CAPACITY = 1 << 16
@@ -129,6 +129,15 @@ class PrefixKVCacheManager:
                 "disable_hybrid_kv_cache_manager=True where vLLM allows it"
             )
         spec = groups[0].kv_cache_spec
+        if type(spec) is SlidingWindowSpec:
+            # prefixkv's sliding-window cache releases out-of-window blocks at allocation and
+            # commit, vLLM's SlidingWindowManager on its own schedule: free-block counts (and so
+            # admissions) would differ from vLLM's. Refused until the two agree step by step.
+            raise UnsupportedFeatureError(
+                "SlidingWindowSpec (a sliding-window KV cache group) is not supported by "
+                "prefixkv's vLLM block manager yet: it releases out-of-window blocks at other "
+                "steps than vLLM does"
+            )
         if type(spec) not in SUPPORTED_SPECS:
             raise UnsupportedFeatureError(
                 f"KV cache spec {type(spec).__name__} is not supported by prefixkv's vLLM block "
@@ -173,15 +182,11 @@ class PrefixKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
 
         self.block_size = spec.block_size
-        window = spec.sliding_window if type(spec) is SlidingWindowSpec else None
         if context is None:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
         self._ids = BlockIds(kv_cache_config.num_blocks)
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
-        self._cache = PrefixCache(
-            kv_cache_config.num_blocks - 1, context=context, sliding_window=window
-        )
-        self._sliding = window is not None
+        self._cache = PrefixCache(kv_cache_config.num_blocks - 1, context=context)
         if enable_kv_cache_events:
             _core.enable_events(self._cache._core, EVENT_CAPACITY, "all")
         self._requests: dict[str, _Tracked] = {}
@@ -351,11 +356,6 @@ class PrefixKVCacheManager:
         ):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
-            if self._sliding:
-                raise UnsupportedFeatureError(
-                    "full_sequence_must_fit (scheduler_reserve_full_isl) with a sliding-window "
-                    "group is not supported by prefixkv's block manager"
-                )
             full = min(num_tokens, self.max_model_len) - start
             if not self._cache.can_allocate_slots(rid, full, watermark_blocks=watermark):
                 return None
@@ -380,8 +380,6 @@ class PrefixKVCacheManager:
         else:
             assert tracked.table is not None
             tracked.table.extend(self._ids.to_vllm(new_ids))
-        if self._sliding:
-            tracked.table = self._ids.to_vllm(self._cache.block_table(rid))
         # Publish what vLLM publishes now: the full blocks of verified tokens scheduled.
         if end_known > start or waiting:
             tracked.cached_blocks = self._cache.commit(rid, end_known)
@@ -431,8 +429,7 @@ class PrefixKVCacheManager:
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        # A sliding-window cache releases out-of-window blocks itself, at each allocation
-        # and commit; full attention skips nothing.
+        # Full attention skips nothing (sliding-window groups are refused).
         return None
 
     def evict_blocks(self, block_ids: set[int]) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
 from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
@@ -42,11 +41,7 @@ def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
             "a KV connector (kv_transfer_config) with prefixkv's scheduler: the connector "
             "drives vLLM's block pool directly; use the stock scheduler with it"
         )
-    groups = scheduler.kv_cache_config.kv_cache_groups
-    window = None
-    if len(groups) == 1 and type(groups[0].kv_cache_spec) is SlidingWindowSpec:
-        window = groups[0].kv_cache_spec.sliding_window
-    context = vllm_cache_context(scheduler.vllm_config, scheduler.block_size, window)
+    context = vllm_cache_context(scheduler.vllm_config, scheduler.block_size)
     manager = PrefixKVCacheManager(
         kv_cache_config=scheduler.kv_cache_config,
         max_model_len=scheduler.max_model_len,
