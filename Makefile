@@ -67,7 +67,8 @@ release:
 ## (scripts/prepare_smollm2.py), then tests/vllm (vLLM's own scheduler against the stock
 ## block manager) and the end-to-end comparison on the real model.
 VLLM_VENV ?= .venv-vllm
-VLLM_MODEL ?= models/smollm2-hf
+# Inside the venv folder: ignored by git, removed with the venv.
+VLLM_MODEL ?= $(VLLM_VENV)/smollm2-hf
 vllm-test:
 	scripts/install_vllm.sh "$(VLLM_VENV)"
 	"$(VLLM_VENV)/bin/python" -m pip install --quiet -e .
