@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export HYPOTHESIS_PROFILE ?= default
 
-.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release
+.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release vllm-test
 
 ## Build the Rust extension (release) and install the package with test and lint tools.
 install:
@@ -63,3 +63,19 @@ no-extras:
 ## (built from alone), `cargo package` of prefixkv-core. See docs/release.md.
 release:
 	PYTHON=$(PYTHON) scripts/release.sh
+
+## vLLM integration (docs/vllm.md): a venv holding vLLM's CPU build (scripts/install_vllm.sh,
+## idempotent), prefixkv installed into it from this checkout, the SmolLM2 checkpoint
+## (scripts/prepare_smollm2.py), then tests/vllm (vLLM's own scheduler against the stock
+## block manager, the connector on a real redis-server) and the two end-to-end runs on the real
+## model: scheduler_cls against stock vLLM, and the connector across two processes.
+VLLM_VENV ?= .venv-vllm
+# Inside the venv folder: ignored by git, removed with the venv.
+VLLM_MODEL ?= $(VLLM_VENV)/smollm2-hf
+vllm-test:
+	scripts/install_vllm.sh "$(VLLM_VENV)"
+	"$(VLLM_VENV)/bin/python" -m pip install --quiet -e .
+	"$(VLLM_VENV)/bin/python" scripts/prepare_smollm2.py "$(VLLM_MODEL)"
+	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" -m pytest tests/vllm
+	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_MODEL)"
+	OMP_NUM_THREADS=1 PYTHONPATH=. "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_connector.py --model "$(VLLM_MODEL)"

@@ -34,6 +34,8 @@ __all__ = [
     "PrefixKVError",
     "SubscriberFailedError",
     "UnknownRequestError",
+    "UnsupportedEngineVersionError",
+    "UnsupportedFeatureError",
     "missing_dependency",
 ]
 
@@ -153,3 +155,14 @@ class ModelTooLargeError(PrefixKVError, MemoryError):
 class SubscriberFailedError(PrefixKVError, RuntimeError):
     """The subscriber's thread stopped on its own (its sockets failed): the index no longer
     follows the instances. The message names the cause."""
+
+
+# -- engine integrations -----------------------------------------------------------------------
+class UnsupportedEngineVersionError(PrefixKVError, ImportError):
+    """An engine integration (`prefixkv.integrations.vllm`) was imported beside a version of the
+    engine it was not written and tested against; the message names the versions supported."""
+
+
+class UnsupportedFeatureError(PrefixKVError, NotImplementedError):
+    """An engine asked an integration for something prefixkv does not do (a hybrid KV layout, a
+    Mamba alignment mode, a partial-block hit, ...); the message names the setting to change."""

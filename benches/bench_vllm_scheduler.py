@@ -1,0 +1,105 @@
+"""Per-step cost of vLLM's scheduler with prefixkv's block manager, against vLLM's own.
+
+Usage (in a venv with vLLM, see scripts/install_vllm.sh):
+    PYTHONPATH=python python benches/bench_vllm_scheduler.py [--sizes 64 256 1024] [--steps 30]
+
+For each number of running requests, vLLM's real `Scheduler` (the unit tests' harness,
+`tests/vllm/harness.py`: a mocked KV cache config and a fake model runner) runs the same
+workload with the stock `KVCacheManager` and with `PrefixKVCacheManager`: every request shares a
+64-token system prompt and adds its own 32 tokens, all are admitted and prefilled, then
+`--steps` decode steps are timed, each `schedule()` plus `update_from_output()`, the engine
+core's whole scheduler work per step. The two managers alternate within one run (stock,
+prefixkv, stock, ...) and the ratio is of medians from that run: the machine is shared, so
+absolute times move between runs more than the ratio does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from tests.vllm.harness import (
+        RequestSpec,
+        SchedulerSetup,
+        make_request,
+        make_scheduler,
+        runner_output_for,
+        tiny_model_dir,
+    )
+
+BLOCK_SIZE = 16
+SYSTEM = tuple(range(64))
+
+
+def _setup(num_requests: int, steps: int) -> SchedulerSetup:
+    per_request = -(-(len(SYSTEM) + 32 + steps + 8) // BLOCK_SIZE)
+    return SchedulerSetup(
+        num_blocks=num_requests * per_request + 16,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=num_requests * (len(SYSTEM) + 32),
+        max_model_len=1024,
+    )
+
+
+def step_times(model_dir: Path, kind: str, num_requests: int, steps: int) -> list[float]:
+    """Seconds of each timed decode step (schedule + update_from_output)."""
+    setup = _setup(num_requests, steps)
+    scheduler = make_scheduler(model_dir, setup, kind)
+    for i in range(num_requests):
+        suffix = tuple(1000 + (i * 32 + j) % 50_000 for j in range(32))
+        spec = RequestSpec(f"r{i}", SYSTEM + suffix, max_tokens=steps + 8)
+        scheduler.add_request(make_request(spec, BLOCK_SIZE))
+    # Admit and prefill everything (untimed).
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output_for(scheduler, out))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output_for(scheduler, out))
+        times.append(time.perf_counter() - start)
+        if len(out.num_scheduled_tokens) != num_requests:
+            raise RuntimeError(f"{kind}: a step ran {len(out.num_scheduled_tokens)} requests")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2, help="stock/prefixkv alternations")
+    args = parser.parse_args()
+    import vllm
+
+    print(
+        f"vLLM {vllm.__version__}, Python {platform.python_version()}, {platform.machine()}; "
+        "shared machine: compare the ratio, not the absolute times"
+    )
+    print("| running requests | stock ms/step | prefixkv ms/step | prefixkv / stock |")
+    print("|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(Path(tmp))
+        for size in args.sizes:
+            samples: dict[str, list[float]] = {"stock": [], "prefixkv": []}
+            for _ in range(args.rounds):
+                for kind in ("stock", "prefixkv"):
+                    samples[kind] += step_times(model_dir, kind, size, args.steps)
+            stock = statistics.median(samples["stock"]) * 1e3
+            ours = statistics.median(samples["prefixkv"]) * 1e3
+            print(f"| {size} | {stock:.2f} | {ours:.2f} | {ours / stock:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""End to end: vLLM offline on SmolLM2 with prefixkv's scheduler gives vLLM's own results.
+
+Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp]
+
+Runs the same prompts (one long shared system prompt, several questions, in two rounds so the
+second round hits what the first cached, plus a batch that shares prefixes within one step)
+through vLLM's `LLM` twice, in separate processes: once with the stock scheduler and once with
+``scheduler_cls="prefixkv.integrations.vllm.Scheduler"``, like for like (same settings, same
+multiprocessing mode, greedy sampling), and requires identical token ids and identical
+``num_cached_tokens`` for every request. CPU backend: ``enforce_eager=True``, a small
+``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "/work/models/smollm2-hf"
+SCHEDULER = "prefixkv.integrations.vllm.Scheduler"
+
+SYSTEM = (
+    "You are a careful assistant for a team that maintains a prefix cache for language model "
+    "inference. Answer briefly and precisely. The cache stores key and value tensors of "
+    "prompt prefixes in fixed-size blocks, shares them between requests whose tokens match, "
+    "evicts the least recently used blocks that no request holds, and must never serve a "
+    "block computed under a different model, adapter or tenant salt. "
+) * 3
+QUESTIONS = [
+    "What is a block?",
+    "When may a block be evicted?",
+    "Why does a tenant salt matter?",
+    "What happens on preemption?",
+    "Name one risk of reusing KV across models.",
+    "How is a full prompt hit served?",
+]
+
+
+def run_one(kind: str, model: str, out: Path) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, object] = {
+        "model": model,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "block_size": 128,
+        "max_model_len": 2048,
+        "max_num_seqs": 8,
+        "dtype": "float32",
+        "seed": 0,
+    }
+    if kind == "prefixkv":
+        kwargs["scheduler_cls"] = SCHEDULER
+    llm = LLM(**kwargs)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    tokenizer = llm.get_tokenizer()
+    # Round 1 caches the system prompt; round 2 hits it (and round 1's own questions);
+    # round 3 sends prompts that share a fresh prefix in one batch.
+    fresh = (
+        "A different preamble about block tables and refcounts, long enough to fill blocks. " * 8
+    )
+    rounds = [
+        [SYSTEM + q for q in QUESTIONS[:3]],
+        [SYSTEM + q for q in QUESTIONS],
+        [fresh + q for q in QUESTIONS[:4]],
+    ]
+    results = []
+    started = time.perf_counter()
+    for prompts in rounds:
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            results.append(
+                {
+                    "prompt_tokens": len(tokenizer.encode(output.prompt or "")),
+                    "token_ids": list(output.outputs[0].token_ids),
+                    "text": output.outputs[0].text,
+                    "num_cached_tokens": output.num_cached_tokens,
+                }
+            )
+    elapsed = time.perf_counter() - started
+    manager = (
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager if not _mp() else None
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "kind": kind,
+                "results": results,
+                "seconds": elapsed,
+                "manager": None if manager is None else type(manager).__name__,
+            }
+        )
+    )
+
+
+def _mp() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--mp",
+        action="store_true",
+        help="run vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
+        "by default both runs keep it in-process, which lets the script check which block "
+        "manager ran",
+    )
+    parser.add_argument("--kind", choices=["stock", "prefixkv"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.kind is not None:
+        run_one(args.kind, args.model, args.out)
+        return
+
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: small, the machine is shared
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.mp else "0"
+    # The engine (and, with --mp, its core process) must import this checkout's prefixkv.
+    python_dir = str(Path(__file__).resolve().parent.parent / "python")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH")) if p)
+    runs = {}
+    for kind in ("stock", "prefixkv"):
+        out = Path(f"/tmp/vllm_e2e_{kind}_{os.getpid()}.json")
+        subprocess.run(
+            [sys.executable, __file__, "--kind", kind, "--model", args.model, "--out", str(out)],
+            env=env,
+            check=True,
+        )
+        runs[kind] = json.loads(out.read_text())
+        out.unlink()
+    stock, ours = runs["stock"]["results"], runs["prefixkv"]["results"]
+    if not args.mp and runs["prefixkv"]["manager"] != "PrefixKVCacheManager":
+        raise SystemExit(f"the prefixkv run used {runs['prefixkv']['manager']}, not prefixkv's")
+    failures = []
+    for i, (want, got) in enumerate(zip(stock, ours, strict=True)):
+        for field in ("token_ids", "num_cached_tokens"):
+            if want[field] != got[field]:
+                failures.append(f"request {i}: {field} stock={want[field]} prefixkv={got[field]}")
+    hits = [r["num_cached_tokens"] for r in ours]
+    print(f"requests: {len(ours)}; num_cached_tokens: {hits}")
+    print(
+        f"seconds: stock {runs['stock']['seconds']:.1f}, prefixkv {runs['prefixkv']['seconds']:.1f}"
+        f" (multiprocessing: {'on' if args.mp else 'off'})"
+    )
+    if not any(hits):
+        failures.append("no request hit the cache: the workload does not test prefix caching")
+    if failures:
+        raise SystemExit("vllm_e2e_scheduler: FAILED\n" + "\n".join(failures))
+    print("vllm_e2e_scheduler: identical outputs and num_cached_tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""prefixkv's vLLM block manager on its own: version and interface checks, what it refuses by
+name, block ids both ways, the cache context's fingerprint and KV events in vLLM's types."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
+from prefixkv.integrations.vllm import PrefixKVCacheManager
+from prefixkv.integrations.vllm._versions import check_vllm_version
+from prefixkv.integrations.vllm.context import vllm_cache_context
+from prefixkv.integrations.vllm.pool_view import BlockIds
+from prefixkv.integrations.vllm.signatures import interface_differences, missing_attributes
+from tests.vllm.harness import (
+    RequestSpec,
+    SchedulerSetup,
+    Workload,
+    drive,
+    make_request,
+    make_scheduler,
+)
+
+
+def _config(*specs: object, num_blocks: int = 16) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+    )
+
+
+def _full(block_size: int = 4) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+
+
+def _manager(**overrides: object) -> PrefixKVCacheManager:
+    args: dict[str, object] = {
+        "kv_cache_config": _config(_full()),
+        "max_model_len": 256,
+        "scheduler_block_size": 4,
+        "hash_block_size": 4,
+    }
+    args.update(overrides)
+    return PrefixKVCacheManager(**args)  # type: ignore[arg-type]
+
+
+# -- versions and interface ----------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1+cpu", "0.32.0rc2"])
+def test_supported_versions_accepted(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+def test_unsupported_versions_refused_by_name(version: str) -> None:
+    with pytest.raises(UnsupportedEngineVersionError, match=r"0\.32\.x"):
+        check_vllm_version(version)
+
+
+def test_interface_matches_installed_vllm() -> None:
+    assert interface_differences(KVCacheManager, PrefixKVCacheManager) == []
+    assert missing_attributes(KVCacheManager, _manager()) == []
+
+
+def test_a_new_argument_in_vllm_is_reported() -> None:
+    class Upgraded(KVCacheManager):
+        def allocate_slots(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens=0,
+            new_computed_blocks=None,
+            num_lookahead_tokens=0,
+            num_external_computed_tokens=0,
+            delay_cache_blocks=False,
+            num_encoder_tokens=0,
+            full_sequence_must_fit=False,
+            reserved_blocks=0,
+            has_scheduled_reqs=True,
+            skip_zeroing_group_ids=(),
+            pin_blocks=False,
+        ):  # type: ignore[no-untyped-def,override]
+            raise AssertionError
+
+        def warm_up(self) -> None:
+            raise AssertionError
+
+    problems = interface_differences(Upgraded, PrefixKVCacheManager)
+    assert any(p.startswith("allocate_slots: missing parameter 'pin_blocks'") for p in problems)
+    assert "warm_up: not implemented" in problems
+
+
+# -- refusals ---------------------------------------------------------------------------------
+def test_hybrid_layouts_refused_by_name() -> None:
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
+    )
+    with pytest.raises(UnsupportedFeatureError, match="hybrid KV cache layouts"):
+        _manager(kv_cache_config=_config(_full(), window))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ({"hash_block_size": 2}, "partial-block hits"),
+        ({"use_eagle": True}, "use_eagle"),
+        ({"enable_caching": False}, "enable_caching=False"),
+        ({"enable_mamba_shared_prefix_checkpoint": True}, "Mamba"),
+        ({"dcp_world_size": 2}, "dcp_world_size"),
+    ],
+)
+def test_unsupported_settings_refused_by_name(overrides: dict[str, object], name: str) -> None:
+    with pytest.raises(UnsupportedFeatureError, match=name):
+        _manager(**overrides)
+
+
+def test_sliding_window_refused_by_name(tiny_model: Path) -> None:
+    # Checked against vLLM step by step, it frees out-of-window blocks at other steps.
+    setup = SchedulerSetup(num_blocks=16, block_size=4, sliding_window=8)
+    with pytest.raises(UnsupportedFeatureError, match="SlidingWindowSpec"):
+        make_scheduler(tiny_model, setup, "prefixkv")
+
+
+def test_spec_subclasses_refused_by_name() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class SinkLike(FullAttentionSpec):
+        pass
+
+    spec = SinkLike(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    with pytest.raises(UnsupportedFeatureError, match="SinkLike"):
+        _manager(kv_cache_config=_config(spec))
+
+
+def test_connector_only_calls_refused(tiny_model: Path) -> None:
+    scheduler = make_scheduler(tiny_model, SchedulerSetup(num_blocks=16, block_size=4), "prefixkv")
+    manager = scheduler.kv_cache_manager
+    request = make_request(RequestSpec("r", tuple(range(10)), max_tokens=1), 4)
+    with pytest.raises(UnsupportedFeatureError, match="external computed tokens"):
+        manager.allocate_slots(request, 4, num_external_computed_tokens=4)
+    with pytest.raises(UnsupportedFeatureError, match="pop_blocks_for_free"):
+        manager.pop_blocks_for_free(request)
+    with pytest.raises(UnsupportedFeatureError, match="free_blocks"):
+        manager.block_pool.free_blocks([])
+    # Nothing was taken by the refused calls.
+    assert manager.block_pool.get_num_free_blocks() == 15
+
+
+# -- block ids ----------------------------------------------------------------------------------
+def test_block_ids_both_ways() -> None:
+    ids = BlockIds(8)
+    # prefixkv's 0..6 are vLLM's 1..7; prefixkv's null block (7, one past its pool) is vLLM's 0.
+    assert [b.block_id for b in ids.to_vllm([0, 3, 6, 7])] == [1, 4, 7, 0]
+    assert ids.to_vllm([7])[0].is_null and ids.null_block.block_id == 0
+    assert not any(b.is_null for b in ids.blocks[1:])
+
+
+def test_tables_never_hold_the_null_block(tiny_model: Path) -> None:
+    setup = SchedulerSetup(num_blocks=12, block_size=4, max_num_seqs=3)
+    scheduler = make_scheduler(tiny_model, setup, "prefixkv")
+    seen: set[int] = set()
+    original = scheduler.kv_cache_manager.allocate_slots
+
+    def spy(*args: object, **kwargs: object) -> object:
+        blocks = original(*args, **kwargs)
+        if blocks is not None:
+            seen.update(blocks.get_block_ids()[0])
+        return blocks
+
+    scheduler.kv_cache_manager.allocate_slots = spy
+    workload = Workload(
+        requests=tuple(RequestSpec(f"r{i}", tuple(range(i, i + 9)), max_tokens=6) for i in range(4))
+    )
+    drive(scheduler, workload, setup.block_size)
+    assert seen and 0 not in seen and max(seen) <= 11
+
+
+# -- the cache context ---------------------------------------------------------------------------
+def test_fingerprint_names_the_model(tiny_model: Path) -> None:
+    setup = SchedulerSetup(num_blocks=16, block_size=4)
+    config = make_scheduler(tiny_model, setup, "stock").vllm_config
+    base = vllm_cache_context(config, 4).fingerprint()
+    assert vllm_cache_context(config, 8).fingerprint() != base
+    config.cache_config.cache_dtype = "fp8"
+    assert vllm_cache_context(config, 4).fingerprint() != base
+    config.cache_config.cache_dtype = "auto"
+    config.model_config.hf_config.num_hidden_layers += 1
+    assert vllm_cache_context(config, 4).fingerprint() != base
+    config.model_config.hf_config.num_hidden_layers -= 1
+    config.model_config.revision = "v2"
+    assert vllm_cache_context(config, 4).fingerprint() != base
+    config.model_config.revision = None
+    assert vllm_cache_context(config, 4).fingerprint() == base
+
+
+def test_length_dependent_rope_refused(tiny_model: Path) -> None:
+    config = make_scheduler(
+        tiny_model, SchedulerSetup(num_blocks=16, block_size=4), "stock"
+    ).vllm_config
+    config.model_config.hf_config.rope_parameters = {
+        "rope_type": "dynamic",
+        "factor": 2.0,
+        "rope_theta": 10000.0,
+    }
+    assert not vllm_cache_context(config, 4).reuse_is_safe
+
+
+# -- events ---------------------------------------------------------------------------------
+def test_events_in_vllms_types(tiny_model: Path) -> None:
+    setup = SchedulerSetup(num_blocks=16, block_size=4, enable_kv_cache_events=True)
+    scheduler = make_scheduler(tiny_model, setup, "prefixkv")
+    # vLLM's scheduler takes the events every step and hands them to its publisher.
+    published: list[object] = []
+    scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    workload = Workload(requests=(RequestSpec("a", tuple(range(9)), max_tokens=1),))
+    drive(scheduler, workload, setup.block_size)
+    events = published
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    # One event for the two full blocks published together, chained from the root, as vLLM's.
+    assert len(stored) == 1
+    (event,) = stored
+    assert list(event.token_ids) == list(range(8)) and len(event.block_hashes) == 2
+    assert event.parent_block_hash is None
+    assert (event.block_size, event.group_idx, event.kv_cache_spec_kind) == (4, 0, "full_attention")
+    assert scheduler.kv_cache_manager.take_events() == []
+    assert scheduler.reset_prefix_cache()
+    assert any(isinstance(e, AllBlocksCleared) for e in scheduler.kv_cache_manager.take_events())

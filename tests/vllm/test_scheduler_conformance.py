@@ -1,0 +1,247 @@
+"""vLLM's own scheduler over prefixkv's block manager schedules exactly as over vLLM's.
+
+Each example draws a scheduler setup (block size, a small pool, batch budget, watermark,
+speculative tokens) and a workload (requests sharing prefixes, arriving together or apart, with
+and without cache salts), runs it through vLLM's real `Scheduler` twice, once with vLLM's
+`KVCacheManager` and once with `PrefixKVCacheManager`, with the same fake model runner
+(`harness.py`), and requires the two runs to agree on every step: the requests scheduled and
+their token counts, new versus running, preemptions, draft tokens, each request's computed and
+cached tokens and block-table length, free blocks, usage and vLLM's prefix-cache stats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import event, given, note
+from hypothesis import strategies as st
+
+from tests.vllm.harness import (
+    VOCAB,
+    RequestSpec,
+    SchedulerSetup,
+    StepRecord,
+    Workload,
+    drive,
+    make_scheduler,
+)
+
+
+@st.composite
+def setups(
+    draw: st.DrawFn, *, spec_decode: bool | None = None, async_scheduling: bool = False
+) -> SchedulerSetup:
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    if spec_decode is None:
+        spec_decode = draw(st.booleans())
+    return SchedulerSetup(
+        num_blocks=draw(st.integers(10, 40)),
+        block_size=block_size,
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.sampled_from([32, 64, 128, 512])),
+        max_model_len=512,
+        num_speculative_tokens=draw(st.integers(1, 3)) if spec_decode else 0,
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
+        async_scheduling=async_scheduling,
+    )
+
+
+@st.composite
+def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
+    # A few shared prefixes (system prompts, few-shot examples) that prompts start from, so
+    # requests hit each other's blocks, in the same step and later.
+    tokens = st.integers(0, VOCAB - 1)
+    prefixes = draw(
+        st.lists(
+            st.lists(tokens, min_size=2 * setup.block_size, max_size=4 * setup.block_size),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    # Keep each request within half the pool, so every one can run (vLLM would hold a request
+    # that can never fit in the queue forever, in both runs alike).
+    budget = (setup.num_blocks - 1) * setup.block_size // 2
+    specs = []
+    for i in range(draw(st.integers(2, 8))):
+        prefix = draw(st.sampled_from(prefixes))
+        suffix = draw(st.lists(tokens, min_size=1, max_size=24))
+        prompt = (prefix + suffix)[: max(budget - 24, 1)]
+        if len(prompt) % setup.block_size == 0:
+            # A prompt of whole blocks can be a full hit, whose recomputed last block
+            # deduplicates against the cached one; that leads to the known divergence
+            # `test_full_hit_dedup_divergence` pins down. Kept out of the random workloads.
+            prompt = prompt[:-1]
+        specs.append(
+            RequestSpec(
+                request_id=f"r{i}",
+                prompt=tuple(prompt),
+                max_tokens=draw(st.integers(1, min(40, budget - len(prompt)))),
+                arrival_step=draw(st.sampled_from([0, 0, 1, 2, 5])),
+                cache_salt=draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
+            )
+        )
+    return Workload(requests=tuple(specs), draft_accuracy=draw(st.sampled_from([0, 500, 1000])))
+
+
+def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> list[StepRecord]:
+    stock = drive(make_scheduler(tiny_model, setup, "stock"), workload, setup.block_size)
+    ours_scheduler = make_scheduler(tiny_model, setup, "prefixkv")
+    ours = drive(ours_scheduler, workload, setup.block_size)
+    assert len(stock) == len(ours), "the runs took a different number of steps"
+    for step, (want, got) in enumerate(zip(stock, ours, strict=True)):
+        assert got == want, f"step {step} differs:\nstock    {want}\nprefixkv {got}"
+    ours_scheduler.kv_cache_manager.prefix_cache.check_invariants()
+    return ours
+
+
+def _record_events(ours: list[StepRecord], workload: Workload) -> None:
+    """What the example exercised (pytest --hypothesis-show-statistics)."""
+    event(f"preemptions: {any(s.preempted for s in ours)}")
+    event(f"prefix hits: {any(n for s in ours for n, _ in s.num_cached_tokens.values())}")
+    prefill_steps: dict[str, int] = {}
+    for record in ours:
+        for rid, n in record.scheduled.items():
+            if n > 1 + len(record.spec_tokens.get(rid, ())):
+                prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
+    event(f"prefill over several steps: {any(n > 1 for n in prefill_steps.values())}")
+    event(f"drafts scheduled: {any(s.spec_tokens for s in ours)}")
+    event(f"unfinished at max_steps: {sum(len(s.finished) for s in ours) < len(workload.requests)}")
+
+
+@given(data=st.data())
+def test_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    setup = data.draw(setups())
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_spec_decode_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    setup = data.draw(setups(spec_decode=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_async_scheduler_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """vLLM's AsyncScheduler (placeholders for tokens not sampled yet; blocks cached when the
+    tokens arrive), driven one step at a time, with each manager."""
+    setup = data.draw(setups(spec_decode=False, async_scheduling=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+def test_scheduler_cls_picks_async(tiny_model: Path) -> None:
+    """One setting serves both: `Scheduler` builds prefixkv's AsyncScheduler when the config
+    asks for async scheduling, vLLM's default where the platform supports it."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+
+    from prefixkv.integrations.vllm import PrefixKVCacheManager
+
+    scheduler = make_scheduler(tiny_model, SchedulerSetup(async_scheduling=True), "prefixkv")
+    assert isinstance(scheduler, VllmAsyncScheduler)
+    assert isinstance(scheduler.kv_cache_manager, PrefixKVCacheManager)
+    sync = make_scheduler(tiny_model, SchedulerSetup(), "prefixkv")
+    assert not isinstance(sync, VllmAsyncScheduler)
+    assert isinstance(sync.kv_cache_manager, PrefixKVCacheManager)
+
+
+def test_same_step_shared_prefix_hits(tiny_model: Path) -> None:
+    """Two requests with one 3-block prefix arrive in the same step: the second hits the
+    blocks the first is about to compute, as in vLLM (blocks are published at allocation)."""
+    setup = SchedulerSetup(num_blocks=32, block_size=4, max_num_batched_tokens=256)
+    prefix = tuple(range(12))
+    workload = Workload(
+        requests=(
+            RequestSpec("a", (*prefix, 40, 41), max_tokens=2),
+            RequestSpec("b", (*prefix, 50, 51), max_tokens=2),
+        )
+    )
+    ours = drive(make_scheduler(tiny_model, setup, "prefixkv"), workload, setup.block_size)
+    first = ours[0]
+    assert first.new_request_ids == ["a", "b"]
+    assert {rid: n for rid, (n, _) in first.num_cached_tokens.items()} == {"a": 0, "b": 12}
+    assert first.scheduled == {"a": 14, "b": 2}
+    _compare(tiny_model, setup, workload)
+
+
+def test_preemption_under_a_small_pool(tiny_model: Path) -> None:
+    """A pool too small for every running request to decode: vLLM preempts, the request
+    resumes with its prefix hit from the blocks it published, and both managers agree."""
+    setup = SchedulerSetup(num_blocks=10, block_size=4, max_num_seqs=4)
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", tuple(range(i, i + 8)), max_tokens=10) for i in range(4)
+        )
+    )
+    ours = drive(make_scheduler(tiny_model, setup, "prefixkv"), workload, setup.block_size)
+    assert any(step.preempted for step in ours), "the workload should preempt"
+    _compare(tiny_model, setup, workload)
+
+
+def test_salts_isolate(tiny_model: Path) -> None:
+    """Same prompt, different cache_salt: no hit across salts, a hit within one."""
+    setup = SchedulerSetup(num_blocks=32, block_size=4)
+    prompt = tuple(range(17))
+    workload = Workload(
+        requests=(
+            RequestSpec("a", prompt, max_tokens=1, cache_salt="x"),
+            RequestSpec("b", prompt, max_tokens=1, arrival_step=3, cache_salt="y"),
+            RequestSpec("c", prompt, max_tokens=1, arrival_step=6, cache_salt="x"),
+        )
+    )
+    ours = drive(make_scheduler(tiny_model, setup, "prefixkv"), workload, setup.block_size)
+    cached = {rid: n for step in ours for rid, (n, _) in step.num_cached_tokens.items()}
+    assert cached == {"a": 0, "b": 0, "c": 16}
+    _compare(tiny_model, setup, workload)
+
+
+def test_watermark_holds_admissions_back(tiny_model: Path) -> None:
+    """With a watermark, vLLM admits a waiting request only if the pool keeps that many
+    blocks free afterwards; prefixkv's manager holds the same requests back."""
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", tuple(range(10 * i, 10 * i + 24)), max_tokens=12, arrival_step=i)
+            for i in range(3)
+        )
+    )
+    plain = SchedulerSetup(num_blocks=20, block_size=4, max_num_seqs=4)
+    held = SchedulerSetup(num_blocks=20, block_size=4, max_num_seqs=4, watermark=0.3)
+    without = drive(make_scheduler(tiny_model, plain, "stock"), workload, plain.block_size)
+    with_watermark = drive(make_scheduler(tiny_model, held, "stock"), workload, held.block_size)
+    assert [s.scheduled for s in without] != [s.scheduled for s in with_watermark]
+    _compare(tiny_model, held, workload)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known divergence (docs/vllm.md): after a full prompt hit the request's recomputed "
+    "last block is a private duplicate and its later blocks chain on the cached original; "
+    "prefixkv never evicts a block with a held descendant, vLLM may, so under pool pressure "
+    "prefixkv preempts where vLLM still allocates",
+)
+def test_full_hit_dedup_divergence(tiny_model: Path) -> None:
+    setup = SchedulerSetup(
+        num_blocks=21,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        scheduler_reserve_full_isl=False,
+        async_scheduling=True,
+    )
+    prompt = (0, 0, 0, 0, 0, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0)
+    workload = Workload(
+        requests=(
+            RequestSpec("r0", prompt, 4),
+            RequestSpec("r1", prompt, 6, arrival_step=1),
+            RequestSpec("r2", prompt, 10),
+            RequestSpec("r3", prompt, 10),
+            RequestSpec("r4", prompt, 9, cache_salt="tenant-a"),
+        )
+    )
+    _compare(tiny_model, setup, workload)
