@@ -2,6 +2,9 @@
 
 - ``scheduler_cls="prefixkv.integrations.vllm.Scheduler"``: vLLM's own scheduler with prefixkv's
   block manager (`PrefixKVCacheManager`) in place of vLLM's `KVCacheManager` (``docs/vllm.md``).
+- ``kv_connector_module_path="prefixkv.integrations.vllm.connector"``: `PrefixKVConnector`, the
+  verified Valkey/Redis store shared by every engine that points at it (the connector's modules
+  are the ``connector*.py`` files here).
 
 Supported vLLM versions are named in `_versions.py` and checked when this package is imported;
 the block manager interface is compared with the installed vLLM's when the block manager is
@@ -19,6 +22,7 @@ VLLM_VERSION = check_vllm_version()
 
 if TYPE_CHECKING:
     from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
+    from prefixkv.integrations.vllm.connector import PrefixKVConnector
     from prefixkv.integrations.vllm.scheduler import (
         AsyncScheduler,
         Scheduler,
@@ -30,12 +34,14 @@ __all__ = [
     "VLLM_VERSION",
     "AsyncScheduler",
     "PrefixKVCacheManager",
+    "PrefixKVConnector",
     "Scheduler",
     "install_block_manager",
 ]
 
 _LAZY = {
     "PrefixKVCacheManager": "prefixkv.integrations.vllm.block_manager",
+    "PrefixKVConnector": "prefixkv.integrations.vllm.connector",
     "Scheduler": "prefixkv.integrations.vllm.scheduler",
     "AsyncScheduler": "prefixkv.integrations.vllm.scheduler",
     "install_block_manager": "prefixkv.integrations.vllm.scheduler",
