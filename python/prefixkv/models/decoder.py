@@ -32,6 +32,8 @@ then barely moves the logits, which would let a broken cache pass its tests.
 
 Parameter names follow Hugging Face Llama (`model.layers.N.self_attn.q_proj.weight`, ...) and
 RoPE follows HF's `rotate_half` convention, so `from_pretrained` loads a local HF checkpoint.
+Qwen3's per-head q/k norms (`ModelConfig.qk_norm`) sit between the projections and RoPE on both
+paths (`SelfAttention.normalize_heads`).
 
 The model tells a cache what its KV depends on through public methods: `cache_context` (with
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
@@ -358,6 +360,7 @@ class LlamaModel(nn.Module):
             query = self._project(index, "q_proj", normed).view(n, config.num_heads, -1)
             key = self._project(index, "k_proj", normed).view(n, config.num_kv_heads, -1)
             value = self._project(index, "v_proj", normed).view(n, config.num_kv_heads, -1)
+            query, key = layer.self_attn.normalize_heads(query, key)
             query = rotate(query.transpose(0, 1))
             key = rotate(key.transpose(0, 1))
             value = value.transpose(0, 1)
@@ -454,6 +457,7 @@ class LlamaModel(nn.Module):
             query = self._project(index, "q_proj", normed).view(total, config.num_heads, -1)
             key = self._project(index, "k_proj", normed).view(total, config.num_kv_heads, -1)
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
+            query, key = layer.self_attn.normalize_heads(query, key)
             query = _apply_rotate_half_rope(query, cos, sin)
             key = _apply_rotate_half_rope(key, cos, sin)
             # A layer's pages, its index in them, and its group's slots and block tables.

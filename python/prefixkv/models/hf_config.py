@@ -1,6 +1,6 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral`` and ``qwen2``.
+``mistral``, ``qwen2`` and ``qwen3`` (dense).
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -75,6 +75,18 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         # Not a Qwen2Config field: its modeling code reads it with getattr (hidden / heads).
         "head_dim": None,
     },
+    # Qwen2 plus per-head q/k RMSNorm; head_dim is a plain int (128 by default, never derived),
+    # and attention_bias biases all four projections, as Llama's does.
+    "qwen3": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": None,
+    },
 }  # fmt: skip
 
 #: PreTrainedConfig's fields, and the keys its ``__post_init__`` takes from a config.json.
@@ -129,15 +141,17 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "llama": frozenset({"sliding_window", "layer_types"}),
     "mistral": frozenset({"layer_types"}),
     "qwen2": frozenset(),
+    "qwen3": frozenset(),
 }
 
-#: Llama's fields that Mistral's and Qwen2's config classes do not declare, accepted there
+#: Llama's fields that Mistral's, Qwen2's and Qwen3's config classes do not declare, accepted there
 #: only with the value those types compute with (no biases, unsliced weights): configs copied
 #: from a Llama one carry them.
 _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -177,9 +191,10 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     does not implement, or a field transformers does not declare for the type."""
     hf = _load(config)
     model_type = hf.get("model_type", "llama")
-    if model_type not in TYPE_DEFAULTS:
+    if not isinstance(model_type, str) or model_type not in TYPE_DEFAULTS:
         raise InvalidInputError(
-            f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
+            f"unsupported model_type {_show(model_type)}: expected one of "
+            f"{', '.join(map(repr, TYPE_DEFAULTS))}"
         )
     known = set(
         _COMMON_FIELDS
@@ -220,7 +235,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     num_heads = fields.integer("num_attention_heads")
     hidden_size = fields.integer("hidden_size")
     layer_types: list[str] | None = None
-    if model_type == "qwen2":
+    if model_type == "qwen3":
+        # Qwen3: attention_bias on all four projections (Qwen3Attention), none on the MLP.
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = False
+        sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "qwen2":
         # Qwen2: q/k/v biased, o not (transformers reads no bias field for it).
         qkv_bias, output_bias, mlp_bias = True, False, False
         sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
@@ -234,7 +254,8 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         sliding_window = None  # transformers' Llama reads no window
         _check_single_kind(hf, None)
     rope_theta, rope_scaling = _rope_from_hf(hf, fields)
-    head_dim = fields.integer("head_dim", nullable=True)
+    # Qwen3Config declares head_dim a plain int (strict: null is refused); the others derive it.
+    head_dim = fields.integer("head_dim", nullable=model_type != "qwen3")
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
     return {
         "vocab_size": fields.integer("vocab_size"),
@@ -257,6 +278,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "attention_qkv_bias": qkv_bias,
         "attention_output_bias": output_bias,
         "mlp_bias": mlp_bias,
+        "qk_norm": model_type == "qwen3",
         "dtype": _dtype(hf),
     }
 
@@ -391,7 +413,8 @@ def _check_single_kind(hf: Mapping[str, Any], expected: str | None) -> None:
 
 
 def _qwen2_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
-    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them.
+    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them
+    (``Qwen3Config.__post_init__`` is the same code).
 
     ``sliding_window`` applies only with ``use_sliding_window``: off, it is ignored (every layer
     full). On, ``layer_types`` names each layer's kind, or, absent, layers from
