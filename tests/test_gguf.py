@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
-from prefixkv.models.gguf import SUPPORTED_TYPES, is_gguf, load_gguf
+from prefixkv.models.gguf import is_gguf, load_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -79,8 +79,11 @@ def write_gguf(
     pre: str = "default",
     chat_template: str | None = CHATML,
     extra: dict[str, Any] | None = None,
+    raw_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
 ) -> Path:
-    """`model` and `tokenizer` as llama.cpp's converter writes them."""
+    """`model` and `tokenizer` as llama.cpp's converter writes them. `raw_tensors` gives some
+    tensors (by Hugging Face name) as already-encoded blocks in the file's row order, with
+    their quantization type (the `gguf` package has no quantizer for K-quants)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
@@ -115,6 +118,10 @@ def write_gguf(
     quant = getattr(gguf.GGMLQuantizationType, qtype)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if raw_tensors and name in raw_tensors:
+            blocks, raw_type = raw_tensors[name]
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=raw_type)
             continue
         values = tensor.to(torch.float32).numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -168,7 +175,7 @@ def _model(tokenizer: Tokenizer, **changes: Any) -> LlamaModel:
     return LlamaModel.random(ModelConfig(vocab_size=tokenizer.get_vocab_size(), **changes), seed=5)
 
 
-@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES))
+@pytest.mark.parametrize("qtype", sorted(RELATIVE_ERROR))  # K-quants: test_gguf_kquants.py
 def test_each_supported_type_loads_the_same_weights_as_the_hf_directory(
     tmp_path: Path, tokenizer: Tokenizer, qtype: str
 ) -> None:
@@ -323,12 +330,13 @@ def test_an_unsupported_tensor_type_is_refused_by_name(
     writer.add_head_count(4)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(300)
-    q4k = gguf.GGMLQuantizationType.Q4_K
-    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), q4k), dtype=np.uint8)
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=q4k)
+    # An i-quant: its codebooks are not implemented here (K-quants are, tests/test_gguf_kquants.py).
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
+    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), iq4), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=iq4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(InvalidInputError, match="Q4_K"):
+    with pytest.raises(InvalidInputError, match="IQ4_NL"):
         load_gguf(path)

@@ -8,8 +8,11 @@ it; a file the reader cannot parse is refused the same way. Never a guess:
 
 * **Architectures**: ``llama`` (Llama, Mistral, SmolLM...) and ``qwen2`` (q/k/v biases).
 * **Weights** are dequantized to float32 by ``gguf.quants.dequantize`` for the types in
-  `SUPPORTED_TYPES` (the ones the ``gguf`` package can also write, so each is tested against
-  the same weights in a Hugging Face directory). K-quants and i-quants are refused by name.
+  `SUPPORTED_TYPES`: the float types, the 32-value block types the ``gguf`` package can also
+  write (each tested against the same weights in a Hugging Face directory), and the K-quants
+  Q2_K to Q6_K (256-value super-blocks, what a ``Q4_K_M`` file holds; the package has no
+  quantizer for them, so ``tests/test_gguf_kquants.py`` checks its dequantizer against a port
+  of llama.cpp's ``dequantize_row_q*_K``). i-quants, ternary and Q8_K are refused by name.
 * **Q/K row order**: llama.cpp's converter permutes the rows of ``q_proj`` / ``k_proj`` of the
   ``llama`` architecture so that its RoPE rotates adjacent pairs (GPT-J style); the HF layout
   this decoder uses rotates halves. `_unpermute` undoes it (``qwen2`` files are not permuted).
@@ -47,7 +50,10 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
 
 #: Tensor types loaded (dequantized to float32), by their ``GGMLQuantizationType`` name.
-SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
+SUPPORTED_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+    | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
 
 _ARCHITECTURES = ("llama", "qwen2")
 
