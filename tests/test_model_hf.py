@@ -206,7 +206,7 @@ def test_hybrid_checkpoint_matches_transformers_after_a_cached_prefix(tmp_path: 
         assert_close_to_scale(logits, expected[cached:])
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2_alternating"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2_alternating", "ministral_alternating"])
 def test_a_sliding_window_checkpoint_served_with_kv_groups_matches_transformers(
     tmp_path: Path, kind: str
 ) -> None:
@@ -228,6 +228,13 @@ def test_a_sliding_window_checkpoint_served_with_kv_groups_matches_transformers(
     if kind == "mistral":
         theirs = transformers.MistralForCausalLM(
             transformers.MistralConfig(num_hidden_layers=2, **common)
+        )
+    elif kind == "ministral_alternating":
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        theirs = transformers.MinistralForCausalLM(
+            transformers.MinistralConfig(
+                num_hidden_layers=4, head_dim=16, layer_types=layer_types, **common
+            )
         )
     else:
         layer_types = ["sliding_attention", "full_attention"] * 2
@@ -252,3 +259,79 @@ def test_a_sliding_window_checkpoint_served_with_kv_groups_matches_transformers(
         assert result.max_logit_diff is not None and result.max_logit_diff < 1e-4
     assert result.cached_tokens >= 28
     assert engine.cache.stats().blocks_released > 0
+
+
+# -- Ministral: Mistral with a per-layer pattern, read as MinistralConfig reads it -------------
+
+MINISTRAL = {
+    "model_type": "ministral",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+def test_the_ministral_table_is_transformers_ministral_config() -> None:
+    import dataclasses
+
+    from prefixkv.models import hf_config
+
+    defaults = hf_config.TYPE_DEFAULTS["ministral"]
+    for field in dataclasses.fields(transformers.MinistralConfig):
+        assert field.name in defaults or field.name in hf_config.KNOWN_HF_CONFIG_FIELDS
+        if field.name in defaults and field.default is not dataclasses.MISSING:
+            assert defaults[field.name] == field.default, field.name
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},  # no layer_types: every layer slides (the default window, 4096)
+        {"sliding_window": None},
+        {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        {"sliding_window": 6, "layer_types": ["full_attention"] * 4},
+    ],
+)
+def test_ministral_configs_are_read_as_transformers_reads_them(
+    tmp_path: Path, changes: dict[str, Any]
+) -> None:
+    arguments = {
+        key: value for key, value in {**MINISTRAL, **changes}.items() if key != "model_type"
+    }
+    theirs = transformers.MinistralConfig(**arguments)
+    theirs.save_pretrained(tmp_path)
+    ours = ModelConfig.from_hf_config(tmp_path)
+    expected = [
+        theirs.sliding_window if kind == "sliding_attention" else None
+        for kind in theirs.layer_types
+    ]
+    assert list(ours.layer_sliding_windows) == expected
+    assert ours.head_dim == 16 and not ours.qk_norm
+    assert not (ours.attention_qkv_bias or ours.attention_output_bias or ours.mlp_bias)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        # transformers' Ministral reads a missing or null head_dim as None and fails.
+        ({"head_dim": None}, "head_dim"),
+        ({"sliding_window": None, "layer_types": ["sliding_attention"] * 4}, "sliding_window"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+        ({"use_sliding_window": True}, "use_sliding_window"),  # Qwen2's, not Ministral's
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_ministral_settings_it_cannot_compute_are_refused_by_name(
+    changes: dict[str, Any], field: str
+) -> None:
+    from prefixkv.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=field):
+        ModelConfig.from_hf_config({**MINISTRAL, **changes})
+    absent = {key: value for key, value in MINISTRAL.items() if key != "head_dim"}
+    with pytest.raises(InvalidInputError, match="head_dim"):
+        ModelConfig.from_hf_config(absent)

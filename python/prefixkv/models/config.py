@@ -2,9 +2,10 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` reads Llama, Mistral, Qwen2 and Qwen3 configs
-as transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds the
-reader and its rules). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
+decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2 and Qwen3
+configs as transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds
+the reader and its rules; `to_hf_config` writes no Ministral config: a per-layer pattern is
+written as Qwen2 or Qwen3). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
 `model_context` is the one place that says which settings change the KV a model writes (the
 essay of `prefixkv.models.decoder` says why each does).
 """

@@ -1,6 +1,6 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral``, ``qwen2`` and ``qwen3`` (dense).
+``mistral``, ``ministral``, ``qwen2`` and ``qwen3`` (dense).
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -63,6 +63,17 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
         "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
         "attention_dropout": 0.0,
+    },
+    # Mistral with a per-layer pattern (layer_types); transformers' Ministral cannot build a
+    # model without a head_dim (its attention reads the None), so none is derived here either.
+    "ministral": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
+        "attention_dropout": 0.0, "layer_types": None,
     },
     "qwen2": {
         "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
@@ -140,6 +151,7 @@ INERT_FIELDS = _GENERATION_FIELDS | frozenset(
 _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "llama": frozenset({"sliding_window", "layer_types"}),
     "mistral": frozenset({"layer_types"}),
+    "ministral": frozenset(),
     "qwen2": frozenset(),
     "qwen3": frozenset(),
 }
@@ -150,6 +162,7 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
 _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "ministral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
 }
@@ -244,6 +257,9 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         # Qwen2: q/k/v biased, o not (transformers reads no bias field for it).
         qkv_bias, output_bias, mlp_bias = True, False, False
         sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "ministral":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window, layer_types = _ministral_layer_types(fields, num_layers)
     elif model_type == "mistral":
         qkv_bias = output_bias = mlp_bias = False
         sliding_window = fields.integer("sliding_window", nullable=True)
@@ -254,8 +270,9 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         sliding_window = None  # transformers' Llama reads no window
         _check_single_kind(hf, None)
     rope_theta, rope_scaling = _rope_from_hf(hf, fields)
-    # Qwen3Config declares head_dim a plain int (strict: null is refused); the others derive it.
-    head_dim = fields.integer("head_dim", nullable=model_type != "qwen3")
+    # Qwen3Config declares head_dim a plain int (strict: null is refused); Ministral's modeling
+    # reads a null one as None and fails; the others derive it (hidden / heads).
+    head_dim = fields.integer("head_dim", nullable=model_type not in ("qwen3", "ministral"))
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
     return {
         "vocab_size": fields.integer("vocab_size"),
@@ -437,6 +454,31 @@ def _qwen2_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, li
             "sliding_attention" if index >= first_sliding else "full_attention"
             for index in range(num_layers)
         ]
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
+def _ministral_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """Ministral's window and per-layer pattern, read as ``MinistralConfig`` reads them:
+    ``layer_types`` names each layer's kind, or, absent, every layer slides when a
+    ``sliding_window`` is set (as Mistral). A sliding layer without a window is refused
+    (transformers' mask builder fails on it); one kind collapses to the plain fields."""
+    window = fields.integer("sliding_window", nullable=True)
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        return window, None
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and window is None:
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers but 'sliding_window' is null"
+        )
     if all(kind == "full_attention" for kind in layer_types):
         return None, None
     if all(kind == "sliding_attention" for kind in layer_types):
