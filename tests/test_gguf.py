@@ -96,6 +96,8 @@ def write_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     if config.rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling.kind))
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
@@ -162,6 +164,8 @@ def gguf_name(hf_name: str) -> str:
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -212,6 +216,45 @@ def test_q_k_rows_are_unpermuted_for_llama_and_not_for_qwen2(
         loaded = load_gguf(path).model
         assert loaded.config == ours.config
         torch.testing.assert_close(loaded.forward_full(TOKENS), ours.forward_full(TOKENS))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_qwen3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
+    tmp_path: Path, tokenizer: Tokenizer, qtype: str
+) -> None:
+    """``qwen3``: q/k norms (``attn_q_norm`` / ``attn_k_norm``), a head_dim of its own (the
+    key_length metadata), Q/K rows not permuted. Compared with the HF directory of the same
+    weights and with transformers' own GGUF loader."""
+    # head_dim 128 (not hidden / heads = 16): transformers' GGUF conversion does not read
+    # key_length and takes Qwen3Config's default, 128, as every published Qwen3 has.
+    ours = _model(tokenizer, qk_norm=True, head_dim=128)
+    ours.save_pretrained(tmp_path / "hf")
+    hf = LlamaModel.from_pretrained(tmp_path / "hf")
+    path = write_gguf(tmp_path / "m.gguf", ours, tokenizer, arch="qwen3", qtype=qtype)
+    loaded = load_gguf(path).model
+    assert loaded.config == hf.config and loaded.config.qk_norm
+    if qtype == "F32":
+        for name, tensor in hf.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+    # transformers' own GGUF reading (name mapping, row order, dequantization), without the
+    # `accelerate` package its from_pretrained(gguf_file=...) asks for.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert config.model_type == "qwen3"
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=theirs)["tensors"]
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    logits = loaded.forward_full(TOKENS)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    # The norms under an architecture without them are refused, not dropped.
+    with pytest.raises(InvalidInputError, match="q_norm"):
+        load_gguf(write_gguf(tmp_path / "llama.gguf", ours, tokenizer, arch="llama"))
 
 
 def test_yarn_metadata_is_read(tmp_path: Path, tokenizer: Tokenizer) -> None:

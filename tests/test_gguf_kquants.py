@@ -215,7 +215,7 @@ def test_the_gguf_dequantizer_is_llama_cpp_s(qtype: str, data: st.DataObject) ->
 
 
 def _kquant_checkpoint(
-    directory: Path, tokenizer: Tokenizer, types: dict[str, str]
+    directory: Path, tokenizer: Tokenizer, types: dict[str, str], arch: str = "llama"
 ) -> tuple[Path, Path]:
     """A tiny Llama as a GGUF whose matrices are random K-quant blocks (`types`: Hugging Face
     name -> type; norms stay F32, as llama.cpp keeps them), and the same model as a Hugging
@@ -228,6 +228,7 @@ def _kquant_checkpoint(
         num_heads=4,
         num_kv_heads=2,
         head_dim=64,
+        qk_norm=arch == "qwen3",
     )
     ours = LlamaModel.random(config, seed=5)
     rng = np.random.default_rng(7)
@@ -244,14 +245,14 @@ def _kquant_checkpoint(
         )  # fmt: skip
         values = reference_dequantize(blocks, qtype)
         state[name] = torch.from_numpy(values)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter permutes Q/K rows; a row is whole blocks here.
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             blocks = permute(blocks, heads)
         raw_tensors[name] = (blocks, getattr(gguf.GGMLQuantizationType, qtype))
     ours.load_state_dict(state)
     ours.save_pretrained(directory / "hf")
-    path = write_gguf(directory / "m.gguf", ours, tokenizer, raw_tensors=raw_tensors)
+    path = write_gguf(directory / "m.gguf", ours, tokenizer, arch=arch, raw_tensors=raw_tensors)
     return path, directory / "hf"
 
 
@@ -261,22 +262,27 @@ def _matrices(tokenizer: Tokenizer) -> list[str]:
     return [name for name, tensor in LlamaModel(config).state_dict().items() if tensor.ndim == 2]
 
 
-@pytest.mark.parametrize("qtype", [*K_QUANTS, "mixed"])
+@pytest.mark.parametrize(
+    ("qtype", "arch"), [*((qtype, "llama") for qtype in K_QUANTS), ("mixed", "llama"),
+                        ("mixed", "qwen3")],
+)  # fmt: skip
 def test_a_kquant_file_loads_and_serves_as_its_dequantized_checkpoint(
-    tmp_path: Path, tokenizer: Tokenizer, qtype: str
+    tmp_path: Path, tokenizer: Tokenizer, qtype: str, arch: str
 ) -> None:
     """Every matrix in one K-quant type, or (``mixed``, as a ``Q4_K_M`` file mixes them) each
-    in the next of the five: the weights are exactly the dequantized ones, and the engine
-    serving the file gives the Hugging Face directory's greedy tokens and logits."""
+    in the next of the five, for a Llama and a Qwen3 (what a ``Qwen3-8B-Q4_K_M.gguf`` is): the
+    weights are exactly the dequantized ones, and the engine serving the file gives the Hugging
+    Face directory's greedy tokens and logits."""
     matrices = _matrices(tokenizer)
     if qtype == "mixed":
         types = {name: K_QUANTS[index % 5] for index, name in enumerate(matrices)}
     else:
         types = dict.fromkeys(matrices, qtype)
-    path, hf_directory = _kquant_checkpoint(tmp_path, tokenizer, types)
+    path, hf_directory = _kquant_checkpoint(tmp_path, tokenizer, types, arch)
     checkpoint = load_gguf(path)
     hf = LlamaModel.from_pretrained(hf_directory)
     assert checkpoint.model.config == hf.config
+    assert checkpoint.model.config.qk_norm is (arch == "qwen3")
     expected_types = {kind: list(types.values()).count(kind) for kind in set(types.values())}
     assert {k: v for k, v in checkpoint.tensor_types.items() if k != "F32"} == expected_types
     loaded = checkpoint.model.state_dict()
