@@ -1,6 +1,6 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral``, ``ministral``, ``qwen2`` and ``qwen3`` (dense).
+``mistral``, ``ministral``, ``qwen2``, ``qwen3`` (dense) and ``smollm3``.
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -98,7 +98,24 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None,
         "bos_token_id": None, "eos_token_id": None,
     },
+    # Llama with NoPE layers (no RoPE on every no_rope_layer_interval-th layer by default) and
+    # a RoPE theta of 2e6 when none is given (SmolLM3Config.default_theta).
+    "smollm3": {
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": 128004,
+        "bos_token_id": 128000, "eos_token_id": 128001, "rope_parameters": None,
+        "use_sliding_window": False, "sliding_window": None, "no_rope_layers": None,
+        "no_rope_layer_interval": 4, "layer_types": None, "attention_bias": False,
+        "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True,
+        # Not a SmolLM3Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
 }  # fmt: skip
+
+#: The RoPE theta a config without one computes with (``<Type>Config.default_theta``).
+_DEFAULT_ROPE_THETA = {"smollm3": 2_000_000.0}
 
 #: PreTrainedConfig's fields, and the keys its ``__post_init__`` takes from a config.json.
 _COMMON_FIELDS = frozenset(
@@ -154,6 +171,7 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "ministral": frozenset(),
     "qwen2": frozenset(),
     "qwen3": frozenset(),
+    "smollm3": frozenset(),
 }
 
 #: Llama's fields that Mistral's, Qwen2's and Qwen3's config classes do not declare, accepted there
@@ -165,6 +183,7 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "ministral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
+    "smollm3": {"pretraining_tp": 1},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -248,7 +267,15 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     num_heads = fields.integer("num_attention_heads")
     hidden_size = fields.integer("hidden_size")
     layer_types: list[str] | None = None
-    if model_type == "qwen3":
+    rope_layers: list[bool] | None = None
+    if model_type == "smollm3":
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = fields.boolean("mlp_bias")
+        rope_layers = _smollm3_rope_layers(fields, num_layers)
+        sliding_window, layer_types = _smollm3_layer_types(fields, num_layers, rope_layers)
+        if all(rope_layers):
+            rope_layers = None
+    elif model_type == "qwen3":
         # Qwen3: attention_bias on all four projections (Qwen3Attention), none on the MLP.
         qkv_bias = output_bias = fields.boolean("attention_bias")
         mlp_bias = False
@@ -269,7 +296,9 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         mlp_bias = fields.boolean("mlp_bias")
         sliding_window = None  # transformers' Llama reads no window
         _check_single_kind(hf, None)
-    rope_theta, rope_scaling = _rope_from_hf(hf, fields)
+    rope_theta, rope_scaling = _rope_from_hf(
+        hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
+    )
     # Qwen3Config declares head_dim a plain int (strict: null is refused); Ministral's modeling
     # reads a null one as None and fails; the others derive it (hidden / heads).
     head_dim = fields.integer("head_dim", nullable=model_type not in ("qwen3", "ministral"))
@@ -296,6 +325,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "attention_output_bias": output_bias,
         "mlp_bias": mlp_bias,
         "qk_norm": model_type == "qwen3",
+        "rope_layers": rope_layers,
         "dtype": _dtype(hf),
     }
 
@@ -486,6 +516,61 @@ def _ministral_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None
     return window, layer_types
 
 
+def _smollm3_rope_layers(fields: _Fields, num_layers: int) -> list[bool]:
+    """Which layers apply RoPE, read as ``SmolLM3Config`` reads ``no_rope_layers`` (1: RoPE,
+    0: NoPE; at least one entry per layer, the first ``num_layers`` used) or, absent, derives
+    it: NoPE on every ``no_rope_layer_interval``-th layer. transformers tests an entry for
+    truth; anything but 0 or 1 is refused rather than read that way."""
+    raw = fields.hf.get("no_rope_layers")
+    if raw is None:
+        interval = fields.integer("no_rope_layer_interval")
+        return [(index + 1) % interval != 0 for index in range(num_layers)]
+    if not isinstance(raw, list) or not all(
+        type(entry) is int and entry in (0, 1) for entry in raw
+    ):
+        raise InvalidInputError(
+            f"config.json field 'no_rope_layers' must be a list of 0 and 1, got {_show(raw)}"
+        )
+    if len(raw) < num_layers:
+        raise InvalidInputError(
+            f"config.json field 'no_rope_layers' has {len(raw)} entries for {num_layers} layers"
+        )
+    fields.integer("no_rope_layer_interval")  # still type-checked, as transformers does
+    return [entry == 1 for entry in raw[:num_layers]]
+
+
+def _smollm3_layer_types(
+    fields: _Fields, num_layers: int, rope_layers: list[bool]
+) -> tuple[int | None, list[str] | None]:
+    """SmolLM3's window: ``layer_types``, or, absent, a window on the NoPE layers when
+    ``use_sliding_window`` and a ``sliding_window`` are set. A sliding layer without both is
+    refused: transformers' eager mask would slide where its flash path would not."""
+    use_window = fields.boolean("use_sliding_window")
+    window = fields.integer("sliding_window", nullable=True)
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if use_window and window is not None and not rope else
+            "full_attention"
+            for rope in rope_layers
+        ]  # fmt: skip
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and not (use_window and window is not None):
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers without use_sliding_window "
+            "and a sliding_window; transformers' attention backends disagree on it"
+        )
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
 #: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
 #: everywhere). Another key is refused by name, as in the config itself.
 _ROPE_KEYS: dict[str, frozenset[str]] = {
@@ -505,7 +590,9 @@ _ROPE_KEYS: dict[str, frozenset[str]] = {
 }  # fmt: skip
 
 
-def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(
+    hf: Mapping[str, Any], fields: _Fields, default_theta: float
+) -> tuple[float, RopeScaling | None]:
     """RoPE theta and scaling from either config style.
 
     transformers 5 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}``; earlier
@@ -534,7 +621,7 @@ def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeSc
     rotary_fraction = parameters.get(fraction_key, hf.get(fraction_key, 1.0))
     if _number(fraction_key, rotary_fraction) != 1.0:
         raise InvalidInputError(f"{fraction_key} {rotary_fraction} is unsupported")
-    theta = _number("rope_theta", parameters.get("rope_theta", 10000.0))
+    theta = _number("rope_theta", parameters.get("rope_theta", default_theta))
     max_positions = fields.integer("max_position_embeddings")
     return theta, _rope_scaling_from_hf(parameters, key, max_positions)
 
