@@ -32,6 +32,7 @@ from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.models.layers import SelfAttention
 from tests.test_config_reading import NULLABLE, READ_FIELDS, WRONG_VALUES
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
+from tests.test_model_paged import Scenario, build_model, check_cached_matches_full, scenarios
 
 TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -367,3 +368,19 @@ def test_mixture_of_experts_configs_are_refused_by_model_type(
     config_class(**TINY).save_pretrained(tmp_path)
     with pytest.raises(InvalidInputError, match="unsupported model_type"):
         ModelConfig.from_hf_config(tmp_path)
+
+
+@given(scenario=scenarios(), data=st.data())
+def test_cached_prefix_matches_full_recompute_with_qk_norms(
+    scenario: Scenario, data: st.DataObject
+) -> None:
+    """tests/test_model_paged.py's property (drawn shapes, dtypes, windows, adapters, cached
+    splits and shuffled block tables: the paged KV and logits equal full recompute within the
+    dtype's bound) on Qwen3-style models."""
+    config = scenario.config.replace(qk_norm=True)
+    if data.draw(st.booleans(), label="no rope on some layers"):
+        pattern = data.draw(st.lists(st.booleans(), min_size=config.num_layers,
+                                     max_size=config.num_layers), label="rope_layers")  # fmt: skip
+        config = config.replace(rope_layers=tuple(pattern))
+    scenario = dataclasses.replace(scenario, config=config)
+    check_cached_matches_full(build_model(scenario), scenario)
