@@ -290,7 +290,8 @@ def test_a_transformers_qwen3_checkpoint_served_by_the_engine_is_transformers_ow
         if tokens is prompt:
             assert engine.last_stats.prefill_chunks == 5  # 40 tokens, 8 a step
         drafted += result.draft_tokens
-    assert result.cached_tokens >= 4 and drafted > 0
+        assert len(set(expected)) > 3  # a continuation that tells models apart
+    assert result.cached_tokens >= 4 and drafted > 0  # drafts proposed and verified
 
     # The paged path's logits after a prefix another call cached, against transformers'.
     model, config = engine.model, engine.model.config
