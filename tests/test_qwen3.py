@@ -160,6 +160,29 @@ def test_configs_transformers_saves_are_read_as_it_reads_them(
     assert list(ours.layer_sliding_windows) == expected_windows
 
 
+def test_qwen3_0_6b_s_published_config_loads(tmp_path: Path) -> None:
+    """Qwen3-0.6B's config.json as published (transformers 4.51 wrote it): every field known
+    to Qwen3Config, read as transformers reads it."""
+    raw = {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 151936,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf_config(tmp_path)
+    assert (ours.head_dim, ours.num_heads, ours.num_kv_heads) == (128, 16, 8)
+    assert ours.qk_norm and ours.tie_word_embeddings and ours.dtype == torch.bfloat16
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 1e6
+    assert ours.layer_sliding_windows == (None,) * 28
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [

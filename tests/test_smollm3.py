@@ -115,6 +115,32 @@ def test_configs_transformers_saves_are_read_as_it_reads_them(
     assert ours.tie_word_embeddings is theirs.tie_word_embeddings
 
 
+def test_a_published_style_config_loads(tmp_path: Path) -> None:
+    """The fields SmolLM3-3B's config.json carries (written by transformers 4.54), some of which
+    its modeling code never reads (``max_window_layers``, ``pretraining_tp``): loaded as
+    transformers loads it, NoPE on every fourth layer, theta from the file."""
+    raw = {
+        "architectures": ["SmolLM3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": 128012,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 96, "layer_types": ["full_attention"] * 8,
+        "max_position_embeddings": 65536, "max_window_layers": 28, "mlp_bias": False,
+        "model_type": "smollm3", "no_rope_layer_interval": 4,
+        "no_rope_layers": [1, 1, 1, 0] * 2, "num_attention_heads": 4, "num_hidden_layers": 8,
+        "num_key_value_heads": 2, "pad_token_id": 128004, "pretraining_tp": 2,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 5000000.0,
+        "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.54.0.dev0", "use_cache": False, "use_sliding_window": False,
+        "vocab_size": 128256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf_config(tmp_path)
+    assert ours.rope_layers == tuple(bool(rope) for rope in theirs.no_rope_layers)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 5_000_000.0
+    assert ours.layer_sliding_windows == (None,) * 8 and ours.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [

@@ -171,7 +171,8 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "ministral": frozenset(),
     "qwen2": frozenset(),
     "qwen3": frozenset(),
-    "smollm3": frozenset(),
+    # Published SmolLM3 configs carry both; its modeling code reads neither.
+    "smollm3": frozenset({"max_window_layers", "pretraining_tp"}),
 }
 
 #: Llama's fields that Mistral's, Qwen2's and Qwen3's config classes do not declare, accepted there
@@ -183,7 +184,7 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "ministral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
-    "smollm3": {"pretraining_tp": 1},
+    "smollm3": {},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
