@@ -333,6 +333,8 @@ def _harmless(model_type: str, field: str, value: Any) -> bool:
     theta/rms epsilon/LoRA alpha, one of the supported dtypes."""
     if model_type == "llama" and field in ("sliding_window",):
         return True
+    if field in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        return isinstance(value, bool)  # either value computes (or is refused by name)
     if field in ("model_type", "hidden_act", "torch_dtype", "dtype"):
         return value in (*CONFIG_CLASSES, "silu", "float32", "float16", "bfloat16", "float64")
     if field in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):

@@ -335,3 +335,35 @@ def test_ministral_settings_it_cannot_compute_are_refused_by_name(
     absent = {key: value for key, value in MINISTRAL.items() if key != "head_dim"}
     with pytest.raises(InvalidInputError, match="head_dim"):
         ModelConfig.from_hf_config(absent)
+
+
+def test_qwen2_5_s_published_config_loads_and_a_multimodal_rope_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Qwen2.5-7B's config.json as published: ``use_mrope: false``, which Qwen2Config does not
+    declare and its modeling never reads, loads; ``true`` (Qwen2-VL's 3-D RoPE) is refused."""
+    from prefixkv.errors import InvalidInputError
+
+    raw = {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+        "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
+        "use_sliding_window": False, "vocab_size": 152064,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf_config(tmp_path)
+    assert (ours.head_dim, ours.num_kv_heads) == (3584 // 28, 4)
+    assert ours.attention_qkv_bias and not ours.attention_output_bias
+    assert (
+        ours.layer_sliding_windows
+        == (None,) * 28
+        == tuple(None for kind in theirs.layer_types if kind == "full_attention")
+    )
+    with pytest.raises(InvalidInputError, match="use_mrope"):
+        ModelConfig.from_hf_config({**raw, "use_mrope": True})

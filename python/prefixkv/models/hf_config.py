@@ -175,14 +175,15 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "smollm3": frozenset({"max_window_layers", "pretraining_tp"}),
 }
 
-#: Llama's fields that Mistral's, Qwen2's and Qwen3's config classes do not declare, accepted there
-#: only with the value those types compute with (no biases, unsliced weights): configs copied
-#: from a Llama one carry them.
+#: Fields a type's config class does not declare, accepted there only with the value that type
+#: computes with: Llama's (no biases, unsliced weights), which configs copied from a Llama one
+#: carry, and Qwen2.5's ``use_mrope: false`` (transformers' Qwen2 never reads it; true would
+#: claim Qwen2-VL's multimodal RoPE, which neither it nor this decoder computes).
 _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "ministral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
-    "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "use_mrope": False},
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
     "smollm3": {},
 }
