@@ -367,3 +367,118 @@ def test_qwen2_5_s_published_config_loads_and_a_multimodal_rope_is_refused(
     )
     with pytest.raises(InvalidInputError, match="use_mrope"):
         ModelConfig.from_hf_config({**raw, "use_mrope": True})
+
+
+# -- Phi-3: Llama with fused q/k/v and gate/up weights, read only --------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_transformers_phi3_checkpoint_served_by_the_engine_is_transformers_own(
+    tmp_path: Path, window: int | None
+) -> None:
+    """Fused ``qkv_proj`` / ``gate_up_proj`` split in transformers' order (q/k scaled up so a
+    swapped slice shows), a window on every layer or none: greedy tokens equal to its
+    `generate` from scratch and after a cached prefix, logits within float32 rounding."""
+    from prefixkv.engine.facade import Engine
+
+    config = transformers.Phi3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=None, sliding_window=window,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    theirs = transformers.Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in theirs.model.layers:
+            layer.self_attn.qkv_proj.weight[: 64 + 32].mul_(20.0)  # the q and k rows
+            layer.mlp.gate_up_proj.weight[96:].mul_(3.0)  # the up half
+    theirs.save_pretrained(tmp_path)
+    theirs = load_with_transformers(tmp_path)
+    ours = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert set(ours.config.layer_sliding_windows) == {window}
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    assert_close_to_scale(ours.forward_full(TOKENS), expected)
+    engine = Engine(ours, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+    prompt = TOKENS.tolist()
+    for tokens in (prompt, [*prompt[:32], 5, 6, 7]):
+        with torch.no_grad():
+            want = theirs.generate(
+                torch.tensor([tokens]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(tokens) :].tolist()
+        (result,) = engine.generate([tokens], max_new_tokens=6, check_exactness=True)
+        assert result.output_token_ids == want
+    assert result.cached_tokens >= 28
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                           "long_factor": [1.0] * 8}}, "longrope"),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "longrope"),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # Phi-4-mini's
+        ({"resid_pdrop": "x"}, "resid_pdrop"),
+    ],
+)  # fmt: skip
+def test_phi3_settings_it_cannot_compute_are_refused_by_name(
+    changes: dict[str, Any], field: str
+) -> None:
+    from prefixkv.errors import InvalidInputError
+
+    raw = {"model_type": "phi3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, **changes}  # fmt: skip
+    with pytest.raises(InvalidInputError, match=field):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_a_phi3_fused_tensor_of_the_wrong_size_is_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from prefixkv.errors import InvalidInputError
+
+    config = transformers.Phi3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
+    )  # fmt: skip
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    state[name] = state[name][:-1].contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InvalidInputError, match="qkv_proj"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
+def test_phi3_s_table_and_a_published_style_config() -> None:
+    """The table against Phi3Config, and Phi-3-mini-4k-instruct's config.json fields (its
+    ``auto_map`` names remote code transformers' native Phi3 does not need): a window of 2047
+    on every layer, no scaling."""
+    import dataclasses
+
+    from prefixkv.models import hf_config
+
+    defaults = hf_config.TYPE_DEFAULTS["phi3"]
+    for field in dataclasses.fields(transformers.Phi3Config):
+        assert field.name in defaults or field.name in hf_config.KNOWN_HF_CONFIG_FIELDS
+        if field.name in defaults and field.default is not dataclasses.MISSING:
+            assert defaults[field.name] == field.default, field.name
+    raw = {
+        "_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"],
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                     "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+        "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.2", "use_cache": True, "attention_bias": False,
+        "vocab_size": 32064,
+    }  # fmt: skip
+    ours = ModelConfig.from_hf_config(raw)
+    assert ours.layer_sliding_windows == (2047,) * 32 and ours.head_dim == 96
+    assert ours.rope_scaling is None and ours.dtype == torch.bfloat16

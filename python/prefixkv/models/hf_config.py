@@ -1,6 +1,6 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral``, ``ministral``, ``qwen2``, ``qwen3`` (dense) and ``smollm3``.
+``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3`` (dense) and ``smollm3``.
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -37,7 +37,14 @@ import torch
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.rope import RopeScaling
 
-__all__ = ["INERT_FIELDS", "KNOWN_HF_CONFIG_FIELDS", "TRANSFORMERS_VERSION", "read_hf_config"]
+__all__ = [
+    "FUSED_PROJECTION_TYPES",
+    "INERT_FIELDS",
+    "KNOWN_HF_CONFIG_FIELDS",
+    "TRANSFORMERS_VERSION",
+    "checkpoint_model_type",
+    "read_hf_config",
+]
 
 #: The transformers release the tables below were read from.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -98,6 +105,20 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None,
         "bos_token_id": None, "eos_token_id": None,
     },
+    # Llama with fused q/k/v and gate/up weights and Mistral's window on every layer; the
+    # dropouts are training settings, original_max_position_embeddings is read by longrope only
+    # (refused).
+    "phi3": {
+        "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-5, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "bos_token_id": 1,
+        "eos_token_id": 32000, "pad_token_id": 32000, "sliding_window": None,
+        # Not a Phi3Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
     # Llama with NoPE layers (no RoPE on every no_rope_layer_interval-th layer by default) and
     # a RoPE theta of 2e6 when none is given (SmolLM3Config.default_theta).
     "smollm3": {
@@ -113,6 +134,10 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": None,
     },
 }  # fmt: skip
+
+#: Types whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
+#: (split on loading: `prefixkv.models.hf_weights`).
+FUSED_PROJECTION_TYPES = frozenset({"phi3"})
 
 #: The RoPE theta a config without one computes with (``<Type>Config.default_theta``).
 _DEFAULT_ROPE_THETA = {"smollm3": 2_000_000.0}
@@ -160,6 +185,9 @@ INERT_FIELDS = _GENERATION_FIELDS | frozenset(
         # written by other tools: older transformers, nanotron (SmolLM2), transformers.js
         "sep_token_id", "decoder_start_token_id", "tokenizer_class",
         "use_bidirectional_attention", "is_llama_config", "transformers.js_config",
+        # the remote-code classes for trust_remote_code (Phi-3's); the native class, which
+        # these tables describe, is what transformers builds without it
+        "auto_map",
     }
 )  # fmt: skip
 
@@ -173,6 +201,7 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "qwen3": frozenset(),
     # Published SmolLM3 configs carry both; its modeling code reads neither.
     "smollm3": frozenset({"max_window_layers", "pretraining_tp"}),
+    "phi3": frozenset(),
 }
 
 #: Fields a type's config class does not declare, accepted there only with the value that type
@@ -186,6 +215,7 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "use_mrope": False},
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
     "smollm3": {},
+    "phi3": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -286,6 +316,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         # Qwen2: q/k/v biased, o not (transformers reads no bias field for it).
         qkv_bias, output_bias, mlp_bias = True, False, False
         sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "phi3":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window = fields.integer("sliding_window", nullable=True)
+        for key in ("resid_pdrop", "embd_pdrop"):
+            fields.number(key)  # inert, but typed as transformers types it
+        fields.integer("original_max_position_embeddings")
     elif model_type == "ministral":
         qkv_bias = output_bias = mlp_bias = False
         sliding_window, layer_types = _ministral_layer_types(fields, num_layers)
@@ -301,6 +337,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     rope_theta, rope_scaling = _rope_from_hf(
         hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
     )
+    if model_type == "phi3" and rope_scaling is not None:
+        # Phi3Config reads "default" or "longrope" (older "su" / "yarn" mean longrope too).
+        raise InvalidInputError(
+            f"config.json: phi3 computes {rope_scaling.kind!r} RoPE scaling as longrope, "
+            "which this decoder does not implement"
+        )
     # Qwen3Config declares head_dim a plain int (strict: null is refused); Ministral's modeling
     # reads a null one as None and fails; the others derive it (hidden / heads).
     head_dim = fields.integer("head_dim", nullable=model_type not in ("qwen3", "ministral"))
@@ -330,6 +372,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "rope_layers": rope_layers,
         "dtype": _dtype(hf),
     }
+
+
+def checkpoint_model_type(config: Mapping[str, Any] | str | Path) -> str:
+    """The ``model_type`` of a config (``llama`` when absent, as `read_hf_config` reads it)."""
+    model_type = _load(config).get("model_type", "llama")
+    return model_type if isinstance(model_type, str) else ""
 
 
 def _load(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
