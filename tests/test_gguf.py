@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
-from prefixkv.models.gguf import SUPPORTED_TYPES, is_gguf, load_gguf
+from prefixkv.models.gguf import is_gguf, load_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -81,10 +81,13 @@ def write_gguf(
     extra: dict[str, Any] | None = None,
     replace: dict[str, tuple[Any, Any]] | None = None,
     tensors: dict[str, np.ndarray] | None = None,
+    raw_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
 ) -> Path:
     """`model` and `tokenizer` as llama.cpp's converter writes them; `replace` overwrites
     metadata keys with (value, GGUFValueType) and `tensors` tensors by GGUF name (hostile
-    files for tests)."""
+    files for tests). `raw_tensors` gives some tensors (by Hugging Face name) as
+    already-encoded blocks in the file's row order, with their quantization type (the `gguf`
+    package has no quantizer for K-quants)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
@@ -97,6 +100,8 @@ def write_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     if config.rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling.kind))
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
@@ -124,6 +129,10 @@ def write_gguf(
     quant = getattr(gguf.GGMLQuantizationType, qtype)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if raw_tensors and name in raw_tensors:
+            blocks, raw_type = raw_tensors[name]
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=raw_type)
             continue
         values = tensor.to(torch.float32).numpy()
         values = (tensors or {}).get(gguf_name(name), values)
@@ -166,6 +175,8 @@ def gguf_name(hf_name: str) -> str:
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -179,7 +190,7 @@ def _model(tokenizer: Tokenizer, **changes: Any) -> LlamaModel:
     return LlamaModel.random(ModelConfig(vocab_size=tokenizer.get_vocab_size(), **changes), seed=5)
 
 
-@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES))
+@pytest.mark.parametrize("qtype", sorted(RELATIVE_ERROR))  # K-quants: test_gguf_kquants.py
 def test_each_supported_type_loads_the_same_weights_as_the_hf_directory(
     tmp_path: Path, tokenizer: Tokenizer, qtype: str
 ) -> None:
@@ -216,6 +227,45 @@ def test_q_k_rows_are_unpermuted_for_llama_and_not_for_qwen2(
         loaded = load_gguf(path).model
         assert loaded.config == ours.config
         torch.testing.assert_close(loaded.forward_full(TOKENS), ours.forward_full(TOKENS))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_qwen3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
+    tmp_path: Path, tokenizer: Tokenizer, qtype: str
+) -> None:
+    """``qwen3``: q/k norms (``attn_q_norm`` / ``attn_k_norm``), a head_dim of its own (the
+    key_length metadata), Q/K rows not permuted. Compared with the HF directory of the same
+    weights and with transformers' own GGUF loader."""
+    # head_dim 128 (not hidden / heads = 16): transformers' GGUF conversion does not read
+    # key_length and takes Qwen3Config's default, 128, as every published Qwen3 has.
+    ours = _model(tokenizer, qk_norm=True, head_dim=128)
+    ours.save_pretrained(tmp_path / "hf")
+    hf = LlamaModel.from_pretrained(tmp_path / "hf")
+    path = write_gguf(tmp_path / "m.gguf", ours, tokenizer, arch="qwen3", qtype=qtype)
+    loaded = load_gguf(path).model
+    assert loaded.config == hf.config and loaded.config.qk_norm
+    if qtype == "F32":
+        for name, tensor in hf.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+    # transformers' own GGUF reading (name mapping, row order, dequantization), without the
+    # `accelerate` package its from_pretrained(gguf_file=...) asks for.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert config.model_type == "qwen3"
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=theirs)["tensors"]
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    with torch.no_grad():
+        expected = theirs(TOKENS[None]).logits[0]
+    logits = loaded.forward_full(TOKENS)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    # The norms under an architecture without them are refused, not dropped.
+    with pytest.raises(InvalidInputError, match="q_norm"):
+        load_gguf(write_gguf(tmp_path / "llama.gguf", ours, tokenizer, arch="llama"))
 
 
 def test_yarn_metadata_is_read(tmp_path: Path, tokenizer: Tokenizer) -> None:
@@ -334,12 +384,13 @@ def test_an_unsupported_tensor_type_is_refused_by_name(
     writer.add_head_count(4)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(300)
-    q4k = gguf.GGMLQuantizationType.Q4_K
-    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), q4k), dtype=np.uint8)
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=q4k)
+    # An i-quant: its codebooks are not implemented here (K-quants are, tests/test_gguf_kquants.py).
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
+    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), iq4), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=iq4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(InvalidInputError, match="Q4_K"):
+    with pytest.raises(InvalidInputError, match="IQ4_NL"):
         load_gguf(path)

@@ -153,6 +153,9 @@ def test_any_lying_count_is_a_typed_error_in_bounded_time(
         {  # 4.4 TB asked
             "llama.embedding_length": (2**20, T.UINT32),
             "llama.rope.dimension_count": (2**18, T.UINT32),
+            # the head dims written with it, so that only the size is wrong
+            "llama.attention.key_length": (2**18, T.UINT32),
+            "llama.attention.value_length": (2**18, T.UINT32),
         },
         {"llama.vocab_size": (2**40, T.UINT64)},  # 281 TB asked
     ],

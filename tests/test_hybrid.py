@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from prefixkv.engine.facade import Engine, RequestResult
@@ -41,13 +41,30 @@ def _hybrid(layer_types: tuple[str, ...], window: int, seed: int = 3) -> LlamaMo
 
 def _assert_exact(model: LlamaModel, results: list[RequestResult], max_new_tokens: int) -> None:
     for result in results:
-        expected = model.generate_greedy_full(result.prompt_token_ids, max_new_tokens)
-        assert result.output_token_ids == expected
+        # The engine's logits equal a full recompute of its own sequence at every step...
         assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
-        assert result.tokens_match
+        expected = model.generate_greedy_full(result.prompt_token_ids, max_new_tokens)
+        if result.output_token_ids == expected:
+            assert result.tokens_match
+            continue
+        # ...so its greedy tokens may part from the full recompute's only at a genuine near-tie
+        # of the two best tokens (float32 rounding decides it; a fresh CI draw found one, kept
+        # as an @example below). Anything else is a wrong token.
+        prompt, output = result.prompt_token_ids, result.output_token_ids
+        step = next(i for i, (a, b) in enumerate(zip(output, expected, strict=True)) if a != b)
+        logits = model.forward_full(prompt + expected[:step])[-1]
+        top = logits.topk(2).values
+        gap = (top[0] - top[1]).item()
+        assert gap <= 1e-4 * logits.abs().max().item(), (
+            f"engine decoded {output}, full recompute {expected} (diverged at {step}, "
+            f"top-2 gap {gap:.3g})"
+        )
 
 
 @settings(max_examples=max(12, settings().max_examples // 2), deadline=None)
+@example(  # a near-tie of the two best tokens at one decode step (see _assert_exact)
+    layer_types=(FULL, SLIDING, SLIDING), window=12, budget=4, num_blocks=14, speculative=0, seed=0
+)
 @given(
     layer_types=st.lists(st.sampled_from([FULL, SLIDING]), min_size=2, max_size=4).map(tuple),
     # Windows from one token to longer than every prompt plus its output (about 40).

@@ -2,9 +2,10 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` reads Llama, Mistral and Qwen2 configs as
-transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds the reader and its
-rules). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
+decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2, Qwen3 and
+SmolLM3 configs as transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds
+the reader and its rules; `to_hf_config` writes no Ministral config: a per-layer pattern is
+written as Qwen2 or Qwen3). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
 `model_context` is the one place that says which settings change the KV a model writes (the
 essay of `prefixkv.models.decoder` says why each does).
 """
@@ -90,6 +91,12 @@ class ModelConfig:
     attention_qkv_bias: bool = False
     attention_output_bias: bool = False
     mlp_bias: bool = False
+    #: Qwen3's per-head RMSNorm of queries and keys (``q_norm`` / ``k_norm``, weights of
+    #: ``head_dim``), applied after the projections and before RoPE.
+    qk_norm: bool = False
+    #: Per layer, whether it applies RoPE (SmolLM3's NoPE layers do not: their queries and keys
+    #: carry no position). None: every layer does (a tuple of all True is normalized to None).
+    rope_layers: tuple[bool, ...] | None = None
     dtype: torch.dtype = field(default=torch.float32)
 
     def __post_init__(self) -> None:
@@ -146,6 +153,22 @@ class ModelConfig:
             not isinstance(self.lora_rank, int) or self.lora_rank <= 0
         ):
             raise InvalidInputError(f"lora_rank must be a positive int, got {self.lora_rank!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise InvalidInputError(f"qk_norm must be a bool, got {self.qk_norm!r}")
+        if self.rope_layers is not None:
+            if isinstance(self.rope_layers, str) or not isinstance(self.rope_layers, Sequence):
+                raise InvalidInputError(
+                    f"rope_layers must be a sequence of bool or None, got {self.rope_layers!r}"
+                )
+            rope_layers = tuple(self.rope_layers)
+            if len(rope_layers) != self.num_layers or not all(
+                isinstance(rope, bool) for rope in rope_layers
+            ):
+                raise InvalidInputError(
+                    f"rope_layers must hold one bool per layer ({self.num_layers}), "
+                    f"got {self.rope_layers!r}"
+                )
+            object.__setattr__(self, "rope_layers", None if all(rope_layers) else rope_layers)
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise InvalidInputError(f"unsupported model dtype {self.dtype}")
         if self.attention_output_bias and not self.attention_qkv_bias:
@@ -177,6 +200,10 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer_index] == "full_attention":
             return None
         return self.sliding_window
+
+    def layer_applies_rope(self, layer_index: int) -> bool:
+        """Whether a layer rotates its queries and keys (False for a NoPE layer)."""
+        return self.rope_layers is None or self.rope_layers[layer_index]
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -212,6 +239,8 @@ class ModelConfig:
         if self.mlp_bias:
             mlp += 2 * self.intermediate_size + hidden
         layer = attention + mlp + 2 * hidden  # two RMSNorm weights
+        if self.qk_norm:
+            layer += 2 * self.head_dim
         heads = 1 if self.tie_word_embeddings else 2
         return heads * self.vocab_size * hidden + self.num_layers * layer + hidden
 
@@ -231,9 +260,10 @@ class ModelConfig:
         """Read a Hugging Face Llama/Mistral-style ``config.json`` (a dict, file or directory).
 
         Every field is read as transformers' config class for the ``model_type`` reads it,
-        defaults included (`prefixkv.models.hf_config.read_hf_config`): the projection biases (Llama's
-        ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), the sliding window per layer
-        (every layer for Mistral, none for Llama, Qwen2's ``use_sliding_window`` with
+        defaults included (`prefixkv.models.hf_config.read_hf_config`): the projection biases
+        (Llama's ``attention_bias`` / ``mlp_bias``, Qwen2's q/k/v biases), Qwen3's q/k norms and
+        its own ``head_dim`` (128 when absent), the sliding window per layer
+        (every layer for Mistral, none for Llama, Qwen2's and Qwen3's ``use_sliding_window`` with
         ``layer_types`` or ``max_window_layers``; docs/hybrid.md), RoPE. Metadata no forward
         pass reads is accepted; a value of the wrong type, a setting this decoder does not
         implement, or a field transformers does not declare for the type is refused with an
@@ -247,7 +277,8 @@ class ModelConfig:
     def to_hf_config(self) -> dict[str, Any]:
         """This config as a Hugging Face ``config.json`` dict that transformers reads as the
         same model: Llama, Mistral when every layer has a window (transformers' Llama ignores
-        ``sliding_window``), Qwen2 for q/k/v biases without an output bias or a per-layer pattern.
+        ``sliding_window``), Qwen2 for q/k/v biases without an output bias or a per-layer pattern,
+        Qwen3 for q/k norms.
 
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.
@@ -278,9 +309,27 @@ class ModelConfig:
                 rope_scaling["truncate"] = self.rope_scaling.truncate
                 if self.rope_scaling.attention_factor is not None:
                     rope_scaling["attention_factor"] = self.rope_scaling.attention_factor
+        # SmolLM3 is the only type with NoPE layers; its attention_bias biases all four
+        # projections (or none), and it reads mlp_bias and a per-layer window pattern.
+        smollm3 = self.rope_layers is not None
+        if smollm3 and (self.qk_norm or self.attention_qkv_bias != self.attention_output_bias):
+            raise InvalidInputError(
+                "NoPE layers are written as a SmolLM3 config, which has no q/k norms and "
+                "biases all four attention projections or none"
+            )
+        # Qwen3 is the only type with q/k norms; its attention_bias biases all four projections
+        # (or none), and it has no MLP biases.
+        qwen3 = self.qk_norm
+        if qwen3 and (self.mlp_bias or self.attention_qkv_bias != self.attention_output_bias):
+            raise InvalidInputError(
+                "q/k norms are written as a Qwen3 config, which biases all four attention "
+                "projections or none, and no MLP projection"
+            )
         # Qwen2 is Llama with q/k/v biases and no output bias: written as a Qwen2 config, the
         # only one transformers reads that way.
-        qwen2 = self.attention_qkv_bias and not self.attention_output_bias
+        qwen2 = (
+            not (qwen3 or smollm3) and self.attention_qkv_bias and not self.attention_output_bias
+        )
         if qwen2 and self.mlp_bias:
             raise InvalidInputError(
                 "no Hugging Face config has q/k/v biases without an output bias together with "
@@ -288,21 +337,30 @@ class ModelConfig:
             )
         windows = self.layer_sliding_windows
         hybrid = len(set(windows)) > 1
-        if hybrid and not qwen2:
-            # Of the architectures this decoder writes, only Qwen2 reads a per-layer pattern.
+        if hybrid and not (qwen2 or qwen3 or smollm3):
+            # Of the architectures this decoder writes, only Qwen2/3 read a per-layer pattern.
             raise InvalidInputError(
                 "a per-layer attention pattern (layer_types) is written only as a Qwen2 config "
-                "(attention_qkv_bias without attention_output_bias)"
+                "(attention_qkv_bias without attention_output_bias) or a Qwen3 one (qk_norm)"
             )
         # A window on every layer is written as Mistral: transformers' Llama reads no window.
-        mistral = not qwen2 and windows[0] is not None
+        mistral = not (qwen2 or qwen3 or smollm3) and windows[0] is not None
         if mistral and (self.attention_qkv_bias or self.mlp_bias):
             raise InvalidInputError(
                 "a sliding window is written as a Mistral config, which has no projection "
                 "biases: transformers' Llama would load this config with full attention"
             )
-        model_type = "qwen2" if qwen2 else "mistral" if mistral else "llama"
-        architecture = {"qwen2": "Qwen2", "mistral": "Mistral", "llama": "Llama"}[model_type]
+        model_type = (
+            "smollm3" if smollm3
+            else "qwen3" if qwen3
+            else "qwen2" if qwen2
+            else "mistral" if mistral
+            else "llama"
+        )  # fmt: skip
+        architecture = {
+            "smollm3": "SmolLM3", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral",
+            "llama": "Llama",
+        }[model_type]  # fmt: skip
         hf: dict[str, Any] = {
             "architectures": [f"{architecture}ForCausalLM"],
             "model_type": model_type,
@@ -328,7 +386,15 @@ class ModelConfig:
         }
         if qwen2 or mistral:
             del hf["attention_bias"], hf["mlp_bias"]
-        if qwen2:
+        if qwen3:
+            del hf["mlp_bias"]
+        if smollm3:
+            assert self.rope_layers is not None
+            hf["no_rope_layers"] = [int(rope) for rope in self.rope_layers]
+            # SmolLM3Config's default pad id (128004) is out of a small vocabulary, where
+            # transformers' embedding refuses it; no forward pass reads it.
+            hf["pad_token_id"] = None
+        if qwen2 or qwen3 or smollm3:
             hf["use_sliding_window"] = hf["sliding_window"] is not None
             if hf["sliding_window"] is None:
                 del hf["sliding_window"]
@@ -443,4 +509,20 @@ def model_context(
         attention_mask=attention_mask,
         kv_dtype=str(config.dtype).removeprefix("torch."),
         block_size=block_size,
+        extra=_architecture_extra(config),
     )
+
+
+def _architecture_extra(config: ModelConfig) -> dict[str, str]:
+    """What of the architecture changes KV beyond the fields above: Qwen3's q/k norms, the
+    layers that apply no RoPE. Named here as well as in the weights digest, so that a digest
+    given by the caller (not computed from the model) still keeps such KV apart from Llama KV
+    of equal shapes; absent for a plain Llama, so existing contexts keep their fingerprints."""
+    extra = {}
+    if config.qk_norm:
+        extra["qk_norm"] = "rms_per_head_before_rope"
+    if config.rope_layers is not None:
+        extra["nope_layers"] = ",".join(
+            str(index) for index, rope in enumerate(config.rope_layers) if not rope
+        )
+    return extra

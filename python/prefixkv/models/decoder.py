@@ -18,6 +18,7 @@ these, and the negative tests in `tests/test_model_negative.py` show each one ma
 * the weights, including the active LoRA adapter (it changes the k/v projections);
 * `rope_theta` and `rope_scaling` (YaRN's attention factor too: it scales the rotated keys);
 * `position_offset` (the absolute position of token 0);
+* which layers apply RoPE at all (`ModelConfig.rope_layers`: SmolLM3's NoPE layers do not);
 * for dynamic NTK scaling only, the *total* length of the sequence being computed: the RoPE base
   grows with it once it exceeds `max_position_embeddings`, so KV computed for a shorter prompt is
   not the KV a full recompute of the longer prompt would give.
@@ -32,6 +33,8 @@ then barely moves the logits, which would let a broken cache pass its tests.
 
 Parameter names follow Hugging Face Llama (`model.layers.N.self_attn.q_proj.weight`, ...) and
 RoPE follows HF's `rotate_half` convention, so `from_pretrained` loads a local HF checkpoint.
+Qwen3's per-head q/k norms (`ModelConfig.qk_norm`) sit between the projections and RoPE on both
+paths (`SelfAttention.normalize_heads`).
 
 The model tells a cache what its KV depends on through public methods: `cache_context` (with
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
@@ -358,8 +361,10 @@ class LlamaModel(nn.Module):
             query = self._project(index, "q_proj", normed).view(n, config.num_heads, -1)
             key = self._project(index, "k_proj", normed).view(n, config.num_kv_heads, -1)
             value = self._project(index, "v_proj", normed).view(n, config.num_kv_heads, -1)
-            query = rotate(query.transpose(0, 1))
-            key = rotate(key.transpose(0, 1))
+            query, key = layer.self_attn.normalize_heads(query, key)
+            query, key = query.transpose(0, 1), key.transpose(0, 1)
+            if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
+                query, key = rotate(query), rotate(key)
             value = value.transpose(0, 1)
             keys_per_layer.append(key.transpose(0, 1).contiguous())
             values_per_layer.append(value.transpose(0, 1).contiguous())
@@ -454,8 +459,10 @@ class LlamaModel(nn.Module):
             query = self._project(index, "q_proj", normed).view(total, config.num_heads, -1)
             key = self._project(index, "k_proj", normed).view(total, config.num_kv_heads, -1)
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
-            query = _apply_rotate_half_rope(query, cos, sin)
-            key = _apply_rotate_half_rope(key, cos, sin)
+            query, key = layer.self_attn.normalize_heads(query, key)
+            if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
+                query = _apply_rotate_half_rope(query, cos, sin)
+                key = _apply_rotate_half_rope(key, cos, sin)
             # A layer's pages, its index in them, and its group's slots and block tables.
             if isinstance(kv_cache, GroupedKVCache):
                 pages, page_layer, group = kv_cache.layer_pages(index)

@@ -6,13 +6,18 @@ as strict as `prefixkv.models.checkpoint`'s: every metadata key of the architect
 must be one this decoder implements, or the file is refused with an `InvalidInputError` naming
 it; a file the reader cannot parse is refused the same way. Never a guess:
 
-* **Architectures**: ``llama`` (Llama, Mistral, SmolLM...) and ``qwen2`` (q/k/v biases).
+* **Architectures**: ``llama`` (Llama, Mistral, SmolLM...), ``qwen2`` (q/k/v biases) and
+  ``qwen3`` (dense: per-head q/k norms, ``attn_q_norm`` / ``attn_k_norm``).
 * **Weights** are dequantized to float32 by ``gguf.quants.dequantize`` for the types in
-  `SUPPORTED_TYPES` (the ones the ``gguf`` package can also write, so each is tested against
-  the same weights in a Hugging Face directory). K-quants and i-quants are refused by name.
+  `SUPPORTED_TYPES`: the float types, the 32-value block types the ``gguf`` package can also
+  write (each tested against the same weights in a Hugging Face directory), and the K-quants
+  Q2_K to Q6_K (256-value super-blocks, what a ``Q4_K_M`` file holds; the package has no
+  quantizer for them, so ``tests/test_gguf_kquants.py`` checks its dequantizer against a port
+  of llama.cpp's ``dequantize_row_q*_K``). i-quants, ternary and Q8_K are refused by name.
 * **Q/K row order**: llama.cpp's converter permutes the rows of ``q_proj`` / ``k_proj`` of the
   ``llama`` architecture so that its RoPE rotates adjacent pairs (GPT-J style); the HF layout
-  this decoder uses rotates halves. `_unpermute` undoes it (``qwen2`` files are not permuted).
+  this decoder uses rotates halves. `_unpermute` undoes it (``qwen2`` and ``qwen3`` files are
+  not permuted).
 * **Tokenizer**: built with the ``tokenizers`` library from the file's vocabulary and merges
   (a byte-level BPE, ``tokenizer.ggml.model == "gpt2"``), with the pre-tokenizer that
   ``tokenizer.ggml.pre`` names (`_PRE_TOKENIZERS`, each the split llama.cpp applies for that
@@ -47,9 +52,12 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
 
 #: Tensor types loaded (dequantized to float32), by their ``GGMLQuantizationType`` name.
-SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
+SUPPORTED_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+    | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
 
-_ARCHITECTURES = ("llama", "qwen2")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 #: ``{arch}.<key>`` metadata this loader reads or knows to be inert; any other is refused.
 _KNOWN_ARCH_KEYS = frozenset(
@@ -77,6 +85,8 @@ _LAYER_TENSOR_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -321,6 +331,7 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
         rope_scaling=_rope_scaling(metadata, prefix),
         max_position_embeddings=metadata.integer(prefix + "context_length", 2048),
         attention_qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         dtype=dtype,
     )
 

@@ -146,17 +146,21 @@ def _scan(data: Any, path: Path, quant_sizes: dict[int, tuple[int, int]]) -> Non
         dims = scanner.unpack("I", f"tensor {name} (dimension count)")
         if not 1 <= dims <= _MAX_DIMS:
             raise scanner.fail(f"tensor {name} has {dims} dimensions (1 to {_MAX_DIMS})")
+        shape = [scanner.unpack("Q", f"tensor {name} (dimension)") for _ in range(dims)]
         elements = 1
-        for _ in range(dims):
-            elements *= scanner.unpack("Q", f"tensor {name} (dimension)")
+        for extent in shape:
+            elements *= extent
         tensor_type = scanner.unpack("I", f"tensor {name} (type)")
         offset = scanner.unpack("Q", f"tensor {name} (offset)")
         if tensor_type not in quant_sizes:
             raise scanner.fail(f"tensor {name} has unknown type {tensor_type}")
         block_values, block_bytes = quant_sizes[tensor_type]
-        if elements % block_values:
+        # llama.cpp's rule (gguf.cpp): each row (the first, innermost dimension) is whole
+        # blocks; a K-quant block spans 256 values of one row.
+        if shape[0] % block_values:
             raise scanner.fail(
-                f"tensor {name} is not a whole number of {block_values}-value blocks"
+                f"tensor {name} has rows of {shape[0]} values, not a whole number of "
+                f"{block_values}-value blocks"
             )
         tensors.append((name, offset, elements // block_values * block_bytes))
     data_start = -(-scanner.offset // alignment) * alignment

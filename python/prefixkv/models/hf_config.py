@@ -1,6 +1,6 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral`` and ``qwen2``.
+``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3`` (dense) and ``smollm3``.
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -22,6 +22,9 @@ How a field is judged (do the same for a new one):
 
 Where a type's modeling code ignores a field another type reads (Llama ignores ``sliding_window``
 and ``layer_types``), the field is read as that type reads it: ignored (`_IGNORED_BY_TYPE`).
+
+size: about 200 of these lines are the tables (data copied from transformers, one per type),
+kept beside the reader whose every branch they drive, so that a field is judged in one file.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ import torch
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.rope import RopeScaling
 
-__all__ = ["INERT_FIELDS", "KNOWN_HF_CONFIG_FIELDS", "TRANSFORMERS_VERSION", "read_hf_config"]
+__all__ = [
+    "FUSED_PROJECTION_TYPES",
+    "INERT_FIELDS",
+    "KNOWN_HF_CONFIG_FIELDS",
+    "TRANSFORMERS_VERSION",
+    "checkpoint_model_type",
+    "read_hf_config",
+]
 
 #: The transformers release the tables below were read from.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -64,6 +74,17 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
         "attention_dropout": 0.0,
     },
+    # Mistral with a per-layer pattern (layer_types); transformers' Ministral cannot build a
+    # model without a head_dim (its attention reads the None), so none is derived here either.
+    "ministral": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "rope_parameters": None, "sliding_window": 4096,
+        "attention_dropout": 0.0, "layer_types": None,
+    },
     "qwen2": {
         "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -75,7 +96,54 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         # Not a Qwen2Config field: its modeling code reads it with getattr (hidden / heads).
         "head_dim": None,
     },
+    # Qwen2 plus per-head q/k RMSNorm; head_dim is a plain int (128 by default, never derived),
+    # and attention_bias biases all four projections, as Llama's does.
+    "qwen3": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": None,
+    },
+    # Llama with fused q/k/v and gate/up weights and Mistral's window on every layer; the
+    # dropouts are training settings, original_max_position_embeddings is read by longrope only
+    # (refused).
+    "phi3": {
+        "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-5, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "bos_token_id": 1,
+        "eos_token_id": 32000, "pad_token_id": 32000, "sliding_window": None,
+        # Not a Phi3Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
+    # Llama with NoPE layers (no RoPE on every no_rope_layer_interval-th layer by default) and
+    # a RoPE theta of 2e6 when none is given (SmolLM3Config.default_theta).
+    "smollm3": {
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": 128004,
+        "bos_token_id": 128000, "eos_token_id": 128001, "rope_parameters": None,
+        "use_sliding_window": False, "sliding_window": None, "no_rope_layers": None,
+        "no_rope_layer_interval": 4, "layer_types": None, "attention_bias": False,
+        "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True,
+        # Not a SmolLM3Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
 }  # fmt: skip
+
+#: Types whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
+#: (split on loading: `prefixkv.models.hf_weights`).
+FUSED_PROJECTION_TYPES = frozenset({"phi3"})
+
+#: The RoPE theta a config without one computes with (``<Type>Config.default_theta``).
+_DEFAULT_ROPE_THETA = {"smollm3": 2_000_000.0}
 
 #: PreTrainedConfig's fields, and the keys its ``__post_init__`` takes from a config.json.
 _COMMON_FIELDS = frozenset(
@@ -120,6 +188,9 @@ INERT_FIELDS = _GENERATION_FIELDS | frozenset(
         # written by other tools: older transformers, nanotron (SmolLM2), transformers.js
         "sep_token_id", "decoder_start_token_id", "tokenizer_class",
         "use_bidirectional_attention", "is_llama_config", "transformers.js_config",
+        # the remote-code classes for trust_remote_code (Phi-3's); the native class, which
+        # these tables describe, is what transformers builds without it
+        "auto_map",
     }
 )  # fmt: skip
 
@@ -128,16 +199,26 @@ INERT_FIELDS = _GENERATION_FIELDS | frozenset(
 _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "llama": frozenset({"sliding_window", "layer_types"}),
     "mistral": frozenset({"layer_types"}),
+    "ministral": frozenset(),
     "qwen2": frozenset(),
+    "qwen3": frozenset(),
+    # Published SmolLM3 configs carry both; its modeling code reads neither.
+    "smollm3": frozenset({"max_window_layers", "pretraining_tp"}),
+    "phi3": frozenset(),
 }
 
-#: Llama's fields that Mistral's and Qwen2's config classes do not declare, accepted there
-#: only with the value those types compute with (no biases, unsliced weights): configs copied
-#: from a Llama one carry them.
+#: Fields a type's config class does not declare, accepted there only with the value that type
+#: computes with: Llama's (no biases, unsliced weights), which configs copied from a Llama one
+#: carry, and Qwen2.5's ``use_mrope: false`` (transformers' Qwen2 never reads it; true would
+#: claim Qwen2-VL's multimodal RoPE, which neither it nor this decoder computes).
 _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
-    "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "ministral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen2": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "use_mrope": False},
+    "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
+    "smollm3": {},
+    "phi3": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -179,7 +260,8 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     model_type = hf.get("model_type", "llama")
     if not isinstance(model_type, str) or model_type not in TYPE_DEFAULTS:
         raise InvalidInputError(
-            f"unsupported model_type {model_type!r}: expected 'llama', 'mistral' or 'qwen2'"
+            f"unsupported model_type {_show(model_type)}: expected one of "
+            f"{', '.join(map(repr, TYPE_DEFAULTS))}"
         )
     known = set(
         _COMMON_FIELDS
@@ -220,10 +302,32 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     num_heads = fields.integer("num_attention_heads")
     hidden_size = fields.integer("hidden_size")
     layer_types: list[str] | None = None
-    if model_type == "qwen2":
+    rope_layers: list[bool] | None = None
+    if model_type == "smollm3":
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = fields.boolean("mlp_bias")
+        rope_layers = _smollm3_rope_layers(fields, num_layers)
+        sliding_window, layer_types = _smollm3_layer_types(fields, num_layers, rope_layers)
+        if all(rope_layers):
+            rope_layers = None
+    elif model_type == "qwen3":
+        # Qwen3: attention_bias on all four projections (Qwen3Attention), none on the MLP.
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = False
+        sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "qwen2":
         # Qwen2: q/k/v biased, o not (transformers reads no bias field for it).
         qkv_bias, output_bias, mlp_bias = True, False, False
         sliding_window, layer_types = _qwen2_layer_types(fields, num_layers)
+    elif model_type == "phi3":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window = fields.integer("sliding_window", nullable=True)
+        for key in ("resid_pdrop", "embd_pdrop"):
+            fields.number(key)  # inert, but typed as transformers types it
+        fields.integer("original_max_position_embeddings")
+    elif model_type == "ministral":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window, layer_types = _ministral_layer_types(fields, num_layers)
     elif model_type == "mistral":
         qkv_bias = output_bias = mlp_bias = False
         sliding_window = fields.integer("sliding_window", nullable=True)
@@ -233,8 +337,18 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         mlp_bias = fields.boolean("mlp_bias")
         sliding_window = None  # transformers' Llama reads no window
         _check_single_kind(hf, None)
-    rope_theta, rope_scaling = _rope_from_hf(hf, fields)
-    head_dim = fields.integer("head_dim", nullable=True)
+    rope_theta, rope_scaling = _rope_from_hf(
+        hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
+    )
+    if model_type == "phi3" and rope_scaling is not None:
+        # Phi3Config reads "default" or "longrope" (older "su" / "yarn" mean longrope too).
+        raise InvalidInputError(
+            f"config.json: phi3 computes {rope_scaling.kind!r} RoPE scaling as longrope, "
+            "which this decoder does not implement"
+        )
+    # Qwen3Config declares head_dim a plain int (strict: null is refused); Ministral's modeling
+    # reads a null one as None and fails; the others derive it (hidden / heads).
+    head_dim = fields.integer("head_dim", nullable=model_type not in ("qwen3", "ministral"))
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
     return {
         "vocab_size": fields.integer("vocab_size"),
@@ -257,8 +371,16 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "attention_qkv_bias": qkv_bias,
         "attention_output_bias": output_bias,
         "mlp_bias": mlp_bias,
+        "qk_norm": model_type == "qwen3",
+        "rope_layers": rope_layers,
         "dtype": _dtype(hf),
     }
+
+
+def checkpoint_model_type(config: Mapping[str, Any] | str | Path) -> str:
+    """The ``model_type`` of a config (``llama`` when absent, as `read_hf_config` reads it)."""
+    model_type = _load(config).get("model_type", "llama")
+    return model_type if isinstance(model_type, str) else ""
 
 
 def _load(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
@@ -391,7 +513,8 @@ def _check_single_kind(hf: Mapping[str, Any], expected: str | None) -> None:
 
 
 def _qwen2_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
-    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them.
+    """Qwen2's window and per-layer pattern, read as transformers' ``Qwen2Config`` reads them
+    (``Qwen3Config.__post_init__`` is the same code).
 
     ``sliding_window`` applies only with ``use_sliding_window``: off, it is ignored (every layer
     full). On, ``layer_types`` names each layer's kind, or, absent, layers from
@@ -421,6 +544,86 @@ def _qwen2_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, li
     return window, layer_types
 
 
+def _ministral_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """Ministral's window and per-layer pattern, read as ``MinistralConfig`` reads them:
+    ``layer_types`` names each layer's kind, or, absent, every layer slides when a
+    ``sliding_window`` is set (as Mistral). A sliding layer without a window is refused
+    (transformers' mask builder fails on it); one kind collapses to the plain fields."""
+    window = fields.integer("sliding_window", nullable=True)
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        return window, None
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and window is None:
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers but 'sliding_window' is null"
+        )
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
+def _smollm3_rope_layers(fields: _Fields, num_layers: int) -> list[bool]:
+    """Which layers apply RoPE, read as ``SmolLM3Config`` reads ``no_rope_layers`` (1: RoPE,
+    0: NoPE; at least one entry per layer, the first ``num_layers`` used) or, absent, derives
+    it: NoPE on every ``no_rope_layer_interval``-th layer. transformers tests an entry for
+    truth; anything but 0 or 1 is refused rather than read that way."""
+    raw = fields.hf.get("no_rope_layers")
+    if raw is None:
+        interval = fields.integer("no_rope_layer_interval")
+        return [(index + 1) % interval != 0 for index in range(num_layers)]
+    if not isinstance(raw, list) or not all(
+        type(entry) is int and entry in (0, 1) for entry in raw
+    ):
+        raise InvalidInputError(
+            f"config.json field 'no_rope_layers' must be a list of 0 and 1, got {_show(raw)}"
+        )
+    if len(raw) < num_layers:
+        raise InvalidInputError(
+            f"config.json field 'no_rope_layers' has {len(raw)} entries for {num_layers} layers"
+        )
+    fields.integer("no_rope_layer_interval")  # still type-checked, as transformers does
+    return [entry == 1 for entry in raw[:num_layers]]
+
+
+def _smollm3_layer_types(
+    fields: _Fields, num_layers: int, rope_layers: list[bool]
+) -> tuple[int | None, list[str] | None]:
+    """SmolLM3's window: ``layer_types``, or, absent, a window on the NoPE layers when
+    ``use_sliding_window`` and a ``sliding_window`` are set. A sliding layer without both is
+    refused: transformers' eager mask would slide where its flash path would not."""
+    use_window = fields.boolean("use_sliding_window")
+    window = fields.integer("sliding_window", nullable=True)
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if use_window and window is not None and not rope else
+            "full_attention"
+            for rope in rope_layers
+        ]  # fmt: skip
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and not (use_window and window is not None):
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers without use_sliding_window "
+            "and a sliding_window; transformers' attention backends disagree on it"
+        )
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
 #: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"
 #: everywhere). Another key is refused by name, as in the config itself.
 _ROPE_KEYS: dict[str, frozenset[str]] = {
@@ -440,7 +643,9 @@ _ROPE_KEYS: dict[str, frozenset[str]] = {
 }  # fmt: skip
 
 
-def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(
+    hf: Mapping[str, Any], fields: _Fields, default_theta: float
+) -> tuple[float, RopeScaling | None]:
     """RoPE theta and scaling from either config style.
 
     transformers 5 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}``; earlier
@@ -469,7 +674,7 @@ def _rope_from_hf(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeSc
     rotary_fraction = parameters.get(fraction_key, hf.get(fraction_key, 1.0))
     if _number(fraction_key, rotary_fraction) != 1.0:
         raise InvalidInputError(f"{fraction_key} {rotary_fraction} is unsupported")
-    theta = _number("rope_theta", parameters.get("rope_theta", 10000.0))
+    theta = _number("rope_theta", parameters.get("rope_theta", default_theta))
     max_positions = fields.integer("max_position_embeddings")
     return theta, _rope_scaling_from_hf(parameters, key, max_positions)
 

@@ -6,7 +6,8 @@ passed in), so it imports nothing of the model. Loading is strict: every paramet
 must be present exactly once with the right shape, and an unknown tensor is an error, so a
 checkpoint of another architecture is refused rather than half-loaded. The one tolerated extra
 is transformers' own: a tied-embedding checkpoint that also stores ``lm_head.weight``
-(`_untie_if_head_differs`).
+(`_untie_if_head_differs`). Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the
+separate projections on loading (`_split_fused_projections`); no fused checkpoint is written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.config import ModelConfig, check_fits_in_memory
+from prefixkv.models.hf_config import FUSED_PROJECTION_TYPES, checkpoint_model_type
 
 __all__ = ["SavableModel", "load_pretrained", "save_pretrained"]
 
@@ -90,6 +92,8 @@ def load_pretrained(
                 if name in loaded:
                     raise InvalidInputError(f"tensor {name!r} appears in two files")
                 loaded[name] = handle.get_tensor(name)
+    if checkpoint_model_type(directory) in FUSED_PROJECTION_TYPES:
+        _split_fused_projections(loaded, config)
     if config.tie_word_embeddings and "lm_head.weight" in loaded:
         config = _untie_if_head_differs(config, loaded, directory)
     model = model_class(config.replace(dtype=torch.float32))
@@ -114,6 +118,35 @@ def load_pretrained(
     # Built in float32 above; the config it reports is the one read (dtype, untying).
     cast(Any, model).config = config
     return model.to(device=device, dtype=config.dtype)
+
+
+def _split_fused_projections(loaded: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Phi-3's ``qkv_proj`` (rows: queries, keys, values) and ``gate_up_proj`` (rows: gate,
+    up), split in place into this decoder's separate projections, in the order its modeling
+    code slices them. A fused tensor of another row count is refused, naming it."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    parts = {
+        "self_attn.qkv_proj": (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
+                               ("self_attn.v_proj", kv_rows)),
+        "mlp.gate_up_proj": (("mlp.gate_proj", config.intermediate_size),
+                             ("mlp.up_proj", config.intermediate_size)),
+    }  # fmt: skip
+    for layer in range(config.num_layers):
+        for fused, pieces in parts.items():
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{layer}.{fused}.{kind}"
+                tensor = loaded.pop(name, None)
+                if tensor is None:
+                    continue
+                sizes = [rows for _, rows in pieces]
+                if tensor.shape[0] != sum(sizes):
+                    raise InvalidInputError(
+                        f"tensor {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)} "
+                        f"({' + '.join(map(str, sizes))})"
+                    )
+                for (piece, _), part in zip(pieces, tensor.split(sizes), strict=True):
+                    loaded[f"model.layers.{layer}.{piece}.{kind}"] = part.contiguous()
 
 
 def _untie_if_head_differs(

@@ -2,8 +2,8 @@
 init: HF Llama's modules with HF's attribute names, so a ``state_dict`` key is the checkpoint's
 parameter name (``model.layers.N.self_attn.q_proj.weight``).
 
-These hold weights and the two pieces of per-layer math both forward paths share unchanged
-(`RMSNorm`, `SwiGLU`). The attention itself (projections plus adapter, RoPE, paged or
+These hold weights and the pieces of per-layer math both forward paths share unchanged
+(`RMSNorm`, `SwiGLU`, `SelfAttention.normalize_heads`). The attention itself (projections plus adapter, RoPE, paged or
 contiguous softmax, residual adds) is written in `prefixkv.models.decoder`, where the paged path and its
 full-recompute oracle are read side by side.
 """
@@ -62,6 +62,21 @@ class SelfAttention(nn.Module):
             config.hidden_size,
             bias=config.attention_output_bias,
         )
+        # Qwen3: one RMSNorm over each head's head_dim values (shared by all heads), for queries
+        # and keys, before RoPE. None for the other architectures, so their state_dicts keep
+        # their keys.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def normalize_heads(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``[..., heads, head_dim]`` and keys through `q_norm` / `k_norm` (unchanged
+        without them). Both forward paths call it between the projections and RoPE: the
+        order matters, since a RoPE rotation does not commute with a per-dimension weight."""
+        if self.q_norm is None or self.k_norm is None:
+            return query, key
+        return self.q_norm(query), self.k_norm(key)
 
 
 class SwiGLU(nn.Module):
@@ -144,6 +159,14 @@ def draw_random_weights(
             # Norm weights away from 1, so a dropped or misapplied norm is visible.
             layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
             layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
+            if attention.q_norm is not None and attention.k_norm is not None:
+                # The q/k norms set each head's scale (the projections' scale cancels), so the
+                # sharpness is theirs: a score's std is about the product of the two weights.
+                # Spread per dimension, so that a norm applied after RoPE (which rotates
+                # dimension i with i + head_dim/2) computes something else.
+                for norm in (attention.q_norm, attention.k_norm):
+                    spread = 1.0 + normal((config.head_dim,), 0.4).abs()
+                    norm.weight.copy_(attention_sharpness**0.5 * spread / spread.mean())
         stack.norm.weight.copy_(1.0 + normal((hidden,), 0.2))
         if not config.tie_word_embeddings:
             # Logits of order a few units: a peaked but not one-hot next-token distribution.
