@@ -261,7 +261,11 @@ def main() -> int:
             # Noise on the scale of the real KV: keys of a trained model have large channels,
             # and unit-scale noise keys would get little attention weight.
             generator = torch.Generator().manual_seed(0)
-            for key in chain_keys(client, "e2e"):
+            # Every stored value, not one chain: the fp32 and other-model runs above stored
+            # chains of their own from the same root, and which of them `chain_keys` would
+            # follow depends on the server's key order (a CI run once noised the fp32 chain and
+            # left B's intact).
+            for key in sorted(client.keys("e2e:*")):
                 header, payload = split_value(client.get(key))
                 real = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).float()
                 noise = torch.randn(real.numel(), generator=generator) * real.abs().max()
