@@ -40,6 +40,9 @@ settings.register_profile(
     print_blob=True,
     # The examples depend on the seed alone, not on failures a local database remembers.
     database=None,
+    # Explicit: where the CI environment variable is set, hypothesis's own defaults (which a
+    # registered profile inherits) derandomize, and the commit's seed would be ignored.
+    derandomize=False,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
