@@ -125,6 +125,12 @@ def hostile_peer(
     try:
         # A frame of the wrong shape until one arrives: the subscription has landed.
         assert wait_until(lambda: pub.send(b"probe") or subscriber.received_frames > 0)
+        # Probes sent before the first one was counted may still be in flight, and would be
+        # counted in place of the test's own frames (a CI run under load read a status before
+        # its frame had arrived). A fence of another shape, sent after all of them on the one
+        # connection, arrives after them: once it is noted, every probe has been.
+        pub.send_multipart([b"fence", b"fence"])
+        assert wait_until(lambda: "2 parts" in (subscriber.status().last_error or ""), 20)
         yield pub, subscriber, index
     finally:
         subscriber.close()
