@@ -13,9 +13,10 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
 
 def server_binary() -> str:
@@ -143,3 +144,25 @@ class FaultProxy:
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+# -- fixtures shared by the tests that need a live server (import them by name) -------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    instance = RedisServer()
+    instance.start()
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture
+def client(server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of the module's server, emptied first (restarted if a test stopped it)."""
+    if server.process is None:
+        server.start()
+    raw = redis.Redis.from_url(server.url)
+    raw.flushall()
+    yield raw
+    raw.close()

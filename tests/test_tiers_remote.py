@@ -21,27 +21,8 @@ from hypothesis import strategies as st
 from prefixkv import Engine
 from prefixkv.errors import MissingDependencyError
 from prefixkv.tiers import RedisStore
-from tests.redis_server import FaultProxy, RedisServer
+from tests.redis_server import FaultProxy, RedisServer, client, server  # noqa: F401 (fixtures)
 from tests.test_tiers import MODEL, assert_exact, prompts_from
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    instance = RedisServer()
-    instance.start()
-    yield instance
-    instance.stop()
-
-
-@pytest.fixture
-def client(server: RedisServer) -> Iterator[redis.Redis]:
-    if server.process is None:
-        server.start()
-    raw = redis.Redis.from_url(server.url)
-    raw.flushall()
-    yield raw
-    raw.close()
-
 
 _STORES: list[RedisStore] = []
 

@@ -31,27 +31,9 @@ from vllm.v1.request import RequestStatus
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector import PrefixKVConnector
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, client, server  # noqa: F401 (fixtures)
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    instance = RedisServer()
-    instance.start()
-    yield instance
-    instance.stop()
-
-
-@pytest.fixture
-def client(server: RedisServer) -> Iterator[redis.Redis]:
-    if server.process is None:
-        server.start()
-    raw = redis.Redis.from_url(server.url)
-    raw.flushall()
-    yield raw
-    raw.close()
 
 
 @pytest.fixture
