@@ -21,6 +21,10 @@ Conventions:
 - ``sliding_window=w``: the query at position ``p`` sees keys ``p - w + 1 .. p`` (``w`` keys,
   itself included). That is FlashAttention's ``window_size=(w - 1, 0)`` and Mistral's
   ``sliding_window``.
+- ``sinks`` (gpt-oss): one logit per query head added to every softmax's denominator, as a key
+  with no value: ``softmax([scores, sink])`` with the sink's column dropped. The torch backend
+  starts each row's online softmax from it (running max = sink, running sum = 1); the reference
+  backend appends the column explicitly; the triton kernel has no sinks (``"auto"`` picks torch).
 
 Backends
 --------
@@ -116,6 +120,7 @@ def paged_prefill_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    sinks: Tensor | None = None,
     backend: AttentionBackend = "auto",
     check_bounds: bool | None = None,
 ) -> Tensor:
@@ -150,19 +155,29 @@ def paged_prefill_attention(
         or sliding_window < 1
     ):
         raise InvalidInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
+    if sinks is not None and (
+        not isinstance(sinks, Tensor)
+        or tuple(sinks.shape) != (int(query.shape[1]),)
+        or sinks.device != query.device
+    ):
+        raise InvalidInputError(
+            f"sinks must be a [num_heads] tensor on the query's device, got {sinks!r:.80}"
+        )
 
     if backend == "auto":
-        backend = _auto_backend(query)
+        backend = "torch" if sinks is not None else _auto_backend(query)
     if backend == "reference":
         return _reference_attention(
-            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
+            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks
         )
     if backend == "triton":
+        if sinks is not None:
+            raise BackendUnavailableError("backend='triton' does not implement attention sinks")
         return _triton_attention(
             query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
         )
     return _torch_attention(
-        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
+        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks
     )
 
 
@@ -314,6 +329,7 @@ def _reference_attention(
     batch: _Batch,
     scale: float,
     sliding_window: int | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     num_heads, num_kv_heads = int(query.shape[1]), int(key_pages.shape[2])
     group = num_heads // num_kv_heads
@@ -330,9 +346,15 @@ def _reference_attention(
         start = batch.query_starts[b]
         queries = query[start : start + q_len].to(compute_dtype).transpose(0, 1)
         mask = _reference_mask(q_len, n, sliding_window, query.device)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale
-        )
+        if sinks is None:
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale
+            )
+        else:  # SDPA has no sinks: the softmax written out, the sink's column appended
+            scores = (queries @ keys.transpose(1, 2) * scale).masked_fill(~mask, -math.inf)
+            sink_column = sinks.to(compute_dtype)[:, None, None].expand(-1, q_len, 1)
+            weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)
+            attended = weights[..., :-1] @ values
         output[start : start + q_len] = attended.transpose(0, 1).to(query.dtype)
     return output
 
@@ -365,6 +387,7 @@ def _torch_attention(
     batch: _Batch,
     scale: float,
     sliding_window: int | None,
+    sinks: Tensor | None = None,
     *,
     query_tile: int = _TORCH_QUERY_TILE,
     kv_tile_tokens: int = _TORCH_KV_TILE_TOKENS,
@@ -406,6 +429,16 @@ def _torch_attention(
                 device=query.device,
             )
             running_sum = torch.zeros_like(running_max)
+            if sinks is not None:
+                # The sink as the first key seen: its score starts the running max, its
+                # exp(0) = 1 the running sum, its (absent) value adds nothing.
+                running_max = (
+                    sinks.to(compute_dtype)
+                    .view(num_kv_heads, group, 1)
+                    .expand(-1, -1, tile_len)
+                    .reshape(num_kv_heads, group * tile_len)
+                )
+                running_sum = torch.ones_like(running_max)
             accumulator = torch.zeros(
                 (num_kv_heads, group * tile_len, head_dim), dtype=compute_dtype, device=query.device
             )

@@ -12,6 +12,7 @@ essay of `prefixkv.models.decoder` says why each does).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ import torch
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import InvalidInputError, ModelTooLargeError
 from prefixkv.models.hf_config import KNOWN_HF_CONFIG_FIELDS, read_hf_config
+from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling, rope_base
 
 if TYPE_CHECKING:
@@ -97,6 +99,11 @@ class ModelConfig:
     #: Per layer, whether it applies RoPE (SmolLM3's NoPE layers do not: their queries and keys
     #: carry no position). None: every layer does (a tuple of all True is normalized to None).
     rope_layers: tuple[bool, ...] | None = None
+    #: Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss: `prefixkv.models.moe`); None: dense.
+    moe: MoESettings | None = None
+    #: gpt-oss's attention sinks: a learned logit per query head that joins every softmax's
+    #: denominator (a key no value is attached to), so a head may attend to nothing.
+    attention_sinks: bool = False
     dtype: torch.dtype = field(default=torch.float32)
 
     def __post_init__(self) -> None:
@@ -169,6 +176,16 @@ class ModelConfig:
                     f"got {self.rope_layers!r}"
                 )
             object.__setattr__(self, "rope_layers", None if all(rope_layers) else rope_layers)
+        if self.moe is not None and not isinstance(self.moe, MoESettings):
+            raise InvalidInputError(f"moe must be a MoESettings or None, got {self.moe!r}")
+        if self.moe is not None and self.moe.sparse_layers is not None:
+            if len(self.moe.sparse_layers) != self.num_layers:
+                raise InvalidInputError(
+                    f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
+                    f"{self.num_layers} layers"
+                )
+        if not isinstance(self.attention_sinks, bool):
+            raise InvalidInputError(f"attention_sinks must be a bool, got {self.attention_sinks!r}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise InvalidInputError(f"unsupported model dtype {self.dtype}")
         if self.attention_output_bias and not self.attention_qkv_bias:
@@ -238,11 +255,18 @@ class ModelConfig:
         mlp = 3 * hidden * self.intermediate_size
         if self.mlp_bias:
             mlp += 2 * self.intermediate_size + hidden
-        layer = attention + mlp + 2 * hidden  # two RMSNorm weights
+        layer = attention + 2 * hidden  # two RMSNorm weights
         if self.qk_norm:
             layer += 2 * self.head_dim
+        if self.attention_sinks:
+            layer += self.num_heads
+        mlps = sum(
+            mlp if self.moe is None or not self.moe.layer_is_sparse(index)
+            else self.moe.parameter_count(hidden)
+            for index in range(self.num_layers)
+        )  # fmt: skip
         heads = 1 if self.tie_word_embeddings else 2
-        return heads * self.vocab_size * hidden + self.num_layers * layer + hidden
+        return heads * self.vocab_size * hidden + self.num_layers * layer + mlps + hidden
 
     def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the weights take in `dtype` (loaders build in float32, then cast)."""
@@ -283,6 +307,13 @@ class ModelConfig:
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.
         """
+        if self.moe is not None or self.attention_sinks:
+            # Their checkpoints are read (`from_hf_config`), not written: transformers' own
+            # save_pretrained writes them, which is what the tests compare against.
+            raise InvalidInputError(
+                "a mixture-of-experts model or one with attention sinks (moe, attention_sinks) "
+                "is not written as a Hugging Face config"
+            )
         rope_scaling = None
         if self.rope_scaling is not None:
             hf_type = {
@@ -525,4 +556,8 @@ def _architecture_extra(config: ModelConfig) -> dict[str, str]:
         extra["nope_layers"] = ",".join(
             str(index) for index, rope in enumerate(config.rope_layers) if not rope
         )
+    if config.moe is not None:
+        extra["moe"] = json.dumps(asdict(config.moe), sort_keys=True)
+    if config.attention_sinks:
+        extra["attention_sinks"] = "per_head_logit"
     return extra

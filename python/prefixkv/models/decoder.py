@@ -379,7 +379,14 @@ class LlamaModel(nn.Module):
             scores = torch.matmul(query.to(compute_dtype), key.transpose(1, 2))
             scores = scores * config.head_dim**-0.5
             allowed = masks[config.layer_sliding_window(index)]
-            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            sinks = layer.self_attn.sinks
+            if sinks is None:
+                weights = torch.softmax(scores, dim=-1)
+            else:  # gpt-oss: a column of the head's sink logit joins the softmax, then goes
+                sink_column = sinks.to(compute_dtype)[:, None, None].expand(-1, n, 1)
+                weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)
+                weights = weights[..., :-1]
             attended = torch.matmul(weights, value).to(self.dtype)
             attended = attended.transpose(0, 1).reshape(n, -1)
             hidden = hidden + self._project(index, "o_proj", attended)
@@ -485,6 +492,7 @@ class LlamaModel(nn.Module):
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
                     sliding_window=config.layer_sliding_window(index),
+                    sinks=layer.self_attn.sinks,
                 )
             else:
                 attended = paged_prefill_attention(
@@ -496,6 +504,7 @@ class LlamaModel(nn.Module):
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
                     sliding_window=config.layer_sliding_window(index),
+                    sinks=layer.self_attn.sinks,
                     backend=attention_backend,
                     check_bounds=False,
                 )

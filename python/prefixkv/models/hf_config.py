@@ -1,6 +1,7 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3`` (dense) and ``smollm3``.
+``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3``, ``smollm3``, and the
+mixture-of-experts ``mixtral``, ``qwen3_moe`` and ``gpt_oss`` (`_moe_from_hf`).
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from prefixkv.errors import InvalidInputError
+from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling
 
 __all__ = [
@@ -136,6 +138,51 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         # Not a SmolLM3Config field: its modeling code reads it with getattr (hidden / heads).
         "head_dim": None,
     },
+    # Mistral with expert MLPs (num_local_experts, top 2 renormalised); the router's training
+    # settings (aux loss, jitter noise, router logits output) never enter a forward pass.
+    "mixtral": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-5, "use_cache": True,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,
+        "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "rope_parameters": None,
+        # Not a MixtralConfig field: its attribute_map's alias of num_local_experts.
+        "num_experts": None,
+    },
+    # Qwen3 attention (q/k norms) with expert MLPs; the window is on every layer or none.
+    "qwen3_moe": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
+        "rope_parameters": None, "attention_bias": False, "use_sliding_window": False,
+        "sliding_window": 4096, "attention_dropout": 0.0, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+        "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "mlp_only_layers": None, "pad_token_id": None, "bos_token_id": None,
+        "eos_token_id": None,
+        # Not Qwen3MoeConfig fields: its modeling code reads head_dim with getattr (hidden /
+        # heads); num_local_experts is what its attribute_map stores num_experts under.
+        "head_dim": None, "num_local_experts": None,
+    },
+    # Sliding / full layers alternating, attention sinks, biased attention, a biased router
+    # (softmax over the top k logits), clamped SwiGLU experts, YaRN by default (`_GPT_OSS_ROPE`).
+    "gpt_oss": {
+        "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "sliding_window": 128,
+        "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_parameters": None,
+        "attention_dropout": 0.0, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+        "use_cache": True, "layer_types": None, "pad_token_id": None, "bos_token_id": None,
+        "eos_token_id": None, "attention_bias": True,
+        # Not a GptOssConfig field: its attribute_map's alias of num_local_experts.
+        "num_experts": None,
+    },
 }  # fmt: skip
 
 #: Types whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
@@ -143,7 +190,14 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
 FUSED_PROJECTION_TYPES = frozenset({"phi3"})
 
 #: The RoPE theta a config without one computes with (``<Type>Config.default_theta``).
-_DEFAULT_ROPE_THETA = {"smollm3": 2_000_000.0}
+_DEFAULT_ROPE_THETA = {"smollm3": 2_000_000.0, "mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
+
+#: The RoPE ``GptOssConfig`` computes with when a config names none (neither
+#: ``rope_parameters`` nor ``rope_scaling``): YaRN, its theta from ``rope_theta`` or the default.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096,
+}  # fmt: skip
 
 #: PreTrainedConfig's fields, and the keys its ``__post_init__`` takes from a config.json.
 _COMMON_FIELDS = frozenset(
@@ -205,6 +259,11 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     # Published SmolLM3 configs carry both; its modeling code reads neither.
     "smollm3": frozenset({"max_window_layers", "pretraining_tp"}),
     "phi3": frozenset(),
+    "mixtral": frozenset(),
+    # Published Qwen3-MoE configs carry it (from Qwen2); its modeling code never reads it.
+    "qwen3_moe": frozenset({"max_window_layers"}),
+    # Published gpt-oss configs carry these (OpenAI's own names); transformers never reads them.
+    "gpt_oss": frozenset({"experts_per_token", "initial_context_length"}),
 }
 
 #: Fields a type's config class does not declare, accepted there only with the value that type
@@ -219,6 +278,9 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "qwen3": {"mlp_bias": False, "pretraining_tp": 1},
     "smollm3": {},
     "phi3": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "mixtral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen3_moe": {"mlp_bias": False, "pretraining_tp": 1},
+    "gpt_oss": {"mlp_bias": False, "pretraining_tp": 1},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -285,9 +347,20 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             f"this decoder does not know to be inert: {', '.join(map(repr, unknown))}; "
             "refusing rather than ignoring them"
         )
+    if "quantization_config" in hf:
+        # gpt-oss ships MXFP4 experts; any quantized checkpoint would be read as plain weights.
+        method = hf["quantization_config"]
+        if isinstance(method, Mapping):
+            method = method.get("quant_method")
+        raise InvalidInputError(
+            f"config.json field 'quantization_config' ({_show(method)}): quantized checkpoints "
+            "(gpt-oss's MXFP4 experts among them) are not supported; use a dequantized "
+            "(bf16 or float32) checkpoint"
+        )
     fields = _Fields(hf, TYPE_DEFAULTS[model_type])
     activation = fields.string("hidden_act")
-    if activation != "silu":
+    # gpt-oss's experts apply their own clamped SwiGLU: its modeling never reads hidden_act.
+    if activation != "silu" and model_type != "gpt_oss":
         raise InvalidInputError(f"unsupported hidden_act {activation!r}: only SwiGLU ('silu')")
     if hf.get("rope_interleaved", False) is not False:
         # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
@@ -303,7 +376,24 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     hidden_size = fields.integer("hidden_size")
     layer_types: list[str] | None = None
     rope_layers: list[bool] | None = None
-    if model_type == "smollm3":
+    moe = _moe_from_hf(model_type, fields, num_layers)
+    if model_type == "gpt_oss":
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = False
+        sliding_window, layer_types = _gpt_oss_layer_types(fields, num_layers)
+        if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+            hf = {**hf, "rope_scaling": _GPT_OSS_ROPE}
+    elif model_type == "qwen3_moe":
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = False
+        # Qwen3MoeConfig: the window on every layer with use_sliding_window, else none.
+        use_window = fields.boolean("use_sliding_window")
+        window = fields.integer("sliding_window", nullable=True)
+        sliding_window = window if use_window else None
+    elif model_type == "mixtral":
+        qkv_bias = output_bias = mlp_bias = False
+        sliding_window = fields.integer("sliding_window", nullable=True)
+    elif model_type == "smollm3":
         qkv_bias = output_bias = fields.boolean("attention_bias")
         mlp_bias = fields.boolean("mlp_bias")
         rope_layers = _smollm3_rope_layers(fields, num_layers)
@@ -346,9 +436,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             f"config.json: phi3 computes {rope_scaling.kind!r} RoPE scaling as longrope, "
             "which this decoder does not implement"
         )
-    # Qwen3Config declares head_dim a plain int (strict: null is refused); Ministral's modeling
-    # reads a null one as None and fails; the others derive it (hidden / heads).
-    head_dim = fields.integer("head_dim", nullable=model_type not in ("qwen3", "ministral"))
+    # Qwen3Config and GptOssConfig declare head_dim a plain int (strict: null is refused, but
+    # GptOssConfig derives a missing one); Ministral's modeling reads a null one as None and
+    # fails; the others derive it (hidden / heads).
+    head_dim = fields.integer(
+        "head_dim", nullable=model_type not in ("qwen3", "ministral", "gpt_oss")
+    )
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
     return {
         "vocab_size": fields.integer("vocab_size"),
@@ -371,8 +464,10 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "attention_qkv_bias": qkv_bias,
         "attention_output_bias": output_bias,
         "mlp_bias": mlp_bias,
-        "qk_norm": model_type == "qwen3",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "rope_layers": rope_layers,
+        "moe": moe,
+        "attention_sinks": model_type == "gpt_oss",
         "dtype": _dtype(hf),
     }
 
@@ -494,6 +589,91 @@ def _layer_type_list(hf: Mapping[str, Any]) -> list[str] | None:
             f"config.json field 'layer_types' must be a list of strings, got {_show(layer_types)}"
         )
     return layer_types
+
+
+def _moe_from_hf(model_type: str, fields: _Fields, num_layers: int) -> MoESettings | None:
+    """The expert mixture of a MoE type, read as its config class and modeling read it; None
+    for a dense type. ``num_experts`` and ``num_local_experts`` name one field (each class's
+    ``attribute_map``; transformers writes the second); both given and different is refused."""
+    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
+        return None
+    given = [key for key in ("num_experts", "num_local_experts") if key in fields.hf]
+    if len(given) == 2 and fields.hf["num_experts"] != fields.hf["num_local_experts"]:
+        raise InvalidInputError(
+            "config.json fields 'num_experts' and 'num_local_experts' (its alias) differ"
+        )
+    default_key = "num_experts" if model_type == "qwen3_moe" else "num_local_experts"
+    experts_key = given[0] if given else default_key
+    num_experts = fields.integer(experts_key)
+    top_k = fields.integer("num_experts_per_tok")
+    if top_k > num_experts:
+        raise InvalidInputError(
+            f"config.json field 'num_experts_per_tok' ({top_k}) exceeds {experts_key!r} "
+            f"({num_experts})"
+        )
+    if model_type == "gpt_oss":
+        return MoESettings(
+            kind="gpt_oss",
+            num_experts=num_experts,
+            experts_per_token=top_k,
+            expert_intermediate_size=fields.integer("intermediate_size"),
+            swiglu_alpha=fields.number("swiglu_alpha"),
+            swiglu_limit=fields.number("swiglu_limit"),
+        )
+    if model_type == "mixtral":
+        return MoESettings(
+            kind="mixtral",
+            num_experts=num_experts,
+            experts_per_token=top_k,
+            expert_intermediate_size=fields.integer("intermediate_size"),
+        )
+    # Qwen3MoeDecoderLayer: experts where the layer is not in mlp_only_layers and
+    # (index + 1) is a multiple of decoder_sparse_step.
+    step = fields.integer("decoder_sparse_step")
+    dense = fields.get("mlp_only_layers")
+    dense = [] if dense is None else dense
+    if not isinstance(dense, list) or not all(type(index) is int for index in dense):
+        raise InvalidInputError(
+            f"config.json field 'mlp_only_layers' must be a list of ints, got {_show(dense)}"
+        )
+    return MoESettings(
+        kind="qwen3_moe",
+        num_experts=num_experts,
+        experts_per_token=top_k,
+        expert_intermediate_size=fields.integer("moe_intermediate_size"),
+        normalize_top_k=fields.boolean("norm_topk_prob"),
+        sparse_layers=tuple(
+            index not in dense and (index + 1) % step == 0 for index in range(num_layers)
+        ),
+    )
+
+
+def _gpt_oss_layer_types(fields: _Fields, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """gpt-oss's window and per-layer pattern, read as ``GptOssConfig`` reads them:
+    ``layer_types``, or, absent, sliding on even layers and full on odd ones. A sliding layer
+    without a window is refused (transformers' attention would not slide it); one kind
+    collapses to the plain fields."""
+    window = fields.integer("sliding_window", nullable=True)
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if index % 2 == 0 else "full_attention"
+            for index in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and window is None:
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers but 'sliding_window' is null"
+        )
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
 
 
 def _check_single_kind(hf: Mapping[str, Any], expected: str | None) -> None:

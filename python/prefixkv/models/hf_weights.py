@@ -92,8 +92,13 @@ def load_pretrained(
                 if name in loaded:
                     raise InvalidInputError(f"tensor {name!r} appears in two files")
                 loaded[name] = handle.get_tensor(name)
-    if checkpoint_model_type(directory) in FUSED_PROJECTION_TYPES:
+    model_type = checkpoint_model_type(directory)
+    if model_type in FUSED_PROJECTION_TYPES:
         _split_fused_projections(loaded, config)
+    if model_type == "mixtral":
+        # Mixtral checkpoints keep each layer's experts under ``block_sparse_moe``; the
+        # decoder's MLP is ``mlp`` for every type (transformers renames it the same way).
+        loaded = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in loaded.items()}
     if config.tie_word_embeddings and "lm_head.weight" in loaded:
         config = _untie_if_head_differs(config, loaded, directory)
     model = model_class(config.replace(dtype=torch.float32))

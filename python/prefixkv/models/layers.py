@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixkv.models.config import ModelConfig
+from prefixkv.models.moe import SparseMoE, build_mlp, draw_random_moe
 
 __all__ = [
     "DecoderLayer",
@@ -67,6 +68,9 @@ class SelfAttention(nn.Module):
         # their keys.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss: one softmax logit per query head with no value (both paths pass it to the
+        # softmax; `prefixkv.kv.prefill` says how the paged kernels fold it in).
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
 
     def normalize_heads(
         self, query: torch.Tensor, key: torch.Tensor
@@ -92,10 +96,10 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config)
-        self.mlp = SwiGLU(config)
+        self.mlp = build_mlp(config, layer_index, SwiGLU)  # experts where config.moe says
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,7 +108,9 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -139,20 +145,28 @@ def draw_random_weights(
             attention.o_proj.weight.copy_(
                 normal(tuple(attention.o_proj.weight.shape), out_features**-0.5)
             )
-            for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
-                projection.weight.copy_(normal(tuple(projection.weight.shape), hidden**-0.5))
-            layer.mlp.down_proj.weight.copy_(
-                normal(tuple(layer.mlp.down_proj.weight.shape), config.intermediate_size**-0.5)
-            )
+            mlp = layer.mlp
+            dense: tuple[nn.Linear, ...] = ()
+            if isinstance(mlp, SparseMoE):
+                draw_random_moe(mlp, normal)
+            else:
+                assert isinstance(mlp, SwiGLU)
+                for projection in (mlp.gate_proj, mlp.up_proj):
+                    projection.weight.copy_(normal(tuple(projection.weight.shape), hidden**-0.5))
+                mlp.down_proj.weight.copy_(
+                    normal(tuple(mlp.down_proj.weight.shape), config.intermediate_size**-0.5)
+                )
+                dense = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if attention.sinks is not None:
+                # Sinks near the typical score, so some rows give the sink much of their mass.
+                attention.sinks.copy_(normal((config.num_heads,), attention_sharpness**0.5))
             # Biases large enough to move the logits, so a dropped one is visible.
             for projection in (
                 attention.q_proj,
                 attention.k_proj,
                 attention.v_proj,
                 attention.o_proj,
-                layer.mlp.gate_proj,
-                layer.mlp.up_proj,
-                layer.mlp.down_proj,
+                *dense,
             ):
                 if projection.bias is not None:
                     projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
