@@ -106,7 +106,7 @@ def test_the_type_table_is_transformers_gpt_oss_config() -> None:
             assert defaults[name] == field.default, (name, defaults[name], field.default)
     assert hf_config._DEFAULT_ROPE_THETA["gpt_oss"] == transformers.GptOssConfig.default_theta
     default_rope = transformers.GptOssConfig().rope_parameters
-    assert {**hf_config._GPT_OSS_ROPE, "rope_theta": 150000.0} == default_rope
+    assert default_rope == {**hf_config._GPT_OSS_ROPE, "rope_theta": 150000.0}
 
 
 @pytest.mark.parametrize(
@@ -154,8 +154,9 @@ def test_configs_transformers_saves_are_read_as_it_reads_them(
         assert ours.rope_scaling is not None and ours.rope_scaling.kind == "yarn"
         assert ours.rope_scaling.factor == rope["factor"]
         assert ours.rope_scaling.truncate is rope.get("truncate", True)
-        assert ours.rope_scaling.original_max_position_embeddings == (
-            rope["original_max_position_embeddings"]
+        assert (
+            ours.rope_scaling.original_max_position_embeddings
+            == (rope["original_max_position_embeddings"])
         )
 
 
@@ -187,7 +188,7 @@ def _published_20b() -> dict[str, Any]:
 
 
 def test_the_published_mxfp4_config_is_refused_by_name_and_its_dequantized_form_loads() -> None:
-    with pytest.raises(InvalidInputError, match="quantization_config.*mxfp4"):
+    with pytest.raises(InvalidInputError, match=r"quantization_config.*mxfp4"):
         ModelConfig.from_hf_config(_published_20b())
     raw = _published_20b()
     del raw["quantization_config"]  # as a bf16 re-upload ships it
@@ -256,9 +257,7 @@ def _dense_attention_with_sinks(
 @given(
     block_size=st.sampled_from([1, 4, 8]),
     heads=st.sampled_from([(2, 1), (4, 2), (4, 4)]),
-    lengths=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=3
-    ),
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=3),
     window=st.one_of(st.none(), st.integers(1, 12)),
     sink_scale=st.sampled_from([0.0, 3.0, 30.0]),
     seed=st.integers(0, 2**16),

@@ -319,7 +319,9 @@ def test_a_wrong_renormalisation_is_caught(
     route = SparseMoE.route
 
     def flipped(self: SparseMoE, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        settings = dataclasses.replace(self.settings, normalize_top_k=not self.settings.normalize_top_k)
+        settings = dataclasses.replace(
+            self.settings, normalize_top_k=not self.settings.normalize_top_k
+        )
         original, self.settings = self.settings, settings
         try:
             return route(self, hidden)

@@ -178,12 +178,11 @@ class ModelConfig:
             object.__setattr__(self, "rope_layers", None if all(rope_layers) else rope_layers)
         if self.moe is not None and not isinstance(self.moe, MoESettings):
             raise InvalidInputError(f"moe must be a MoESettings or None, got {self.moe!r}")
-        if self.moe is not None and self.moe.sparse_layers is not None:
-            if len(self.moe.sparse_layers) != self.num_layers:
-                raise InvalidInputError(
-                    f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
-                    f"{self.num_layers} layers"
-                )
+        sparse_layers = None if self.moe is None else self.moe.sparse_layers
+        if sparse_layers is not None and len(sparse_layers) != self.num_layers:
+            raise InvalidInputError(
+                f"moe.sparse_layers has {len(sparse_layers)} entries for {self.num_layers} layers"
+            )
         if not isinstance(self.attention_sinks, bool):
             raise InvalidInputError(f"attention_sinks must be a bool, got {self.attention_sinks!r}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):

@@ -89,7 +89,9 @@ class MoESettings:
                 f"({self.num_experts})"
             )
         if not isinstance(self.normalize_top_k, bool):
-            raise InvalidInputError(f"moe normalize_top_k must be a bool, got {self.normalize_top_k!r}")
+            raise InvalidInputError(
+                f"moe normalize_top_k must be a bool, got {self.normalize_top_k!r}"
+            )
         if self.sparse_layers is not None:
             if isinstance(self.sparse_layers, str) or not isinstance(self.sparse_layers, Sequence):
                 raise InvalidInputError("moe sparse_layers must be a sequence of bool or None")
@@ -167,7 +169,7 @@ class SparseMoE(nn.Module):
         experts, intermediate = settings.num_experts, settings.expert_intermediate_size
         if settings.kind == "gpt_oss":
             self.router = nn.Linear(hidden_size, experts, bias=True)
-            self.experts: nn.Module = _StackedExperts(settings, hidden_size)
+            self.experts: nn.ModuleList | _StackedExperts = _StackedExperts(settings, hidden_size)
         else:
             names = ("w1", "w3", "w2") if settings.kind == "mixtral" else (
                 "gate_proj", "up_proj", "down_proj"
