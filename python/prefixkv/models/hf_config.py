@@ -340,13 +340,6 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
                 f"{model_type} (it computes as {key} = {expected!r}); refusing it"
             )
         known.add(key)
-    unknown = sorted(key for key in hf if key not in known)
-    if unknown:
-        raise InvalidInputError(
-            f"config.json has field(s) transformers' {model_type} config does not declare and "
-            f"this decoder does not know to be inert: {', '.join(map(repr, unknown))}; "
-            "refusing rather than ignoring them"
-        )
     if "quantization_config" in hf:
         # gpt-oss ships MXFP4 experts; any quantized checkpoint would be read as plain weights.
         method = hf["quantization_config"]
@@ -356,6 +349,13 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             f"config.json field 'quantization_config' ({_show(method)}): quantized checkpoints "
             "(gpt-oss's MXFP4 experts among them) are not supported; use a dequantized "
             "(bf16 or float32) checkpoint"
+        )
+    unknown = sorted(key for key in hf if key not in known)
+    if unknown:
+        raise InvalidInputError(
+            f"config.json has field(s) transformers' {model_type} config does not declare and "
+            f"this decoder does not know to be inert: {', '.join(map(repr, unknown))}; "
+            "refusing rather than ignoring them"
         )
     fields = _Fields(hf, TYPE_DEFAULTS[model_type])
     activation = fields.string("hidden_act")
