@@ -33,6 +33,7 @@ from prefixkv.models.config import ModelConfig
 from prefixkv.models.decoder import LlamaModel
 from prefixkv.models.moe import MoESettings, SparseMoE, _StackedExperts
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
+from tests.test_model_paged import Scenario, build_model, check_cached_matches_full, scenarios
 from tests.test_moe import paged_logits
 from tests.test_qwen3 import transformers_greedy
 
@@ -475,3 +476,20 @@ def test_a_transformers_gpt_oss_checkpoint_served_by_the_engine_is_transformers_
         drafted += result.draft_tokens
         assert len(set(expected)) > 3
     assert result.cached_tokens >= 4 and drafted > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenario=scenarios(), data=st.data())
+def test_cached_prefix_matches_full_recompute_with_sinks_and_experts(
+    scenario: Scenario, data: st.DataObject
+) -> None:
+    """tests/test_model_paged.py's property (drawn shapes, windows, adapters, cached splits and
+    shuffled block tables: paged KV and logits equal full recompute) on gpt-oss-style models:
+    sinks and clamped experts, in float32 (in half precision a near-tie between two experts
+    may route a token differently on the two paths, which is not what this checks)."""
+    config = scenario.config.replace(dtype=torch.float32, attention_sinks=True)
+    experts = data.draw(st.integers(2, 5), label="experts")
+    top_k = data.draw(st.integers(1, experts), label="top_k")
+    moe = MoESettings("gpt_oss", experts, top_k, config.intermediate_size)
+    scenario = dataclasses.replace(scenario, config=config.replace(moe=moe))
+    check_cached_matches_full(build_model(scenario), scenario)

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
@@ -29,6 +31,7 @@ from prefixkv.models.config import ModelConfig, model_context
 from prefixkv.models.decoder import LlamaModel, PrefillRequest
 from prefixkv.models.moe import MoESettings, SparseMoE
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
+from tests.test_model_paged import Scenario, build_model, check_cached_matches_full, scenarios
 from tests.test_qwen3 import transformers_greedy
 
 TINY: dict[str, Any] = {
@@ -384,3 +387,32 @@ def test_a_moe_model_s_cache_context_names_its_experts(tmp_path: Path) -> None:
     assert dict(model_context(configs[1], weights="w", block_size=4).extra) == {}
     with pytest.raises(InvalidInputError, match="moe"):
         ours.save_pretrained(tmp_path / "written")
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenario=scenarios(), data=st.data())
+def test_cached_prefix_matches_full_recompute_with_experts(
+    scenario: Scenario, data: st.DataObject
+) -> None:
+    """tests/test_model_paged.py's property (drawn shapes, windows, adapters, cached splits and
+    shuffled block tables: paged KV and logits equal full recompute) on Mixtral- and
+    Qwen3-MoE-style models, in float32 (in half precision a near-tie between two experts may
+    route a token differently on the two paths, which is not what this checks)."""
+    config = scenario.config.replace(dtype=torch.float32)
+    kind = data.draw(st.sampled_from(["mixtral", "qwen3_moe"]), label="kind")
+    experts = data.draw(st.integers(2, 5), label="experts")
+    sparse = data.draw(
+        st.lists(st.booleans(), min_size=config.num_layers, max_size=config.num_layers),
+        label="sparse_layers",
+    )
+    moe = MoESettings(
+        kind,  # type: ignore[arg-type]
+        experts,
+        data.draw(st.integers(1, experts), label="top_k"),
+        data.draw(st.integers(8, 40), label="expert_intermediate_size"),
+        normalize_top_k=kind == "mixtral" or data.draw(st.booleans(), label="norm_topk_prob"),
+        sparse_layers=tuple(sparse) if kind == "qwen3_moe" else None,
+    )
+    config = config.replace(moe=moe, qk_norm=kind == "qwen3_moe")
+    scenario = dataclasses.replace(scenario, config=config)
+    check_cached_matches_full(build_model(scenario), scenario)
