@@ -200,6 +200,26 @@ def test_qwen3_30b_a3b_s_published_config_loads() -> None:
     assert 30.4e9 < ours.parameter_count < 30.6e9
 
 
+def test_mixtral_8x7b_s_published_config_loads() -> None:
+    """Mixtral-8x7B-v0.1's config.json as published (transformers 4.36 wrote it): old-style
+    RoPE fields, a null window, a training-only aux loss coefficient."""
+    raw = {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+        "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+    }  # fmt: skip
+    ours = ModelConfig.from_hf_config(raw)
+    assert ours.moe == MoESettings("mixtral", 8, 2, 14336)
+    assert (ours.head_dim, ours.sliding_window, ours.rope_theta) == (128, None, 1e6)
+    # 46.7B parameters, as the model card says.
+    assert 46.6e9 < ours.parameter_count < 46.8e9
+
+
 @pytest.mark.parametrize(
     ("model_type", "changes", "field"),
     [
