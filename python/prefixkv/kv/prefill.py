@@ -21,6 +21,9 @@ Conventions:
 - ``sliding_window=w``: the query at position ``p`` sees keys ``p - w + 1 .. p`` (``w`` keys,
   itself included). That is FlashAttention's ``window_size=(w - 1, 0)`` and Mistral's
   ``sliding_window``.
+- ``softcap=c`` (Gemma 2): each scaled score ``s`` becomes ``tanh(s / c) * c`` before the mask
+  and softmax (FlashAttention's ``softcap``). The torch and reference backends implement it;
+  the triton kernel does not, so ``"auto"`` picks torch for it.
 
 Backends
 --------
@@ -116,6 +119,7 @@ def paged_prefill_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: AttentionBackend = "auto",
     check_bounds: bool | None = None,
 ) -> Tensor:
@@ -150,20 +154,31 @@ def paged_prefill_attention(
         or sliding_window < 1
     ):
         raise InvalidInputError(f"sliding_window must be a positive int, got {sliding_window!r}")
+    if softcap is not None and (
+        not isinstance(softcap, (int, float))
+        or isinstance(softcap, bool)
+        or not math.isfinite(softcap)
+        or not softcap > 0
+    ):
+        raise InvalidInputError(f"softcap must be None or a positive finite float, got {softcap!r}")
 
     if backend == "auto":
-        backend = _auto_backend(query)
+        backend = "torch" if softcap is not None else _auto_backend(query)
     if backend == "reference":
         return _reference_attention(
-            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
-        )
+            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window,
+            softcap,
+        )  # fmt: skip
     if backend == "triton":
+        if softcap is not None:
+            raise BackendUnavailableError("backend='triton' does not implement softcap")
         return _triton_attention(
             query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
         )
     return _torch_attention(
-        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
-    )
+        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window,
+        softcap=softcap,
+    )  # fmt: skip
 
 
 def _auto_backend(query: Tensor) -> AttentionBackend:
@@ -314,6 +329,7 @@ def _reference_attention(
     batch: _Batch,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> Tensor:
     num_heads, num_kv_heads = int(query.shape[1]), int(key_pages.shape[2])
     group = num_heads // num_kv_heads
@@ -330,9 +346,14 @@ def _reference_attention(
         start = batch.query_starts[b]
         queries = query[start : start + q_len].to(compute_dtype).transpose(0, 1)
         mask = _reference_mask(q_len, n, sliding_window, query.device)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale
-        )
+        if softcap is None:
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale
+            )
+        else:  # SDPA has no cap: the textbook softmax, capped scores masked
+            scores = torch.tanh(queries @ keys.transpose(-1, -2) * scale / softcap) * softcap
+            weights = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+            attended = weights @ values
         output[start : start + q_len] = attended.transpose(0, 1).to(query.dtype)
     return output
 
@@ -366,6 +387,7 @@ def _torch_attention(
     scale: float,
     sliding_window: int | None,
     *,
+    softcap: float | None = None,
     query_tile: int = _TORCH_QUERY_TILE,
     kv_tile_tokens: int = _TORCH_KV_TILE_TOKENS,
 ) -> Tensor:
@@ -423,6 +445,8 @@ def _torch_attention(
                 values = values[:tile_keys].to(compute_dtype).transpose(0, 1)  # [kv, keys, dim]
 
                 scores = torch.bmm(queries, keys).view(num_kv_heads, group, tile_len, tile_keys)
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 key_positions = torch.arange(key_start, key_start + tile_keys, device=query.device)
                 allowed = _allowed_keys(query_positions, key_positions, sliding_window)
                 scores = scores.masked_fill(~allowed, -math.inf).view(
