@@ -144,9 +144,16 @@ def test_the_type_tables_are_transformers_configs(model_type: str, config_class:
         ("gemma2", {"layer_types": ["full_attention"] * 3 + ["sliding_attention"]}),
         ("gemma3_text", {}),
         # transformers' defaults: 5:1, theta 1e6 / 1e4, no scaling, no caps.
-        ("gemma3_text", {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
-                         "rope_scaling": None, "final_logit_softcapping": None,
-                         "num_hidden_layers": 12}),  # fmt: skip
+        (
+            "gemma3_text",
+            {
+                "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0,
+                "rope_scaling": None,
+                "final_logit_softcapping": None,
+                "num_hidden_layers": 12,
+            },
+        ),
         ("gemma3_text", {"attn_logit_softcapping": 9.0, "rope_theta": 5e5}),
         ("gemma3_text", {"sliding_window": None, "layer_types": ["full_attention"] * 6}),
     ],

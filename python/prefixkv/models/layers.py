@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         return self.weight * normalized.to(input_dtype)
 
 
-def make_norm(config: ModelConfig, size: int) -> nn.Module:
+def make_norm(config: ModelConfig, size: int) -> RMSNorm | GemmaRMSNorm:
     """The model's RMSNorm over `size` values: Gemma's ``(1 + weight)`` kind or Llama's."""
     if config.gemma is not None:
         return GemmaRMSNorm(size, config.rms_norm_eps)
@@ -211,9 +211,12 @@ def draw_random_weights(
         for layer in stack.layers:
             # Gemma's feed-forward norms, drawn last so other models' draws are unchanged.
             assert isinstance(layer, DecoderLayer)
-            for norm in (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm):
-                if norm is not None:
-                    norm.weight.copy_(normal((hidden,), 0.2))
+            for sandwich_norm in (
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                if sandwich_norm is not None:
+                    sandwich_norm.weight.copy_(normal((hidden,), 0.2))
         if not config.tie_word_embeddings:
             # Logits of order a few units: a peaked but not one-hot next-token distribution.
             lm_head.weight.copy_(normal((config.vocab_size, hidden), 2.0 * hidden**-0.5))
