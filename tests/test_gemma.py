@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prefixkv.engine.facade import Engine
@@ -34,6 +34,7 @@ from prefixkv.models import layers as layers_module
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.decoder import DecodeRequest, LlamaModel, PrefillRequest
 from prefixkv.models.gemma import GemmaSettings
+from tests.test_config_reading import WRONG_VALUES
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
 from tests.test_model_paged import Scenario, build_model, check_cached_matches_full, scenarios
 from tests.test_qwen3 import transformers_greedy
@@ -264,6 +265,61 @@ def test_what_this_decoder_does_not_compute_is_refused_by_name(
 ) -> None:
     with pytest.raises(InvalidInputError, match=field):
         ModelConfig.from_hf_config({**TINY, "model_type": model_type, **changes})
+
+
+GEMMA_FIELDS = [
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "sliding_window", "sliding_window_pattern",
+    "rope_local_base_freq", "use_bidirectional_attention", "layer_types", "rope_parameters",
+    "rope_scaling", "rope_theta", "head_dim", "attention_bias", "tie_word_embeddings",
+]  # fmt: skip
+
+
+@given(
+    model_type=st.sampled_from(["gemma2", "gemma3_text"]),
+    field=st.sampled_from(GEMMA_FIELDS),
+    value=WRONG_VALUES,
+)
+@example(model_type="gemma3_text", field="rope_local_base_freq", value=-1)
+@example(model_type="gemma3_text", field="sliding_window_pattern", value=0)
+@example(model_type="gemma2", field="final_logit_softcapping", value=0.0)
+def test_any_wrong_value_is_a_typed_error_naming_the_field(
+    model_type: str, field: str, value: Any
+) -> None:
+    raw = {**TINY, "model_type": model_type, field: value}
+    try:
+        ModelConfig.from_hf_config(raw)
+    except InvalidInputError as exc:
+        names = {field, "rope_parameters", "rope_scaling"} if field.startswith("rope") else {field}
+        assert any(name in str(exc) for name in names), (field, value, str(exc))
+    else:
+        harmless = (
+            (
+                value is None
+                and field
+                in (
+                    "attn_logit_softcapping",
+                    "final_logit_softcapping",
+                    "rope_scaling",
+                    "rope_parameters",
+                    "layer_types",
+                    "use_bidirectional_attention",
+                )
+            )
+            or (field in ("rope_scaling", "rope_parameters") and value == {})
+            or (field in ("attention_bias", "tie_word_embeddings") and isinstance(value, bool))
+            or (field == "use_bidirectional_attention" and value is False)
+            # read, then ignored: Gemma 3's attention never applies its cap
+            or (
+                model_type == "gemma3_text"
+                and field == "attn_logit_softcapping"
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+            or (field == "rope_theta" and isinstance(value, (int, float)) and value > 1)
+        )
+        assert harmless, (model_type, field, value)
 
 
 def test_a_gemma_config_is_read_only(tmp_path: Path) -> None:

@@ -787,7 +787,14 @@ def _gemma3_rope(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeSca
             "is unsupported"
         )
     theta = _number(f"{key}.full_attention.rope_theta", full["rope_theta"])
-    local_theta = _number(f"{key}.sliding_attention.rope_theta", local["rope_theta"])
+    local_key = f"{key}.sliding_attention.rope_theta"
+    if "rope_local_base_freq" in hf and "rope_theta" not in (
+        parameters.get("sliding_attention") or {}
+    ):
+        local_key = "rope_local_base_freq"  # where the value came from, for the error
+    local_theta = _number(local_key, local["rope_theta"])
+    if not local_theta > 1:
+        raise InvalidInputError(f"config.json field {local_key!r} must be > 1, got {local_theta}")
     return theta, full_scaling, local_theta
 
 

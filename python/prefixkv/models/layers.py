@@ -165,6 +165,8 @@ def draw_random_weights(
 
     hidden = config.hidden_size
     qk_std = math.sqrt(attention_sharpness / hidden)
+    # A norm's gain is its weight, or ``1 + weight`` for Gemma's: the same gains for both.
+    gain_offset = 0.0 if config.gemma is None else 1.0
     with torch.no_grad():
         stack.embed_tokens.weight.copy_(normal((config.vocab_size, hidden), 1.0))
         for layer in stack.layers:
@@ -197,8 +199,8 @@ def draw_random_weights(
                 if projection.bias is not None:
                     projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
             # Norm weights away from 1, so a dropped or misapplied norm is visible.
-            layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
-            layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
+            layer.input_layernorm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
+            layer.post_attention_layernorm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
             if attention.q_norm is not None and attention.k_norm is not None:
                 # The q/k norms set each head's scale (the projections' scale cancels), so the
                 # sharpness is theirs: a score's std is about the product of the two weights.
@@ -206,8 +208,9 @@ def draw_random_weights(
                 # dimension i with i + head_dim/2) computes something else.
                 for norm in (attention.q_norm, attention.k_norm):
                     spread = 1.0 + normal((config.head_dim,), 0.4).abs()
-                    norm.weight.copy_(attention_sharpness**0.5 * spread / spread.mean())
-        stack.norm.weight.copy_(1.0 + normal((hidden,), 0.2))
+                    gain = attention_sharpness**0.5 * spread / spread.mean()
+                    norm.weight.copy_(gain - gain_offset)
+        stack.norm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
         for layer in stack.layers:
             # Gemma's feed-forward norms, drawn last so other models' draws are unchanged.
             assert isinstance(layer, DecoderLayer)
