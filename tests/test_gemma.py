@@ -318,6 +318,14 @@ def test_any_wrong_value_is_a_typed_error_naming_the_field(
                 and math.isfinite(value)
             )
             or (field == "rope_theta" and isinstance(value, (int, float)) and value > 1)
+            # a valid value after all: a positive cap, a local base above 1
+            or (
+                field in ("attn_logit_softcapping", "final_logit_softcapping")
+                and isinstance(value, (int, float))
+                and math.isfinite(value)
+                and value > 0
+            )
+            or (field == "rope_local_base_freq" and isinstance(value, (int, float)) and value > 1)
         )
         assert harmless, (model_type, field, value)
 
