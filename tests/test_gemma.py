@@ -366,15 +366,23 @@ def test_logits_equal_transformers_full_and_paged_after_a_cached_prefix(
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_the_engine_serves_transformers_greedy_tokens(tmp_path: Path, model_type: str) -> None:
     """Greedy output token for token equal to transformers' `generate`, from scratch, after a
-    cached prefix, in 8-token prefill chunks, on the KV groups (sliding blocks released).
-    Untied head: over these small embeddings a tied one repeats one token."""
+    cached prefix, in 8-token prefill chunks and with prompt-lookup drafts, on the KV groups
+    (sliding blocks released). Untied head: over these small embeddings a tied one repeats
+    one token."""
     theirs = gemma_checkpoint(tmp_path, model_type, tie_word_embeddings=False)
     engine = Engine.from_pretrained(
-        tmp_path, dtype=torch.float32, num_blocks=64, block_size=4, max_num_batched_tokens=8
+        tmp_path,
+        dtype=torch.float32,
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=8,
+        num_speculative_tokens=3,
     )
     assert engine.grouped and len(engine.kv_groups) == 2
     prompt = TOKENS.tolist()
-    for tokens in (prompt, [*prompt[:32], 5, 6, 7], [*prompt[:32], 9]):
+    repetitive = prompt[:6] * 5  # prompt-lookup drafts guess repeats
+    drafted = 0
+    for tokens in (prompt, [*prompt[:32], 5, 6, 7], [*prompt[:32], 9], repetitive):
         expected = transformers_greedy(theirs, tokens, 12)
         (result,) = engine.generate([tokens], max_new_tokens=12, check_exactness=True)
         assert result.output_token_ids == expected
@@ -382,7 +390,10 @@ def test_the_engine_serves_transformers_greedy_tokens(tmp_path: Path, model_type
         assert len(set(expected)) > 3  # a continuation that tells models apart
         if tokens is prompt:
             assert engine.last_stats.prefill_chunks == 5  # 40 tokens, 8 a step
-    assert result.cached_tokens >= 28  # the prefix of the second prompt, cached
+        else:  # a prefix an earlier request cached: 32 tokens, or the first 6
+            assert result.cached_tokens >= (28 if tokens[:32] == prompt[:32] else 4)
+        drafted += result.draft_tokens
+    assert drafted > 0  # drafts proposed and verified
     assert engine.cache.stats().blocks_released > 0  # the sliding group let blocks go
 
 

@@ -34,7 +34,11 @@ then barely moves the logits, which would let a broken cache pass its tests.
 Parameter names follow Hugging Face Llama (`model.layers.N.self_attn.q_proj.weight`, ...) and
 RoPE follows HF's `rotate_half` convention, so `from_pretrained` loads a local HF checkpoint.
 Qwen3's per-head q/k norms (`ModelConfig.qk_norm`) sit between the projections and RoPE on both
-paths (`SelfAttention.normalize_heads`).
+paths (`SelfAttention.normalize_heads`). Gemma 2 / 3 (`ModelConfig.gemma`, `prefixkv.models.gemma`)
+take the same paths through hooks: the scaled embedding (`DecoderStack.embed`), the sandwich
+(`DecoderLayer.add_attention_and_mlp`), the attention scale and cap (`ModelConfig.attention_scale`
+/ `attention_softcap`, handed to the kernels), Gemma 3's local RoPE table for sliding layers and
+the final logit cap.
 
 The model tells a cache what its KV depends on through public methods: `cache_context` (with
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
