@@ -35,6 +35,7 @@ from prefixkv.models.config import ModelConfig
 from prefixkv.models.decoder import DecodeRequest, LlamaModel, PrefillRequest
 from prefixkv.models.gemma import GemmaSettings
 from tests.test_config_reading import WRONG_VALUES
+from tests.test_gguf import tokenizer as tokenizer
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
 from tests.test_model_paged import Scenario, build_model, check_cached_matches_full, scenarios
 from tests.test_qwen3 import transformers_greedy
@@ -544,3 +545,41 @@ def test_cached_prefix_matches_full_recompute_on_gemma_models(
     config = scenario.config.replace(gemma=settings, qk_norm=gemma3)
     scenario = dataclasses.replace(scenario, config=config)
     check_cached_matches_full(build_model(scenario), scenario)
+
+
+def test_prefixkv_demo_serves_a_gemma3_checkpoint(
+    tmp_path: Path, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`prefixkv demo --model` on a Gemma 3 directory transformers wrote (with a tokenizer and
+    a chat template beside it): served on the KV groups, its greedy tokens those of a full
+    recompute, the stable-first layout hitting the cache."""
+    from prefixkv.apps import cli
+    from tests.test_engine_checkpoint import CHATML
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        **{
+            **GEMMA3,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "sliding_window": 16,
+            "max_position_embeddings": 4096,
+        }  # fmt: skip
+    )
+    transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    argv = ["demo", "--model", str(tmp_path), "--json", "--quiet", "-n", "3"]
+    threads = torch.get_num_threads()
+    try:
+        status = cli.main([*argv, "--max-new-tokens", "3", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # the CLI sets it for the process
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    data = json.loads(out.out)
+    stable, query = data["layouts"]["stable_first"], data["layouts"]["query_first"]
+    assert stable["hit_rate"] > 0.5 > query["hit_rate"]
+    assert stable["tokens_match"] and query["tokens_match"]
+    assert data["max_logit_diff"] < 1e-3
