@@ -563,7 +563,7 @@ def test_prefixkv_demo_serves_a_gemma3_checkpoint(
             "vocab_size": tokenizer.get_vocab_size(),
             "sliding_window": 16,
             "max_position_embeddings": 4096,
-        }  # fmt: skip
+        }
     )
     transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
