@@ -36,12 +36,14 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """``query [batch, heads, dim]`` (the query of request b at position ``seq_lens[b] - 1``)
     over ``key_pages`` / ``value_pages [blocks, block_size, kv_heads, dim]`` through
     ``block_tables [batch, >= pages]``; returns ``[batch, heads, dim]`` in the query's dtype.
-    Arguments are trusted (validated by the caller, as `LlamaModel.prefill` does). `sinks`
-    ``[heads]``: gpt-oss's per-head logit in each softmax's denominator (see
+    Arguments are trusted (validated by the caller, as `LlamaModel.prefill` does).
+    `softcap` (Gemma 2) caps each scaled score, ``tanh(s / softcap) * softcap``, before the
+    mask. `sinks` ``[heads]``: gpt-oss's per-head logit in each softmax's denominator (see
     `prefixkv.kv.prefill.paged_prefill_attention`)."""
     batch, num_heads, head_dim = (int(d) for d in query.shape)
     block_size, num_kv_heads = int(key_pages.shape[1]), int(key_pages.shape[2])
@@ -65,6 +67,8 @@ def paged_decode_attention(
     queries = query.to(compute_dtype).mul(scale).view(batch, num_kv_heads, group, head_dim)
     # [batch, kv_heads, group, keys]
     scores = torch.einsum("bhgd,bnhd->bhgn", queries, keys.to(compute_dtype))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     if sinks is not None:  # one more column, the sink's logit, dropped after the softmax
         sink_column = sinks.to(compute_dtype).view(1, num_kv_heads, group, 1)

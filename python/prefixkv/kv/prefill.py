@@ -25,6 +25,9 @@ Conventions:
   with no value: ``softmax([scores, sink])`` with the sink's column dropped. The torch backend
   starts each row's online softmax from it (running max = sink, running sum = 1); the reference
   backend appends the column explicitly; the triton kernel has no sinks (``"auto"`` picks torch).
+- ``softcap=c`` (Gemma 2): each scaled score ``s`` becomes ``tanh(s / c) * c`` before the mask
+  and softmax (FlashAttention's ``softcap``). The torch and reference backends implement it;
+  the triton kernel does not, so ``"auto"`` picks torch for it.
 
 Backends
 --------
@@ -121,6 +124,7 @@ def paged_prefill_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
     backend: AttentionBackend = "auto",
     check_bounds: bool | None = None,
 ) -> Tensor:
@@ -163,22 +167,34 @@ def paged_prefill_attention(
         raise InvalidInputError(
             f"sinks must be a [num_heads] tensor on the query's device, got {sinks!r:.80}"
         )
+    if softcap is not None and (
+        not isinstance(softcap, (int, float))
+        or isinstance(softcap, bool)
+        or not math.isfinite(softcap)
+        or not softcap > 0
+    ):
+        raise InvalidInputError(f"softcap must be None or a positive finite float, got {softcap!r}")
 
     if backend == "auto":
-        backend = "torch" if sinks is not None else _auto_backend(query)
+        manual = sinks is not None or softcap is not None
+        backend = "torch" if manual else _auto_backend(query)
     if backend == "reference":
         return _reference_attention(
-            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks
-        )
+            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window,
+            sinks, softcap,
+        )  # fmt: skip
     if backend == "triton":
         if sinks is not None:
             raise BackendUnavailableError("backend='triton' does not implement attention sinks")
+        if softcap is not None:
+            raise BackendUnavailableError("backend='triton' does not implement softcap")
         return _triton_attention(
             query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
         )
     return _torch_attention(
-        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks
-    )
+        query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks,
+        softcap=softcap,
+    )  # fmt: skip
 
 
 def _auto_backend(query: Tensor) -> AttentionBackend:
@@ -330,6 +346,7 @@ def _reference_attention(
     scale: float,
     sliding_window: int | None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     num_heads, num_kv_heads = int(query.shape[1]), int(key_pages.shape[2])
     group = num_heads // num_kv_heads
@@ -346,15 +363,20 @@ def _reference_attention(
         start = batch.query_starts[b]
         queries = query[start : start + q_len].to(compute_dtype).transpose(0, 1)
         mask = _reference_mask(q_len, n, sliding_window, query.device)
-        if sinks is None:
+        if sinks is None and softcap is None:
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, scale=scale
             )
-        else:  # SDPA has no sinks: the softmax written out, the sink's column appended
-            scores = (queries @ keys.transpose(1, 2) * scale).masked_fill(~mask, -math.inf)
-            sink_column = sinks.to(compute_dtype)[:, None, None].expand(-1, q_len, 1)
-            weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)
-            attended = weights[..., :-1] @ values
+        else:  # SDPA has neither: the softmax written out, capped, the sink's column appended
+            scores = queries @ keys.transpose(-1, -2) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask, -math.inf)
+            if sinks is not None:
+                sink_column = sinks.to(compute_dtype)[:, None, None].expand(-1, q_len, 1)
+                scores = torch.cat((scores, sink_column), dim=-1)
+            weights = torch.softmax(scores, dim=-1)
+            attended = (weights[..., :-1] if sinks is not None else weights) @ values
         output[start : start + q_len] = attended.transpose(0, 1).to(query.dtype)
     return output
 
@@ -389,6 +411,7 @@ def _torch_attention(
     sliding_window: int | None,
     sinks: Tensor | None = None,
     *,
+    softcap: float | None = None,
     query_tile: int = _TORCH_QUERY_TILE,
     kv_tile_tokens: int = _TORCH_KV_TILE_TOKENS,
 ) -> Tensor:
@@ -456,6 +479,8 @@ def _torch_attention(
                 values = values[:tile_keys].to(compute_dtype).transpose(0, 1)  # [kv, keys, dim]
 
                 scores = torch.bmm(queries, keys).view(num_kv_heads, group, tile_len, tile_keys)
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 key_positions = torch.arange(key_start, key_start + tile_keys, device=query.device)
                 allowed = _allowed_keys(query_positions, key_positions, sliding_window)
                 scores = scores.masked_fill(~allowed, -math.inf).view(

@@ -100,6 +100,9 @@ class PackedBatch:
     # `PagedKVCache` the single group's are `slot_mapping` and `block_tables`.
     group_slot_mappings: tuple[torch.Tensor, ...] = ()
     group_block_tables: tuple[torch.Tensor, ...] = ()
+    # The RoPE tables of Gemma 3's sliding layers (`ModelConfig.local_rope`), else None.
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 def computed_range(request: PrefillRequest, n: int, where: str) -> tuple[int, int]:
@@ -190,6 +193,9 @@ def pack_prefill_batch(
     num_groups = len(limits)
     token_chunks: list[torch.Tensor] = []
     angle_chunks: list[torch.Tensor] = []
+    local_rope = config.local_rope  # Gemma 3's sliding layers: no scaling, one table
+    local_frequencies = None if local_rope is None else rope_inverse_frequencies(local_rope, 1)
+    local_chunks: list[torch.Tensor] = []
     slot_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
     row_chunks: list[torch.Tensor] = []
     tables: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
@@ -247,6 +253,8 @@ def pack_prefill_batch(
         absolute = positions.to(torch.float64) + config.position_offset
         frequencies = rope_inverse_frequencies(config, config.position_offset + end)
         angle_chunks.append(torch.outer(absolute, frequencies))
+        if local_frequencies is not None:
+            local_chunks.append(torch.outer(absolute, local_frequencies))
         if request.write_kv:
             row_chunks.append(torch.arange(row, row + end - start))
         token_chunks.append(tokens[start:end])
@@ -283,7 +291,20 @@ def pack_prefill_batch(
         seq_lens=seq_lens,
         group_slot_mappings=tuple(slot_mappings),
         group_block_tables=padded,
+        **_local_rope_tables(local_chunks, device, dtype),
     )
+
+
+def _local_rope_tables(
+    chunks: list[torch.Tensor], device: torch.device | str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``local_cos`` / ``local_sin`` of a `PackedBatch` from the local angle chunks (none for
+    a model without a local RoPE)."""
+    if not chunks:
+        return {}
+    angles = torch.cat(chunks)
+    return {"local_cos": torch.cos(angles).to(device, dtype),
+            "local_sin": torch.sin(angles).to(device, dtype)}  # fmt: skip
 
 
 def _pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:

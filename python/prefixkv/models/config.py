@@ -24,6 +24,7 @@ import torch
 
 from prefixkv.context import AttentionMask, CacheContext, PositionEncoding
 from prefixkv.errors import InvalidInputError, ModelTooLargeError
+from prefixkv.models.gemma import GemmaSettings
 from prefixkv.models.hf_config import KNOWN_HF_CONFIG_FIELDS, read_hf_config
 from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling, rope_base
@@ -104,6 +105,9 @@ class ModelConfig:
     #: gpt-oss's attention sinks: a learned logit per query head that joins every softmax's
     #: denominator (a key no value is attached to), so a head may attend to nothing.
     attention_sinks: bool = False
+    #: Gemma 2 / Gemma 3 text (`prefixkv.models.gemma`): scaled embedding, ``(1 + weight)``
+    #: sandwich norms, GELU MLP, query pre-scaling, soft caps, Gemma 3's local RoPE base.
+    gemma: GemmaSettings | None = None
     dtype: torch.dtype = field(default=torch.float32)
 
     def __post_init__(self) -> None:
@@ -190,6 +194,8 @@ class ModelConfig:
         if self.attention_output_bias and not self.attention_qkv_bias:
             # Not an architecture transformers has (Llama biases all four, Qwen2 only q/k/v).
             raise InvalidInputError("attention_output_bias needs attention_qkv_bias")
+        if self.gemma is not None and not isinstance(self.gemma, GemmaSettings):
+            raise InvalidInputError(f"gemma must be a GemmaSettings or None, got {self.gemma!r}")
 
     def _check_layer_types(self) -> None:
         if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
@@ -220,6 +226,34 @@ class ModelConfig:
     def layer_applies_rope(self, layer_index: int) -> bool:
         """Whether a layer rotates its queries and keys (False for a NoPE layer)."""
         return self.rope_layers is None or self.rope_layers[layer_index]
+
+    def layer_uses_local_rope(self, layer_index: int) -> bool:
+        """Whether a layer rotates with Gemma 3's local base (`local_rope`): its sliding
+        layers do, its full-attention layers use `rope_theta` and `rope_scaling`."""
+        return (
+            self.gemma is not None
+            and self.gemma.local_rope_theta is not None
+            and self.layer_sliding_window(layer_index) is not None
+        )
+
+    @property
+    def local_rope(self) -> ModelConfig | None:
+        """The RoPE settings of Gemma 3's sliding layers (its local base, no scaling), as a
+        config the RoPE formulas read; None for a model whose layers all rotate alike."""
+        if self.gemma is None or self.gemma.local_rope_theta is None:
+            return None
+        return replace(self, rope_theta=self.gemma.local_rope_theta, rope_scaling=None, gemma=None)
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: ``head_dim ** -0.5``, or Gemma's
+        ``query_pre_attn_scalar ** -0.5``."""
+        return self.head_dim**-0.5 if self.gemma is None else self.gemma.attention_scale
+
+    @property
+    def attention_softcap(self) -> float | None:
+        """Gemma 2's cap of attention scores (``tanh(s / cap) * cap``), else None."""
+        return None if self.gemma is None else self.gemma.attn_logit_softcapping
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -255,6 +289,8 @@ class ModelConfig:
         if self.mlp_bias:
             mlp += 2 * self.intermediate_size + hidden
         layer = attention + 2 * hidden  # two RMSNorm weights
+        if self.gemma is not None:
+            layer += 2 * hidden  # the sandwich's pre/post feed-forward norms
         if self.qk_norm:
             layer += 2 * self.head_dim
         if self.attention_sinks:
@@ -306,6 +342,11 @@ class ModelConfig:
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.
         """
+        if self.gemma is not None:
+            # Read only, as Phi-3 and Ministral: written as Llama it would load as another model.
+            raise InvalidInputError(
+                f"a {self.gemma.model_type} config is read only: to_hf_config does not write it"
+            )
         if self.moe is not None or self.attention_sinks:
             # Their checkpoints are read (`from_hf_config`), not written: transformers' own
             # save_pretrained writes them, which is what the tests compare against.
@@ -559,4 +600,14 @@ def _architecture_extra(config: ModelConfig) -> dict[str, str]:
         extra["moe"] = json.dumps(asdict(config.moe), sort_keys=True)
     if config.attention_sinks:
         extra["attention_sinks"] = "per_head_logit"
+    if config.gemma is not None:
+        # Every Gemma setting changes the KV (the embedding scale and norms feed the keys) or
+        # the attention over it; the local RoPE base is the sliding layers' position encoding.
+        gemma = config.gemma
+        extra["gemma"] = (
+            f"{gemma.model_type};query_pre_attn_scalar={gemma.query_pre_attn_scalar!r};"
+            f"attn_softcap={gemma.attn_logit_softcapping!r};"
+            f"final_softcap={gemma.final_logit_softcapping!r};"
+            f"local_rope_theta={gemma.local_rope_theta!r}"
+        )
     return extra

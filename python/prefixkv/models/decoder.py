@@ -34,7 +34,11 @@ then barely moves the logits, which would let a broken cache pass its tests.
 Parameter names follow Hugging Face Llama (`model.layers.N.self_attn.q_proj.weight`, ...) and
 RoPE follows HF's `rotate_half` convention, so `from_pretrained` loads a local HF checkpoint.
 Qwen3's per-head q/k norms (`ModelConfig.qk_norm`) sit between the projections and RoPE on both
-paths (`SelfAttention.normalize_heads`).
+paths (`SelfAttention.normalize_heads`). Gemma 2 / 3 (`ModelConfig.gemma`, `prefixkv.models.gemma`)
+take the same paths through hooks: the scaled embedding (`DecoderStack.embed`), the sandwich
+(`DecoderLayer.add_attention_and_mlp`), the attention scale and cap (`ModelConfig.attention_scale`
+/ `attention_softcap`, handed to the kernels), Gemma 3's local RoPE table for sliding layers and
+the final logit cap.
 
 The model tells a cache what its KV depends on through public methods: `cache_context` (with
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap
@@ -79,6 +83,7 @@ from prefixkv.models.batch import (
     token_tensor,
 )
 from prefixkv.models.config import ModelConfig, RopeScaling, model_context
+from prefixkv.models.gemma import softcap
 from prefixkv.models.hf_weights import load_pretrained, save_pretrained
 from prefixkv.models.layers import DecoderLayer, DecoderStack, draw_random_weights
 from prefixkv.models.lora import AdapterSet, random_adapter
@@ -303,6 +308,9 @@ class LlamaModel(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Half-precision logits are returned in float32 (what sampling wants); float64 stays.
         logits = self.lm_head(self.model.norm(hidden))
+        cap = None if self.config.gemma is None else self.config.gemma.final_logit_softcapping
+        if cap is not None:
+            logits = softcap(logits, cap)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ---------------------------------------------------------------- oracle: full recompute
@@ -332,11 +340,18 @@ class LlamaModel(nn.Module):
         # Written independently of the paged path on purpose: [heads, n, dim] layout, rotation
         # by explicit halves, GQA by repeating KV heads, a dense boolean mask.
         positions = torch.arange(n, dtype=torch.float64) + config.position_offset
-        angles = positions[:, None] * rope_inverse_frequencies(config, config.position_offset + n)
-        # YaRN's attention factor scales cos and sin (1 for every other RoPE).
-        attention_factor = rope_attention_factor(config)
-        cos = (torch.cos(angles) * attention_factor).to(self.device, self.dtype)  # [n, dim/2]
-        sin = (torch.sin(angles) * attention_factor).to(self.device, self.dtype)
+        # One table per RoPE setting: Gemma 3's sliding layers have their own base.
+        tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        for local, rope in ((False, config), (True, config.local_rope)):
+            if rope is None:
+                continue
+            angles = positions[:, None] * rope_inverse_frequencies(rope, config.position_offset + n)
+            # YaRN's attention factor scales cos and sin (1 for every other RoPE).
+            attention_factor = rope_attention_factor(rope)
+            tables[local] = (
+                (torch.cos(angles) * attention_factor).to(self.device, self.dtype),  # [n, dim/2]
+                (torch.sin(angles) * attention_factor).to(self.device, self.dtype),
+            )
         query_index = torch.arange(n, device=self.device)[:, None]
         key_index = torch.arange(n, device=self.device)[None, :]
         causal = key_index <= query_index
@@ -348,11 +363,12 @@ class LlamaModel(nn.Module):
         half = config.head_dim // 2
         compute_dtype = torch.promote_types(self.dtype, torch.float32)
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # x: [heads, n, dim]
+        def rotate(x: torch.Tensor, local: bool) -> torch.Tensor:  # x: [heads, n, dim]
+            cos, sin = tables[local]
             first, second = x[..., :half], x[..., half:]
             return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
-        hidden = self.model.embed_tokens(tokens)
+        hidden = self.model.embed(tokens)
         keys_per_layer: list[torch.Tensor] = []
         values_per_layer: list[torch.Tensor] = []
         for index, layer in enumerate(self.model.layers):
@@ -364,7 +380,8 @@ class LlamaModel(nn.Module):
             query, key = layer.self_attn.normalize_heads(query, key)
             query, key = query.transpose(0, 1), key.transpose(0, 1)
             if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
-                query, key = rotate(query), rotate(key)
+                local = config.layer_uses_local_rope(index)
+                query, key = rotate(query, local), rotate(key, local)
             value = value.transpose(0, 1)
             keys_per_layer.append(key.transpose(0, 1).contiguous())
             values_per_layer.append(value.transpose(0, 1).contiguous())
@@ -377,7 +394,9 @@ class LlamaModel(nn.Module):
             # a tie between two keys, that difference alone decided which path landed nearer the
             # float32 oracle (tests/test_model_paged.py, BF16_NEAR_TIE).
             scores = torch.matmul(query.to(compute_dtype), key.transpose(1, 2))
-            scores = scores * config.head_dim**-0.5
+            scores = scores * config.attention_scale
+            if config.attention_softcap is not None:  # Gemma 2: capped before the mask
+                scores = torch.tanh(scores / config.attention_softcap) * config.attention_softcap
             allowed = masks[config.layer_sliding_window(index)]
             scores = scores.masked_fill(~allowed, float("-inf"))
             sinks = layer.self_attn.sinks
@@ -389,8 +408,7 @@ class LlamaModel(nn.Module):
                 weights = weights[..., :-1]
             attended = torch.matmul(weights, value).to(self.dtype)
             attended = attended.transpose(0, 1).reshape(n, -1)
-            hidden = hidden + self._project(index, "o_proj", attended)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer.add_attention_and_mlp(hidden, self._project(index, "o_proj", attended))
         return self._logits(hidden), keys_per_layer, values_per_layer
 
     @torch.no_grad()
@@ -450,7 +468,8 @@ class LlamaModel(nn.Module):
         packed = self._pack(kv_cache, batch)
         config = self.config
         total = packed.tokens.numel()
-        cos, sin = packed.cos, packed.sin  # YaRN's attention factor is in them
+        # YaRN's attention factor is in the tables; Gemma 3's sliding layers have their own.
+        tables = {False: (packed.cos, packed.sin), True: (packed.local_cos, packed.local_sin)}
         # A decode step (every request computes one position) takes the batched decode path
         # (`prefixkv.kv.decode`) where the torch backend would run; explicit
         # "reference" / "triton" and CUDA's auto choice keep theirs.
@@ -459,7 +478,7 @@ class LlamaModel(nn.Module):
             or (attention_backend == "auto" and packed.tokens.device.type == "cpu")
         )
 
-        hidden = self.model.embed_tokens(packed.tokens)
+        hidden = self.model.embed(packed.tokens)
         for index, layer in enumerate(self.model.layers):
             assert isinstance(layer, DecoderLayer)
             normed = layer.input_layernorm(hidden)
@@ -468,6 +487,8 @@ class LlamaModel(nn.Module):
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
             query, key = layer.self_attn.normalize_heads(query, key)
             if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
+                cos, sin = tables[config.layer_uses_local_rope(index)]
+                assert cos is not None and sin is not None
                 query = _apply_rotate_half_rope(query, cos, sin)
                 key = _apply_rotate_half_rope(key, cos, sin)
             # A layer's pages, its index in them, and its group's slots and block tables.
@@ -490,9 +511,10 @@ class LlamaModel(nn.Module):
                     pages.value_pages[page_layer],
                     block_tables,
                     packed.seq_lens,
-                    scale=config.head_dim**-0.5,
+                    scale=config.attention_scale,
                     sliding_window=config.layer_sliding_window(index),
                     sinks=layer.self_attn.sinks,
+                    softcap=config.attention_softcap,
                 )
             else:
                 attended = paged_prefill_attention(
@@ -502,14 +524,15 @@ class LlamaModel(nn.Module):
                     block_tables,
                     packed.query_lens,
                     packed.seq_lens,
-                    scale=config.head_dim**-0.5,
+                    scale=config.attention_scale,
                     sliding_window=config.layer_sliding_window(index),
                     sinks=layer.self_attn.sinks,
+                    softcap=config.attention_softcap,
                     backend=attention_backend,
                     check_bounds=False,
                 )
-            hidden = hidden + self._project(index, "o_proj", attended.reshape(total, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            attention_output = self._project(index, "o_proj", attended.reshape(total, -1))
+            hidden = layer.add_attention_and_mlp(hidden, attention_output)
 
         if return_all_logits:
             return list(self._logits(hidden).split(packed.query_lens))

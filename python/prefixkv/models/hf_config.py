@@ -1,7 +1,8 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
-``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3``, ``smollm3``, and the
-mixture-of-experts ``mixtral``, ``qwen3_moe`` and ``gpt_oss`` (`_moe_from_hf`).
+``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3``, ``smollm3``, ``gemma2``,
+``gemma3_text``, and the mixture-of-experts ``mixtral``, ``qwen3_moe`` and ``gpt_oss``
+(`_moe_from_hf`).
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from prefixkv.errors import InvalidInputError
+from prefixkv.models.gemma import GEMMA_MODEL_TYPES, GemmaSettings
 from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling
 
@@ -183,6 +185,34 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         # Not a GptOssConfig field: its attribute_map's alias of num_local_experts.
         "num_experts": None,
     },
+    # Gemma 2 (`prefixkv.models.gemma`): every other layer slides (layer_types, else the even
+    # ones); head_dim a plain int; attention_bias on all four projections.
+    "gemma2": {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+        "use_cache": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "tie_word_embeddings": True, "rope_parameters": None, "attention_bias": False,
+        "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "layer_types": None, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": None,
+    },
+    # Gemma 3 text: Gemma 2's fields with q/k norms, no caps by default, a sliding layer pattern
+    # of 5:1, RoPE per layer type. The last two are not fields but keys its __post_init__ reads
+    # (`sliding_window_pattern`, `rope_local_base_freq`), as published configs write them.
+    "gemma3_text": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+        "use_cache": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "tie_word_embeddings": True, "rope_parameters": None, "attention_bias": False,
+        "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "layer_types": None, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False, "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+    },
 }  # fmt: skip
 
 #: Types whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
@@ -264,6 +294,12 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     "qwen3_moe": frozenset({"max_window_layers"}),
     # Published gpt-oss configs carry these (OpenAI's own names); transformers never reads them.
     "gpt_oss": frozenset({"experts_per_token", "initial_context_length"}),
+    # Published Gemma configs carry hidden_act beside hidden_activation (only the latter is
+    # read) and the generation setting cache_implementation; transformers writes Gemma 3's
+    # `_sliding_window_pattern` (an attribute its __post_init__ sets; loading reads only
+    # `sliding_window_pattern`, and the `layer_types` it writes beside it).
+    "gemma2": frozenset({"hidden_act", "cache_implementation"}),
+    "gemma3_text": frozenset({"hidden_act", "cache_implementation", "_sliding_window_pattern"}),
 }
 
 #: Fields a type's config class does not declare, accepted there only with the value that type
@@ -281,6 +317,8 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "mixtral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen3_moe": {"mlp_bias": False, "pretraining_tp": 1},
     "gpt_oss": {"mlp_bias": False, "pretraining_tp": 1},
+    "gemma2": {},
+    "gemma3_text": {},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -358,10 +396,16 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             "refusing rather than ignoring them"
         )
     fields = _Fields(hf, TYPE_DEFAULTS[model_type])
-    activation = fields.string("hidden_act")
+    gemma_type = model_type in GEMMA_MODEL_TYPES
+    activation_key, supported = (
+        ("hidden_activation", "gelu_pytorch_tanh") if gemma_type else ("hidden_act", "silu")
+    )
+    activation = fields.string(activation_key)
     # gpt-oss's experts apply their own clamped SwiGLU: its modeling never reads hidden_act.
-    if activation != "silu" and model_type != "gpt_oss":
-        raise InvalidInputError(f"unsupported hidden_act {activation!r}: only SwiGLU ('silu')")
+    if activation != supported and model_type != "gpt_oss":
+        raise InvalidInputError(
+            f"unsupported {activation_key} {activation!r}: only {supported!r} for {model_type}"
+        )
     if hf.get("rope_interleaved", False) is not False:
         # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
         raise InvalidInputError(f"rope_interleaved={hf['rope_interleaved']!r} is unsupported")
@@ -377,7 +421,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     layer_types: list[str] | None = None
     rope_layers: list[bool] | None = None
     moe = _moe_from_hf(model_type, fields, num_layers)
-    if model_type == "gpt_oss":
+    gemma: GemmaSettings | None = None
+    if gemma_type:
+        qkv_bias = output_bias = fields.boolean("attention_bias")
+        mlp_bias = False
+        sliding_window, layer_types = _gemma_layer_types(fields, model_type, num_layers)
+    elif model_type == "gpt_oss":
         qkv_bias = output_bias = fields.boolean("attention_bias")
         mlp_bias = False
         sliding_window, layer_types = _gpt_oss_layer_types(fields, num_layers)
@@ -427,20 +476,27 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         mlp_bias = fields.boolean("mlp_bias")
         sliding_window = None  # transformers' Llama reads no window
         _check_single_kind(hf, None)
-    rope_theta, rope_scaling = _rope_from_hf(
-        hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
-    )
+    local_theta: float | None = None  # Gemma 3's sliding layers' RoPE base
+    if model_type == "gemma3_text":
+        rope_theta, rope_scaling, local_theta = _gemma3_rope(hf, fields)
+    else:
+        rope_theta, rope_scaling = _rope_from_hf(
+            hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
+        )
+    if gemma_type:
+        gemma = _gemma_settings(fields, model_type, local_theta)
     if model_type == "phi3" and rope_scaling is not None:
         # Phi3Config reads "default" or "longrope" (older "su" / "yarn" mean longrope too).
         raise InvalidInputError(
             f"config.json: phi3 computes {rope_scaling.kind!r} RoPE scaling as longrope, "
             "which this decoder does not implement"
         )
-    # Qwen3Config and GptOssConfig declare head_dim a plain int (strict: null is refused, but
-    # GptOssConfig derives a missing one); Ministral's modeling reads a null one as None and
-    # fails; the others derive it (hidden / heads).
+    # Qwen3Config, GptOssConfig and the Gemma configs declare head_dim a plain int (strict:
+    # null is refused, but GptOssConfig derives a missing one); Ministral's modeling reads a
+    # null one as None and fails; the others derive it (hidden / heads).
     head_dim = fields.integer(
-        "head_dim", nullable=model_type not in ("qwen3", "ministral", "gpt_oss")
+        "head_dim",
+        nullable=model_type not in ("qwen3", "ministral", "gpt_oss") and not gemma_type,
     )
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
     return {
@@ -464,10 +520,11 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "attention_qkv_bias": qkv_bias,
         "attention_output_bias": output_bias,
         "mlp_bias": mlp_bias,
-        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         "rope_layers": rope_layers,
         "moe": moe,
         "attention_sinks": model_type == "gpt_oss",
+        "gemma": gemma,
         "dtype": _dtype(hf),
     }
 
@@ -802,6 +859,122 @@ def _smollm3_layer_types(
     if all(kind == "sliding_attention" for kind in layer_types):
         return window, None
     return window, layer_types
+
+
+def _gemma_layer_types(
+    fields: _Fields, model_type: str, num_layers: int
+) -> tuple[int | None, list[str] | None]:
+    """Gemma's window and per-layer pattern, read as ``Gemma2Config`` / ``Gemma3TextConfig``
+    read them: ``layer_types``, or, absent, every layer but each ``pattern``-th slides (Gemma 2:
+    2, alternating from a sliding layer 0; Gemma 3: ``sliding_window_pattern``, 6 by default).
+    Bidirectional attention (an encoder use of the weights) is refused; a sliding layer
+    without a window too (transformers' mask builder fails on it). One kind collapses to the
+    plain fields, as for the other types."""
+    bidirectional = fields.get("use_bidirectional_attention")
+    if bidirectional is not None and not isinstance(bidirectional, bool):
+        raise InvalidInputError(
+            f"config.json field 'use_bidirectional_attention' must be true, false or null, "
+            f"got {_show(bidirectional)}"
+        )
+    if bidirectional:
+        raise InvalidInputError(
+            "config.json field 'use_bidirectional_attention' is true: this decoder is causal only"
+        )
+    window = fields.integer("sliding_window", nullable=True)
+    pattern = 2 if model_type == "gemma2" else fields.integer("sliding_window_pattern")
+    layer_types = _layer_type_list(fields.hf)
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if (index + 1) % pattern else "full_attention"
+            for index in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise InvalidInputError(
+            f"config.json field 'layer_types' has {len(layer_types)} entries for "
+            f"{num_layers} layers"
+        )
+    if "sliding_attention" in layer_types and window is None:
+        raise InvalidInputError(
+            "config.json field 'layer_types' names sliding layers but 'sliding_window' is null"
+        )
+    if all(kind == "full_attention" for kind in layer_types):
+        return None, None
+    if all(kind == "sliding_attention" for kind in layer_types):
+        return window, None
+    return window, layer_types
+
+
+def _gemma_settings(fields: _Fields, model_type: str, local_theta: float | None) -> GemmaSettings:
+    """What Gemma computes beyond Llama (`prefixkv.models.gemma`). Gemma 3's attention never
+    passes ``attn_logit_softcapping`` on: type-checked, then ignored as there."""
+    attention_cap = fields.number("attn_logit_softcapping", nullable=True)
+    return GemmaSettings(
+        model_type=model_type,
+        query_pre_attn_scalar=fields.integer("query_pre_attn_scalar"),
+        attn_logit_softcapping=attention_cap if model_type == "gemma2" else None,
+        final_logit_softcapping=fields.number("final_logit_softcapping", nullable=True),
+        local_rope_theta=local_theta,
+    )
+
+
+def _gemma3_rope(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's RoPE per layer type, read as ``Gemma3TextConfig.convert_rope_params_to_dict``
+    reads it: ``rope_parameters`` ``{"full_attention": {...}, "sliding_attention": {...}}``
+    (transformers 5), or the older top-level keys: ``rope_scaling`` and ``rope_theta`` (default
+    1e6) for the full layers, ``rope_local_base_freq`` (default 1e4) for the sliding ones.
+    Returns the full layers' theta and scaling and the sliding layers' theta; scaling on the
+    sliding layers is refused (no published Gemma 3 has it)."""
+    key = "rope_parameters"
+    parameters = hf.get(key)
+    if parameters is None:
+        parameters = {}
+    if not isinstance(parameters, Mapping) or set(parameters) - {
+        "full_attention", "sliding_attention"
+    }:  # fmt: skip
+        raise InvalidInputError(
+            f"config.json field {key!r} must map 'full_attention' and 'sliding_attention' to "
+            f"RoPE parameters for gemma3_text, got {_show(parameters)}"
+        )
+    per_type = {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        raw = parameters.get(layer_type)
+        if raw is None:
+            raw = {"rope_type": "default"}
+        if not isinstance(raw, Mapping):
+            raise InvalidInputError(
+                f"config.json field '{key}.{layer_type}' must be an object, got {_show(raw)}"
+            )
+        per_type[layer_type] = dict(raw)
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, Mapping):
+            raise InvalidInputError(
+                f"config.json field 'rope_scaling' must be an object or null, got {_show(scaling)}"
+            )
+        per_type["full_attention"].update(scaling)
+    per_type["full_attention"].setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    per_type["sliding_attention"].setdefault("rope_theta", fields.get("rope_local_base_freq"))
+    fraction = hf.get("partial_rotary_factor", 1.0)
+    if _number("partial_rotary_factor", fraction) != 1.0:
+        raise InvalidInputError(f"partial_rotary_factor {fraction} is unsupported")
+    max_positions = fields.integer("max_position_embeddings")
+    full, local = per_type["full_attention"], per_type["sliding_attention"]
+    full_scaling = _rope_scaling_from_hf(full, f"{key}.full_attention", max_positions)
+    if _rope_scaling_from_hf(local, f"{key}.sliding_attention", max_positions) is not None:
+        raise InvalidInputError(
+            f"config.json field '{key}.sliding_attention': RoPE scaling on the sliding layers "
+            "is unsupported"
+        )
+    theta = _number(f"{key}.full_attention.rope_theta", full["rope_theta"])
+    local_key = f"{key}.sliding_attention.rope_theta"
+    if "rope_local_base_freq" in hf and "rope_theta" not in (
+        parameters.get("sliding_attention") or {}
+    ):
+        local_key = "rope_local_base_freq"  # where the value came from, for the error
+    local_theta = _number(local_key, local["rope_theta"])
+    if not local_theta > 1:
+        raise InvalidInputError(f"config.json field {local_key!r} must be > 1, got {local_theta}")
+    return theta, full_scaling, local_theta
 
 
 #: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"

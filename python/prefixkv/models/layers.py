@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixkv.models.config import ModelConfig
+from prefixkv.models.gemma import GemmaRMSNorm, gelu_tanh
 from prefixkv.models.moe import SparseMoE, build_mlp, draw_random_moe
 
 __all__ = [
@@ -45,6 +46,13 @@ class RMSNorm(nn.Module):
         return self.weight * normalized.to(input_dtype)
 
 
+def make_norm(config: ModelConfig, size: int) -> RMSNorm | GemmaRMSNorm:
+    """The model's RMSNorm over `size` values: Gemma's ``(1 + weight)`` kind or Llama's."""
+    if config.gemma is not None:
+        return GemmaRMSNorm(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -66,8 +74,8 @@ class SelfAttention(nn.Module):
         # Qwen3: one RMSNorm over each head's head_dim values (shared by all heads), for queries
         # and keys, before RoPE. None for the other architectures, so their state_dicts keep
         # their keys.
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         # gpt-oss: one softmax logit per query head with no value (both paths pass it to the
         # softmax; `prefixkv.kv.prefill` says how the paged kernels fold it in).
         self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
@@ -90,9 +98,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # Gemma gates with tanh-approximated GELU (GeGLU), Llama with SiLU.
+        self.activation = F.silu if config.gemma is None else gelu_tanh
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        return self.down_proj(self.activation(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
@@ -100,8 +110,29 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(config)
         self.mlp = build_mlp(config, layer_index, SwiGLU)  # experts where config.moe says
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        # Gemma's sandwich: a norm after attention (post_attention_layernorm, which in Llama
+        # is the MLP's input norm) and a pair around the MLP. None elsewhere, so other
+        # state_dicts keep their keys.
+        sandwich = config.gemma is not None
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size) if sandwich else None
+        self.post_feedforward_layernorm = (
+            make_norm(config, config.hidden_size) if sandwich else None
+        )
+
+    def add_attention_and_mlp(
+        self, hidden: torch.Tensor, attention_output: torch.Tensor
+    ) -> torch.Tensor:
+        """The rest of the layer after attention's output projection: both residual adds and
+        the MLP between them (Llama's pre-norm, or Gemma's sandwich). Both forward paths call
+        it, as they call the MLP."""
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden = hidden + attention_output
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attention_output)
+        feed_forward = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(feed_forward)
 
 
 class DecoderStack(nn.Module):
@@ -111,7 +142,16 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, index) for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
+        # Gemma multiplies the embedding by sqrt(hidden_size) (rounded to the model dtype).
+        self.embedding_scale = None if config.gemma is None else config.hidden_size**0.5
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first hidden states of `tokens`: the embedding rows, scaled for Gemma."""
+        hidden: torch.Tensor = self.embed_tokens(tokens)
+        if self.embedding_scale is None:
+            return hidden
+        return hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
 
 
 def draw_random_weights(
@@ -131,6 +171,8 @@ def draw_random_weights(
 
     hidden = config.hidden_size
     qk_std = math.sqrt(attention_sharpness / hidden)
+    # A norm's gain is its weight, or ``1 + weight`` for Gemma's: the same gains for both.
+    gain_offset = 0.0 if config.gemma is None else 1.0
     with torch.no_grad():
         stack.embed_tokens.weight.copy_(normal((config.vocab_size, hidden), 1.0))
         for layer in stack.layers:
@@ -171,8 +213,8 @@ def draw_random_weights(
                 if projection.bias is not None:
                     projection.bias.copy_(normal(tuple(projection.bias.shape), 0.5))
             # Norm weights away from 1, so a dropped or misapplied norm is visible.
-            layer.input_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
-            layer.post_attention_layernorm.weight.copy_(1.0 + normal((hidden,), 0.2))
+            layer.input_layernorm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
+            layer.post_attention_layernorm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
             if attention.q_norm is not None and attention.k_norm is not None:
                 # The q/k norms set each head's scale (the projections' scale cancels), so the
                 # sharpness is theirs: a score's std is about the product of the two weights.
@@ -180,8 +222,18 @@ def draw_random_weights(
                 # dimension i with i + head_dim/2) computes something else.
                 for norm in (attention.q_norm, attention.k_norm):
                     spread = 1.0 + normal((config.head_dim,), 0.4).abs()
-                    norm.weight.copy_(attention_sharpness**0.5 * spread / spread.mean())
-        stack.norm.weight.copy_(1.0 + normal((hidden,), 0.2))
+                    gain = attention_sharpness**0.5 * spread / spread.mean()
+                    norm.weight.copy_(gain - gain_offset)
+        stack.norm.weight.copy_(1.0 - gain_offset + normal((hidden,), 0.2))
+        for layer in stack.layers:
+            # Gemma's feed-forward norms, drawn last so other models' draws are unchanged.
+            assert isinstance(layer, DecoderLayer)
+            for sandwich_norm in (
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+            ):
+                if sandwich_norm is not None:
+                    sandwich_norm.weight.copy_(normal((hidden,), 0.2))
         if not config.tie_word_embeddings:
             # Logits of order a few units: a peaked but not one-hot next-token distribution.
             lm_head.weight.copy_(normal((config.vocab_size, hidden), 2.0 * hidden**-0.5))
