@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from prefixkv.cache import PrefixCache
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
 from prefixkv.integrations.vllm import PrefixKVCacheManager
 from prefixkv.integrations.vllm._versions import check_vllm_version
@@ -30,6 +32,7 @@ from tests.vllm.harness import (
     drive,
     make_request,
     make_scheduler,
+    runner_output_for,
 )
 
 
@@ -164,17 +167,15 @@ def test_window_covering_the_context_served(tiny_model: Path) -> None:
 # -- what vLLM does with windows and hybrid layouts (the reasons for the refusals above) ------------
 # If one of these starts failing after a vLLM upgrade, the refusals may be liftable (or need new
 # reasons): docs/vllm.md, "Hybrid and sliding-window layouts", says what each one rests on.
-def _schedule_one(scheduler: object, spec: RequestSpec) -> list[tuple[list[int], ...]]:
+def _schedule_one(scheduler: Any, spec: RequestSpec) -> list[tuple[list[int], ...]]:
     """Schedule `spec` alone step by step; the request's block ids per group after each
     `schedule()` (vLLM's null block is id 0)."""
-    from tests.vllm.harness import runner_output_for
-
-    scheduler.add_request(make_request(spec, 4))  # type: ignore[attr-defined]
+    scheduler.add_request(make_request(spec, 4))
     tables = []
-    while scheduler.has_unfinished_requests():  # type: ignore[attr-defined]
-        out = scheduler.schedule()  # type: ignore[attr-defined]
-        tables.append(scheduler.kv_cache_manager.get_block_ids(spec.request_id))  # type: ignore[attr-defined]
-        scheduler.update_from_output(out, runner_output_for(scheduler, out))  # type: ignore[attr-defined]
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        tables.append(scheduler.kv_cache_manager.get_block_ids(spec.request_id))
+        scheduler.update_from_output(out, runner_output_for(scheduler, out))
     return tables
 
 
@@ -192,8 +193,6 @@ def test_vllm_sliding_window_frees_at_the_next_allocation(tiny_model: Path) -> N
     # position 20) first frees the blocks wholly before 20 + 1 - 8 = 13: three.
     assert [len(ids[0]) for ids in tables] == [5, 6, 6]
     assert nulls == [0, 3, 3]
-
-    from prefixkv.cache import PrefixCache
 
     cache = PrefixCache(15, block_size=4, sliding_window=8)
     cache.add_request("r", list(prompt))
