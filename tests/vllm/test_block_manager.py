@@ -162,6 +162,10 @@ def test_window_covering_the_context_served(tiny_model: Path) -> None:
     assert isinstance(manager, PrefixKVCacheManager)
     assert type(manager.coordinator.single_type_managers[0].kv_cache_spec) is SlidingWindowSpec
     assert manager.kv_cache_event_metadata == (("sliding_window", 64),)
+    # One token short of the context is refused.
+    short = dataclasses.replace(setup, sliding_window=63)
+    with pytest.raises(UnsupportedFeatureError, match="sliding_window=63 below max_model_len=64"):
+        make_scheduler(tiny_model, short, "prefixkv")
 
 
 # -- what vLLM does with windows and hybrid layouts (the reasons for the refusals above) ------------
