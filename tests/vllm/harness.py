@@ -1,7 +1,8 @@
 """vLLM's real scheduler driven by a fake model runner, for conformance tests and the bench.
 
 `make_scheduler` builds vLLM's own `Scheduler` (or `AsyncScheduler`) over a mocked
-`KVCacheConfig` (one full-attention group, `num_blocks` blocks), with vLLM's block manager
+`KVCacheConfig` (`num_blocks` blocks; one full-attention group, one sliding-window group, or a
+hybrid layout of both), with vLLM's block manager
 (``"stock"``) or prefixkv's (``"prefixkv"``). `drive` runs a `Workload` through it step by step:
 requests arrive at their step, the "model" samples a token that depends only on the request and
 position (so both schedulers see the same tokens as long as their schedules agree), and with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,20 +89,26 @@ class SchedulerSetup:
     scheduler_reserve_full_isl: bool = True
     #: A sliding-window KV group of this many tokens instead of full attention.
     sliding_window: int | None = None
+    #: A hybrid layout: besides the first group, one sliding-window group per window listed
+    #: (gpt-oss: one; Gemma 3: several of one window), all drawing from the one block pool.
+    hybrid_windows: tuple[int, ...] = ()
 
 
-def _spec(setup: SchedulerSetup, dtype: Any) -> Any:
+def _window_spec(setup: SchedulerSetup, dtype: Any, window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=setup.block_size, num_kv_heads=1, head_size=1, dtype=dtype, sliding_window=window
+    )
+
+
+def _groups(setup: SchedulerSetup, dtype: Any) -> list[KVCacheGroupSpec]:
     if setup.sliding_window is None:
-        return FullAttentionSpec(
+        first: Any = FullAttentionSpec(
             block_size=setup.block_size, num_kv_heads=1, head_size=1, dtype=dtype
         )
-    return SlidingWindowSpec(
-        block_size=setup.block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=dtype,
-        sliding_window=setup.sliding_window,
-    )
+    else:
+        first = _window_spec(setup, dtype, setup.sliding_window)
+    specs = [first, *(_window_spec(setup, dtype, w) for w in setup.hybrid_windows)]
+    return [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
 
 
 def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
@@ -127,8 +135,11 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
     )
     speculative_config = None
     if setup.num_speculative_tokens:
+        # vLLM allows async scheduling only with drafters that run on the worker (n-gram on
+        # the GPU, EAGLE, draft models); the scheduler reads only the number of drafts.
         speculative_config = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=setup.num_speculative_tokens
+            method="ngram_gpu" if setup.async_scheduling else "ngram",
+            num_speculative_tokens=setup.num_speculative_tokens,
         )
     kv_events_config = None
     if setup.enable_kv_cache_events:
@@ -146,7 +157,7 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
     kv_cache_config = KVCacheConfig(
         num_blocks=setup.num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], _spec(setup, model_config.dtype))],
+        kv_cache_groups=_groups(setup, model_config.dtype),
     )
     cache_config.num_gpu_blocks = setup.num_blocks
     if kind == "stock":
@@ -203,9 +214,13 @@ class StepRecord:
     preempted: list[str]
     spec_tokens: dict[str, list[int]]
     num_computed: dict[str, int]
-    table_lengths: dict[str, int]
+    #: Block-table length per KV cache group.
+    table_lengths: dict[str, list[int]]
     free_blocks: int
     usage: float
+    #: vLLM's tokens in flight per scheduled request after this step was scheduled (this
+    #: step's included): more than its scheduled count when an earlier step is still running.
+    in_flight: dict[str, int] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
     #: vLLM's PrefillStats of the requests whose prefill ended this step:
     #: (num_cached_tokens, num_cache_creation_tokens), as the engine reports them.
@@ -234,24 +249,32 @@ def make_request(spec: RequestSpec, block_size: int) -> Request:
     )
 
 
-def runner_output_for(scheduler: Any, out: Any) -> ModelRunnerOutput:
-    """What the fake model returns for the step `out` scheduled: a sampled token for every
-    request whose prompt is done, and for each draft the token the model would sample there,
-    stopping after the first wrong draft (so the accepted drafts are the right prefix)."""
+def runner_output_for(scheduler: Any, out: Any, draft_accuracy: int = 600) -> ModelRunnerOutput:
+    """What the fake model returns for the step `out` scheduled, read from the scheduler's state
+    right after `schedule()` (as a worker reads its step from the scheduler output): a sampled
+    token for every request whose prompt is done, and for each draft the token the model would
+    sample there, stopping after the first wrong draft (so the accepted drafts are the right
+    prefix).
+
+    The first sampled position is the request's computed count after scheduling less its
+    scheduled drafts: with async scheduling the request's own token list lags behind by the
+    steps in flight, so it is not read. Under async scheduling the drafts in `out` are
+    placeholders (-1), proposed on the worker; the fake drafter's guess is `_draft` at each
+    position, as the synchronous harness proposes it through `update_draft_token_ids`."""
     requests = scheduler.requests
     req_ids = list(out.num_scheduled_tokens)
     sampled: list[list[int]] = []
     for rid in req_ids:
         request = requests[rid]
-        if request.num_computed_tokens < request.num_tokens:
+        if request.is_prefill_chunk:
             sampled.append([])  # a prefill chunk that does not end the prompt
             continue
-        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-        # The first scheduled position samples the token after the known ones; each draft
-        # is accepted while it equals what the model samples at its position.
-        position = request.num_tokens
+        drafts = list(out.scheduled_spec_decode_tokens.get(rid, []))
+        position = request.num_computed_tokens - len(drafts)
         tokens = []
         for draft in drafts:
+            if draft < 0:
+                draft = _draft(rid, position, draft_accuracy)
             right = model_token(rid, position)
             tokens.append(right)
             position += 1
@@ -270,60 +293,91 @@ def runner_output_for(scheduler: Any, out: Any) -> ModelRunnerOutput:
     )
 
 
+def _record_schedule(scheduler: Any, out: Any) -> StepRecord:
+    manager = scheduler.kv_cache_manager
+    requests = scheduler.requests
+    cached = out.scheduled_cached_reqs
+    return StepRecord(
+        scheduled=dict(out.num_scheduled_tokens),
+        new_request_ids=[r.req_id for r in out.scheduled_new_reqs],
+        resumed_or_running_ids=list(cached.req_ids),
+        preempted=sorted(out.preempted_req_ids or ()),
+        spec_tokens={k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()},
+        num_computed={rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens},
+        table_lengths={
+            rid: [len(ids) for ids in manager.get_block_ids(rid)]
+            for rid in out.num_scheduled_tokens
+        },
+        free_blocks=manager.block_pool.get_num_free_blocks(),
+        usage=manager.usage,
+        in_flight={rid: requests[rid].num_in_flight_tokens for rid in out.num_scheduled_tokens},
+    )
+
+
+def _record_outputs(record: StepRecord, engine_outputs: Any) -> None:
+    for outputs in engine_outputs.values():
+        stats = outputs.scheduler_stats
+        if stats is not None and stats.prefix_cache_stats is not None:
+            p = stats.prefix_cache_stats
+            record.prefix_stats = (
+                p.requests,
+                p.queries,
+                p.hits,
+                p.preempted_requests,
+                p.preempted_queries,
+                p.preempted_hits,
+                p.reset,
+            )
+        for output in outputs.outputs:
+            if output.prefill_stats is not None:
+                record.num_cached_tokens[output.request_id] = (
+                    output.prefill_stats.num_cached_tokens,
+                    output.prefill_stats.num_cache_creation_tokens,
+                )
+            if output.finish_reason is not None:
+                record.finished.append(output.request_id)
+
+
 def drive(scheduler: Any, workload: Workload, block_size: int) -> list[StepRecord]:
-    """Run `workload` to completion (or `max_steps`) and record every step."""
+    """Run `workload` to completion (or `max_steps` engine iterations) and record every
+    scheduled step.
+
+    The loop is vLLM's `EngineCore`: `step` (schedule, execute, update) for a synchronous
+    scheduler, and `step_with_batch_queue` for an `AsyncScheduler`, whose engine keeps
+    `max_concurrent_batches` (2) steps in flight: step N+1 is scheduled before step N's output
+    is applied, with placeholders for the tokens step N has not sampled yet. Each iteration
+    either schedules a step (while the queue has room) or applies the oldest step's output.
+    Requests arrive at the start of their iteration; a step's outputs are recorded on that
+    step's record."""
     pending = sorted(workload.requests, key=lambda r: r.arrival_step)
     records: list[StepRecord] = []
-    manager = scheduler.kv_cache_manager
     spec_k = scheduler.num_spec_tokens
-    for step in range(workload.max_steps):
-        while pending and pending[0].arrival_step <= step:
+    overlapped = isinstance(scheduler, StockAsyncScheduler)
+    queue_size = scheduler.vllm_config.max_concurrent_batches if overlapped else 1
+    # (scheduler output, the runner's output for it, its record), newest on the left.
+    queue: deque[tuple[Any, ModelRunnerOutput, StepRecord]] = deque()
+    for iteration in range(workload.max_steps):
+        while pending and pending[0].arrival_step <= iteration:
             scheduler.add_request(make_request(pending.pop(0), block_size))
-        if not pending and not scheduler.has_unfinished_requests():
-            break
-        out = scheduler.schedule()
-        requests = scheduler.requests
-        cached = out.scheduled_cached_reqs
-        record = StepRecord(
-            scheduled=dict(out.num_scheduled_tokens),
-            new_request_ids=[r.req_id for r in out.scheduled_new_reqs],
-            resumed_or_running_ids=list(cached.req_ids),
-            preempted=sorted(out.preempted_req_ids or ()),
-            spec_tokens={k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()},
-            num_computed={
-                rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens
-            },
-            table_lengths={
-                rid: len(manager.get_block_ids(rid)[0]) for rid in out.num_scheduled_tokens
-            },
-            free_blocks=manager.block_pool.get_num_free_blocks(),
-            usage=manager.usage,
-        )
-        records.append(record)
-        runner_output = runner_output_for(scheduler, out)
-        engine_outputs = scheduler.update_from_output(out, runner_output)
-        for outputs in engine_outputs.values():
-            stats = outputs.scheduler_stats
-            if stats is not None and stats.prefix_cache_stats is not None:
-                p = stats.prefix_cache_stats
-                record.prefix_stats = (
-                    p.requests,
-                    p.queries,
-                    p.hits,
-                    p.preempted_requests,
-                    p.preempted_queries,
-                    p.preempted_hits,
-                    p.reset,
-                )
-            for output in outputs.outputs:
-                if output.prefill_stats is not None:
-                    record.num_cached_tokens[output.request_id] = (
-                        output.prefill_stats.num_cached_tokens,
-                        output.prefill_stats.num_cache_creation_tokens,
-                    )
-                if output.finish_reason is not None:
-                    record.finished.append(output.request_id)
-        if spec_k:
+        if scheduler.has_requests():
+            out = scheduler.schedule()
+            record = _record_schedule(scheduler, out)
+            records.append(record)
+            # The worker runs the step now, from what the scheduler output says.
+            runner_output = runner_output_for(scheduler, out, workload.draft_accuracy)
+            queue.appendleft((out, runner_output, record))
+            executed = out.total_num_scheduled_tokens > 0
+            if len(queue) < queue_size and (executed or scheduler.has_requests()):
+                continue  # fill the queue before waiting on the oldest step
+        elif not queue:
+            if not pending:
+                break
+            continue
+        out, runner_output, record = queue.pop()
+        _record_outputs(record, scheduler.update_from_output(out, runner_output))
+        if spec_k and not overlapped:
+            # EngineCore.post_step: the synchronous engine hands the drafter's proposals to
+            # the scheduler; under async scheduling they stay on the worker (placeholders).
             running = [r for r in scheduler.running if not r.is_finished()]
             scheduler.update_draft_token_ids(
                 DraftTokenIds(

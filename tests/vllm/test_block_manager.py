@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from prefixkv.cache import PrefixCache
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
 from prefixkv.integrations.vllm import PrefixKVCacheManager
 from prefixkv.integrations.vllm._versions import check_vllm_version
@@ -30,6 +32,7 @@ from tests.vllm.harness import (
     drive,
     make_request,
     make_scheduler,
+    runner_output_for,
 )
 
 
@@ -108,7 +111,7 @@ def test_hybrid_layouts_refused_by_name() -> None:
     window = SlidingWindowSpec(
         block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
     )
-    with pytest.raises(UnsupportedFeatureError, match="hybrid KV cache layouts"):
+    with pytest.raises(UnsupportedFeatureError, match=r"hybrid KV cache layouts.*one block pool"):
         _manager(kv_cache_config=_config(_full(), window))
 
 
@@ -128,10 +131,93 @@ def test_unsupported_settings_refused_by_name(overrides: dict[str, object], name
 
 
 def test_sliding_window_refused_by_name(tiny_model: Path) -> None:
-    # Checked against vLLM step by step, it frees out-of-window blocks at other steps.
+    # A window shorter than max_model_len: prefixkv's sliding cache would release blocks at
+    # the publishing commit, vLLM at the next allocation (docs/vllm.md).
     setup = SchedulerSetup(num_blocks=16, block_size=4, sliding_window=8)
-    with pytest.raises(UnsupportedFeatureError, match="SlidingWindowSpec"):
+    with pytest.raises(UnsupportedFeatureError, match="sliding_window=8 below max_model_len"):
         make_scheduler(tiny_model, setup, "prefixkv")
+
+
+def test_hybrid_scheduler_refused_by_name(tiny_model: Path) -> None:
+    # gpt-oss's layout (full attention + one sliding group) and Gemma 3's (+ several).
+    for windows in ((8,), (8, 8, 8)):
+        setup = SchedulerSetup(num_blocks=16, block_size=4, hybrid_windows=windows)
+        make_scheduler(tiny_model, setup, "stock")  # vLLM itself runs it
+        with pytest.raises(UnsupportedFeatureError, match=f"{1 + len(windows)} KV cache groups"):
+            make_scheduler(tiny_model, setup, "prefixkv")
+
+
+def test_window_covering_the_context_served(tiny_model: Path) -> None:
+    """A sliding window at least max_model_len long never slides in vLLM: served, with vLLM's
+    spec, kind and window in its events and views."""
+    setup = SchedulerSetup(
+        num_blocks=16,
+        block_size=4,
+        max_model_len=64,
+        sliding_window=64,
+        enable_kv_cache_events=True,
+    )
+    scheduler = make_scheduler(tiny_model, setup, "prefixkv")
+    manager = scheduler.kv_cache_manager
+    assert isinstance(manager, PrefixKVCacheManager)
+    assert type(manager.coordinator.single_type_managers[0].kv_cache_spec) is SlidingWindowSpec
+    assert manager.kv_cache_event_metadata == (("sliding_window", 64),)
+    # One token short of the context is refused.
+    short = dataclasses.replace(setup, sliding_window=63)
+    with pytest.raises(UnsupportedFeatureError, match="sliding_window=63 below max_model_len=64"):
+        make_scheduler(tiny_model, short, "prefixkv")
+
+
+# -- what vLLM does with windows and hybrid layouts (the reasons for the refusals above) ------------
+# If one of these starts failing after a vLLM upgrade, the refusals may be liftable (or need new
+# reasons): docs/vllm.md, "Hybrid and sliding-window layouts", says what each one rests on.
+def _schedule_one(scheduler: Any, spec: RequestSpec) -> list[tuple[list[int], ...]]:
+    """Schedule `spec` alone step by step; the request's block ids per group after each
+    `schedule()` (vLLM's null block is id 0)."""
+    scheduler.add_request(make_request(spec, 4))
+    tables = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        tables.append(scheduler.kv_cache_manager.get_block_ids(spec.request_id))
+        scheduler.update_from_output(out, runner_output_for(scheduler, out))
+    return tables
+
+
+def test_vllm_sliding_window_frees_at_the_next_allocation(tiny_model: Path) -> None:
+    """vLLM frees a block that left the window when it next allocates for the request (on the
+    count of processed tokens); prefixkv's sliding cache at the commit that publishes it, which
+    the manager makes at the allocation that schedules the tokens."""
+    setup = SchedulerSetup(num_blocks=16, block_size=4, max_model_len=64, sliding_window=8)
+    prompt = tuple(range(20))
+    tables = _schedule_one(
+        make_scheduler(tiny_model, setup, "stock"), RequestSpec("r", prompt, max_tokens=3)
+    )
+    nulls = [ids[0].count(0) for ids in tables]
+    # Step 0 schedules all 20 prompt tokens into 5 blocks and frees nothing; step 1 (decoding
+    # position 20) first frees the blocks wholly before 20 + 1 - 8 = 13: three.
+    assert [len(ids[0]) for ids in tables] == [5, 6, 6]
+    assert nulls == [0, 3, 3]
+
+    cache = PrefixCache(15, block_size=4, sliding_window=8)
+    cache.add_request("r", list(prompt))
+    cache.allocate_slots("r", 20)
+    cache.commit("r", 20)  # what the manager does at step 0's allocation, to publish
+    assert cache.block_table("r").count(cache.null_block) == 3
+
+
+def test_vllm_hybrid_groups_share_one_pool(tiny_model: Path) -> None:
+    """vLLM's KV cache groups take their blocks from one pool: one id space (a block id is
+    held by one group at a time, the KV tensors being shared by a layer of each group) and one
+    free count. prefixkv's GroupedPrefixCache has a pool per group."""
+    setup = SchedulerSetup(num_blocks=16, block_size=4, max_model_len=64, hybrid_windows=(8,))
+    scheduler = make_scheduler(tiny_model, setup, "stock")
+    spec = RequestSpec("r", tuple(range(20)), max_tokens=1)
+    scheduler.add_request(make_request(spec, 4))
+    scheduler.schedule()
+    full, window = scheduler.kv_cache_manager.get_block_ids("r")
+    assert len(full) == len(window) == 5
+    assert not set(full) & set(window)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 15 - 10
 
 
 def test_spec_subclasses_refused_by_name() -> None:

@@ -30,11 +30,17 @@ from tests.vllm.harness import (
 
 @st.composite
 def setups(
-    draw: st.DrawFn, *, spec_decode: bool | None = None, async_scheduling: bool = False
+    draw: st.DrawFn,
+    *,
+    spec_decode: bool | None = None,
+    async_scheduling: bool | None = False,
+    covering_window: bool = False,
 ) -> SchedulerSetup:
     block_size = draw(st.sampled_from([4, 8, 16]))
     if spec_decode is None:
         spec_decode = draw(st.booleans())
+    if async_scheduling is None:
+        async_scheduling = draw(st.booleans())
     return SchedulerSetup(
         num_blocks=draw(st.integers(10, 40)),
         block_size=block_size,
@@ -45,6 +51,8 @@ def setups(
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
         async_scheduling=async_scheduling,
+        # A sliding-window group whose window covers max_model_len (the only one served).
+        sliding_window=draw(st.sampled_from([512, 513, 1000])) if covering_window else None,
     )
 
 
@@ -96,6 +104,11 @@ def _compare(tiny_model: Path, setup: SchedulerSetup, workload: Workload) -> lis
     return ours
 
 
+def _overlaps(record: StepRecord) -> bool:
+    """A request of this step still had an earlier step in flight when it was scheduled."""
+    return any(record.in_flight[rid] > n for rid, n in record.scheduled.items())
+
+
 def _record_events(ours: list[StepRecord], workload: Workload) -> None:
     """What the example exercised (pytest --hypothesis-show-statistics)."""
     event(f"preemptions: {any(s.preempted for s in ours)}")
@@ -107,6 +120,7 @@ def _record_events(ours: list[StepRecord], workload: Workload) -> None:
                 prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
     event(f"prefill over several steps: {any(n > 1 for n in prefill_steps.values())}")
     event(f"drafts scheduled: {any(s.spec_tokens for s in ours)}")
+    event(f"steps overlapped: {any(_overlaps(s) for s in ours)}")
     event(f"unfinished at max_steps: {sum(len(s.finished) for s in ours) < len(workload.requests)}")
 
 
@@ -128,12 +142,97 @@ def test_spec_decode_schedules_match_stock(tiny_model: Path, data: st.DataObject
 
 @given(data=st.data())
 def test_async_scheduler_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
-    """vLLM's AsyncScheduler (placeholders for tokens not sampled yet; blocks cached when the
-    tokens arrive), driven one step at a time, with each manager."""
-    setup = data.draw(setups(spec_decode=False, async_scheduling=True))
+    """vLLM's AsyncScheduler with two steps in flight, as its EngineCore runs it
+    (`step_with_batch_queue`): step N+1 is scheduled, with placeholders for the tokens step N
+    has not sampled yet (and, with speculative decoding, for drafts proposed on the worker),
+    before step N's output is applied. Both managers must agree on every step."""
+    setup = data.draw(setups(async_scheduling=True))
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_window_covering_the_context_matches_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """A `SlidingWindowSpec` group whose window is at least max_model_len (a model served with
+    a context no longer than its window): vLLM's `SlidingWindowManager` and prefixkv's manager
+    agree on every step, synchronous or async, with and without drafts."""
+    setup = data.draw(setups(spec_decode=None, async_scheduling=None, covering_window=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+def test_async_steps_overlap(tiny_model: Path) -> None:
+    """The harness keeps two steps in flight under async scheduling: a decoding request is
+    scheduled again before its previous step's token is applied (its in-flight tokens exceed
+    the step's), its placeholder is computed as lookahead, and both managers agree."""
+    setup = SchedulerSetup(num_blocks=24, block_size=4, max_num_seqs=2, async_scheduling=True)
+    prefix = tuple(range(9))
+    workload = Workload(
+        requests=(
+            RequestSpec("a", (*prefix, 40), max_tokens=9),
+            RequestSpec("b", (*prefix, 50, 51), max_tokens=7, arrival_step=1),
+        )
+    )
+    ours = _compare(tiny_model, setup, workload)
+    overlapped = [s for s in ours if _overlaps(s)]
+    assert len(overlapped) >= 8, "decode steps should be scheduled with one step in flight"
+    # Each request generated all its tokens (placeholders were resolved, none lost).
+    finished = [rid for s in ours for rid in s.finished]
+    assert sorted(finished) == ["a", "b"]
+    # b arrived while a's first step was in flight and hit a's published prefix blocks.
+    cached = {rid: n for s in ours for rid, (n, _) in s.num_cached_tokens.items()}
+    assert cached == {"a": 0, "b": 8}
+
+
+def test_async_spec_decode_overlap(tiny_model: Path) -> None:
+    """Async scheduling with speculative decoding: drafts are placeholders proposed on the
+    worker, some accepted and some rejected while the next step is already scheduled."""
+    setup = SchedulerSetup(
+        num_blocks=32, block_size=4, max_num_seqs=3, async_scheduling=True, num_speculative_tokens=2
+    )
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", tuple(range(i, i + 11)), max_tokens=12, arrival_step=i)
+            for i in range(3)
+        ),
+        draft_accuracy=500,
+    )
+    ours = _compare(tiny_model, setup, workload)
+    assert any(_overlaps(s) and s.spec_tokens for s in ours)
+    assert sorted(rid for s in ours for rid in s.finished) == ["r0", "r1", "r2"]
+
+
+def test_failed_allocation_publishes_nothing(tiny_model: Path) -> None:
+    """A running request whose drafts were verified last step, then fails to get room this step
+    (and is preempted), has not had those tokens' blocks cached by vLLM: vLLM caches them only
+    at the end of a successful allocation. prefixkv must not publish them either, or the
+    request's re-admission hits one block more than under vLLM (found by hypothesis, async
+    scheduling with drafts: r2's preempted hit was 24 tokens instead of 20)."""
+    setup = SchedulerSetup(
+        num_blocks=30,
+        block_size=4,
+        max_num_seqs=5,
+        max_num_batched_tokens=64,
+        num_speculative_tokens=2,
+        async_scheduling=True,
+        scheduler_reserve_full_isl=False,
+    )
+    shared = (0, 24, 29) + (0,) * 13
+    workload = Workload(
+        requests=(
+            RequestSpec("r0", (*shared, *(0,) * 7), 33, cache_salt="tenant-a"),
+            RequestSpec("r1", (*shared, 0), 1),
+            RequestSpec("r2", (*shared, 0), 10, arrival_step=5),
+            RequestSpec("r3", (*shared, *(0,) * 18), 19),
+            RequestSpec("r4", (*shared, 0), 1),
+            RequestSpec("r5", (*shared, 1, 1, 1, *(0,) * 6), 12, arrival_step=2),
+        ),
+        draft_accuracy=0,
+    )
+    ours = _compare(tiny_model, setup, workload)
+    assert any("r2" in s.preempted for s in ours), "r2 should be preempted"
 
 
 def test_scheduler_cls_picks_async(tiny_model: Path) -> None:

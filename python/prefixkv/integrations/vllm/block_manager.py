@@ -25,8 +25,10 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
   from the keys it kept.
 
 Everything vLLM could ask that prefixkv does not do is refused by name
-(`UnsupportedFeatureError`): hybrid layouts, Mamba and other non-attention specs, partial-block
-hits, EAGLE's dropped last block, copy-on-write, KV connector loads and deferred frees.
+(`UnsupportedFeatureError`): hybrid layouts and sliding windows shorter than the context
+(docs/vllm.md, "Hybrid and sliding-window layouts", says what the core lacks for them), Mamba and
+other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
+connector loads and deferred frees.
 `signatures.py` checks at import that every member and argument of the installed vLLM's
 `KVCacheManager` exists here, so a vLLM upgrade fails loudly, not silently.
 """
@@ -58,8 +60,9 @@ from prefixkv.integrations.vllm.pool_view import BlockIds, BlockPoolView, Coordi
 __all__ = ["PrefixKVCacheManager"]
 
 #: KV cache specs served, by exact type: a subclass (sink tokens, RSWA, hidden-state caches)
-#: changes what a block holds and is refused until it is tested.
-SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+#: changes what a block holds and is refused until it is tested. A `SlidingWindowSpec` is served
+#: only when its window covers the context (`_window_covering_context`).
+SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 #: Blocks the core may queue between two `take_events` (one per engine step).
 EVENT_CAPACITY = 1 << 16
@@ -95,6 +98,33 @@ def _request_extras(request: Request) -> KeyExtras:
     return key_extras(request.cache_salt, adapter, multimodal or None)
 
 
+def _window_covering_context(spec: SlidingWindowSpec, max_model_len: int) -> SlidingWindowSpec:
+    """`spec`, if its window covers every position vLLM can compute; refused by name otherwise.
+
+    vLLM's `SlidingWindowManager` then behaves exactly as full attention (vLLM 0.32,
+    `single_type_kv_cache_manager.py`): it frees a leading block only once the processed count
+    reaches ``W - 1 + block_size`` (`get_num_skipped_tokens`), which a request capped at
+    ``max_model_len`` tokens never reaches while it still computes; a hit other than the
+    leading run of cached blocks needs ``cdiv(W - 1, block_size)`` cached blocks after a gap,
+    so ends at ``W - 1 + block_size`` tokens or later, past any hit (at most ``num_tokens - 1``);
+    it caches every block (`reachable_block_mask` is dense at block alignment); and its
+    admission cap (`max_admission_blocks_per_request`) is above ``cdiv(max_model_len,
+    block_size)``. A smaller window is refused (docs/vllm.md, "Hybrid and sliding-window
+    layouts")."""
+    if spec.sliding_window < max_model_len:
+        # prefixkv's sliding-window cache releases out-of-window blocks when it commits, and the
+        # manager commits at allocation (to publish when vLLM does): it would release blocks the
+        # step it schedules still writes. vLLM releases them at the request's next allocation,
+        # on the processed count. The core has no commit that publishes without releasing.
+        raise UnsupportedFeatureError(
+            f"SlidingWindowSpec with sliding_window={spec.sliding_window} below "
+            f"max_model_len={max_model_len} is not supported by prefixkv's vLLM block manager: "
+            "it releases out-of-window blocks when it publishes (at allocation), vLLM at the "
+            "request's next allocation"
+        )
+    return spec
+
+
 class PrefixKVCacheManager:
     """A drop-in for vLLM's `KVCacheManager` (same constructor and members) backed by
     prefixkv's Rust block manager. `context` names the model the keys are made under
@@ -123,25 +153,24 @@ class PrefixKVCacheManager:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+            # docs/vllm.md, "Hybrid and sliding-window layouts": vLLM's groups draw from one
+            # block pool (one id space, one free queue, one LRU order); prefixkv's
+            # GroupedPrefixCache keeps a pool per group, so free-block counts, admissions and
+            # evictions cannot agree, and per-group ids would collide in vLLM's shared tensors.
             raise UnsupportedFeatureError(
                 f"hybrid KV cache layouts ({len(groups)} KV cache groups: {kinds}) are not "
-                "supported by prefixkv's vLLM block manager yet; run the stock scheduler, or "
-                "disable_hybrid_kv_cache_manager=True where vLLM allows it"
+                "supported by prefixkv's vLLM block manager: vLLM's groups share one block pool, "
+                "prefixkv's GroupedPrefixCache has one pool per group; run the stock scheduler, "
+                "or disable_hybrid_kv_cache_manager=True where vLLM allows it"
             )
         spec = groups[0].kv_cache_spec
         if type(spec) is SlidingWindowSpec:
-            # prefixkv's sliding-window cache releases out-of-window blocks at allocation and
-            # commit, vLLM's SlidingWindowManager on its own schedule: free-block counts (and so
-            # admissions) would differ from vLLM's. Refused until the two agree step by step.
-            raise UnsupportedFeatureError(
-                "SlidingWindowSpec (a sliding-window KV cache group) is not supported by "
-                "prefixkv's vLLM block manager yet: it releases out-of-window blocks at other "
-                "steps than vLLM does"
-            )
+            spec = _window_covering_context(spec, max_model_len)
         if type(spec) not in SUPPORTED_SPECS:
             raise UnsupportedFeatureError(
                 f"KV cache spec {type(spec).__name__} is not supported by prefixkv's vLLM block "
-                f"manager (supported: {', '.join(t.__name__ for t in SUPPORTED_SPECS)})"
+                f"manager (supported: {', '.join(t.__name__ for t in SUPPORTED_SPECS)}, and "
+                "SlidingWindowSpec whose window covers max_model_len)"
             )
         refused = {
             "enable_caching=False (prefixkv's block manager is a prefix cache)": not enable_caching,
@@ -336,11 +365,11 @@ class PrefixKVCacheManager:
                     f"new computed blocks for running request {rid!r} (a late prefix hit) are "
                     "not supported by prefixkv's block manager"
                 )
-            # Drafts verified since the last step: their KV is written up to vLLM's count.
-            start = min(vllm_computed, num_tokens)
-            if start > tracked.committed:
-                tracked.cached_blocks = self._cache.commit(rid, start)
-                tracked.committed = start
+            # The core counts slots from what it has committed. Tokens vLLM computed since
+            # (drafts verified last step) are committed below, only once the allocation
+            # succeeded: vLLM caches them in the same call, and not at all when it fails (the
+            # request may then be preempted with those blocks never published).
+            start = tracked.committed
         total_computed = min(start if waiting else vllm_computed, self.max_model_len)
         # Tokens the core knows (verified) among those scheduled; the rest (drafts, and with
         # async scheduling tokens not sampled yet) and the lookahead are slots past them.
@@ -380,7 +409,8 @@ class PrefixKVCacheManager:
         else:
             assert tracked.table is not None
             tracked.table.extend(self._ids.to_vllm(new_ids))
-        # Publish what vLLM publishes now: the full blocks of verified tokens scheduled.
+        # Publish what vLLM publishes now: the full blocks of verified tokens computed or
+        # scheduled.
         if end_known > start or waiting:
             tracked.cached_blocks = self._cache.commit(rid, end_known)
             tracked.committed = max(tracked.committed, end_known)
@@ -429,7 +459,8 @@ class PrefixKVCacheManager:
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        # Full attention skips nothing (sliding-window groups are refused).
+        # Full attention skips nothing, nor does a window covering max_model_len (the only one
+        # served, `_window_covering_context`).
         return None
 
     def evict_blocks(self, block_ids: set[int]) -> None:
