@@ -31,6 +31,7 @@ import numpy as np
 from prefixkv.cache import PrefixCache
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError, OutOfBlocksError
+from prefixkv.text.segments import Segments
 from prefixkv.text.tokenizers import ChatTemplate, Segment, Tokenizer, segment_at
 
 from .match import RadixTrie
@@ -76,7 +77,7 @@ class Prepared:
     # tokenizer's list of (start, end) tuples: that list costs ~100 bytes a token, and the
     # analysis keeps every request prepared.
     starts: array[int] | None = None
-    segments: list[Segment] | None = None
+    segments: Sequence[Segment] | None = None  # `Segments`: in columns
 
     def char_at(self, token: int) -> int | None:
         """Character position in `text` where token `token` starts (len(text) past the end)."""
@@ -107,15 +108,18 @@ def prepare(request: TraceRequest, tokenizer: Tokenizer, template: ChatTemplate)
     when the chat template refuses it."""
     if request.tokens is not None:
         return Prepared(request, request.tokens)  # already an array("I"); shared, not copied
-    segments: list[Segment] | None = None
+    segments: Sequence[Segment] | None = None
     if request.messages is not None:
         # Decoded for the template and dropped once rendered: the messages as Python objects
-        # are many times the size of their text.
+        # are many times the size of their text. Segments are kept in columns, whatever the
+        # template gave.
         text, segments = template.render_with_segments(
             request.messages.decode(),
             True,
             None if request.tools is None else request.tools.decode(),
         )
+        if not isinstance(segments, Segments):
+            segments = Segments(segments)
     else:
         text = request.text or ""
     encode_with_starts = getattr(tokenizer, "encode_with_starts", None)
