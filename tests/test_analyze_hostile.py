@@ -790,20 +790,29 @@ def peak_growth(path: Path, capacity_blocks: int | None = None) -> tuple[int, in
     return requests, tokens, growth
 
 
+@pytest.mark.parametrize(
+    ("message", "tokens_each", "bytes_per_byte"),
+    [
+        # Issue 20, item 16, in full: RSS, Rust included. 13 bytes a message render to 8 tokens,
+        # 0.6 a byte, so the replay cache's block metadata alone, a few hundred bytes a block
+        # of 16 tokens in the core, is ~15 bytes per byte of the line; the analysis holds ~6
+        # more (4 bytes a token for the ids, 4 for their character positions, the rendered
+        # text, the messages' compact JSON). Messages as dicts and ids in a list took ~41.
+        ('{"role":"u"}', 8, 32),
+        # With content, two segments a message: as objects they took ~32 bytes per byte.
+        ('{"role":"user","content":"hi"}', 6, 24),
+    ],
+)
 def test_a_line_of_many_short_messages_peaks_at_a_small_multiple_of_its_size(
-    tmp_path: Path,
+    tmp_path: Path, message: str, tokens_each: int, bytes_per_byte: int
 ) -> None:
-    # Issue 20, item 16, in full: RSS, Rust included. The line (13 bytes a message) renders to
-    # 8 tokens a message, 0.6 a byte, so the replay cache's block metadata alone, ~400 bytes a
-    # block of 16 tokens in the core, is ~15 bytes per byte of the line; the analysis holds
-    # ~10 more (4 bytes a token for the ids, 4 for their character positions, the rendered text,
-    # the messages' compact JSON). Holding the messages as dicts and the ids as a list took ~41.
+    count = 2_600_000 // len(message)
     path = tmp_path / "many.jsonl"
-    line = '{"messages": [' + ",".join(['{"role":"u"}'] * 200_000) + "]}"
+    line = '{"messages": [' + ",".join([message] * count) + "]}"
     path.write_text(line + "\n")
     requests, tokens, growth = peak_growth(path)
-    assert (requests, tokens) == (1, 8 * 200_000 + 2)
-    assert growth < 32 * len(line), f"{growth / len(line):.1f} bytes per byte of the line"
+    assert (requests, tokens) == (1, tokens_each * count + 2)
+    assert growth < bytes_per_byte * len(line), f"{growth / len(line):.1f} bytes per byte"
 
 
 def test_a_cache_larger_than_the_trace_needs_is_not_allocated(tmp_path: Path) -> None:

@@ -337,3 +337,38 @@ def test_checked_input_names_the_first_bad_item_as_the_item_by_item_check_does(
         with pytest.raises(InvalidInputError) as raised:
             checked_input(items, None)
         assert str(raised.value) == expected
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 5),
+            st.sampled_from(["message", "tool", "template", "unknown"]),
+            st.sampled_from(["system", "user", None]),
+        ),
+        max_size=12,
+    ),
+    st.integers(-2, 70),
+)
+def test_segments_in_columns_read_as_the_list_they_hold(
+    pieces: list[tuple[int, str, str | None]], char: int
+) -> None:
+    from prefixkv.text.segments import Segment, Segments
+
+    listed: list[Segment] = []
+    compact = Segments()
+    position = 0
+    for i, (length, source, role) in enumerate(pieces):
+        segment = Segment(position, position + length, source, i, role)
+        compact.add(segment.start, segment.end, source, i, role)
+        if source == "template" and listed and listed[-1].source == "template":
+            listed[-1] = Segment(
+                listed[-1].start, segment.end, "template", listed[-1].index, listed[-1].role
+            )
+        else:
+            listed.append(segment)
+        position += length
+    assert compact == listed and list(compact) == listed and len(compact) == len(listed)
+    assert [compact[i] for i in range(-len(listed), len(listed))] == listed + listed
+    assert compact[1:] == listed[1:] and Segments(listed) == listed
+    assert segment_at(compact, char) == segment_at(listed, char)
