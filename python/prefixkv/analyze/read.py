@@ -72,7 +72,14 @@ class SkippedLine:
     error: str
 
 
-_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+def _plain(value: object) -> object:
+    """What JSON cannot hold as it is: a mapping other than a dict is written as one."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise InvalidInputError(f"a {type(value).__name__} is not JSON")
+
+
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_plain)
 _DECODER = json.JSONDecoder()
 
 
@@ -97,7 +104,7 @@ class JsonObjects(Sequence[Mapping[str, Any]]):
         else:
             items = items if isinstance(items, (list, tuple)) else list(items)
             self._text, self._size = _COMPACT.encode(items), len(items)
-        # Where each item starts in the text: found on the first `[i]`, 4 bytes an item.
+        # Where each item starts in the text: found on the first `[i]`, 8 bytes an item.
         self._offsets: array[int] | None = None
 
     def decode(self) -> list[dict[str, Any]]:

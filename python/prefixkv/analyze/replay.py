@@ -11,8 +11,8 @@ could change.
 
 How big a cache. "Large enough for the whole trace" (`capacity_blocks=None`) is, as reported,
 one block per block of every prompt (`blocks_needed`); and a given capacity may be larger than
-the trace can use. The core allocates ~300 bytes of metadata per block up front whether it is
-used or not, so a replay allocates no more than the trace can occupy at once
+the trace can use. The core allocates a few hundred bytes of metadata per block up front, used
+or not, so a replay allocates no more than the trace can occupy at once
 (`blocks_occupied_at_most`: the distinct full blocks of the requests so far, plus the blocks of
 the request being admitted). A cache that never has to evict or refuse behaves the same
 whatever its size, so every figure is the one the larger cache would give; should the bound
