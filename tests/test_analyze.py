@@ -601,6 +601,55 @@ def test_parse_trace_keeps_ids_and_isolation() -> None:
     assert [s.line for s in skipped] == [3, 4]
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(st.lists(st.dictionaries(st.text(), json_values, max_size=4), max_size=5))
+def test_json_objects_give_back_what_they_were_given(items: list[dict[str, Any]]) -> None:
+    from prefixkv.analyze.read import JsonObjects
+
+    objects = JsonObjects(items)
+    assert len(objects) == len(items)
+    assert objects.decode() == items and list(objects) == items
+    assert [objects[i] for i in range(-len(items), len(items))] == items + items
+    assert objects[1:] == items[1:]
+    with pytest.raises(IndexError):
+        objects[len(items)]
+    if items:  # every read decodes afresh: what a caller changes is not the request
+        objects.decode()[0]["changed"] = True
+        objects[0]["changed"] = True
+        assert objects.decode() == items
+    assert objects == JsonObjects(list(objects)) and hash(objects) == hash(JsonObjects(items))
+    assert objects != JsonObjects([*items, {}])
+
+
+def test_trace_requests_are_held_compactly() -> None:
+    from array import array
+
+    from prefixkv.analyze.read import JsonObjects, TraceRequest
+    from prefixkv.errors import InvalidInputError
+
+    (request,) = parse_trace(
+        [json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "t"}]})]
+    )[0]
+    assert isinstance(request.messages, JsonObjects) and isinstance(request.tools, JsonObjects)
+    assert list(request.messages) == [{"role": "user", "content": "hi"}]
+    (request,) = parse_trace([json.dumps({"tokens": [5, 2**32 - 1]})])[0]
+    assert request.tokens == array("I", [5, 2**32 - 1])
+    # Rewrites hand in plain sequences: held the same way.
+    rewritten = TraceRequest(1, "a", "tokens", tokens=(1, 0, 3))  # type: ignore[arg-type]
+    assert rewritten.tokens == array("I", [1, 0, 3])
+    chat = TraceRequest(1, "a", "messages", messages=({"role": "user"},))  # type: ignore[arg-type]
+    assert chat.messages == JsonObjects([{"role": "user"}])
+    for bad in ((True,), (-1,), (2**32,), ("1",)):
+        with pytest.raises(InvalidInputError, match="tokens"):
+            TraceRequest(1, "a", "tokens", tokens=bad)  # type: ignore[arg-type]
+
+
 # -- Matching structures ------------------------------------------------------------------
 
 token_lists = st.lists(st.integers(0, 3), min_size=0, max_size=12)

@@ -743,3 +743,152 @@ def test_a_line_of_many_short_messages_costs_a_small_multiple_of_its_size(tmp_pa
         tracemalloc.stop()
     assert report.requests == 1 and report.prompt_tokens == 8 * 30_000 + 2
     assert peak < 40 * len(line), f"{peak / len(line):.0f} bytes per byte of the line"
+
+
+# -- Memory: what the analysis holds, per byte of the trace (issue 20, item 16) -----------------
+
+# Peak RSS, not tracemalloc: it counts the Rust core's allocations (the replay cache's block
+# metadata) too. On Linux, VmHWM: ru_maxrss would also hold the RSS of the process that spawned
+# this one (pytest's, hundreds of MB with torch), which Linux carries across exec. Elsewhere
+# ru_maxrss (bytes on macOS, KiB on other systems).
+_PEAK_GROWTH = """
+import os, resource, sys
+from prefixkv.analyze import analyze_trace
+
+def peak_rss():
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+before = peak_rss()
+capacity = None if sys.argv[2] == "-" else int(sys.argv[2])
+report = analyze_trace(sys.argv[1], capacity_blocks=capacity)
+print(report.requests, report.prompt_tokens, peak_rss() - before)
+"""
+
+
+def peak_growth(path: Path, capacity_blocks: int | None = None) -> tuple[int, int, int]:
+    """(requests, prompt tokens, bytes the peak RSS grew by) of `analyze_trace(path)` run in a
+    fresh interpreter, after its imports."""
+    import subprocess
+    import sys
+
+    capacity = "-" if capacity_blocks is None else str(capacity_blocks)
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_GROWTH, str(path), capacity],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    requests, tokens, growth = map(int, result.stdout.split())
+    return requests, tokens, growth
+
+
+@pytest.mark.parametrize(
+    ("message", "tokens_each", "bytes_per_byte"),
+    [
+        # Issue 20, item 16, in full: RSS, Rust included. 13 bytes a message render to 8 tokens,
+        # 0.6 a byte, so the replay cache's block metadata alone, a few hundred bytes a block
+        # of 16 tokens in the core, is ~15 bytes per byte of the line; the analysis holds ~6
+        # more (4 bytes a token for the ids, 4 for their character positions, the rendered
+        # text, the messages' compact JSON). Messages as dicts and ids in a list took ~41.
+        ('{"role":"u"}', 8, 32),
+        # With content, two segments a message: as objects they took ~32 bytes per byte.
+        ('{"role":"user","content":"hi"}', 6, 24),
+    ],
+)
+def test_a_line_of_many_short_messages_peaks_at_a_small_multiple_of_its_size(
+    tmp_path: Path, message: str, tokens_each: int, bytes_per_byte: int
+) -> None:
+    count = 2_600_000 // len(message)
+    path = tmp_path / "many.jsonl"
+    line = '{"messages": [' + ",".join([message] * count) + "]}"
+    path.write_text(line + "\n")
+    requests, tokens, growth = peak_growth(path)
+    assert (requests, tokens) == (1, tokens_each * count + 2)
+    assert growth < bytes_per_byte * len(line), f"{growth / len(line):.1f} bytes per byte"
+
+
+def test_a_cache_larger_than_the_trace_needs_is_not_allocated(tmp_path: Path) -> None:
+    # The core allocates each block's metadata up front: a --capacity-blocks far above what the
+    # trace holds cost ~300 bytes a block for nothing (10**7 blocks: 3 GB for five requests),
+    # or was refused outright. A replay allocates what the trace can occupy at once; every
+    # figure is that of the cache asked for, which never fills.
+    lines = [json.dumps({"text": f"2026-12-01 10:{i:02d} {STABLE}"}) for i in range(5)]
+    lines += [json.dumps({"text": STABLE + str(i)}) for i in range(5)]
+    expected = analyze_trace(lines).to_dict()
+    report = analyze_trace(lines, capacity_blocks=2**32 - 1)
+    assert report.settings["capacity_blocks"] == 2**32 - 1
+    got = report.to_dict()
+    for settings_ in (expected["settings"], got["settings"]):
+        del settings_["capacity_blocks"], settings_["capacity_given"]
+    assert got == expected
+    assert any(f.what_if is not None for f in report.findings)
+
+    path = tmp_path / "small.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    _, _, growth = peak_growth(path, capacity_blocks=10**6)
+    assert growth < 32 * 2**20, f"grew {growth / 2**20:.0f} MiB"
+
+
+def test_a_replay_whose_cache_bound_falls_short_is_run_again_at_full_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The bound on the blocks a replay occupies is only an allocation size: were it ever short,
+    # the replay would evict or refuse, and is then run again with the whole capacity.
+    from prefixkv.analyze import replay as replay_module
+
+    lines = [json.dumps({"text": f"2026-12-01 10:{i:02d} {STABLE}"}) for i in range(8)]
+    expected = analyze_trace(lines).to_dict()
+    bounded = analyze_trace(lines, capacity_blocks=40).to_dict()
+    monkeypatch.setattr(replay_module, "blocks_occupied_at_most", lambda prepared, size: 1)
+    assert analyze_trace(lines).to_dict() == expected
+    assert analyze_trace(lines, capacity_blocks=40).to_dict() == bounded
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([None, "a", "b"]),
+            st.lists(st.integers(0, 2), min_size=1, max_size=14),
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    st.integers(1, 4),
+)
+def test_the_replay_cache_bound_is_never_short(
+    trace: list[tuple[str | None, list[int]]], block_size: int
+) -> None:
+    # A cache of exactly `blocks_occupied_at_most` blocks never evicts nor refuses, and gives
+    # what the whole-trace cache gives. Tokens from {0, 1, 2} share prefixes often.
+    from array import array
+
+    from prefixkv.analyze.read import TraceRequest
+    from prefixkv.analyze.replay import (
+        Prepared,
+        blocks_needed,
+        blocks_occupied_at_most,
+        replay,
+    )
+    from prefixkv.context import CacheContext
+
+    requests = [
+        TraceRequest(i, str(i), "tokens", tokens=array("I", tokens), tenant=tenant)
+        for i, (tenant, tokens) in enumerate(trace)
+    ]
+    prepared = [Prepared(r, r.tokens) for r in requests if r.tokens is not None]
+    context = CacheContext(block_size=block_size)
+    bound = blocks_occupied_at_most(prepared, block_size)
+    full = replay(prepared, capacity_blocks=blocks_needed(prepared, block_size), context=context)
+    tight = replay(prepared, capacity_blocks=bound, context=context)
+    assert tight.evictions == 0 and tight.out_of_blocks == []
+    assert (tight.cached, tight.peak_blocks) == (full.cached, full.peak_blocks)
+    assert full.peak_blocks <= bound

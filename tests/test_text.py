@@ -286,3 +286,89 @@ def test_template_digests_differ_and_are_stable() -> None:
     assert JinjaChatTemplate(source).digest() != JinjaChatTemplate(source + " ").digest()
     assert SimpleChatTemplate().digest() != JinjaChatTemplate(source).digest()
     assert isinstance(load_chat_template(None), SimpleChatTemplate)
+
+
+@st.composite
+def nested_items(draw: st.DrawFn) -> list[object]:
+    """A few items, mostly mappings, one of them holding a chain of lists, tuples and dicts
+    around `MAX_NESTING` deep, with scalars on the way."""
+    from prefixkv.text.chat import MAX_NESTING
+
+    items: list[object] = [
+        {"role": "user", "content": "hi"} for _ in range(draw(st.integers(0, 3)))
+    ]
+    depth = draw(st.integers(MAX_NESTING - 3, MAX_NESTING + 3))
+    value: object = draw(st.sampled_from(["leaf", 1, 2.5, None, True]))
+    for _ in range(depth - 1):
+        kind = draw(st.sampled_from(["dict", "list", "tuple"]))
+        value = (
+            {"k": value, "s": "x"} if kind == "dict" else [1, value] if kind == "list" else (value,)
+        )
+    items.insert(draw(st.integers(0, len(items))), {"role": "tool", "content": value})
+    if draw(st.booleans()):
+        items.insert(draw(st.integers(0, len(items))), draw(st.sampled_from(["text", 3, None])))
+    return items
+
+
+@given(nested_items())
+def test_checked_input_names_the_first_bad_item_as_the_item_by_item_check_does(
+    items: list[object],
+) -> None:
+    # checked_input checks all items at once, a level at a time, and only on a failure goes
+    # item by item to name the first bad one: the verdict and the message are those of the
+    # item-by-item check.
+    from collections.abc import Mapping
+
+    from prefixkv.text.chat import _check_nesting, checked_input
+
+    expected = None
+    try:
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise InvalidInputError(
+                    f"messages[{i}] must be a mapping, got {type(item).__name__}"
+                )
+            _check_nesting(item, f"messages[{i}]")
+    except InvalidInputError as exc:
+        expected = str(exc)
+    if expected is None:
+        assert checked_input(items, None) == (items, None)
+    else:
+        with pytest.raises(InvalidInputError) as raised:
+            checked_input(items, None)
+        assert str(raised.value) == expected
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 5),
+            st.sampled_from(["message", "tool", "template", "unknown"]),
+            st.sampled_from(["system", "user", None]),
+        ),
+        max_size=12,
+    ),
+    st.integers(-2, 70),
+)
+def test_segments_in_columns_read_as_the_list_they_hold(
+    pieces: list[tuple[int, str, str | None]], char: int
+) -> None:
+    from prefixkv.text.segments import Segment, Segments
+
+    listed: list[Segment] = []
+    compact = Segments()
+    position = 0
+    for i, (length, source, role) in enumerate(pieces):
+        segment = Segment(position, position + length, source, i, role)
+        compact.add(segment.start, segment.end, source, i, role)
+        if source == "template" and listed and listed[-1].source == "template":
+            listed[-1] = Segment(
+                listed[-1].start, segment.end, "template", listed[-1].index, listed[-1].role
+            )
+        else:
+            listed.append(segment)
+        position += length
+    assert compact == listed and list(compact) == listed and len(compact) == len(listed)
+    assert [compact[i] for i in range(-len(listed), len(listed))] == listed + listed
+    assert compact[1:] == listed[1:] and Segments(listed) == listed
+    assert segment_at(compact, char) == segment_at(listed, char)

@@ -205,11 +205,14 @@ def classify(d: Diagnosis, this: Prepared, other: Prepared, block_size: int) -> 
         and request.messages is not None
         and other_request.messages is not None
         and segment.index < min(len(request.messages), len(other_request.messages))
-        and other_request.messages[segment.index].get("role") == "system"
     ):
-        this_system = message_text(request.messages[segment.index])
-        other_system = message_text(other_request.messages[segment.index])
-        if _similarity(this_system, other_system) >= 0.8:
+        # One message of each, decoded alone: the partner may be a long conversation that
+        # many requests are compared with.
+        this_message = request.messages[segment.index]
+        other_message = other_request.messages[segment.index]
+        if other_message.get("role") == "system" and (
+            _similarity(message_text(this_message), message_text(other_message)) >= 0.8
+        ):
             d.cause = "system_prompt"
             return
     d.cause = "variable_before_stable"

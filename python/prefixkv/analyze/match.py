@@ -140,6 +140,8 @@ class RadixTrie:
 
 
 def _to_bytes(tokens: Sequence[int]) -> bytes:
+    if isinstance(tokens, array) and tokens.typecode == "I":  # how the analysis holds them
+        return tokens.tobytes()
     return array("I", tokens).tobytes()
 
 

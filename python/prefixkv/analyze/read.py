@@ -15,6 +15,13 @@ counted and reported but never held: reading keeps at most the cap plus one chun
 however long the line. Reading stops at `max_trace_bytes`, so the rest of the analysis, which
 holds the trace in memory and replays it a few times, is bounded too; the report says where the
 trace was cut.
+
+What a request costs once read. The analysis keeps every request for its what-ifs, so a request
+is held in a form about the size of its line, not as parsed JSON: a conversation of 600,000
+short messages is 7.8 MB as a line and ~115 MB as Python dicts. Messages and tools are kept as
+their compact JSON text (`JsonObjects`) and decoded when a stage reads them; token ids are an
+`array("I")`, 4 bytes each. Nesting is bounded here too (`MAX_NESTING`, the chat templates'
+bound), so decoding again later can never meet Python's recursion limit.
 """
 
 from __future__ import annotations
@@ -24,14 +31,21 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
+
+from prefixkv.errors import InvalidInputError
+from prefixkv.text.chat import MAX_NESTING, checked_input
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
     "DEFAULT_MAX_TRACE_BYTES",
+    "JsonObjects",
     "SkippedLine",
     "TraceRead",
     "TraceRequest",
@@ -58,20 +72,118 @@ class SkippedLine:
     error: str
 
 
+def _plain(value: object) -> object:
+    """What JSON cannot hold as it is: a mapping other than a dict is written as one."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise InvalidInputError(f"a {type(value).__name__} is not JSON")
+
+
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_plain)
+_DECODER = json.JSONDecoder()
+
+
+class JsonObjects(Sequence[Mapping[str, Any]]):
+    """A list of JSON objects (messages, tools) held as its compact JSON text, decoded on each
+    read: iterating, `decode()` and slicing decode the whole list (one pass, C speed); `[i]`
+    decodes only item `i`. Immutable; equal when the texts are.
+
+    Every decode gives fresh dicts, so a caller may change what it got without changing the
+    request; a stage that reads the items several times should `decode()` once. The objects
+    must be nested at most `MAX_NESTING` deep (`read_trace` checks), so that encoding and
+    decoding them never approaches Python's recursion limit."""
+
+    __slots__ = ("_offsets", "_size", "_text")
+
+    _text: str
+    _size: int
+
+    def __init__(self, items: Iterable[Mapping[str, Any]]) -> None:
+        if isinstance(items, JsonObjects):
+            self._text, self._size = items._text, items._size
+        else:
+            items = items if isinstance(items, (list, tuple)) else list(items)
+            self._text, self._size = _COMPACT.encode(items), len(items)
+        # Where each item starts in the text: found on the first `[i]`, 8 bytes an item.
+        self._offsets: array[int] | None = None
+
+    def decode(self) -> list[dict[str, Any]]:
+        decoded: list[dict[str, Any]] = json.loads(self._text)
+        return decoded
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.decode())
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            return self.decode()[index]
+        index = range(self._size)[index]  # IndexError as a list gives it; negative ones count back
+        offsets = self._item_offsets()
+        item, _ = _DECODER.raw_decode(self._text, offsets[index])
+        return item  # type: ignore[no-any-return]
+
+    def _item_offsets(self) -> array[int]:
+        if self._offsets is None:
+            offsets = array("q")
+            position = 1  # past "["; compact text: items are separated by "," alone
+            for _ in range(self._size):
+                offsets.append(position)
+                _, position = _DECODER.raw_decode(self._text, position)
+                position += 1
+            self._offsets = offsets
+        return self._offsets
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, JsonObjects):
+            return self._text == other._text
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._text)
+
+    def __repr__(self) -> str:
+        return f"JsonObjects({self._size} items, {len(self._text)} characters)"
+
+
 @dataclass(frozen=True)
 class TraceRequest:
-    """One valid trace line, before tokenization."""
+    """One valid trace line, before tokenization.
+
+    Held compactly, since the analysis keeps every request: `tokens` as an `array("I")`
+    (any sequence of ids in 0..2**32-1 is accepted and converted), `messages` and `tools` as
+    `JsonObjects` (any sequence of mappings is accepted and converted; read them by iterating,
+    or `decode()` once)."""
 
     line: int
     request_id: str
     kind: str  # "tokens" | "text" | "messages"
-    tokens: tuple[int, ...] | None = None
+    tokens: array[int] | None = None
     text: str | None = None
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    tools: tuple[Mapping[str, Any], ...] | None = None
+    messages: JsonObjects | None = None
+    tools: JsonObjects | None = None
     tenant: str | None = None
     salt: str | None = None
     timestamp: str | float | None = None
+
+    def __post_init__(self) -> None:
+        # Rewrites (`dataclasses.replace`) hand in tuples and lists: stored compactly as well.
+        if self.tokens is not None and not (
+            isinstance(self.tokens, array) and self.tokens.typecode == "I"
+        ):
+            object.__setattr__(self, "tokens", token_array(self.tokens, "tokens"))
+        for name in ("messages", "tools"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, JsonObjects):
+                object.__setattr__(self, name, JsonObjects(value))
 
     @property
     def isolation(self) -> str | None:
@@ -79,6 +191,25 @@ class TraceRequest:
         if self.tenant is None and self.salt is None:
             return None
         return json.dumps({"tenant": self.tenant, "salt": self.salt}, sort_keys=True)
+
+
+def token_array(tokens: Iterable[int], what: str) -> array[int]:
+    """Token ids as an `array("I")`; `InvalidInputError` naming `what` for an id that is not
+    an int in 0..2**32-1."""
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens
+    if not isinstance(tokens, Sequence):
+        tokens = list(tokens)
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidInputError(f"{what} must be ints in 0..2**32-1 ({exc})") from None
+    # array("I") takes True and False as 1 and 0; only the positions holding 0 or 1 can be
+    # bools, so one vectorised pass finds the few to look at.
+    for position in np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist():
+        if isinstance(tokens[position], bool):
+            raise InvalidInputError(f"{what} must be ints, not bools (position {position})")
+    return packed
 
 
 def _is_int(value: Any) -> bool:
@@ -199,7 +330,7 @@ def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
                 return f"tokens[{i}] is negative ({token})"
             if token >= _MAX_TOKEN_ID:
                 return f"tokens[{i}] = {token} does not fit in 32 bits"
-        fields["tokens"] = tuple(tokens)
+        fields["tokens"] = array("I", tokens)  # checked above: ints in 0..2**32-1
     elif kind == "text":
         text = obj["text"]
         if not isinstance(text, str) or not text:
@@ -213,12 +344,22 @@ def _parse_line(line_no: int, raw: str) -> TraceRequest | str:
             problem = _validate_message(i, message)
             if problem:
                 return problem
-        fields["messages"] = tuple(messages)
-        if "tools" in obj:
-            tools = obj["tools"]
-            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-                return "'tools' must be a list of objects"
-            fields["tools"] = tuple(tools)
+        tools = obj.get("tools")
+        if "tools" in obj and (
+            not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+        ):
+            return "'tools' must be a list of objects"
+        # The chat templates' bound, checked here (the same check, the same message), so that
+        # the compact form below can be encoded and decoded again at any stack depth. Only a
+        # line with enough brackets can be that deep.
+        if raw.count("[") + raw.count("{") > MAX_NESTING:
+            try:
+                checked_input(messages, tools)
+            except InvalidInputError as exc:
+                return str(exc)
+        fields["messages"] = JsonObjects(messages)
+        if tools is not None:
+            fields["tools"] = JsonObjects(tools)
     return TraceRequest(
         line=line_no,
         request_id=str(request_id),

@@ -180,8 +180,8 @@ def _divergence(d: Diagnosis, prepared: Sequence[Prepared], block_size: int) -> 
         out.other_text = other.text[other_char : other_char + _CONTEXT_CHARS]
     else:
         lo = max(0, d.prefix - _CONTEXT_TOKENS)
-        out.this_tokens = this.tokens[lo : d.prefix + _CONTEXT_TOKENS]
-        out.other_tokens = other.tokens[lo : d.prefix + _CONTEXT_TOKENS]
+        out.this_tokens = this.tokens[lo : d.prefix + _CONTEXT_TOKENS].tolist()
+        out.other_tokens = other.tokens[lo : d.prefix + _CONTEXT_TOKENS].tolist()
     return out
 
 

@@ -13,6 +13,7 @@ import bisect
 import dataclasses
 import math
 import re
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from prefixkv.text.tokenizers import Tokenizer, message_text
 
 from .diagnose import LAYOUT_CAUSES, Diagnosis, diagnose_all, tool_sort_key
 from .match import MIN_RUN_CHARS, MIN_RUN_TOKENS, common_length, permuted_region
-from .read import TraceRequest
+from .read import JsonObjects, TraceRequest, token_array
 from .replay import Prepared, Replay, Replayer
 
 __all__ = [
@@ -120,7 +121,7 @@ def what_if_all(
 
 # -- Moving variable content last ------------------------------------------------------------
 
-_Seq = TypeVar("_Seq", str, list[int])
+_Seq = TypeVar("_Seq", str, "array[int]")
 _UNIT_SPLIT = re.compile(r"(?<=\n)|(?<=[.!?][ \t])")
 
 
@@ -180,7 +181,7 @@ def _stable_first_messages(request: TraceRequest, stable: set[str]) -> TraceRequ
         tail = "".join(moved_units).strip()
         content = message_text(last).rstrip()
         reordered[-1] = {**last, "content": f"{content}\n{tail}" if content else tail}
-    return dataclasses.replace(request, messages=tuple(reordered))
+    return dataclasses.replace(request, messages=JsonObjects(reordered))
 
 
 def _unit_bounds(text: str) -> list[int]:
@@ -251,8 +252,8 @@ def _apply_span_moves(
         if not token_spans:
             out.append(request)
         elif request.kind == "tokens":
-            kept_tokens, moved_tokens = _cut(list(item.tokens), _merge_spans(token_spans))
-            out.append(dataclasses.replace(request, tokens=tuple(kept_tokens + moved_tokens)))
+            kept_tokens, moved_tokens = _cut(item.tokens, _merge_spans(token_spans))
+            out.append(dataclasses.replace(request, tokens=kept_tokens + moved_tokens))
         else:
             assert item.text is not None
             text = item.text
@@ -284,8 +285,8 @@ def rewrite_whitespace(request: TraceRequest) -> TraceRequest:
     if request.text is not None:
         return dataclasses.replace(request, text=_normalise_whitespace(request.text))
     if request.messages is not None:
-        messages = tuple(
-            {**m, "content": _normalise_whitespace(message_text(m))} for m in request.messages
+        messages = JsonObjects(
+            [{**m, "content": _normalise_whitespace(message_text(m))} for m in request.messages]
         )
         return dataclasses.replace(request, messages=messages)
     return request
@@ -295,7 +296,7 @@ def rewrite_tools(request: TraceRequest) -> TraceRequest:
     """The request's `tools` field sorted by name."""
     if not request.tools:
         return request
-    return dataclasses.replace(request, tools=tuple(sorted(request.tools, key=tool_sort_key)))
+    return dataclasses.replace(request, tools=JsonObjects(sorted(request.tools, key=tool_sort_key)))
 
 
 # -- Tools in one canonical order -------------------------------------------------------------
@@ -335,7 +336,7 @@ def _reorder_regions(
     the original partner's region as the fallback. A request that copies a rewritten partner
     over that region (the same tools in the same order, so no finding of its own) takes the
     same rewrite. A reordering keeps the length, so every other position stays valid."""
-    sequences: dict[int, str | list[int]] = {}
+    sequences: dict[int, str | array[int]] = {}
     applied: dict[int, tuple[int, int, bool]] = {}  # request -> the region it was rewritten in
     for d in diagnoses:
         if d.partner < 0:
@@ -373,13 +374,15 @@ def _reorder_regions(
     return out
 
 
-def _with_sequence(item: Prepared, sequence: str | list[int], tokenizer: Tokenizer) -> TraceRequest:
+def _with_sequence(
+    item: Prepared, sequence: str | array[int], tokenizer: Tokenizer
+) -> TraceRequest:
     """The request rewritten to give `sequence` (its text, or its tokens). Messages keep their
     form when the rewrite stays inside message contents the template copied verbatim;
     otherwise the request becomes the tokens of the rewritten text."""
     request = item.request
-    if isinstance(sequence, list):
-        return dataclasses.replace(request, tokens=tuple(sequence))
+    if not isinstance(sequence, str):
+        return dataclasses.replace(request, tokens=sequence)
     if request.text is not None:
         return dataclasses.replace(request, text=sequence)
     assert request.messages is not None and item.text is not None
@@ -396,10 +399,10 @@ def _with_sequence(item: Prepared, sequence: str | list[int], tokenizer: Tokeniz
             or index in changed
             or message_text(messages[index]) != item.text[segment.start : segment.end]
         ):
-            tokens = tuple(tokenizer.encode(sequence))
+            tokens = token_array(tokenizer.encode(sequence), f"the ids {tokenizer.name} gives")
             return dataclasses.replace(
                 request, kind="tokens", tokens=tokens, messages=None, tools=None
             )
         messages[index] = {**messages[index], "content": new}
         changed.add(index)
-    return dataclasses.replace(request, messages=tuple(messages))
+    return dataclasses.replace(request, messages=JsonObjects(messages))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixkv.errors import ChatTemplateError, InvalidInputError, MissingDependencyError
-from prefixkv.text.segments import Segment, attribute, message_text, segment_at
+from prefixkv.text.segments import Segment, Segments, attribute, message_text, segment_at
 
 if TYPE_CHECKING:
     from prefixkv.text.sandbox import RenderLimits
@@ -78,7 +78,10 @@ def checked_input(
             raise InvalidInputError(
                 f"{field} must be a list of mappings, got {type(items).__name__}"
             )
-        for i, item in enumerate(items):
+        if _all_shallow_mappings(items):
+            out[field] = items
+            continue
+        for i, item in enumerate(items):  # something is wrong: find the first item, name it
             if not isinstance(item, Mapping):
                 raise InvalidInputError(
                     f"{field}[{i}] must be a mapping, got {type(item).__name__}"
@@ -86,6 +89,32 @@ def checked_input(
             _check_nesting(item, f"{field}[{i}]")
         out[field] = items
     return out["messages"], out.get("tools")
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _all_shallow_mappings(items: Sequence[Any]) -> bool:
+    """True when every item is a mapping nested at most `MAX_NESTING` deep: the check below
+    for all items at once, a level at a time, with no work per scalar beyond its type (a
+    conversation of 600,000 short messages is checked in a fraction of a second)."""
+    level = list(items)
+    if not all(type(item) is dict or isinstance(item, Mapping) for item in level):
+        return False
+    depth = 1
+    while level:
+        if depth > MAX_NESTING:
+            return False
+        level = [
+            child
+            for item in level
+            for child in (
+                item.values() if type(item) is dict or isinstance(item, Mapping) else item
+            )
+            if type(child) not in _SCALARS and isinstance(child, Mapping | list | tuple)
+        ]
+        depth += 1
+    return True
 
 
 def _check_nesting(value: Mapping[str, Any], where: str) -> None:
@@ -126,7 +155,7 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[Segment]:
+    ) -> Sequence[Segment]:
         return self.render_with_segments(messages, add_generation_prompt, tools)[1]
 
     def render_with_segments(
@@ -134,7 +163,7 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[str, list[Segment]]:
+    ) -> tuple[str, Sequence[Segment]]:
         """The rendered text and segments tiling it; default: one "unknown" segment."""
         text = self.render(messages, add_generation_prompt, tools)
         return text, [Segment(0, len(text), "unknown")] if text else []
@@ -172,13 +201,13 @@ class SimpleChatTemplate(ChatTemplate):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[str, list[Segment]]:
+    ) -> tuple[str, Sequence[Segment]]:
         messages, tools = checked_input(messages, tools)
-        # Written to one buffer, and template spans merged as they come: a conversation of
-        # 600,000 short messages is three spans each, and holding them all before merging cost
-        # hundreds of bytes per character of the trace line.
+        # Written to one buffer, and template spans merged as they come, into columns
+        # (`Segments`): a conversation of 600,000 short messages is three spans each, and
+        # holding them as objects cost hundreds of bytes per character of the trace line.
         out = io.StringIO()
-        segments: list[Segment] = []
+        segments = Segments()
         pos = 0
 
         def emit(text: str, source: str, index: int | None = None, role: str | None = None):
@@ -187,11 +216,7 @@ class SimpleChatTemplate(ChatTemplate):
                 return
             out.write(text)
             end = pos + len(text)
-            last = segments[-1] if segments else None
-            if source == "template" and last is not None and last.source == "template":
-                segments[-1] = Segment(last.start, end, "template")
-            else:
-                segments.append(Segment(pos, end, source, index, role))
+            segments.add(pos, end, source, index, role)
             pos = end
 
         def emit_tools() -> None:
@@ -408,7 +433,7 @@ class JinjaChatTemplate(ChatTemplate):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[str, list[Segment]]:
+    ) -> tuple[str, Sequence[Segment]]:
         text = self.render(messages, add_generation_prompt, tools)
         return text, attribute(
             text,
@@ -509,7 +534,7 @@ class ChatTemplateSet(ChatTemplate):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[str, list[Segment]]:
+    ) -> tuple[str, Sequence[Segment]]:
         return self.select(tools).render_with_segments(messages, add_generation_prompt, tools)
 
     def digest(self) -> str:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, overload
 
 from prefixkv.errors import InvalidInputError
 
-__all__ = ["Segment", "attribute", "merge_adjacent", "message_text", "segment_at"]
+__all__ = ["Segment", "Segments", "attribute", "merge_adjacent", "message_text", "segment_at"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,99 @@ class Segment:
         return self.source
 
 
+class Segments(Sequence[Segment]):
+    """Segments in columns: ~30 bytes a segment where a `Segment` object and its ints cost ~200,
+    which for a conversation of many short messages (two segments each) is many times the
+    size of its text. A `Segment` is made when one is read; `at` finds one by bisection.
+
+    `add` appends a span, extending the last one instead when both come from the template, as
+    a template renders its role markers and separators piece by piece."""
+
+    __slots__ = ("_ends", "_indexes", "_role_ids", "_roles", "_sources", "_starts")
+    _SOURCES = ("message", "tool", "template", "unknown")
+    _SOURCE_IDS: ClassVar[Mapping[str, int]] = {source: i for i, source in enumerate(_SOURCES)}
+    _TEMPLATE = _SOURCES.index("template")
+
+    def __init__(self, segments: Iterable[Segment] = ()) -> None:
+        self._starts = array("q")
+        self._ends = array("q")
+        self._sources = bytearray()
+        self._indexes = array("q")  # -1: None
+        self._roles: list[str | None] = [None]  # distinct roles; `_role_ids` index them
+        self._role_ids = array("I")
+        for segment in segments:
+            self._append(segment.start, segment.end, segment.source, segment.index, segment.role)
+
+    def add(
+        self, start: int, end: int, source: str, index: int | None = None, role: str | None = None
+    ) -> None:
+        if source == "template" and self._sources and self._sources[-1] == self._TEMPLATE:
+            self._ends[-1] = end
+        else:
+            self._append(start, end, source, index, role)
+
+    def _append(
+        self, start: int, end: int, source: str, index: int | None, role: str | None
+    ) -> None:
+        if source not in self._SOURCE_IDS:
+            raise ValueError(f"unknown segment source {source!r}")
+        self._starts.append(start)
+        self._ends.append(end)
+        self._sources.append(self._SOURCE_IDS[source])
+        self._indexes.append(-1 if index is None else index)
+        try:
+            role_id = self._roles.index(role)  # a handful of roles: a list is enough
+        except ValueError:
+            role_id = len(self._roles)
+            self._roles.append(role)
+        self._role_ids.append(role_id)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> Segment: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Segment]: ...
+
+    def __getitem__(self, i: int | slice) -> Segment | list[Segment]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        i = range(len(self))[i]  # IndexError as a list gives it
+        index = self._indexes[i]
+        return Segment(
+            self._starts[i],
+            self._ends[i],
+            self._SOURCES[self._sources[i]],
+            None if index < 0 else index,
+            self._roles[self._role_ids[i]],
+        )
+
+    def __iter__(self) -> Iterator[Segment]:
+        return (self[i] for i in range(len(self)))
+
+    def at(self, char: int) -> Segment | None:
+        """`segment_at` without a pass over the segments."""
+        if not self._starts:
+            return None
+        return self[max(0, bisect.bisect_right(self._starts, char) - 1)]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a list is
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r})"
+
+
 def segment_at(segments: Sequence[Segment], char: int) -> Segment | None:
     """The segment containing character `char` (the last segment for the end of the text)."""
+    if isinstance(segments, Segments):
+        return segments.at(char)
     if not segments:
         return None
     starts = [segment.start for segment in segments]
