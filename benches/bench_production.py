@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,7 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
     phases: dict[str, list[int]] = {"begin": [], "commit": [], "finish": []}
     lengths: list[int] = []
     cached: list[int] = []
+    every_hit: list[int] = []
     kinds: list[str] = []
     evictions_before = (0, 0)
     all_prompt = all_cached = 0
@@ -104,6 +107,7 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
                 )
             all_prompt += len(request.tokens)
             all_cached += hit
+            every_hit.append(hit)
             if index < warmup:
                 continue
             for name in VARIANTS:
@@ -124,7 +128,9 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
         "working_set_blocks": trace.working_set_blocks(),
         "requests": trace.num_requests,
         "requests_timed": timed,
+        "warmup": warmup,
         "hit_rate_all": all_cached / all_prompt,
+        "every_hit": np.array(every_hit, dtype=np.int64),
         "ns": {k: np.array(v, dtype=np.int64) for k, v in ns.items()},
         "phases_ns": {k: np.array(v, dtype=np.int64) for k, v in phases.items()},
         "lengths": np.array(lengths, dtype=np.int64),
@@ -211,11 +217,54 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
     }
 
 
-def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> dict[str, Any]:
+    """Replays the same trace through vLLM's `KVCacheManager` in `vllm_python` (peer_vllm.py,
+    a separate process: vLLM lives in its own environment) and compares hits request by request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [vllm_python, str(Path(__file__).with_name("peer_vllm.py")), "--seed", str(seed)]
+        command += ["--quick"] * quick + ["--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            data = {key: peer[key] for key in peer.files}
+    ours = raw["every_hit"]
+    if len(data["cached"]) != len(ours):
+        raise HitMismatch(f"vLLM replayed {len(data['cached'])} requests, prefixkv {len(ours)}")
+    differ = np.flatnonzero(data["cached"] != ours)
+    if len(differ):
+        first = int(differ[0])
+        raise HitMismatch(
+            f"request {first}: prefixkv cached {ours[first]}, vLLM {data['cached'][first]} "
+            f"({len(differ)} requests differ)"
+        )
+    warmup = raw["warmup"]
+    hashing, manager = data["hash_ns"][warmup:], data["manager_ns"][warmup:]
+    total = hashing + manager
+    ours_us = _stats_us(raw["ns"]["prefixkv"])
+    total_us = _stats_us(total)
+    return {
+        "version": str(data["version"]),
+        "hits_identical": True,
+        "us": {
+            "request_and_hashes": _stats_us(hashing),
+            "manager": _stats_us(manager),
+            "total": total_us,
+        },
+        "vllm_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+    }
+
+
+def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> dict[str, Any]:
+    """`vllm_python`: a Python with vLLM for the peer replay (default: $PREFIXKV_VLLM_PYTHON,
+    else none)."""
     params = TraceParams().scaled(0.2) if quick else TraceParams()
     trace = production_trace(params, seed=seed)
     load = os.getloadavg()[0]
-    result = summarize(replay(trace), trace)
+    raw = replay(trace)
+    result = summarize(raw, trace)
+    vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
+    if vllm_python:
+        result["vllm"] = vllm_peer(vllm_python, quick, seed, raw)
     result["quick"] = quick
     result["load_average_before"] = load
     result["load_average_after"] = os.getloadavg()[0]
@@ -235,7 +284,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"prompt tokens) {result['hit_rate']:.1%} ({kinds}; mean per request "
         f"{result['hit_rate_per_request_mean']:.1%}); {result['evictions_per_request']:.0f} "
         f"evictions per request (Python baseline {result['python_evictions_per_request']:.0f}); "
-        "prefixkv and the Python baseline reported the same cached tokens on every request. "
+        f"prefixkv, the Python baseline{' and vLLM' if 'vllm' in result else ''} reported the "
+        "same cached tokens on every request. "
         f"µs of {result['clock']} time per request; load average "
         f"{result['load_average_before']:.1f} before, {result['load_average_after']:.1f} after.\n",
     ]
@@ -253,6 +303,21 @@ def markdown(result: dict[str, Any]) -> str:
     ]:
         rows.append(
             [label, *(fmt_ratio(result["ratios"][stat][key]) for stat in ("mean", "p50", "p99"))]
+        )
+    peer = result.get("vllm")
+    if peer:
+        for key, label in [
+            ("total", f"vLLM {peer['version']} KVCacheManager, whole request"),
+            ("request_and_hashes", "… of which Request() with its block hashes"),
+            ("manager", "… of which get_computed_blocks + allocate_slots + free"),
+        ]:
+            s = peer["us"][key]
+            rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+        rows.append(
+            [
+                "vLLM ÷ prefixkv",
+                *(fmt_ratio(peer["vllm_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
+            ]
         )
     phases = result["prefixkv_phases_us"]
     for phase in ("begin", "commit", "finish"):
@@ -301,8 +366,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the trace (~1 minute)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm-python",
+        help="a Python with vLLM: replay the trace through vLLM's KVCacheManager too "
+        "(default $PREFIXKV_VLLM_PYTHON)",
+    )
     args = parser.parse_args()
-    print(markdown(run(args.quick, args.seed)))
+    print(markdown(run(args.quick, args.seed, args.vllm_python)))
 
 
 if __name__ == "__main__":
