@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import clock_name, fmt_ratio, gc_paused, md_table, now
+from common import clock_name, fmt_ratio, gc_paused, machine, md_table, now, write_json
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
 from python_baseline import PyPrefixCache
 
@@ -371,8 +371,12 @@ def main() -> None:
         help="a Python with vLLM: replay the trace through vLLM's KVCacheManager too "
         "(default $PREFIXKV_VLLM_PYTHON)",
     )
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
-    print(markdown(run(args.quick, args.seed, args.vllm_python)))
+    result = run(args.quick, args.seed, args.vllm_python)
+    if args.json:
+        write_json(args.json, {"machine": machine(), "result": result})
+    print(markdown(result))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from production_workload import BLOCK_SIZE, TraceParams, production_trace
+from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -44,9 +44,9 @@ with warnings.catch_warnings():
     from vllm.v1.request import Request
 
 
-def replay(quick: bool, seed: int) -> dict[str, np.ndarray]:
-    params = TraceParams().scaled(0.2) if quick else TraceParams()
-    trace = production_trace(params, seed=seed)
+def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
+    """Every request of `trace` through a fresh `KVCacheManager`: per-request times and hits."""
+    params = trace.params
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    np.savez(args.out, **replay(args.quick, args.seed))
+    params = TraceParams().scaled(0.2) if args.quick else TraceParams()
+    np.savez(args.out, **replay(production_trace(params, seed=args.seed)))
 
 
 if __name__ == "__main__":
