@@ -67,7 +67,7 @@ class TraceParams:
     # popularity of the shared prefixes: Zipf weights 1 / rank**prefix_zipf
     prefix_zipf: float = 1.1
     agent_calls_mean: float = 16.0
-    agent_think_s: float = 30.0
+    agent_think_s: float = 60.0
     tool_call_median: int = 120
     tool_output_median: int = 800
     # arrivals: seconds between session starts (mean)

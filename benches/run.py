@@ -172,6 +172,14 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
             f"{p['evictions_per_request']:.0f} evictions/request)",
             max(ratio["mean"]["prefixkv_vs_floor"], ratio["p99"]["prefixkv_vs_floor"]) <= 3.0,
         )
+        if "vllm" in p:
+            peer = p["vllm"]["vllm_vs_prefixkv"]
+            add(
+                "production-shaped replay: ≥5× the fastest peer per request (peer run: vLLM "
+                f"{p['vllm']['version']}'s KVCacheManager only), mean and p99",
+                f"mean {peer['mean']:.1f}×, p99 {peer['p99']:.1f}×",
+                min(peer["mean"], peer["p99"]) >= 5.0,
+            )
     core_lines = (results.get("core") or {}).get("lines", [])
     for line in core_lines:
         if line.get("pressure"):
