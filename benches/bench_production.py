@@ -284,7 +284,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"prompt tokens) {result['hit_rate']:.1%} ({kinds}; mean per request "
         f"{result['hit_rate_per_request_mean']:.1%}); {result['evictions_per_request']:.0f} "
         f"evictions per request (Python baseline {result['python_evictions_per_request']:.0f}); "
-        f"prefixkv, the Python baseline{' and vLLM' if 'vllm' in result else ''} reported the "
+        f"prefixkv{', the Python baseline and vLLM' if 'vllm' in result else ' and the Python baseline'} reported the "
         "same cached tokens on every request. "
         f"µs of {result['clock']} time per request; load average "
         f"{result['load_average_before']:.1f} before, {result['load_average_after']:.1f} after.\n",

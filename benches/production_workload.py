@@ -6,12 +6,13 @@ a prefix-cache hit rate of 8-30% through a cache far smaller than the working se
 
 Two kinds of session, interleaved in time:
 
-- **chat**: one of a few shared system prompts, then a first user message (sometimes a pasted
+- **chat**: one of many shared system prompts (popularity Zipf-distributed: a few are hot, most
+  are cold), then a first user message (sometimes a pasted
   document); every later turn resends the whole conversation: previous prompt + the model's
   previous answer + the new user text. Users think for minutes between turns.
 - **agent**: one of a few long shared system prefixes (tool schemas, instructions), a task, then
-  calls in quick succession; each call's prompt is the previous one + the model's tool call +
-  the tool's output (often thousands of tokens).
+  calls about a minute apart (a model call and a tool run); each call's prompt is the previous
+  one + the model's tool call + the tool's output (often thousands of tokens).
 
 A session ends after its drawn number of turns or when its next prompt would pass the context
 window (`max_prompt_tokens`). Sessions start as a Poisson process; each turn arrives after a
@@ -53,8 +54,8 @@ class TraceParams:
     max_prompt_tokens: int = 190_000
     cache_fraction: float = 0.1
     # chat
-    chat_system_prompts: int = 40
-    chat_system_tokens: tuple[int, int] = (200, 3_000)
+    chat_system_prompts: int = 300
+    chat_system_tokens: tuple[int, int] = (800, 4_000)
     chat_turns_mean: float = 4.0
     chat_think_s: float = 150.0
     user_median: int = 250
