@@ -7,7 +7,8 @@ prompts grow turn by turn, shared system prefixes, prompts of a few hundred to ~
 Every request (numpy int64 token ids) goes, in a rotating order, through:
 
 - ``prefixkv``: ``PrefixCache.begin`` + ``commit(all prompt tokens)`` + ``finish``, as in
-  `bench_overhead.py`;
+  `bench_overhead.py`; and the same through a second cache with the prompt as a list of ints
+  (built outside the timed calls);
 - the plain-Python block manager of `python_baseline.py` (same cycle, same pool size);
 - the table-hash floor: ``as_token_ids`` + ``_core.hash_prompt``, the XXH3-128 table key of every
   full block and nothing else (see `bench_overhead.py`).
@@ -41,7 +42,7 @@ from prefixkv import PrefixCache
 from prefixkv.cache import as_token_ids, key_extras
 
 NO_EXTRAS = key_extras()
-VARIANTS = ["prefixkv", "python", "floor"]
+VARIANTS = ["prefixkv", "prefixkv_list", "python", "floor"]
 #: Prompt-length bands of the per-length table (tokens, upper bounds).
 BANDS = [4_096, 16_384, 65_536, 262_144]
 #: The leading share of requests that fill the cold cache and are not timed.
@@ -49,13 +50,15 @@ WARMUP_FRACTION = 0.1
 
 
 class HitMismatch(AssertionError):
-    """prefixkv and the Python baseline disagreed on a request's cached tokens."""
+    """prefixkv (numpy or list input), the Python baseline or vLLM disagreed on a request's
+    cached tokens."""
 
 
 def replay(trace: ProductionTrace) -> dict[str, Any]:
     """Replays `trace` through every variant; per-request samples, hits and evictions."""
     num_blocks = trace.num_blocks()
     ours = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    ours_list = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
     theirs = PyPrefixCache(num_blocks, BLOCK_SIZE)
     floor_core = PrefixCache(16, block_size=BLOCK_SIZE)._core
 
@@ -67,6 +70,13 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
         t2 = now()
         ours.finish(request)
         return now() - t0, t1 - t0, t2 - t1, request.num_cached_tokens
+
+    def run_ours_list(tokens: list[int]) -> tuple[int, int]:
+        t0 = now()
+        request = ours_list.begin(tokens)
+        ours_list.commit(request, request.num_prompt_tokens)
+        ours_list.finish(request)
+        return now() - t0, request.num_cached_tokens
 
     def run_theirs(tokens: np.ndarray) -> tuple[int, int]:
         t0 = now()
@@ -80,7 +90,12 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
         floor_core.hash_prompt(as_token_ids(tokens), NO_EXTRAS)
         return (now() - t0,)
 
-    runners = {"prefixkv": run_ours, "python": run_theirs, "floor": run_floor}
+    runners: dict[str, Any] = {
+        "prefixkv": run_ours,
+        "prefixkv_list": run_ours_list,
+        "python": run_theirs,
+        "floor": run_floor,
+    }
     warmup = int(WARMUP_FRACTION * trace.num_requests)
     ns: dict[str, list[int]] = {v: [] for v in VARIANTS}
     phases: dict[str, list[int]] = {"begin": [], "commit": [], "finish": []}
@@ -94,16 +109,19 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
         for index, request in enumerate(trace.requests()):
             if index == warmup:
                 evictions_before = (ours.stats().evictions, theirs.evictions)
+            # The list form is built outside the timed calls: an engine holding lists has it.
+            forms = {"numpy": request.tokens, "list": request.tokens.tolist()}
             shift = index % len(VARIANTS)
             results = {
-                name: runners[name](request.tokens) for name in VARIANTS[shift:] + VARIANTS[:shift]
+                name: runners[name](forms["list" if name.endswith("_list") else "numpy"])
+                for name in VARIANTS[shift:] + VARIANTS[:shift]
             }
             hit = results["prefixkv"][3]
-            if hit != results["python"][1]:
+            if not hit == results["prefixkv_list"][1] == results["python"][1]:
                 raise HitMismatch(
                     f"request {index} (session {request.session}, turn {request.turn}, "
-                    f"{len(request.tokens)} tokens): prefixkv cached {hit}, "
-                    f"Python {results['python'][1]}"
+                    f"{len(request.tokens)} tokens): prefixkv cached {hit} (numpy), "
+                    f"{results['prefixkv_list'][1]} (list), Python {results['python'][1]}"
                 )
             all_prompt += len(request.tokens)
             all_cached += hit
@@ -158,6 +176,7 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
         stat: {
             "prefixkv_vs_floor": us["prefixkv"][stat] / us["floor"][stat],
             "python_vs_prefixkv": us["python"][stat] / us["prefixkv"][stat],
+            "list_vs_numpy": us["prefixkv_list"][stat] / us["prefixkv"][stat],
         }
         for stat in ("mean", "p50", "p99")
     }
@@ -292,6 +311,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for name, label in [
         ("prefixkv", "prefixkv (numpy)"),
+        ("prefixkv_list", "prefixkv (list)"),
         ("python", "Python baseline (numpy)"),
         ("floor", "table-hash floor (numpy)"),
     ]:
@@ -300,6 +320,7 @@ def markdown(result: dict[str, Any]) -> str:
     for key, label in [
         ("prefixkv_vs_floor", "prefixkv ÷ floor"),
         ("python_vs_prefixkv", "Python ÷ prefixkv"),
+        ("list_vs_numpy", "prefixkv list ÷ numpy"),
     ]:
         rows.append(
             [label, *(fmt_ratio(result["ratios"][stat][key]) for stat in ("mean", "p50", "p99"))]

@@ -172,6 +172,11 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
             f"{p['evictions_per_request']:.0f} evictions/request)",
             max(ratio["mean"]["prefixkv_vs_floor"], ratio["p99"]["prefixkv_vs_floor"]) <= 3.0,
         )
+        add(
+            "production-shaped replay: list input within 1.5× of numpy, mean",
+            f"mean {ratio['mean']['list_vs_numpy']:.2f}×, p99 {ratio['p99']['list_vs_numpy']:.2f}×",
+            ratio["mean"]["list_vs_numpy"] <= 1.5,
+        )
         if "vllm" in p:
             peer = p["vllm"]["vllm_vs_prefixkv"]
             add(
