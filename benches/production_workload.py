@@ -120,9 +120,10 @@ class ProductionTrace:
         return len(self.order)
 
     def working_set_blocks(self) -> int:
-        """Distinct full blocks over all prompts: each shared prefix's blocks once, then each
-        session's own blocks (its longest prompt's blocks past the shared prefix's full ones)."""
-        shared = sum(len(p) // BLOCK_SIZE for ps in self.shared_prefixes.values() for p in ps)
+        """Distinct full blocks over all prompts: each shared prefix some session uses, once,
+        then each session's own blocks (its longest prompt's blocks past the prefix's full ones)."""
+        used = {(s.kind, s.prefix) for s in self.sessions}
+        shared = sum(len(self.shared_prefixes[kind][p]) // BLOCK_SIZE for kind, p in used)
         own = 0
         for s in self.sessions:
             prefix_blocks = len(self.shared_prefixes[s.kind][s.prefix]) // BLOCK_SIZE

@@ -92,3 +92,15 @@ def test_replay_detects_a_baseline_that_evicts_other_blocks(
     trace = production_trace(SMALL, seed=0)
     with pytest.raises(bench_production.HitMismatch, match="prefixkv cached"):
         bench_production.replay(trace)
+
+
+def test_working_set_is_the_distinct_blocks_a_cache_that_never_evicts_holds() -> None:
+    trace = production_trace(SMALL, seed=5)
+    working_set = trace.working_set_blocks()
+    cache = PyPrefixCache(working_set + 2 * trace.num_blocks(), BLOCK_SIZE)
+    for request in trace.requests():
+        held = cache.begin(request.tokens)
+        cache.commit(held, held.num_prompt_tokens)
+        cache.finish(held)
+    assert cache.evictions == 0
+    assert len(cache._table) == working_set
