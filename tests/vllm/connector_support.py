@@ -90,12 +90,13 @@ def vllm_config(
     block_size: int = 16,
     dtype: str = "float16",
     policy: str = "recompute",
+    prefix_caching: bool = True,
     **extra: Any,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True, max_model_len=4096
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
         kv_connector="PrefixKVConnector",
         kv_connector_module_path="prefixkv.integrations.vllm.connector",
