@@ -43,6 +43,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -202,7 +203,7 @@ class HostPoolStats:
 
 def _digest(kv: torch.Tensor) -> bytes:
     # hashlib releases the GIL on large buffers: the digest thread runs beside the step.
-    return hashlib.sha256(kv.contiguous().view(torch.uint8).numpy()).digest()
+    return hashlib.sha256(kv.contiguous().view(torch.uint8).numpy().data).digest()
 
 
 class HostPool:
@@ -332,7 +333,7 @@ class HostPool:
         self._finalizer()
 
 
-def _stop_thread(pending: queue.Queue[object], thread: threading.Thread) -> None:
+def _stop_thread(pending: queue.Queue[Any], thread: threading.Thread) -> None:
     pending.put(None)
     if thread is not threading.current_thread():
         thread.join()
