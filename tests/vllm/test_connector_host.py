@@ -19,6 +19,7 @@ import redis
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
 
 # First: it imports vLLM under a filter for torch's own import-time deprecation warning.
 from tests.vllm.connector_support import (
@@ -448,3 +449,64 @@ def test_a_full_digest_queue_drops_the_save_and_reports_it() -> None:
         assert report is not None and report.forget == [slots[1], slots[2]]
     finally:
         side.close()
+
+
+# -- the scheduler's index and a worker's pool together ------------------------------------------
+
+
+class IndexAndPool(RuleBasedStateMachine):
+    """The scheduler's index and one worker's pool, driven as the connector drives them (the
+    worker's reports delivered after every call), against a reference of the bytes last saved
+    under each key; slots are corrupted at random. A load returns exactly the saved bytes of
+    each block it serves, and after a failed one the index no longer claims the bad slot."""
+
+    GEOMETRY = BlockGeometry(1, 1, 4, 2, 2, torch.float32)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = HostIndex(3)
+        self.pool = HostPool(self.GEOMETRY, 3, queue_size=2)
+        self.truth: dict[bytes, torch.Tensor] = {}
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _deliver(self) -> None:
+        report = self.pool.take_report()
+        if report is not None:
+            self.index.forget(report.forget)
+
+    @rule(chain=st.integers(0, 2), length=st.integers(1, 4))
+    def save(self, chain: int, length: int) -> None:
+        records = _records(length, chain)
+        held = len(self.index.match(records))
+        slots = self.index.reserve(records[held:])
+        kv = torch.randn((len(slots), *self.GEOMETRY.value_shape), generator=self.generator)
+        self.pool.save(slots, records[held : held + len(slots)], kv)
+        for record, block in zip(records[held:], kv, strict=False):
+            self.truth[record.key] = block.clone()
+        self._deliver()
+
+    @rule(chain=st.integers(0, 2), length=st.integers(1, 4))
+    def load(self, chain: int, length: int) -> None:
+        records = _records(length, chain)
+        slots = self.index.match(records)
+        served = self.pool.fetch(slots, records)
+        for record, kv in zip(records, served, strict=False):
+            assert torch.equal(kv, self.truth[record.key])
+        self._deliver()
+        if len(served) < len(slots):
+            assert len(self.index.match(records)) == len(served)
+
+    @rule(slot=st.integers(0, 2), byte=st.integers(0, 63), bit=st.integers(0, 7))
+    def corrupt(self, slot: int, byte: int, bit: int) -> None:
+        self.pool.slots[slot].view(torch.uint8).view(-1)[byte] ^= 1 << bit
+
+    @rule()
+    def flush(self) -> None:
+        assert self.pool.flush(10)
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+
+IndexAndPool.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+test_index_and_pool = IndexAndPool.TestCase

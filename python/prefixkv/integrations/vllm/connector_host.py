@@ -223,7 +223,8 @@ class HostPool:
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
             raise InvalidInputError(f"queue_size must be an int >= 1, got {queue_size!r}")
         self.geometry = geometry
-        self.slots = torch.zeros(
+        # Uncommitted until written (on CPU): a slot is never read before a save fills it.
+        self.slots = torch.empty(
             (capacity, *geometry.value_shape), dtype=geometry.dtype, pin_memory=pin_memory
         )
         self.stats = HostPoolStats()
