@@ -252,6 +252,16 @@ def test_a_full_host_pool_evicts_least_recently_used_chains(model_dir: Path) -> 
     assert admit(e, second)[0] == 0
 
 
+def test_vllms_connector_reset_empties_the_host_tier(model_dir: Path) -> None:
+    prompt = prompt_of(3 * BS + 1, seed=8)
+    e = engine(model_dir)
+    serve(e, prompt)
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert len(host_index(e)) == 0
+    wipe(e)
+    assert admit(e, prompt)[0] == 0
+
+
 # -- settings ------------------------------------------------------------------------------------
 
 

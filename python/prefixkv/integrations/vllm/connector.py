@@ -193,6 +193,17 @@ class PrefixKVConnector(KVConnectorBase_V1):
         self._scheduler().request_finished(request)
         return False, None
 
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_prefix_cache(reset_connector=True). The host tier is this engine's own
+        # cache: its index is emptied (the workers' bytes become unreachable, and generations
+        # keep counting, so no later plan names them). The store is shared with other engines
+        # and is left alone, so a store-only connector reports that it reset nothing.
+        side = self._scheduler()
+        if side.host is None:
+            return None
+        side.host.clear()
+        return True
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
