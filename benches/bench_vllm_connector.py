@@ -1,18 +1,23 @@
 """Time to first token of a fresh vLLM process for a long prompt another process served:
 recompute against PrefixKVConnector on a loopback redis-server (both probes), and vLLM's own
-CPU offloading connectors where they start on the CPU backend.
+CPU offloading connectors where they start on the CPU backend; and of a prompt the same
+process served before, from PrefixKVConnector's host tier.
 
 Usage (in the vLLM venv, from the repository root)::
 
     python benches/bench_vllm_connector.py [--model /work/models/smollm2-hf] [--prompts 3]
-        [--tokens 1920] [--out benches/RESULTS-vllm-connector.md]
+        [--tokens 1920] [--rows recompute verify length host offloading simple]
+        [--out benches/RESULTS-vllm-connector.md]
 
 Process A (connector on) serves `--prompts` distinct prompts of `--tokens` tokens, which fills
 the store. Then each configuration runs in its own fresh process B: a short warm-up request
 (so one-time start-up costs are not counted), then each long prompt once with
 ``max_tokens=1``, timed around ``LLM.generate`` (scheduling, the store round trips, prefill of
 what is left, sampling). Every prompt is new to B's device cache, so a hit can only come from
-the connector. Prints a Markdown table and writes it to `--out` with the machine line.
+the connector. The host-tier row cannot share a process with A (the pool is in the worker's
+memory): its process serves each prompt once untimed, then times each again, with vLLM's own
+prefix caching off so that the second pass can only hit the host tier. Prints a Markdown table
+and writes it to `--out` with the machine line.
 """
 
 from __future__ import annotations
@@ -53,9 +58,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_batched_tokens=spec["tokens"] + 64,
         seed=0,
         kv_transfer_config=transfer,
+        enable_prefix_caching=not spec.get("host_rerun"),
     )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7, 8] * 40), params, use_tqdm=False)
+    if spec.get("host_rerun"):  # the first pass computes and saves into the host tier
+        for index in range(spec["prompts"]):
+            ids = prompt(index, spec["tokens"])
+            llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)
     seconds, cached = [], []
     for index in range(spec["prompts"]):
         ids = prompt(index, spec["tokens"])
@@ -102,11 +112,25 @@ def prefixkv(url: str, probe: str) -> dict[str, Any]:
     }
 
 
+def prefixkv_host() -> dict[str, Any]:
+    return {
+        "kv_connector": "PrefixKVConnector",
+        "kv_connector_module_path": "prefixkv.integrations.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host_tier_bytes": 1 << 30},
+    }
+
+
+ROWS = ("recompute", "verify", "length", "host", "offloading", "simple")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/work/models/smollm2-hf")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=1920)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--out", default=str(REPO / "benches" / "RESULTS-vllm-connector.md"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,15 +146,22 @@ def main() -> int:
     base = {"model": args.model, "prompts": args.prompts, "tokens": args.tokens}
     rows: list[tuple[str, dict[str, Any]]] = []
     try:
-        filled = run({**base, "kv_transfer": prefixkv(server.url, "verify")}, 1800)
-        if "error" in filled:
-            raise SystemExit(f"process A failed: {filled['error']}")
-        rows.append(("process A: computes and saves (PrefixKVConnector)", filled))
-        configs: list[tuple[str, dict[str, Any] | None]] = [
-            ("recompute (no connector)", None),
-            ("PrefixKVConnector, Redis, probe=verify", prefixkv(server.url, "verify")),
-            ("PrefixKVConnector, Redis, probe=length", prefixkv(server.url, "length")),
+        if {"verify", "length"} & set(args.rows):
+            filled = run({**base, "kv_transfer": prefixkv(server.url, "verify")}, 1800)
+            if "error" in filled:
+                raise SystemExit(f"process A failed: {filled['error']}")
+            rows.append(("process A: computes and saves (PrefixKVConnector)", filled))
+        configs: list[tuple[str, str, dict[str, Any] | None]] = [
+            ("recompute", "recompute (no connector)", None),
+            ("verify", "PrefixKVConnector, Redis, probe=verify", prefixkv(server.url, "verify")),
+            ("length", "PrefixKVConnector, Redis, probe=length", prefixkv(server.url, "length")),
             (
+                "host",
+                "PrefixKVConnector, host tier (same process, second pass, vLLM prefix caching off)",
+                prefixkv_host(),
+            ),
+            (
+                "offloading",
                 "OffloadingConnector (CPU offload)",
                 {
                     "kv_connector": "OffloadingConnector",
@@ -139,6 +170,7 @@ def main() -> int:
                 },
             ),
             (
+                "simple",
                 "SimpleCPUOffloadConnector",
                 {
                     "kv_connector": "SimpleCPUOffloadConnector",
@@ -147,8 +179,11 @@ def main() -> int:
                 },
             ),
         ]
-        for name, transfer in configs:
-            result = run({**base, "kv_transfer": transfer}, 1800)
+        for row, name, transfer in configs:
+            if row not in args.rows:
+                continue
+            spec = {**base, "kv_transfer": transfer, "host_rerun": row == "host"}
+            result = run(spec, 1800)
             print(name, result, flush=True)
             rows.append((name, result))
     finally:
@@ -162,8 +197,10 @@ def main() -> int:
         f"(load average at the end {os.getloadavg()[0]:.1f}); vLLM CPU backend, "
         f"{Path(args.model).name} bfloat16, block size {BLOCK_SIZE}, enforce_eager.",
         f"Command: `python benches/bench_vllm_connector.py --prompts {args.prompts} "
-        f"--tokens {args.tokens}`. Each row is one fresh process; each of its {args.prompts} "
-        "prompts was served by another process first (through the store for the connectors).",
+        f"--tokens {args.tokens} --rows {' '.join(args.rows)}`. Each row is one fresh process; "
+        f"each of its {args.prompts} prompts was served by another process first (through the "
+        "store for the connectors), except in the host-tier row, where the same process served "
+        "it first (the host tier is per process).",
         "",
         "| configuration | TTFT median (s) | TTFT per prompt (s) | tokens from cache |",
         "| --- | --- | --- | --- |",

@@ -1,5 +1,5 @@
 """End-to-end check of PrefixKVConnector: vLLM offline (CPU backend, SmolLM2), two processes
-sharing one redis-server on loopback.
+sharing one redis-server on loopback, and one process over the host tier alone.
 
 Usage (in the vLLM venv, from the repository root; `make vllm-test` runs it)::
 
@@ -18,6 +18,13 @@ hit can only come from the store:
 5. Another dtype, another model fingerprint: no hit.
 6. Control: every stored value's KV replaced by noise under a valid header and checksum; B
    loads it (a hit) and its output must change, which shows the loaded KV is what B reads.
+7. Host tier alone (no redis_url), one engine with vLLM's prefix caching off, so a hit can
+   only come from the connector's host tier; the engine core runs in the script's process
+   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the check can reach the worker's host pool. A
+   then B in the same engine: B's shared prefix is loaded from the host (num_cached_tokens
+   and the worker's counters) with output equal to the baseline; one host slot's bytes
+   corrupted: a load error, recomputed, output equal to the baseline; every slot's bytes
+   replaced by noise under valid digests: loaded, and the output changes.
 
 Exits non-zero, naming the failed check, if any check fails.
 """
@@ -37,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 128
 MAX_TOKENS = 12
-CHECKS = ("share", "corrupt", "isolation", "noise")
+CHECKS = ("share", "corrupt", "isolation", "noise", "host")
 
 
 def prompts() -> tuple[list[int], list[int]]:
@@ -82,12 +89,78 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_host_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Child process: the host-tier checks (7.) in one engine whose core runs here."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    from prefixkv.integrations.vllm.connector_host import _digest
+
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=4,
+        seed=0,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PrefixKVConnector",
+            kv_connector_module_path="prefixkv.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"host_tier_bytes": spec["host_tier_bytes"]},
+        ),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    worker = get_kv_transfer_group().worker_side
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    pool = worker.host
+
+    def generate(prompt: list[int]) -> dict[str, Any]:
+        before = (worker.stats.host_loaded_blocks, worker.stats.load_error_blocks)
+        [output] = llm.generate(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
+        assert pool.flush(30), "host digests did not finish"
+        return {
+            "tokens": list(output.outputs[0].token_ids),
+            "num_cached_tokens": int(output.num_cached_tokens or 0),
+            "host_loaded_blocks": worker.stats.host_loaded_blocks - before[0],
+            "load_error_blocks": worker.stats.load_error_blocks - before[1],
+        }
+
+    result: dict[str, Any] = {"A": generate(spec["prompt_a"]), "B": generate(spec["prompt_b"])}
+    # One slot of B's chain: a bit of its KV flipped, the digest left as it was.
+    records = scheduler.keys_per_rank[0].records(spec["prompt_b"], 5)
+    slots = scheduler.host.match(records)
+    result["slots_of_b"] = len(slots)
+    pool.slots[slots[2].slot].view(torch.uint8).view(-1)[1000] ^= 0x01
+    result["corrupt"] = generate(spec["prompt_b"])
+    # Control: noise on the scale of the real KV, under digests that match it.
+    generator = torch.Generator().manual_seed(0)
+    for slot in scheduler.host.match(records):
+        real = pool.slots[slot.slot].float()
+        noise = torch.randn(real.shape, generator=generator) * real.abs().max()
+        pool.slots[slot.slot] = noise.to(pool.slots.dtype)
+        content = pool._contents[slot.slot]
+        pool._contents[slot.slot] = type(content)(
+            content.generation, content.record, _digest(pool.slots[slot.slot])
+        )
+    result["noise"] = generate(spec["prompt_b"])
+    return result
+
+
 def in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(REPO / "python"), env.get("PYTHONPATH", "")]
     )
+    if spec.get("host_checks"):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         env=env,
@@ -160,7 +233,9 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_engine(json.loads(args.child))), flush=True)
+        spec = json.loads(args.child)
+        run = run_host_engine if spec.get("host_checks") else run_engine
+        print(json.dumps(run(spec)), flush=True)
         return 0
 
     import redis
@@ -277,6 +352,31 @@ def main() -> int:
             print("B-noise:", noisy, flush=True)
             check(noisy["num_cached_tokens"] == shared_blocks * BLOCK_SIZE, "noise is loaded")
             check(noisy["tokens"] != baseline["tokens"], "loaded noise changes the output")
+
+        if "host" in args.checks:
+            host = in_fresh_process(
+                {
+                    **base,
+                    "name": "host",
+                    "host_checks": True,
+                    "host_tier_bytes": 256 << 20,
+                    "prompt_a": prompt_a,
+                    "prompt_b": prompt_b,
+                }
+            )
+            print("host:", host, flush=True)
+            shared = shared_blocks * BLOCK_SIZE
+            check(host["A"]["num_cached_tokens"] == 0, "host: A starts from an empty host tier")
+            check(host["B"]["num_cached_tokens"] == shared, "host: B loads the shared prefix")
+            check(host["B"]["host_loaded_blocks"] == shared_blocks, "host: from the host pool")
+            check(host["B"]["tokens"] == baseline["tokens"], "host: B's output equals the baseline")
+            check(host["slots_of_b"] == shared_blocks, "host: B's blocks are in the host tier")
+            corrupt = host["corrupt"]
+            check(corrupt["load_error_blocks"] == shared_blocks - 2, "host: bad slot, load error")
+            check(corrupt["tokens"] == baseline["tokens"], "host: corrupt, output equals baseline")
+            noise = host["noise"]
+            check(noise["num_cached_tokens"] == shared, "host: noise is loaded")
+            check(noise["tokens"] != baseline["tokens"], "host: loaded noise changes the output")
     finally:
         client.close()
         server.stop()

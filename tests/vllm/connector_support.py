@@ -85,23 +85,27 @@ def write_model_dir(root: Path, *, hidden_size: int = 128, weights: bytes = b"w1
 
 def vllm_config(
     model_dir: Path,
-    redis_url: str,
+    redis_url: str | None,
     *,
     block_size: int = 16,
     dtype: str = "float16",
     policy: str = "recompute",
+    prefix_caching: bool = True,
     **extra: Any,
 ) -> VllmConfig:
     model_config = ModelConfig(
         model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True, max_model_len=4096
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
         kv_connector="PrefixKVConnector",
         kv_connector_module_path="prefixkv.integrations.vllm.connector",
         kv_role="kv_both",
         kv_load_failure_policy=policy,  # type: ignore[arg-type]
-        kv_connector_extra_config={"redis_url": redis_url, **extra},
+        kv_connector_extra_config={
+            **({} if redis_url is None else {"redis_url": redis_url}),
+            **extra,
+        },
     )
     return VllmConfig(
         model_config=model_config,
@@ -160,7 +164,8 @@ class Engine:
     ) -> SchedulerOutput:
         """One scheduler step and the worker's part of it. `fill` writes random KV into every
         block a new token of this step lands in, after the load and before the save, as a
-        forward would. Worker load errors go back to the scheduler, like the model runner's."""
+        forward would. Worker load errors and worker metadata go back to the scheduler, like
+        the model runner's."""
         output = self.scheduler.schedule()
         self.outputs.append(output)
         self.worker.bind_connector_metadata(output.kv_connector_metadata)
@@ -169,13 +174,17 @@ class Engine:
             self._fill(output)
         self.worker.wait_for_save()
         errors = self.worker.get_block_ids_with_load_errors() | (invalid or set())
+        worker_meta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         req_ids = list(output.num_scheduled_tokens)
+        connector_output = KVConnectorOutput(
+            invalid_block_ids=errors, kv_connector_worker_meta=worker_meta
+        )
         runner = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[token] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors else None,
+            kv_connector_output=None if connector_output.is_empty() else connector_output,
         )
         self.scheduler.update_from_output(output, runner)
         return output

@@ -253,6 +253,7 @@ def test_a_cache_view_of_another_shape_is_refused_by_name(server: RedisServer) -
     name=st.sampled_from(
         [
             "redis_url",
+            "host_tier_bytes",
             "namespace",
             "timeout",
             "ttl",

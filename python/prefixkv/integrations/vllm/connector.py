@@ -1,4 +1,4 @@
-"""`PrefixKVConnector`: prefixkv's verified remote tier as a vLLM v1 KV connector.
+"""`PrefixKVConnector`: prefixkv's host tier and verified remote tier as a vLLM v1 KV connector.
 
 Plugged in the way LMCache is, through vLLM's ``kv_transfer_config``::
 
@@ -12,20 +12,27 @@ Plugged in the way LMCache is, through vLLM's ``kv_transfer_config``::
             kv_connector_module_path="prefixkv.integrations.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"redis_url": "redis://cache:6379/0"},
+            kv_connector_extra_config={
+                "host_tier_bytes": 8 << 30,  # per worker; omit for the store alone
+                "redis_url": "redis://cache:6379/0",  # omit for the host tier alone
+            },
         ),
     )
 
 vLLM builds two instances: the scheduler's (`connector_scheduler.SchedulerSide`: probes,
-plans) and one per worker (`connector_worker.WorkerSide`: copies). This class only routes
-vLLM's calls to the side its role names and converts vLLM's arguments; the keys are in
-`connector_keys`, the settings in `connector_config`.
+plans, the host tier's index) and one per worker (`connector_worker.WorkerSide`: copies, the
+host tier's bytes). This class only routes vLLM's calls to the side its role names and converts
+vLLM's arguments; the keys are in `connector_keys`, the settings in `connector_config`, the host
+tier's two halves in `connector_host`. Workers tell the scheduler which host slots went bad
+through vLLM's worker metadata (`PrefixKVWorkerMetadata`).
 
-Failure policy: the scheduler verifies every value before claiming a hit, so a corrupted or
-foreign value in the store is a miss. A value can still vanish or change between the probe and
-the load (the store evicts it, another writer replaces it, the store goes down); the worker then
-reports the blocks as load errors. Under vLLM's default ``kv_load_failure_policy="fail"`` that
-fails the user's request, so the connector refuses to start under it: set ``"recompute"``.
+Failure policy: the scheduler verifies every store value before claiming a hit, so a corrupted
+or foreign value in the store is a miss. A value can still vanish or change between the probe
+and the load (the store evicts it, another writer replaces it, the store goes down), and a host
+slot is claimed from the scheduler's index and checked by the worker at load (its save may have
+been dropped, its bytes may fail their digest); the worker then reports the blocks as load
+errors. Under vLLM's default ``kv_load_failure_policy="fail"`` that fails the user's request,
+so the connector refuses to start under it: set ``"recompute"``.
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector_config import ConnectorSettings
+from prefixkv.integrations.vllm.connector_host import HostIndex, HostReport, host_capacity
 from prefixkv.integrations.vllm.connector_keys import BlockGeometry, EngineIdentity, RequestKeys
 from prefixkv.integrations.vllm.connector_probe import make_probe
 from prefixkv.integrations.vllm.connector_scheduler import ConnectorPlan, SchedulerSide
@@ -54,9 +63,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PrefixKVConnector", "PrefixKVConnectorMetadata"]
+__all__ = ["PrefixKVConnector", "PrefixKVConnectorMetadata", "PrefixKVWorkerMetadata"]
 
 
 @dataclass
@@ -66,8 +76,23 @@ class PrefixKVConnectorMetadata(KVConnectorMetadata):
     plan: ConnectorPlan
 
 
+@dataclass
+class PrefixKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's host slots that a worker does not hold as planned, back to the scheduler
+    (vLLM aggregates the workers' with `aggregate`)."""
+
+    report: HostReport
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, PrefixKVWorkerMetadata):
+            raise InvalidInputError(
+                f"PrefixKVWorkerMetadata aggregated with {type(other).__name__}"
+            )
+        return PrefixKVWorkerMetadata(self.report.merge(other.report))
+
+
 class PrefixKVConnector(KVConnectorBase_V1):
-    """vLLM KV connector over prefixkv's verified remote store (Valkey/Redis)."""
+    """vLLM KV connector over prefixkv's host tier and verified remote store (Valkey/Redis)."""
 
     def __init__(
         self,
@@ -89,28 +114,44 @@ class PrefixKVConnector(KVConnectorBase_V1):
             vllm_config, self.geometry, model_fingerprint=self.settings.model_fingerprint
         )
         s = self.settings
-        self.store = RedisStore(s.redis_url, timeout=s.timeout, ttl=s.ttl)
-        self.remote = RemoteTier(
-            self.store,
-            namespace=s.namespace,
-            queue_size=s.queue_size,
-            retry_after=s.retry_after,
-            max_probe_blocks=s.max_probe_blocks,
-        )
+        capacity = None
+        if s.host_tier_bytes is not None:
+            capacity = host_capacity(s.host_tier_bytes, self.geometry)
+        self.store: RedisStore | None = None
+        self.remote: RemoteTier | None = None
+        if s.redis_url is not None:
+            self.store = RedisStore(s.redis_url, timeout=s.timeout, ttl=s.ttl)
+            self.remote = RemoteTier(
+                self.store,
+                namespace=s.namespace,
+                queue_size=s.queue_size,
+                retry_after=s.retry_after,
+                max_probe_blocks=s.max_probe_blocks,
+            )
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self._probe: Any = None
         if role == KVConnectorRole.SCHEDULER:
             ranks = range(self.identity.tensor_parallel_size)
-            self._probe = make_probe(s.probe, self.remote, self.geometry, s.redis_url, s.timeout)
+            if self.remote is not None and s.redis_url is not None:
+                self._probe = make_probe(
+                    s.probe, self.remote, self.geometry, s.redis_url, s.timeout
+                )
             self.scheduler_side = SchedulerSide(
-                [RequestKeys(self.identity, rank) for rank in ranks], self._probe
+                [RequestKeys(self.identity, rank) for rank in ranks],
+                self._probe,
+                None if capacity is None else HostIndex(capacity),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if self.identity.tensor_parallel_size > 1 else 0
-            self.worker_side = WorkerSide(RequestKeys(self.identity, rank), self.remote)
+            self.worker_side = WorkerSide(
+                RequestKeys(self.identity, rank),
+                self.remote,
+                host_capacity=capacity,
+                host_queue_size=s.queue_size,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -151,6 +192,27 @@ class PrefixKVConnector(KVConnectorBase_V1):
         # Saves were copied out during their step: the blocks may be freed now.
         self._scheduler().request_finished(request)
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset_prefix_cache(reset_connector=True). The host tier is this engine's own
+        # cache: its index is emptied (the workers' bytes become unreachable, and generations
+        # keep counting, so no later plan names them). The store is shared with other engines
+        # and is left alone, so a store-only connector reports that it reset nothing.
+        side = self._scheduler()
+        if side.host is None:
+            return None
+        side.host.clear()
+        return True
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, PrefixKVWorkerMetadata):
+            raise InvalidInputError(
+                f"PrefixKVConnector got {type(meta).__name__} worker metadata from a worker"
+            )
+        self._scheduler().forget_host_slots(meta.report.forget)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -199,8 +261,12 @@ class PrefixKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan is not None and plan.saves:
-            self._worker().save(plan.saves)
+        if plan is not None and (plan.saves or plan.host_saves):
+            self._worker().save(plan.saves, plan.host_saves)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self._worker().take_host_report()
+        return None if report is None else PrefixKVWorkerMetadata(report)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Loads are synchronous and saves are copied out in their step: nothing is pending.
@@ -210,7 +276,11 @@ class PrefixKVConnector(KVConnectorBase_V1):
         return self._worker().take_load_errors()
 
     def shutdown(self) -> None:
-        self.remote.close()
-        self.store.close()
+        if self.worker_side is not None:
+            self.worker_side.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.store is not None:
+            self.store.close()
         if hasattr(self._probe, "close"):
             self._probe.close()

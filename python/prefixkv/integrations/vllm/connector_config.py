@@ -16,20 +16,31 @@ from prefixkv.errors import InvalidInputError
 
 __all__ = ["ConnectorSettings"]
 
+#: Settings that only the Redis tier reads: refused without ``redis_url``.
+_REMOTE_ONLY = frozenset(
+    {"namespace", "timeout", "ttl", "retry_after", "max_probe_blocks", "probe"}
+)
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """What ``kv_connector_extra_config`` may hold (all optional but ``redis_url``)."""
+    """What ``kv_connector_extra_config`` may hold: ``redis_url``, ``host_tier_bytes`` or
+    both (at least one tier), and the optional settings of each."""
 
-    #: The Valkey/Redis server every engine sharing KV points at (``redis://host:port/db``).
-    redis_url: str
+    #: The Valkey/Redis server every engine sharing KV points at (``redis://host:port/db``);
+    #: None: no remote tier.
+    redis_url: str | None = None
+    #: Bytes of host memory each worker keeps block KV in (the host tier, probed before the
+    #: store); None: no host tier.
+    host_tier_bytes: int | None = None
     #: Key prefix in the store: one per deployment or trust domain.
     namespace: str = "prefixkv"
     #: Seconds one store call may wait for bytes (connect and each read): bounds a probe.
     timeout: float = 0.25
     #: Seconds a stored block lives (None: until the server's eviction policy removes it).
     ttl: float | None = None
-    #: Blocks waiting to be written; when full, a save is dropped and counted, never awaited.
+    #: Blocks waiting to be written to the store, and (a queue of its own) blocks of the host
+    #: tier waiting for their checksum; when full, a save is dropped and counted, never awaited.
     queue_size: int = 64
     #: Seconds the connector stops asking a store that failed.
     retry_after: float = 1.0
@@ -59,10 +70,20 @@ class ConnectorSettings:
                     f"kv_connector_extra_config[{name!r}] is not a PrefixKVConnector setting "
                     f"(known: {', '.join(sorted(known))})"
                 )
-        if "redis_url" not in extra:
+        if extra.get("redis_url") is None and extra.get("host_tier_bytes") is None:
             raise InvalidInputError(
-                "kv_connector_extra_config['redis_url'] is required (e.g. 'redis://127.0.0.1:6379/0')"
+                "kv_connector_extra_config needs 'redis_url' (e.g. 'redis://127.0.0.1:6379/0'), "
+                "'host_tier_bytes' (e.g. 4294967296) or both: the connector has no tier"
             )
+        if extra.get("redis_url") is None:
+            # Settings of the store without a store: a deployment that meant to share KV
+            # through Redis and forgot the URL would otherwise run host-only, silently.
+            stray = sorted(_REMOTE_ONLY & set(extra))
+            if stray:
+                raise InvalidInputError(
+                    f"kv_connector_extra_config[{stray[0]!r}] sets the Redis tier, but "
+                    "'redis_url' is not given"
+                )
         settings = cls(**dict(extra))
         settings._check()
         return settings
@@ -71,8 +92,9 @@ class ConnectorSettings:
         def where(name: str) -> str:
             return f"kv_connector_extra_config[{name!r}]"
 
-        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
+        if self.redis_url is not None and (
+            not isinstance(self.redis_url, str)
+            or not self.redis_url.startswith(("redis://", "rediss://", "unix://"))
         ):
             raise InvalidInputError(
                 f"{where('redis_url')} must be a redis://, rediss:// or unix:// URL, "
@@ -90,6 +112,15 @@ class ConnectorSettings:
             isinstance(self.ttl, bool) or not isinstance(self.ttl, int | float) or not self.ttl > 0
         ):
             raise InvalidInputError(f"{where('ttl')} must be None or a positive number")
+        if self.host_tier_bytes is not None and (
+            isinstance(self.host_tier_bytes, bool)
+            or not isinstance(self.host_tier_bytes, int)
+            or self.host_tier_bytes < 1
+        ):
+            raise InvalidInputError(
+                f"{where('host_tier_bytes')} must be None or an int >= 1, "
+                f"got {self.host_tier_bytes!r}"
+            )
         for name in ("queue_size", "max_probe_blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

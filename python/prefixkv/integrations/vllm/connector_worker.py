@@ -1,4 +1,5 @@
-"""The connector's worker side: block KV between vLLM's paged KV cache and the store.
+"""The connector's worker side: block KV between vLLM's paged KV cache and the tiers (the
+worker's host pool, `connector_host`, and the store).
 
 vLLM hands the worker one tensor per attention layer, its logical per-layer view
 ``[blocks, kv_heads, tokens_per_block, head_size + head_size_v]`` whatever the physical
@@ -6,16 +7,18 @@ vLLM hands the worker one tensor per attention layer, its logical per-layer view
 dimension counts kernel blocks, several per scheduler block). A stored value is one scheduler
 block of every layer, ``[layers, kv_heads, block_size, head_size + head_size_v]``.
 
-* Loads (`load`, from `start_load_kv`, before the step's forward): one ``MGET`` per request for
-  its claimed blocks; each value is verified again (`prefixkv.tiers.format`), and the verified
-  run is copied into the request's blocks with one ``index_copy_`` per layer. A block whose
-  value is missing or fails verification is reported by `take_load_errors`, and vLLM
-  recomputes it (``kv_load_failure_policy="recompute"``).
-* Saves (`save`, from `wait_for_save`, after the forward wrote the step's KV): the blocks are
-  gathered into a fresh host tensor (one ``index_select`` per layer, the only work on the
-  step's path) and queued for the tier's writer thread; a full queue drops the block and
-  counts it (`RemoteStats.dropped`). The copy is taken before the step returns, so vLLM may
-  free or reuse the blocks at once.
+* Loads (`load`, from `start_load_kv`, before the step's forward): per request, its first
+  claimed blocks from the host pool (each slot checked: generation, record, digest), then the
+  rest with one ``MGET`` from the store (each value verified again, `prefixkv.tiers.format`);
+  the verified run is copied into the request's blocks with one ``index_copy_`` per layer. A
+  block that fails, and every claimed block after it, is reported by `take_load_errors`, and
+  vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+* Saves (`save`, from `wait_for_save`, after the forward wrote the step's KV): the blocks of
+  the step's save jobs are gathered once into a fresh host tensor (one ``index_select`` per
+  layer), copied into their host slots (one ``index_copy_``; their digests are queued for the
+  pool's thread) and queued for the store's writer thread; a full queue drops the block and
+  counts it (`RemoteStats.dropped`, `HostPoolStats.dropped`). The copies are taken before the
+  step returns, so vLLM may free or reuse the blocks at once.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from prefixkv.errors import InvalidInputError
+from prefixkv.integrations.vllm.connector_host import HostPool, HostReport
 from prefixkv.integrations.vllm.connector_keys import BlockGeometry, RequestKeys
 from prefixkv.integrations.vllm.connector_scheduler import BlockJob
-from prefixkv.tiers import RemoteTier
+from prefixkv.tiers import BlockRecord, RemoteTier
 
 __all__ = ["WorkerSide", "WorkerStats"]
 
@@ -41,18 +45,34 @@ class WorkerStats:
     """Blocks moved by one worker."""
 
     loaded_blocks: int = 0
+    #: Of `loaded_blocks`, those from the host pool.
+    host_loaded_blocks: int = 0
     #: Claimed blocks the worker could not load (missing, failed verification, store down).
     load_error_blocks: int = 0
     #: Blocks handed to the writer queue (`RemoteStats` counts what reached the store).
     queued_save_blocks: int = 0
+    #: Blocks copied into host slots (`HostPoolStats` counts those whose digest was taken).
+    host_save_blocks: int = 0
 
 
 class WorkerSide:
     """One worker's (one tensor-parallel rank's) view of the KV cache and the store."""
 
-    def __init__(self, keys: RequestKeys, remote: RemoteTier) -> None:
+    def __init__(
+        self,
+        keys: RequestKeys,
+        remote: RemoteTier | None,
+        *,
+        host_capacity: int | None = None,
+        host_queue_size: int = 64,
+    ) -> None:
         self.keys = keys
+        #: The store; None without a remote tier.
         self.remote = remote
+        #: The host pool, made by `register_kv_caches` (pinned if the cache is on a GPU).
+        self.host: HostPool | None = None
+        self._host_capacity = host_capacity
+        self._host_queue_size = host_queue_size
         self.geometry: BlockGeometry = keys.identity.geometry
         self.stats = WorkerStats()
         self._layers: list[torch.Tensor] = []
@@ -84,6 +104,13 @@ class WorkerSide:
             self._kernel_blocks = ratio
             layers.append(cache.unflatten(0, (num_blocks, ratio)))
         self._layers = layers
+        if self._host_capacity is not None and self.host is None:
+            self.host = HostPool(
+                g,
+                self._host_capacity,
+                queue_size=self._host_queue_size,
+                pin_memory=layers[0].device.type == "cuda",
+            )
 
     # -- block copies --------------------------------------------------------------------
 
@@ -111,21 +138,34 @@ class WorkerSide:
     def load(self, jobs: Sequence[BlockJob]) -> None:
         g = self.geometry
         for job in jobs:
-            records = self.keys.records(
-                job.tokens, job.first_block + job.num_blocks, salt=job.salt, adapter=job.adapter
-            )[job.first_block :]
-            kvs = self.remote.fetch(records, self.keys.fingerprint, g.dtype, g.value_shape)
-            served = min(len(kvs), job.num_blocks)
-            if served:
-                self._write_blocks(job.block_ids[:served], torch.stack(kvs[:served]))
-                self.stats.loaded_blocks += served
+            records = self._records(job)
+            num_host = min(len(job.host), job.num_blocks)
+            served = 0
+            if num_host and self.host is not None:
+                kvs = self.host.fetch(job.host[:num_host], records[:num_host])
+                served = len(kvs)
+                if served:
+                    self._write_blocks(job.block_ids[:served], torch.stack(kvs))
+                    self.stats.host_loaded_blocks += served
+            if served == num_host < job.num_blocks and self.remote is not None:
+                kvs = self.remote.fetch(
+                    records[served : job.num_blocks], self.keys.fingerprint, g.dtype, g.value_shape
+                )
+                count = min(len(kvs), job.num_blocks - served)
+                if count:
+                    self._write_blocks(
+                        job.block_ids[served : served + count], torch.stack(kvs[:count])
+                    )
+                    served += count
+            self.stats.loaded_blocks += served
             if served < job.num_blocks:
                 failed = job.block_ids[served:]
                 self._load_errors.update(failed)
                 self.stats.load_error_blocks += len(failed)
                 logger.warning(
                     "prefixkv: %d of %d claimed blocks of request %s could not be loaded "
-                    "(missing, failed verification or store down); vLLM recomputes them",
+                    "(missing, failed verification, store down or host slot lost); vLLM "
+                    "recomputes them",
                     len(failed),
                     job.num_blocks,
                     job.req_id,
@@ -135,12 +175,37 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def save(self, jobs: Sequence[BlockJob]) -> None:
+    def save(self, jobs: Sequence[BlockJob], host_jobs: Sequence[BlockJob] = ()) -> None:
+        """Store saves `jobs`, host saves `host_jobs`: each block gathered once."""
+        if not jobs and not host_jobs:
+            return
+        rows: dict[int, int] = {}
+        for job in (*jobs, *host_jobs):
+            for block in job.block_ids:
+                rows.setdefault(block, len(rows))
+        kv = self._read_blocks(list(rows))
         for job in jobs:
-            records = self.keys.records(
-                job.tokens, job.first_block + job.num_blocks, salt=job.salt, adapter=job.adapter
-            )[job.first_block :]
-            kv = self._read_blocks(job.block_ids[: len(records)])
-            for i, record in enumerate(records):
-                self.remote.put(record, self.keys.fingerprint, kv[i])
-            self.stats.queued_save_blocks += len(records)
+            if self.remote is None:
+                raise InvalidInputError("a store save job on a worker without a store")
+            for record, block in zip(self._records(job), job.block_ids, strict=True):
+                self.remote.put(record, self.keys.fingerprint, kv[rows[block]])
+            self.stats.queued_save_blocks += job.num_blocks
+        for job in host_jobs:
+            if self.host is None:
+                raise InvalidInputError("a host save job on a worker without a host pool")
+            index = torch.tensor([rows[block] for block in job.block_ids], dtype=torch.long)
+            self.host.save(job.host, self._records(job), kv.index_select(0, index))
+            self.stats.host_save_blocks += job.num_blocks
+
+    def _records(self, job: BlockJob) -> list[BlockRecord]:
+        return self.keys.records(
+            job.tokens, job.first_block + job.num_blocks, salt=job.salt, adapter=job.adapter
+        )[job.first_block :]
+
+    def take_host_report(self) -> HostReport | None:
+        """Host slots to forget since the last call (the scheduler's index drops them)."""
+        return None if self.host is None else self.host.take_report()
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
