@@ -65,6 +65,8 @@ class Engine(Protocol):
     @property
     def prefix_reuse(self) -> bool: ...
     @property
+    def prefix_reuse_limit(self) -> int | None: ...
+    @property
     def scheduling(self) -> str: ...
     @property
     def max_batch_size(self) -> int: ...
@@ -202,10 +204,23 @@ class GenerateRun:
 
     # -- cache bookkeeping ---------------------------------------------------------------
 
+    def _shares_prefixes(self, sequence: ServedRequest) -> bool:
+        """Whether `sequence` reads and publishes shared blocks: always with reuse on; under a
+        length-dependent RoPE only if no length it can reach (prompt, every token it may
+        generate, the drafts verified past them) exceeds `Engine.prefix_reuse_limit`, so all
+        its KV is computed under the one RoPE setting every other such request uses."""
+        engine = self.engine
+        if engine.prefix_reuse:
+            return True
+        limit = engine.prefix_reuse_limit
+        longest = len(sequence.prompt) + self.max_new_tokens + engine.num_speculative_tokens
+        return limit is not None and longest <= limit
+
     def _add(self, sequence: ServedRequest) -> None:
-        # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
+        # Not sharing prefixes: a salt of the request's own, so nothing it publishes is shared
+        # and it matches nothing another request published.
         salt = sequence.salt
-        if not self.engine.prefix_reuse:
+        if not self._shares_prefixes(sequence):
             salt = f"prefix-reuse-off:{sequence.request_id}"
         self.cache.add_request(
             sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
@@ -403,7 +418,7 @@ class GenerateRun:
 
     def _candidate(self, sequence: ServedRequest, in_flight: set[bytes]) -> WaitingCandidate:
         cached = 0
-        if self.engine.prefix_reuse:
+        if self._shares_prefixes(sequence):
             # From the request's kept keys: a waiting request is not rehashed every step.
             cached = self.cache.start_position(sequence.request_id)
         return WaitingCandidate(
@@ -418,7 +433,7 @@ class GenerateRun:
     ) -> bool:
         """Whether the first block `sequence` would compute is computed this step by another
         request (the block keys come from the cache, each hashed once per request)."""
-        if not in_flight or not self.engine.prefix_reuse:
+        if not in_flight or not self._shares_prefixes(sequence):
             return False
         keys = self.cache.request_block_keys(sequence.request_id)
         next_block = cached_tokens // self.block_size
@@ -434,7 +449,7 @@ class GenerateRun:
         self, sequence: ServedRequest, start: int, num_new: int
     ) -> set[bytes]:
         """Keys of the full prompt blocks this step computes for `sequence`."""
-        if not self.engine.prefix_reuse or sequence.prefilled:
+        if not self._shares_prefixes(sequence) or sequence.prefilled:
             return set()
         keys = self.cache.request_block_keys(sequence.request_id)
         first = start // self.block_size

@@ -275,6 +275,20 @@ class ModelConfig:
         )
 
     @property
+    def prefix_reuse_limit(self) -> int | None:
+        """Under a length-dependent RoPE, the longest sequence (in tokens, from position
+        `position_offset`) whose RoPE is the one setting every shorter sequence has too, or
+        None: LongRoPE's short factors hold while ``position_offset + length`` stays within
+        ``original_max_position_embeddings`` (transformers switches at ``max(position_ids) + 1
+        > original``). KV computed within it is what a full recompute of any sequence within
+        it gives; a sequence that may pass it must share nothing with those that do not."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.kind != "longrope":
+            return None
+        limit = scaling.original_max_position_embeddings - self.position_offset
+        return limit if limit > 0 else None
+
+    @property
     def num_query_groups(self) -> int:
         """How many query heads share one KV head."""
         return self.num_heads // self.num_kv_heads
