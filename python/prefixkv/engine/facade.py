@@ -390,7 +390,9 @@ class Engine:
         LongRoPE has a `prefix_reuse_limit` (its original context): a request that can never
         pass it (`GenerateRun._shares_prefixes`) shares blocks, unsalted, with the others that
         cannot, under this context marked with the limit; one that may pass it is salted as
-        above, so short-factor KV never meets long-factor KV. Dynamic NTK could do the same
+        above, so short-factor KV never meets long-factor KV; when its own tokens pass the limit
+        it is computed again from its first token (`GenerateRun._keep_one_rope_setting`), as
+        transformers' Phi-3 generation drops its cache there. Dynamic NTK could do the same
         within `max_position_embeddings` (its base does not move there); not implemented.
 
         Approximate, as in transformers' cached generation: past `max_position_embeddings`,

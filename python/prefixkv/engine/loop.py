@@ -180,6 +180,9 @@ class GenerateRun:
         self.block_size = engine.kv_cache.block_size
         #: (request id, start, what the tiers held) of the last probe (`_tiers_probe`).
         self.last_probe: tuple[str, int, TierHit | None] | None = None
+        #: Requests whose KV is all computed past `Engine.prefix_reuse_limit` (LongRoPE's long
+        #: factors), under a salt of their own for that setting (`_recompute_past_rope_limit`).
+        self.past_rope_limit: set[str] = set()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -218,10 +221,16 @@ class GenerateRun:
 
     def _add(self, sequence: ServedRequest) -> None:
         # Not sharing prefixes: a salt of the request's own, so nothing it publishes is shared
-        # and it matches nothing another request published.
+        # and it matches nothing another request published; one per RoPE setting, so after
+        # `_recompute_past_rope_limit` it never reads its own blocks of the other setting.
         salt = sequence.salt
+        limit = self.engine.prefix_reuse_limit
+        if limit is not None and len(sequence.tokens) - len(sequence.drafts) > limit:
+            self.past_rope_limit.add(sequence.request_id)
         if not self._shares_prefixes(sequence):
             salt = f"prefix-reuse-off:{sequence.request_id}"
+            if sequence.request_id in self.past_rope_limit:
+                salt += ":past-rope-limit"
         self.cache.add_request(
             sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
         )
@@ -234,6 +243,7 @@ class GenerateRun:
         for sequence in list(self.live.values()):
             self.cache.finish(sequence.request_id)
             del self.live[sequence.request_id]
+            self.past_rope_limit.discard(sequence.request_id)
             sequence.reset()
         self.waiting = sorted(self.waiting + self.running, key=lambda s: s.index)
         self.running = []
@@ -241,11 +251,54 @@ class GenerateRun:
             self._add(sequence)
 
     def _preempt(self, sequence: ServedRequest) -> None:
-        self.cache.preempt(sequence.request_id)
-        sequence.preempted()
+        if self._crossed_rope_limit(sequence):
+            # Its own kept blocks hold the other setting's KV: recomputed, not resumed.
+            self._recompute_past_rope_limit(sequence)
+            sequence.preemptions += 1
+        else:
+            self.cache.preempt(sequence.request_id)
+            sequence.preempted()
+            self.running.remove(sequence)
+            self.waiting.insert(0, sequence)
+        self.stats.preemptions += 1
+
+    def _crossed_rope_limit(self, sequence: ServedRequest) -> bool:
+        """Whether `sequence` computed KV within `Engine.prefix_reuse_limit` (LongRoPE's short
+        factors) and its tokens, drafts aside, now pass it."""
+        limit = self.engine.prefix_reuse_limit
+        return (
+            limit is not None
+            and sequence.request_id not in self.past_rope_limit
+            and len(sequence.tokens) - len(sequence.drafts) > limit
+        )
+
+    def _keep_one_rope_setting(self, sequence: ServedRequest) -> bool:
+        """Before a running request's step: never compute KV under LongRoPE's long factors on
+        top of KV computed under its short ones. Drafts that would pass the limit are dropped;
+        a request whose own tokens pass it is recomputed from its first token, as transformers'
+        Phi-3 ``prepare_inputs_for_generation`` drops its cache at that step. True when the
+        request went back to the queue."""
+        limit = self.engine.prefix_reuse_limit
+        if limit is None or sequence.request_id in self.past_rope_limit:
+            return False
+        if self._crossed_rope_limit(sequence):
+            self._recompute_past_rope_limit(sequence)
+            return True
+        if len(sequence.tokens) > limit:
+            self._drop_drafts(sequence)
+        return False
+
+    def _recompute_past_rope_limit(self, sequence: ServedRequest) -> None:
+        """Drop every block of `sequence` (computed under the short factors) and queue it to be
+        computed again, all of it under the long ones, keyed under a salt of that setting."""
+        self.cache.finish(sequence.request_id)
+        del self.live[sequence.request_id]
+        del sequence.tokens[len(sequence.tokens) - len(sequence.drafts) :]
+        sequence.drafts = []
+        sequence.num_computed = 0
         self.running.remove(sequence)
         self.waiting.insert(0, sequence)
-        self.stats.preemptions += 1
+        self._add(sequence)
 
     # -- scheduling ----------------------------------------------------------------------
 
@@ -258,6 +311,8 @@ class GenerateRun:
         for sequence in list(self.running):
             if sequence not in self.running or budget == 0:
                 continue  # preempted below to make room for an older one
+            if self._keep_one_rope_setting(sequence):
+                continue  # queued to be recomputed: admitted in step 2 if there is room
             num_new = len(sequence.tokens) - sequence.num_computed
             if num_new > budget and sequence.drafts:
                 self._drop_drafts(sequence)  # verification is never split across steps
