@@ -278,3 +278,26 @@ def test_a_prefix_cached_under_the_short_factors_is_never_reused_across_the_thre
     )
     error = (reused - expected[SHORT_PROMPT.numel() :]).abs().max().item()
     assert error > 1e-2 * expected.abs().max().item()
+
+
+def test_requests_crossing_the_limit_under_preemption_equal_transformers(tmp_path: Path) -> None:
+    """Two requests that pass the original context while decoding, in a pool too small for
+    both: the one preempted right after crossing is computed again under the long factors, and
+    both equal transformers' `generate`. (Here the pool is so tight that its short-factor
+    blocks are evicted anyway, so this does not catch a `_preempt` that resumed from them.)"""
+    theirs = phi3_checkpoint(tmp_path, tie_word_embeddings=False)
+    engine = Engine.from_pretrained(
+        tmp_path, dtype=torch.float32, num_blocks=14, block_size=4, max_num_batched_tokens=16,
+        stop_token_ids=(),
+    )  # fmt: skip
+    # The newer request crosses first and is preempted by the older one right after, before
+    # its own step could recompute it (14 blocks: found by trying).
+    prompts = [SHORT_PROMPT[:20].tolist(), [*SHORT_PROMPT.tolist(), 1, 2, 3, 4, 5, 6]]
+    results = engine.generate(prompts, max_new_tokens=14)
+    for tokens, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            want = theirs.generate(
+                torch.tensor([tokens]), max_new_tokens=14, min_new_tokens=14, do_sample=False
+            )[0, len(tokens) :].tolist()
+        assert result.output_token_ids == want
+    assert sum(result.preemptions for result in results) > 0
