@@ -414,10 +414,9 @@ def test_a_transformers_phi3_checkpoint_served_by_the_engine_is_transformers_own
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                           "long_factor": [1.0] * 8}}, "longrope"),
+        # LongRoPE is computed (tests/test_phi3_longrope.py); without its factors, refused.
         ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "short_factor"),
         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # Phi-4-mini's
         ({"resid_pdrop": "x"}, "resid_pdrop"),
     ],

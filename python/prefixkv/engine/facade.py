@@ -346,15 +346,33 @@ class Engine:
         return self.context.reuse_is_safe
 
     @property
+    def prefix_reuse_limit(self) -> int | None:
+        """With reuse off, the longest request (prompt, ``max_new_tokens`` and the drafts
+        verified past them) that still shares prefixes, or None: LongRoPE uses its short
+        factors up to the original context, so requests that never pass it compute all their
+        KV under one setting and share it among themselves (`ModelConfig.prefix_reuse_limit`).
+        """
+        if self.context.reuse_is_safe:
+            return None
+        return self.model.config.prefix_reuse_limit
+
+    @property
     def prefix_reuse_off_reason(self) -> str | None:
         """Why prefix reuse is off, or None when it is on."""
         if self.context.reuse_is_safe:
             return None
         kind = self.context.position_encoding.rope_scaling
-        return (
+        reason = (
             f"RoPE scaling {kind!r} depends on the total sequence length, so the KV of a prefix "
             "computed for one request is not what a full recompute of another gives"
         )
+        limit = self.prefix_reuse_limit
+        if limit is not None:
+            reason += (
+                f"; requests of at most {limit} tokens (prompt, max_new_tokens and drafts) "
+                "still share prefixes among themselves"
+            )
+        return reason
 
     def _cache_context(self) -> CacheContext:
         """The context the `PrefixCache` runs under.
@@ -369,8 +387,13 @@ class Engine:
         blocks again, exactly the KV it would have kept had it not been preempted.
         `context` keeps the true position encoding. Said once per engine in the log.
 
-        A finer policy is possible (the base does not move while every length stays within
-        `max_position_embeddings`) but not implemented: off is the simple correct choice.
+        LongRoPE has a `prefix_reuse_limit` (its original context): a request that can never
+        pass it (`GenerateRun._shares_prefixes`) shares blocks, unsalted, with the others that
+        cannot, under this context marked with the limit; one that may pass it is salted as
+        above, so short-factor KV never meets long-factor KV; when its own tokens pass the limit
+        it is computed again from its first token (`GenerateRun._keep_one_rope_setting`), as
+        transformers' Phi-3 generation drops its cache there. Dynamic NTK could do the same
+        within `max_position_embeddings` (its base does not move there); not implemented.
 
         Approximate, as in transformers' cached generation: past `max_position_embeddings`,
         each decoded token is rotated with the base of its own step's length, so decode logits
@@ -386,13 +409,23 @@ class Engine:
                 context.model_id or "this engine",
                 self.prefix_reuse_off_reason,
             )
-        stand_in = replace(context.position_encoding, rope_scaling=None, rope_scaling_params=())
+        limit = self.prefix_reuse_limit
+        # With a limit, the requests within it share blocks under this context: the RoPE
+        # parameters stay in it (rope_scaling None only to pass `PrefixCache`'s check), and
+        # the limit is named, so no block of another setting or limit is ever matched.
+        stand_in = replace(
+            context.position_encoding,
+            rope_scaling=None,
+            rope_scaling_params=()
+            if limit is None
+            else context.position_encoding.rope_scaling_params,
+        )
         return replace(
             context,
             position_encoding=stand_in,
             extra={
                 **context.extra,
-                "prefix_reuse": "off",
+                "prefix_reuse": "off" if limit is None else f"within {limit} tokens",
                 "rope_scaling": str(context.position_encoding.rope_scaling),
             },
         )

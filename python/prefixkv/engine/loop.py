@@ -65,6 +65,8 @@ class Engine(Protocol):
     @property
     def prefix_reuse(self) -> bool: ...
     @property
+    def prefix_reuse_limit(self) -> int | None: ...
+    @property
     def scheduling(self) -> str: ...
     @property
     def max_batch_size(self) -> int: ...
@@ -178,6 +180,9 @@ class GenerateRun:
         self.block_size = engine.kv_cache.block_size
         #: (request id, start, what the tiers held) of the last probe (`_tiers_probe`).
         self.last_probe: tuple[str, int, TierHit | None] | None = None
+        #: Requests whose KV is all computed past `Engine.prefix_reuse_limit` (LongRoPE's long
+        #: factors), under a salt of their own for that setting (`_recompute_past_rope_limit`).
+        self.past_rope_limit: set[str] = set()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -202,11 +207,30 @@ class GenerateRun:
 
     # -- cache bookkeeping ---------------------------------------------------------------
 
+    def _shares_prefixes(self, sequence: ServedRequest) -> bool:
+        """Whether `sequence` reads and publishes shared blocks: always with reuse on; under a
+        length-dependent RoPE only if no length it can reach (prompt, every token it may
+        generate, the drafts verified past them) exceeds `Engine.prefix_reuse_limit`, so all
+        its KV is computed under the one RoPE setting every other such request uses."""
+        engine = self.engine
+        if engine.prefix_reuse:
+            return True
+        limit = engine.prefix_reuse_limit
+        longest = len(sequence.prompt) + self.max_new_tokens + engine.num_speculative_tokens
+        return limit is not None and longest <= limit
+
     def _add(self, sequence: ServedRequest) -> None:
-        # Prefix reuse off: a salt of the request's own, so nothing it publishes is shared.
+        # Not sharing prefixes: a salt of the request's own, so nothing it publishes is shared
+        # and it matches nothing another request published; one per RoPE setting, so after
+        # `_recompute_past_rope_limit` it never reads its own blocks of the other setting.
         salt = sequence.salt
-        if not self.engine.prefix_reuse:
+        limit = self.engine.prefix_reuse_limit
+        if limit is not None and len(sequence.tokens) - len(sequence.drafts) > limit:
+            self.past_rope_limit.add(sequence.request_id)
+        if not self._shares_prefixes(sequence):
             salt = f"prefix-reuse-off:{sequence.request_id}"
+            if sequence.request_id in self.past_rope_limit:
+                salt += ":past-rope-limit"
         self.cache.add_request(
             sequence.request_id, sequence.tokens, adapter=self.engine._adapter_key, salt=salt
         )
@@ -219,6 +243,7 @@ class GenerateRun:
         for sequence in list(self.live.values()):
             self.cache.finish(sequence.request_id)
             del self.live[sequence.request_id]
+            self.past_rope_limit.discard(sequence.request_id)
             sequence.reset()
         self.waiting = sorted(self.waiting + self.running, key=lambda s: s.index)
         self.running = []
@@ -226,11 +251,54 @@ class GenerateRun:
             self._add(sequence)
 
     def _preempt(self, sequence: ServedRequest) -> None:
-        self.cache.preempt(sequence.request_id)
-        sequence.preempted()
+        if self._crossed_rope_limit(sequence):
+            # Its own kept blocks hold the other setting's KV: recomputed, not resumed.
+            self._recompute_past_rope_limit(sequence)
+            sequence.preemptions += 1
+        else:
+            self.cache.preempt(sequence.request_id)
+            sequence.preempted()
+            self.running.remove(sequence)
+            self.waiting.insert(0, sequence)
+        self.stats.preemptions += 1
+
+    def _crossed_rope_limit(self, sequence: ServedRequest) -> bool:
+        """Whether `sequence` computed KV within `Engine.prefix_reuse_limit` (LongRoPE's short
+        factors) and its tokens, drafts aside, now pass it."""
+        limit = self.engine.prefix_reuse_limit
+        return (
+            limit is not None
+            and sequence.request_id not in self.past_rope_limit
+            and len(sequence.tokens) - len(sequence.drafts) > limit
+        )
+
+    def _keep_one_rope_setting(self, sequence: ServedRequest) -> bool:
+        """Before a running request's step: never compute KV under LongRoPE's long factors on
+        top of KV computed under its short ones. Drafts that would pass the limit are dropped;
+        a request whose own tokens pass it is recomputed from its first token, as transformers'
+        Phi-3 ``prepare_inputs_for_generation`` drops its cache at that step. True when the
+        request went back to the queue."""
+        limit = self.engine.prefix_reuse_limit
+        if limit is None or sequence.request_id in self.past_rope_limit:
+            return False
+        if self._crossed_rope_limit(sequence):
+            self._recompute_past_rope_limit(sequence)
+            return True
+        if len(sequence.tokens) > limit:
+            self._drop_drafts(sequence)
+        return False
+
+    def _recompute_past_rope_limit(self, sequence: ServedRequest) -> None:
+        """Drop every block of `sequence` (computed under the short factors) and queue it to be
+        computed again, all of it under the long ones, keyed under a salt of that setting."""
+        self.cache.finish(sequence.request_id)
+        del self.live[sequence.request_id]
+        del sequence.tokens[len(sequence.tokens) - len(sequence.drafts) :]
+        sequence.drafts = []
+        sequence.num_computed = 0
         self.running.remove(sequence)
         self.waiting.insert(0, sequence)
-        self.stats.preemptions += 1
+        self._add(sequence)
 
     # -- scheduling ----------------------------------------------------------------------
 
@@ -243,6 +311,8 @@ class GenerateRun:
         for sequence in list(self.running):
             if sequence not in self.running or budget == 0:
                 continue  # preempted below to make room for an older one
+            if self._keep_one_rope_setting(sequence):
+                continue  # queued to be recomputed: admitted in step 2 if there is room
             num_new = len(sequence.tokens) - sequence.num_computed
             if num_new > budget and sequence.drafts:
                 self._drop_drafts(sequence)  # verification is never split across steps
@@ -403,7 +473,7 @@ class GenerateRun:
 
     def _candidate(self, sequence: ServedRequest, in_flight: set[bytes]) -> WaitingCandidate:
         cached = 0
-        if self.engine.prefix_reuse:
+        if self._shares_prefixes(sequence):
             # From the request's kept keys: a waiting request is not rehashed every step.
             cached = self.cache.start_position(sequence.request_id)
         return WaitingCandidate(
@@ -418,7 +488,7 @@ class GenerateRun:
     ) -> bool:
         """Whether the first block `sequence` would compute is computed this step by another
         request (the block keys come from the cache, each hashed once per request)."""
-        if not in_flight or not self.engine.prefix_reuse:
+        if not in_flight or not self._shares_prefixes(sequence):
             return False
         keys = self.cache.request_block_keys(sequence.request_id)
         next_block = cached_tokens // self.block_size
@@ -434,7 +504,7 @@ class GenerateRun:
         self, sequence: ServedRequest, start: int, num_new: int
     ) -> set[bytes]:
         """Keys of the full prompt blocks this step computes for `sequence`."""
-        if not self.engine.prefix_reuse or sequence.prefilled:
+        if not self._shares_prefixes(sequence) or sequence.prefilled:
             return set()
         keys = self.cache.request_block_keys(sequence.request_id)
         first = start // self.block_size

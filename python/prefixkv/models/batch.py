@@ -251,7 +251,11 @@ def pack_prefill_batch(
         # RoPE angles in float64: positions in the hundreds of thousands times a frequency
         # near 1 lose the low bits of the angle in float32.
         absolute = positions.to(torch.float64) + config.position_offset
-        frequencies = rope_inverse_frequencies(config, config.position_offset + end)
+        # A length-dependent RoPE (dynamic NTK, LongRoPE) reads the length of the whole known
+        # sequence, not of this chunk: a chunked prefill then rotates every chunk as the one
+        # forward over the prompt does (transformers'), never early chunks under the short
+        # length's setting and later ones under the long one's.
+        frequencies = rope_inverse_frequencies(config, config.position_offset + tokens.numel())
         angle_chunks.append(torch.outer(absolute, frequencies))
         if local_frequencies is not None:
             local_chunks.append(torch.outer(absolute, local_frequencies))

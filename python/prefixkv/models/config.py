@@ -27,7 +27,7 @@ from prefixkv.errors import InvalidInputError, ModelTooLargeError
 from prefixkv.models.gemma import GemmaSettings
 from prefixkv.models.hf_config import KNOWN_HF_CONFIG_FIELDS, read_hf_config
 from prefixkv.models.moe import MoESettings
-from prefixkv.models.rope import RopeScaling, rope_base
+from prefixkv.models.rope import RopeScaling, rope_attention_factor, rope_base
 
 if TYPE_CHECKING:
     from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
@@ -262,13 +262,31 @@ class ModelConfig:
 
     @property
     def position_encoding_is_length_dependent(self) -> bool:
-        """True if the RoPE of a position depends on the total sequence length (dynamic NTK).
+        """True if the RoPE of a position depends on the total sequence length (dynamic NTK,
+        LongRoPE).
 
         Then KV computed while the sequence was shorter is not what a full recompute of the
         current sequence gives, so a prefix cache must not reuse it (it may still reuse KV while
         every length involved stays within `max_position_embeddings`, where the base is fixed).
         """
-        return self.rope_scaling is not None and self.rope_scaling.kind == "dynamic_ntk"
+        return self.rope_scaling is not None and self.rope_scaling.kind in (
+            "dynamic_ntk",
+            "longrope",  # short factors up to the original context, long ones beyond
+        )
+
+    @property
+    def prefix_reuse_limit(self) -> int | None:
+        """Under a length-dependent RoPE, the longest sequence (in tokens, from position
+        `position_offset`) whose RoPE is the one setting every shorter sequence has too, or
+        None: LongRoPE's short factors hold while ``position_offset + length`` stays within
+        ``original_max_position_embeddings`` (transformers switches at ``max(position_ids) + 1
+        > original``). KV computed within it is what a full recompute of any sequence within
+        it gives; a sequence that may pass it must share nothing with those that do not."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.kind != "longrope":
+            return None
+        limit = scaling.original_max_position_embeddings - self.position_offset
+        return limit if limit > 0 else None
 
     @property
     def num_query_groups(self) -> int:
@@ -353,6 +371,10 @@ class ModelConfig:
             raise InvalidInputError(
                 "a mixture-of-experts model or one with attention sinks (moe, attention_sinks) "
                 "is not written as a Hugging Face config"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+            raise InvalidInputError(
+                "longrope rope scaling is read from a Phi-3 config, not written (to_hf_config)"
             )
         rope_scaling = None
         if self.rope_scaling is not None:
@@ -551,6 +573,16 @@ def model_context(
             )
         if scaling.kind == "dynamic_ntk":
             params += (("max_position_embeddings", float(config.max_position_embeddings)),)
+        if scaling.kind == "longrope":
+            params += (
+                ("attention_factor", float(rope_attention_factor(config))),
+                *((f"long_factor.{i:04d}", float(v)) for i, v in enumerate(scaling.long_factor)),
+                (
+                    "original_max_position_embeddings",
+                    float(scaling.original_max_position_embeddings),
+                ),
+                *((f"short_factor.{i:04d}", float(v)) for i, v in enumerate(scaling.short_factor)),
+            )
     windows = set(config.layer_sliding_windows)
     if len(windows) == 1:
         window = windows.pop()

@@ -113,8 +113,7 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": None, "eos_token_id": None,
     },
     # Llama with fused q/k/v and gate/up weights and Mistral's window on every layer; the
-    # dropouts are training settings, original_max_position_embeddings is read by longrope only
-    # (refused).
+    # dropouts are training settings, original_max_position_embeddings is read by longrope only.
     "phi3": {
         "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
@@ -479,18 +478,14 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     local_theta: float | None = None  # Gemma 3's sliding layers' RoPE base
     if model_type == "gemma3_text":
         rope_theta, rope_scaling, local_theta = _gemma3_rope(hf, fields)
+    elif model_type == "phi3":
+        rope_theta, rope_scaling = _phi3_rope(hf, fields, hidden_size // num_heads)
     else:
         rope_theta, rope_scaling = _rope_from_hf(
             hf, fields, _DEFAULT_ROPE_THETA.get(model_type, 10000.0)
         )
     if gemma_type:
         gemma = _gemma_settings(fields, model_type, local_theta)
-    if model_type == "phi3" and rope_scaling is not None:
-        # Phi3Config reads "default" or "longrope" (older "su" / "yarn" mean longrope too).
-        raise InvalidInputError(
-            f"config.json: phi3 computes {rope_scaling.kind!r} RoPE scaling as longrope, "
-            "which this decoder does not implement"
-        )
     # Qwen3Config, GptOssConfig and the Gemma configs declare head_dim a plain int (strict:
     # null is refused, but GptOssConfig derives a missing one); Ministral's modeling reads a
     # null one as None and fails; the others derive it (hidden / heads).
@@ -975,6 +970,96 @@ def _gemma3_rope(hf: Mapping[str, Any], fields: _Fields) -> tuple[float, RopeSca
     if not local_theta > 1:
         raise InvalidInputError(f"config.json field {local_key!r} must be > 1, got {local_theta}")
     return theta, full_scaling, local_theta
+
+
+#: What a LongRoPE parameter object may hold besides its type, theta and rotary fraction:
+#: transformers' required and optional keys for ``longrope``.
+_LONGROPE_KEYS = frozenset(
+    {
+        "short_factor",
+        "long_factor",
+        "factor",
+        "attention_factor",
+        "original_max_position_embeddings",
+    }
+)
+
+
+def _phi3_rope(
+    hf: Mapping[str, Any], fields: _Fields, rotary_dim: int
+) -> tuple[float, RopeScaling | None]:
+    """Phi-3's RoPE, read as ``Phi3Config.convert_rope_params_to_dict`` and transformers'
+    ``_compute_longrope_parameters`` read it.
+
+    ``rope_scaling`` wins over ``rope_parameters``; its type is "default" or "longrope", the
+    older "su" and "yarn" meaning longrope too (anything else Phi3Config refuses). The original
+    context is always the top-level ``original_max_position_embeddings`` (default 4096): it
+    overrides the object's own whenever transformers normalises a longrope object, which the
+    model's rotary embedding does on construction even for "su" (whose object must hold one
+    all the same, or the config is refused). The theta inside the object wins over the
+    top-level one. ``factor`` defaults to ``max_position_embeddings / original``, and the
+    attention factor to ``sqrt(1 + ln(factor) / ln(original))`` (1 when factor <= 1).
+    """
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    raw = hf.get(key)
+    if raw is None:
+        return _rope_from_hf(hf, fields, 10000.0)
+    if not isinstance(raw, Mapping):
+        raise InvalidInputError(f"config.json field {key!r} must be an object, got {_show(raw)}")
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "default":
+        return _rope_from_hf(hf, fields, 10000.0)
+    if kind not in ("longrope", "su", "yarn"):
+        raise InvalidInputError(
+            f"config.json field {key!r}: phi3 reads rope type 'default' or 'longrope' "
+            f"(older 'su' and 'yarn' mean longrope), got {_show(kind)}"
+        )
+    unknown = sorted(
+        set(raw) - _LONGROPE_KEYS - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    )
+    if unknown:
+        raise InvalidInputError(
+            f"config.json field {key!r}: longrope has parameter(s) this decoder does not "
+            f"implement: {', '.join(map(repr, unknown))}"
+        )
+    fraction_key = "partial_rotary_factor"
+    rotary_fraction = raw.get(fraction_key, hf.get(fraction_key, 1.0))
+    if _number(fraction_key, rotary_fraction) != 1.0:
+        raise InvalidInputError(f"{fraction_key} {rotary_fraction} is unsupported")
+    theta = _number(f"{key}.rope_theta", raw.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "su" and raw.get("original_max_position_embeddings") is None:
+        raise InvalidInputError(
+            f"config.json field {key!r}: rope type 'su' needs its own "
+            "'original_max_position_embeddings' (transformers refuses it without)"
+        )
+    original = fields.integer("original_max_position_embeddings")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = raw.get(name)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2:
+            raise InvalidInputError(
+                f"config.json field '{key}.{name}' must be a list of {rotary_dim // 2} numbers "
+                f"(one per rotated pair), got {_show(values)}"
+            )
+        factors[name] = tuple(_number(f"{key}.{name}", value) for value in values)
+    factor = raw.get("factor")
+    if factor is None:
+        factor = fields.integer("max_position_embeddings") / original
+    factor = _number(f"{key}.factor", factor)
+    attention_factor = raw.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    attention_factor = _number(f"{key}.attention_factor", attention_factor)
+    return theta, RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+    )
 
 
 #: The keys a RoPE parameter object may hold, per kind ("rope_type"/"type" and "rope_theta"

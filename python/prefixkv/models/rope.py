@@ -49,9 +49,16 @@ class RopeScaling:
         `factor` along a ramp set by `beta_fast` / `beta_slow` rotations over
         ``original_max_position_embeddings``, and cos/sin multiplied by `attention_factor`.
         Static: no length enters, so cached KV stays exact.
+        ``"longrope"``: Phi-3's LongRoPE (HF's ``"longrope"``, older ``"su"``): pair i's
+        frequency divided by ``short_factor[i]`` while the sequence's length L is at most
+        ``original_max_position_embeddings``, by ``long_factor[i]`` once L exceeds it, and
+        cos/sin multiplied by `attention_factor` (resolved by the config reader, which knows
+        ``max_position_embeddings``). Length-dependent at that one threshold: see
+        `ModelConfig.position_encoding_is_length_dependent`. `factor` is kept for the record
+        only; the attention factor already holds what it means.
     """
 
-    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3", "yarn"]
+    kind: Literal["linear", "ntk", "dynamic_ntk", "llama3", "yarn", "longrope"]
     factor: float
     #: Llama 3 only (the defaults are Llama 3.1's).
     low_freq_factor: float = 1.0
@@ -64,13 +71,20 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float | None = None
     truncate: bool = True
+    #: LongRoPE only: the divisor of each rotated pair's frequency, ``head_dim // 2`` each.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3", "yarn"):
+        if self.kind not in ("linear", "ntk", "dynamic_ntk", "llama3", "yarn", "longrope"):
             raise InvalidInputError(
                 f"unsupported rope scaling kind {self.kind!r}; "
-                "expected 'linear', 'ntk', 'dynamic_ntk', 'llama3' or 'yarn'"
+                "expected 'linear', 'ntk', 'dynamic_ntk', 'llama3', 'yarn' or 'longrope'"
             )
+        object.__setattr__(self, "short_factor", tuple(self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(self.long_factor))
+        if self.kind == "longrope":
+            self._check_longrope()
         if self.kind == "yarn" and not (
             self.beta_fast > 0 and self.beta_slow > 0 and self.original_max_position_embeddings > 0
         ):
@@ -91,8 +105,48 @@ class RopeScaling:
             raise InvalidInputError(
                 f"rope scaling factor must be a finite number, got {self.factor!r}"
             )
-        if self.factor < 1.0:
+        # LongRoPE's factor (max / original context) only sets its default attention factor,
+        # which transformers makes 1 for a factor <= 1; every other kind divides by it.
+        if self.factor < 1.0 and not (self.kind == "longrope" and self.factor > 0):
             raise InvalidInputError(f"rope scaling factor must be >= 1, got {self.factor}")
+
+    def _check_longrope(self) -> None:
+        if self.original_max_position_embeddings <= 0:
+            raise InvalidInputError(
+                "longrope rope scaling needs a positive original_max_position_embeddings"
+            )
+        if self.attention_factor is None or not (
+            math.isfinite(self.attention_factor) and self.attention_factor > 0
+        ):
+            raise InvalidInputError(
+                "longrope rope scaling needs a positive finite attention_factor, got "
+                f"{self.attention_factor!r}"
+            )
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if not values or not all(
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and v > 0
+                for v in values
+            ):
+                raise InvalidInputError(
+                    f"longrope rope scaling needs {name} as a non-empty list of positive numbers"
+                )
+        if len(self.short_factor) != len(self.long_factor):
+            raise InvalidInputError(
+                f"longrope short_factor has {len(self.short_factor)} entries, long_factor "
+                f"{len(self.long_factor)}: both need one per rotated pair"
+            )
+
+    def longrope_factors(self, sequence_length: int) -> tuple[float, ...]:
+        """LongRoPE's per-pair divisors for a sequence of `sequence_length` tokens: the long
+        ones once it exceeds the original context, as transformers' ``longrope`` update picks
+        them (``max(position_ids) + 1 > original_max_position_embeddings``)."""
+        if sequence_length > self.original_max_position_embeddings:
+            return self.long_factor
+        return self.short_factor
 
     @property
     def yarn_attention_factor(self) -> float:
@@ -126,7 +180,7 @@ def rope_base(config: RopeSettings, sequence_length: int) -> float:
     ``_compute_dynamic_ntk_parameters``.
     """
     scaling = config.rope_scaling
-    if scaling is None or scaling.kind in ("linear", "llama3", "yarn"):
+    if scaling is None or scaling.kind in ("linear", "llama3", "yarn", "longrope"):
         return config.rope_theta
     exponent = config.head_dim / (config.head_dim - 2)
     if scaling.kind == "ntk":
@@ -139,7 +193,8 @@ def rope_base(config: RopeSettings, sequence_length: int) -> float:
 def rope_inverse_frequencies(config: RopeSettings, sequence_length: int) -> torch.Tensor:
     """Angle per position of each rotated pair, ``[head_dim // 2]`` float64 on the CPU.
 
-    Position p rotates pair i by ``(p + position_offset) * result[i]``. Linear scaling is folded
+    Position p rotates pair i by ``(p + position_offset) * result[i]``. `sequence_length` is read
+    by dynamic NTK (the base) and LongRoPE (short or long factors) only. Linear scaling is folded
     in here (dividing the frequencies is dividing the positions) so both forward paths get it
     from one place; `tests/test_model_rope.py` checks this table against the formulas directly.
     Float64 so that large positions do not lose angle precision before the cos/sin.
@@ -154,14 +209,29 @@ def rope_inverse_frequencies(config: RopeSettings, sequence_length: int) -> torc
         inverse = _llama3_frequencies(inverse, scaling)
     elif scaling is not None and scaling.kind == "yarn":
         inverse = _yarn_frequencies(inverse, scaling, config.head_dim, base)
+    elif scaling is not None and scaling.kind == "longrope":
+        factors = scaling.longrope_factors(sequence_length)
+        if len(factors) != len(inverse):
+            raise InvalidInputError(
+                f"longrope rope scaling has {len(factors)} factors for "
+                f"{len(inverse)} rotated pairs (head_dim {config.head_dim})"
+            )
+        inverse = inverse / torch.tensor(factors, dtype=torch.float64)
     return inverse
 
 
 def rope_attention_factor(config: RopeSettings) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor, else 1. Both forward paths
-    fold it into the float64 tables before rounding them to the model dtype, as transformers
-    does; scaling the rotated queries and keys instead would round them a second time."""
-    return 1.0 if config.rope_scaling is None else config.rope_scaling.yarn_attention_factor
+    """What cos and sin are multiplied by: YaRN's or LongRoPE's attention factor, else 1. Both
+    forward paths fold it into the float64 tables before rounding them to the model dtype, as
+    transformers does; scaling the rotated queries and keys instead would round them a second
+    time. LongRoPE applies its factor at every length, short factors included."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return 1.0
+    if scaling.kind == "longrope":
+        assert scaling.attention_factor is not None  # checked at construction
+        return scaling.attention_factor
+    return scaling.yarn_attention_factor
 
 
 def _yarn_frequencies(
