@@ -18,6 +18,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.models.gguf import load_gguf
@@ -34,6 +35,17 @@ CORPUS = [
     "Order 2024 ships 17 units; naïve café owners smile.",
     "def main():\n    return the_answer  # a comment\n",
 ] * 20
+#: Llama 2's chat format: the template writes BOS itself, before each turn.
+LLAMA2_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + message['content'] | trim + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+MESSAGES = [
+    {"role": "user", "content": "Hello world, 2024 🦙?"},
+    {"role": "assistant", "content": "the sea is blue"},
+    {"role": "user", "content": "and  the sky\nnaïve?"},
+]
 TEXTS = [
     "Hello world",
     " leading space",
@@ -226,3 +238,23 @@ def test_a_vocabulary_too_costly_to_derive_merges_from_is_refused(
         load_gguf(path)
     monkeypatch.setattr(gguf_tokenizer, "_MAX_SPLIT_WORK", work)
     assert load_gguf(path).tokenizer is not None
+
+
+def test_llama2_chat_through_the_engine_gives_transformers_apply_chat_template_ids(
+    tmp_path: Path, pieces: list[str]
+) -> None:
+    template = {"tokenizer.chat_template": LLAMA2_TEMPLATE}
+    path = write_spm_gguf(tmp_path / "m.gguf", *vocabulary(pieces), strings=template)
+    checkpoint = load_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    expected = theirs.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
+    engine = Engine(
+        checkpoint.model,
+        tokenizer=checkpoint.tokenizer,
+        chat_template=checkpoint.chat_template,
+        num_blocks=64,
+        block_size=4,
+    )
+    ids = engine.encode(MESSAGES)
+    assert ids == list(expected)
+    assert ids.count(theirs.bos_token_id) == 2 and ids[0] == theirs.bos_token_id
