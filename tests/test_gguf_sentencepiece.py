@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from prefixkv.engine.facade import Engine
@@ -258,3 +260,29 @@ def test_llama2_chat_through_the_engine_gives_transformers_apply_chat_template_i
     ids = engine.encode(MESSAGES)
     assert ids == list(expected)
     assert ids.count(theirs.bos_token_id) == 2 and ids[0] == theirs.bos_token_id
+
+
+@pytest.fixture(scope="module")
+def loaded_pair(tmp_path_factory: pytest.TempPathFactory, pieces: list[str]) -> tuple[Any, Any]:
+    path = write_spm_gguf(tmp_path_factory.mktemp("spm") / "m.gguf", *vocabulary(pieces, tied=4))
+    return both(path)
+
+
+#: Text mixing the vocabulary's letters, spaces, newlines, digits, special tokens and any
+#: character at all (most go through the byte pieces).
+_TEXT = st.lists(
+    st.sampled_from(["a", "b", "cd", "the", " ", "  ", "\n", "7", "▁", *CONTROL, BOS, EOS, UNK])
+    | st.characters(),
+    max_size=30,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=_TEXT)
+def test_any_text_encodes_and_decodes_as_transformers_gguf_loader(
+    loaded_pair: tuple[Any, Any], text: str
+) -> None:
+    ours, theirs = loaded_pair
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids)
