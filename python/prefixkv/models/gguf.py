@@ -21,8 +21,9 @@ it; a file the reader cannot parse is refused the same way. Never a guess:
 * **Tokenizer**: built with the ``tokenizers`` library from the file's vocabulary and merges
   (a byte-level BPE, ``tokenizer.ggml.model == "gpt2"``), with the pre-tokenizer that
   ``tokenizer.ggml.pre`` names (`_PRE_TOKENIZERS`, each the split llama.cpp applies for that
-  name). An unknown pre-tokenizer or a SentencePiece vocabulary is refused: a different split
-  gives different ids for the same text, a silent wrong prompt.
+  name). An unknown pre-tokenizer is refused: a different split gives different ids for the
+  same text, a silent wrong prompt. SentencePiece vocabularies (``"llama"``: Llama 2, Mistral)
+  are rebuilt by `prefixkv.models.gguf_tokenizer`; any other model is refused.
 * **Chat template and stop tokens**: ``tokenizer.chat_template`` (and named
   ``tokenizer.chat_template.<name>`` templates), rendered with the file's BOS/EOS token text;
   stop tokens are ``tokenizer.ggml.eos_token_id`` plus the end-of-turn ids llama.cpp also
@@ -432,9 +433,14 @@ def _tokenizer(metadata: _Metadata, path: Path) -> HFTokenizer:
     from prefixkv.text.tokenizers import HFTokenizer
 
     kind = metadata.get("tokenizer.ggml.model")
+    if kind == "llama":
+        from prefixkv.models.gguf_tokenizer import sentencepiece_tokenizer
+
+        return sentencepiece_tokenizer(metadata, path)
     if kind != "gpt2":  # compared, never used: any other value or type is refused here
         raise InvalidInputError(
-            f"{path}: tokenizer.ggml.model {kind!r} is not supported; byte-level BPE ('gpt2') is"
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported; byte-level BPE ('gpt2')"
+            " and SentencePiece ('llama') are"
         )
     pre = metadata.string("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
