@@ -384,13 +384,13 @@ def test_an_unsupported_tensor_type_is_refused_by_name(
     writer.add_head_count(4)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(300)
-    # An i-quant: its codebooks are not implemented here (K-quants are, tests/test_gguf_kquants.py).
-    iq4 = gguf.GGMLQuantizationType.IQ4_NL
-    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), iq4), dtype=np.uint8)
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=iq4)
+    # A ternary type: not implemented here (K- and i-quants are, tests/test_gguf_[ki]quants.py).
+    ternary = gguf.GGMLQuantizationType.TQ2_0
+    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), ternary), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=ternary)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(InvalidInputError, match="IQ4_NL"):
+    with pytest.raises(InvalidInputError, match="TQ2_0"):
         load_gguf(path)

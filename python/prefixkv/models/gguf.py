@@ -13,7 +13,10 @@ it; a file the reader cannot parse is refused the same way. Never a guess:
   write (each tested against the same weights in a Hugging Face directory), and the K-quants
   Q2_K to Q6_K (256-value super-blocks, what a ``Q4_K_M`` file holds; the package has no
   quantizer for them, so ``tests/test_gguf_kquants.py`` checks its dequantizer against a port
-  of llama.cpp's ``dequantize_row_q*_K``). i-quants, ternary and Q8_K are refused by name.
+  of llama.cpp's ``dequantize_row_q*_K``), and the i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS,
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M (codebook formats; no quantizer either, so
+  ``tests/test_gguf_iquants.py`` checks the dequantizer against a port of llama.cpp's
+  ``dequantize_row_iq*``). Ternary (TQ1_0, TQ2_0), Q8_K and the rest are refused by name.
 * **Q/K row order**: llama.cpp's converter permutes the rows of ``q_proj`` / ``k_proj`` of the
   ``llama`` architecture so that its RoPE rotates adjacent pairs (GPT-J style); the HF layout
   this decoder uses rotates halves. `_unpermute` undoes it (``qwen2`` and ``qwen3`` files are
@@ -56,6 +59,7 @@ __all__ = ["SUPPORTED_TYPES", "is_gguf", "load_gguf"]
 SUPPORTED_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
     | {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    | {"IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
 )
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")

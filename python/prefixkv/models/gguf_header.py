@@ -156,7 +156,7 @@ def _scan(data: Any, path: Path, quant_sizes: dict[int, tuple[int, int]]) -> Non
             raise scanner.fail(f"tensor {name} has unknown type {tensor_type}")
         block_values, block_bytes = quant_sizes[tensor_type]
         # llama.cpp's rule (gguf.cpp): each row (the first, innermost dimension) is whole
-        # blocks; a K-quant block spans 256 values of one row.
+        # blocks; a K-quant or i-quant block spans 256 values of one row (IQ4_NL's 32).
         if shape[0] % block_values:
             raise scanner.fail(
                 f"tensor {name} has rows of {shape[0]} values, not a whole number of "
