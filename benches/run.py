@@ -2,8 +2,8 @@
 
     python benches/run.py                 # everything (~10 minutes on 2 cores)
     python benches/run.py --quick         # a ~1-minute pass with smaller sizes
-    python benches/run.py --only overhead # one section (overhead, threads, compute, copies,
-                                          # memory, core); repeatable
+    python benches/run.py --only overhead # one section (overhead, production, threads, compute,
+                                          # copies, memory, core); repeatable
 
 Every figure is a ratio against a baseline timed in the same run (see README.md).
 """
@@ -26,10 +26,11 @@ import bench_compute
 import bench_copies
 import bench_memory
 import bench_overhead
+import bench_production
 import bench_threads
 from common import BENCH_DIR, RESULTS_DIR, machine, md_table, set_clock, write_json
 
-SECTIONS = ["overhead", "threads", "compute", "copies", "memory", "core"]
+SECTIONS = ["overhead", "production", "threads", "compute", "copies", "memory", "core"]
 PROFILE_DIR = BENCH_DIR / "core_profile"
 
 
@@ -161,6 +162,29 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
             f"worst {worst_py:.2f}×, best {max(max(r['speedup_vs_python_numpy'], r['speedup_vs_python_list']) for r in o['rows']):.2f}×",
             worst_py >= 15,
         )
+    if "production" in results:
+        p = results["production"]
+        ratio = p["ratios"]
+        add(
+            "production-shaped replay (issue 24): within 3× of the table-hash floor, mean and p99",
+            f"mean {ratio['mean']['prefixkv_vs_floor']:.2f}×, p99 "
+            f"{ratio['p99']['prefixkv_vs_floor']:.2f}× (hit rate {p['hit_rate']:.1%}, "
+            f"{p['evictions_per_request']:.0f} evictions/request)",
+            max(ratio["mean"]["prefixkv_vs_floor"], ratio["p99"]["prefixkv_vs_floor"]) <= 3.0,
+        )
+        add(
+            "production-shaped replay: list input within 1.5× of numpy, mean",
+            f"mean {ratio['mean']['list_vs_numpy']:.2f}×, p99 {ratio['p99']['list_vs_numpy']:.2f}×",
+            ratio["mean"]["list_vs_numpy"] <= 1.5,
+        )
+        if "vllm" in p:
+            peer = p["vllm"]["vllm_vs_prefixkv"]
+            add(
+                "production-shaped replay: ≥5× the fastest peer per request (peer run: vLLM "
+                f"{p['vllm']['version']}'s KVCacheManager only), mean and p99",
+                f"mean {peer['mean']:.1f}×, p99 {peer['p99']:.1f}×",
+                min(peer["mean"], peer["p99"]) >= 5.0,
+            )
     core_lines = (results.get("core") or {}).get("lines", [])
     for line in core_lines:
         if line.get("pressure"):
@@ -358,6 +382,12 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
             "overhead.png",
         ),
         ("core", "1b. The core alone, without Python (cargo)", core_markdown, None),
+        (
+            "production",
+            "1c. Production-shaped replay (issue 24)",
+            bench_production.markdown,
+            None,
+        ),
         ("threads", "2. Lookup throughput from threads", bench_threads.markdown, "threads.png"),
         ("compute", "3. Prefill compute saved", bench_compute.markdown, "compute.png"),
         ("copies", "4. Page copies", bench_copies.markdown, "copies.png"),
@@ -409,6 +439,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     runners = {
         "overhead": bench_overhead.run,
+        "production": bench_production.run,
         "threads": bench_threads.run,
         "compute": bench_compute.run,
         "copies": bench_copies.run,

@@ -1,0 +1,404 @@
+"""Section 1c: a production-shaped replay (issue 24), prefixkv beside the plain-Python baseline.
+
+The trace (`production_workload.py`): interleaved multi-turn chats and agent sessions whose
+prompts grow turn by turn, shared system prefixes, prompts of a few hundred to ~190k tokens
+(mean ~12k), through a cache of 1/10 of the trace's working set, so most requests evict.
+
+Every request (numpy int64 token ids) goes, in a rotating order, through:
+
+- ``prefixkv``: ``PrefixCache.begin`` + ``commit(all prompt tokens)`` + ``finish``, as in
+  `bench_overhead.py`; and the same through a second cache with the prompt as a list of ints
+  (built outside the timed calls);
+- the plain-Python block manager of `python_baseline.py` (same cycle, same pool size);
+- the table-hash floor: ``as_token_ids`` + ``_core.hash_prompt``, the XXH3-128 table key of every
+  full block and nothing else (see `bench_overhead.py`).
+
+The two caches must report the same cached-token count on every request (the run fails
+otherwise): under this pressure that also checks that they evict the same blocks, since a
+different victim changes a later hit. Figures are per request: mean, p50 and p99 of each
+variant's CPU time (common.py's clock), the ratios prefixkv ÷ floor and Python ÷ prefixkv, and the
+same by prompt length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import clock_name, fmt_ratio, gc_paused, machine, md_table, now, write_json
+from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
+from python_baseline import PyPrefixCache
+
+from prefixkv import PrefixCache
+from prefixkv.cache import as_token_ids, key_extras
+
+NO_EXTRAS = key_extras()
+VARIANTS = ["prefixkv", "prefixkv_list", "python", "floor"]
+#: Prompt-length bands of the per-length table (tokens, upper bounds).
+BANDS = [4_096, 16_384, 65_536, 262_144]
+#: The leading share of requests that fill the cold cache and are not timed.
+WARMUP_FRACTION = 0.1
+
+
+class HitMismatch(AssertionError):
+    """prefixkv (numpy or list input), the Python baseline or vLLM disagreed on a request's
+    cached tokens."""
+
+
+def replay(trace: ProductionTrace) -> dict[str, Any]:
+    """Replays `trace` through every variant; per-request samples, hits and evictions."""
+    num_blocks = trace.num_blocks()
+    ours = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    ours_list = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    theirs = PyPrefixCache(num_blocks, BLOCK_SIZE)
+    floor_core = PrefixCache(16, block_size=BLOCK_SIZE)._core
+
+    def run_ours(tokens: np.ndarray) -> tuple[int, int, int, int]:
+        t0 = now()
+        request = ours.begin(tokens)
+        t1 = now()
+        ours.commit(request, request.num_prompt_tokens)
+        t2 = now()
+        ours.finish(request)
+        return now() - t0, t1 - t0, t2 - t1, request.num_cached_tokens
+
+    def run_ours_list(tokens: list[int]) -> tuple[int, int]:
+        t0 = now()
+        request = ours_list.begin(tokens)
+        ours_list.commit(request, request.num_prompt_tokens)
+        ours_list.finish(request)
+        return now() - t0, request.num_cached_tokens
+
+    def run_theirs(tokens: np.ndarray) -> tuple[int, int]:
+        t0 = now()
+        request = theirs.begin(tokens)
+        theirs.commit(request, request.num_prompt_tokens)
+        theirs.finish(request)
+        return now() - t0, request.num_cached_tokens
+
+    def run_floor(tokens: np.ndarray) -> tuple[int]:
+        t0 = now()
+        floor_core.hash_prompt(as_token_ids(tokens), NO_EXTRAS)
+        return (now() - t0,)
+
+    runners: dict[str, Any] = {
+        "prefixkv": run_ours,
+        "prefixkv_list": run_ours_list,
+        "python": run_theirs,
+        "floor": run_floor,
+    }
+    warmup = int(WARMUP_FRACTION * trace.num_requests)
+    ns: dict[str, list[int]] = {v: [] for v in VARIANTS}
+    phases: dict[str, list[int]] = {"begin": [], "commit": [], "finish": []}
+    lengths: list[int] = []
+    cached: list[int] = []
+    every_hit: list[int] = []
+    kinds: list[str] = []
+    evictions_before = (0, 0)
+    all_prompt = all_cached = 0
+    with gc_paused():
+        for index, request in enumerate(trace.requests()):
+            if index == warmup:
+                evictions_before = (ours.stats().evictions, theirs.evictions)
+            # The list form is built outside the timed calls: an engine holding lists has it.
+            forms = {"numpy": request.tokens, "list": request.tokens.tolist()}
+            shift = index % len(VARIANTS)
+            results = {
+                name: runners[name](forms["list" if name.endswith("_list") else "numpy"])
+                for name in VARIANTS[shift:] + VARIANTS[:shift]
+            }
+            hit = results["prefixkv"][3]
+            if not hit == results["prefixkv_list"][1] == results["python"][1]:
+                raise HitMismatch(
+                    f"request {index} (session {request.session}, turn {request.turn}, "
+                    f"{len(request.tokens)} tokens): prefixkv cached {hit} (numpy), "
+                    f"{results['prefixkv_list'][1]} (list), Python {results['python'][1]}"
+                )
+            all_prompt += len(request.tokens)
+            all_cached += hit
+            every_hit.append(hit)
+            if index < warmup:
+                continue
+            for name in VARIANTS:
+                ns[name].append(results[name][0])
+            phases["begin"].append(results["prefixkv"][1])
+            phases["commit"].append(results["prefixkv"][2])
+            phases["finish"].append(results["prefixkv"][0] - sum(results["prefixkv"][1:3]))
+            lengths.append(len(request.tokens))
+            cached.append(hit)
+            kinds.append(request.kind)
+    timed = len(lengths)
+    evictions = (
+        ours.stats().evictions - evictions_before[0],
+        theirs.evictions - evictions_before[1],
+    )
+    return {
+        "num_blocks": num_blocks,
+        "working_set_blocks": trace.working_set_blocks(),
+        "requests": trace.num_requests,
+        "requests_timed": timed,
+        "warmup": warmup,
+        "hit_rate_all": all_cached / all_prompt,
+        "every_hit": np.array(every_hit, dtype=np.int64),
+        "ns": {k: np.array(v, dtype=np.int64) for k, v in ns.items()},
+        "phases_ns": {k: np.array(v, dtype=np.int64) for k, v in phases.items()},
+        "lengths": np.array(lengths, dtype=np.int64),
+        "cached": np.array(cached, dtype=np.int64),
+        "kinds": kinds,
+        "evictions": evictions,
+    }
+
+
+def _stats_us(samples: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": float(samples.mean()) / 1e3,
+        "p50": float(np.percentile(samples, 50)) / 1e3,
+        "p99": float(np.percentile(samples, 99)) / 1e3,
+    }
+
+
+def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
+    """The JSON-able figures of one replay."""
+    lengths = raw["lengths"]
+    cached = raw["cached"]
+    timed = raw["requests_timed"]
+    us = {name: _stats_us(samples) for name, samples in raw["ns"].items()}
+    ratio = {
+        stat: {
+            "prefixkv_vs_floor": us["prefixkv"][stat] / us["floor"][stat],
+            "python_vs_prefixkv": us["python"][stat] / us["prefixkv"][stat],
+            "list_vs_numpy": us["prefixkv_list"][stat] / us["prefixkv"][stat],
+        }
+        for stat in ("mean", "p50", "p99")
+    }
+    bands = []
+    low = 0
+    for high in BANDS:
+        mask = (lengths > low) & (lengths <= high)
+        if mask.any():
+            band_us = {name: _stats_us(s[mask]) for name, s in raw["ns"].items()}
+            bands.append(
+                {
+                    "tokens": [low, high],
+                    "requests": int(mask.sum()),
+                    "mean_tokens": float(lengths[mask].mean()),
+                    "hit_rate": float(cached[mask].sum() / lengths[mask].sum()),
+                    "us": band_us,
+                    "prefixkv_vs_floor_mean": band_us["prefixkv"]["mean"]
+                    / band_us["floor"]["mean"],
+                    "python_vs_prefixkv_mean": band_us["python"]["mean"]
+                    / band_us["prefixkv"]["mean"],
+                }
+            )
+        low = high
+    kinds = np.array(raw["kinds"])
+    return {
+        "clock": clock_name(),
+        "seed": trace.seed,
+        "params": {k: v for k, v in vars(trace.params).items()},
+        "sessions": len(trace.sessions),
+        "requests": raw["requests"],
+        "requests_timed": timed,
+        "agent_request_share": float((kinds == "agent").mean()),
+        "prompt_tokens": {
+            "mean": float(lengths.mean()),
+            "p50": float(np.percentile(lengths, 50)),
+            "p99": float(np.percentile(lengths, 99)),
+            "min": int(lengths.min()),
+            "max": int(lengths.max()),
+        },
+        "cache_tokens": raw["num_blocks"] * BLOCK_SIZE,
+        "working_set_tokens": raw["working_set_blocks"] * BLOCK_SIZE,
+        "hit_rate": float(cached.sum() / lengths.sum()),
+        "hit_rate_all_requests": raw["hit_rate_all"],
+        "hit_rate_per_request_mean": float((cached / lengths).mean()),
+        "hit_rate_by_kind": {
+            kind: float(cached[kinds == kind].sum() / lengths[kinds == kind].sum())
+            for kind in ("chat", "agent")
+            if (kinds == kind).any()
+        },
+        "evictions_per_request": raw["evictions"][0] / timed,
+        "python_evictions_per_request": raw["evictions"][1] / timed,
+        "hits_identical": True,  # replay() raises HitMismatch otherwise
+        "us": us,
+        "prefixkv_phases_us": {k: _stats_us(v) for k, v in raw["phases_ns"].items()},
+        "ratios": ratio,
+        "bands": bands,
+    }
+
+
+def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> dict[str, Any]:
+    """Replays the same trace through vLLM's `KVCacheManager` in `vllm_python` (peer_vllm.py,
+    a separate process: vLLM lives in its own environment) and compares hits request by request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [vllm_python, str(Path(__file__).with_name("peer_vllm.py")), "--seed", str(seed)]
+        command += ["--quick"] * quick + ["--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            data = {key: peer[key] for key in peer.files}
+    ours = raw["every_hit"]
+    if len(data["cached"]) != len(ours):
+        raise HitMismatch(f"vLLM replayed {len(data['cached'])} requests, prefixkv {len(ours)}")
+    differ = np.flatnonzero(data["cached"] != ours)
+    if len(differ):
+        first = int(differ[0])
+        raise HitMismatch(
+            f"request {first}: prefixkv cached {ours[first]}, vLLM {data['cached'][first]} "
+            f"({len(differ)} requests differ)"
+        )
+    warmup = raw["warmup"]
+    hashing, manager = data["hash_ns"][warmup:], data["manager_ns"][warmup:]
+    total = hashing + manager
+    ours_us = _stats_us(raw["ns"]["prefixkv"])
+    total_us = _stats_us(total)
+    return {
+        "version": str(data["version"]),
+        "hits_identical": True,
+        "us": {
+            "request_and_hashes": _stats_us(hashing),
+            "manager": _stats_us(manager),
+            "total": total_us,
+        },
+        "vllm_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+    }
+
+
+def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> dict[str, Any]:
+    """`vllm_python`: a Python with vLLM for the peer replay (default: $PREFIXKV_VLLM_PYTHON,
+    else none)."""
+    params = TraceParams().scaled(0.2) if quick else TraceParams()
+    trace = production_trace(params, seed=seed)
+    load = os.getloadavg()[0]
+    raw = replay(trace)
+    result = summarize(raw, trace)
+    vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
+    if vllm_python:
+        result["vllm"] = vllm_peer(vllm_python, quick, seed, raw)
+    result["quick"] = quick
+    result["load_average_before"] = load
+    result["load_average_after"] = os.getloadavg()[0]
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    pt = result["prompt_tokens"]
+    kinds = ", ".join(f"{k} {v:.1%}" for k, v in result["hit_rate_by_kind"].items())
+    out = [
+        f"{result['sessions']:,} sessions, {result['requests']:,} requests "
+        f"({result['agent_request_share']:.0%} agent calls), seed {result['seed']}; the first "
+        f"{result['requests'] - result['requests_timed']:,} fill the cache and are not timed. "
+        f"Timed prompts: mean {pt['mean']:,.0f} tokens, p50 {pt['p50']:,.0f}, p99 "
+        f"{pt['p99']:,.0f}, {pt['min']:,}–{pt['max']:,}. Cache {result['cache_tokens'] / 1e6:.2f}M "
+        f"tokens, working set {result['working_set_tokens'] / 1e6:.1f}M. Hit rate (cached ÷ "
+        f"prompt tokens) {result['hit_rate']:.1%} ({kinds}; mean per request "
+        f"{result['hit_rate_per_request_mean']:.1%}); {result['evictions_per_request']:.0f} "
+        f"evictions per request (Python baseline {result['python_evictions_per_request']:.0f}); "
+        f"prefixkv{', the Python baseline and vLLM' if 'vllm' in result else ' and the Python baseline'} reported the "
+        "same cached tokens on every request. "
+        f"µs of {result['clock']} time per request; load average "
+        f"{result['load_average_before']:.1f} before, {result['load_average_after']:.1f} after.\n",
+    ]
+    rows = []
+    for name, label in [
+        ("prefixkv", "prefixkv (numpy)"),
+        ("prefixkv_list", "prefixkv (list)"),
+        ("python", "Python baseline (numpy)"),
+        ("floor", "table-hash floor (numpy)"),
+    ]:
+        s = result["us"][name]
+        rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+    for key, label in [
+        ("prefixkv_vs_floor", "prefixkv ÷ floor"),
+        ("python_vs_prefixkv", "Python ÷ prefixkv"),
+        ("list_vs_numpy", "prefixkv list ÷ numpy"),
+    ]:
+        rows.append(
+            [label, *(fmt_ratio(result["ratios"][stat][key]) for stat in ("mean", "p50", "p99"))]
+        )
+    peer = result.get("vllm")
+    if peer:
+        for key, label in [
+            ("total", f"vLLM {peer['version']} KVCacheManager, whole request"),
+            ("request_and_hashes", "… of which Request() with its block hashes"),
+            ("manager", "… of which get_computed_blocks + allocate_slots + free"),
+        ]:
+            s = peer["us"][key]
+            rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+        rows.append(
+            [
+                "vLLM ÷ prefixkv",
+                *(fmt_ratio(peer["vllm_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
+            ]
+        )
+    phases = result["prefixkv_phases_us"]
+    for phase in ("begin", "commit", "finish"):
+        s = phases[phase]
+        rows.append(
+            [f"prefixkv {phase}", f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"]
+        )
+    out.append(md_table(["per request", "mean µs", "p50 µs", "p99 µs"], rows))
+    out.append("\nBy prompt length (means):\n")
+    rows = []
+    for band in result["bands"]:
+        low, high = band["tokens"]
+        rows.append(
+            [
+                f"{low // 1024}k–{high // 1024}k",
+                band["requests"],
+                f"{band['mean_tokens']:,.0f}",
+                f"{band['hit_rate']:.1%}",
+                f"{band['us']['prefixkv']['mean']:,.1f}",
+                f"{band['us']['python']['mean']:,.1f}",
+                f"{band['us']['floor']['mean']:,.1f}",
+                fmt_ratio(band["prefixkv_vs_floor_mean"]),
+                fmt_ratio(band["python_vs_prefixkv_mean"]),
+            ]
+        )
+    out.append(
+        md_table(
+            [
+                "prompt tokens",
+                "requests",
+                "mean tokens",
+                "hit",
+                "prefixkv µs",
+                "Python µs",
+                "floor µs",
+                "prefixkv ÷ floor",
+                "Python ÷ prefixkv",
+            ],
+            rows,
+        )
+    )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a fifth of the trace (~1 minute)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm-python",
+        help="a Python with vLLM: replay the trace through vLLM's KVCacheManager too "
+        "(default $PREFIXKV_VLLM_PYTHON)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    result = run(args.quick, args.seed, args.vllm_python)
+    if args.json:
+        write_json(args.json, {"machine": machine(), "result": result})
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
