@@ -72,9 +72,9 @@ fn pressure_prompts(requests: usize) -> Vec<Vec<u32>> {
 
 fn run_request(cache: &PrefixCache, prompt: &[u32]) -> u128 {
     let start = Instant::now();
-    let r = cache.begin(prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
-    cache.commit(r.request_id, prompt.len()).expect("commit");
-    cache.finish(r.request_id).expect("finish");
+    let r = cache.begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
+    cache.commit(&r.request_id, prompt.len()).expect("commit");
+    cache.finish(&r.request_id).expect("finish");
     start.elapsed().as_nanos()
 }
 
@@ -135,18 +135,18 @@ fn decode(steps: usize) {
     let context = context_fingerprint(b"bench");
     let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
     let prompt = tokens(77, 4000);
-    let r = cache.begin(prompt, b"", RequestExtras::default(), 0).expect("begin");
-    cache.commit(r.request_id, 4000).expect("commit");
+    let r = cache.begin(None, prompt, b"", RequestExtras::default(), 0).expect("begin");
+    cache.commit(&r.request_id, 4000).expect("commit");
     let mut len = 4000;
     let generated = tokens(78, steps);
     let start = Instant::now();
     for &token in &generated {
-        cache.append(r.request_id, &[token]).expect("append");
+        cache.append(&r.request_id, &[token]).expect("append");
         len += 1;
-        cache.commit(r.request_id, len).expect("commit");
+        cache.commit(&r.request_id, len).expect("commit");
     }
     let per_step = start.elapsed().as_nanos() as f64 / steps as f64;
-    cache.finish(r.request_id).expect("finish");
+    cache.finish(&r.request_id).expect("finish");
     println!("{{\"what\": \"decode step: append 1 token + commit (mean over {steps} steps from a 4000-token prompt)\", \"ns\": {per_step:.0}}}");
 }
 
