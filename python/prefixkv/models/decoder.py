@@ -60,7 +60,7 @@ from torch import nn
 
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv.decode import paged_decode_attention
+from prefixkv.kv.decode import DecodeReads, paged_decode_attention, plan_decode_reads
 from prefixkv.kv.grouped import GroupedKVCache
 from prefixkv.kv.pages import PagedKVCache
 
@@ -83,7 +83,7 @@ from prefixkv.models.hf_weights import load_pretrained, save_pretrained
 from prefixkv.models.layers import DecoderLayer, DecoderStack, draw_random_weights
 from prefixkv.models.lora import AdapterSet, random_adapter
 from prefixkv.models.rope import apply_rotate_half_rope as _apply_rotate_half_rope
-from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
+from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies, rotate_half_tables
 
 if TYPE_CHECKING:
     from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
@@ -443,7 +443,8 @@ class LlamaModel(nn.Module):
         packed = self._pack(kv_cache, batch)
         config = self.config
         total = packed.tokens.numel()
-        cos, sin = packed.cos, packed.sin  # YaRN's attention factor is in them
+        # Once per call, not per layer (YaRN's attention factor is in them).
+        cos_full, sin_full = rotate_half_tables(packed.cos, packed.sin)
         # A decode step (every request computes one position) takes the batched decode path
         # (`prefixkv.kv.decode`) where the torch backend would run; explicit
         # "reference" / "triton" and CUDA's auto choice keep theirs.
@@ -451,6 +452,8 @@ class LlamaModel(nn.Module):
             attention_backend == "torch"
             or (attention_backend == "auto" and packed.tokens.device.type == "cpu")
         )
+        # Where each decode request's keys are read, per (KV group, window): shared by layers.
+        decode_reads: dict[tuple[int, int | None], DecodeReads] = {}
 
         hidden = self.model.embed_tokens(packed.tokens)
         for index, layer in enumerate(self.model.layers):
@@ -461,15 +464,15 @@ class LlamaModel(nn.Module):
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
             query, key = layer.self_attn.normalize_heads(query, key)
             if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
-                query = _apply_rotate_half_rope(query, cos, sin)
-                key = _apply_rotate_half_rope(key, cos, sin)
+                query = _apply_rotate_half_rope(query, cos_full, sin_full)
+                key = _apply_rotate_half_rope(key, cos_full, sin_full)
             # A layer's pages, its index in them, and its group's slots and block tables.
             if isinstance(kv_cache, GroupedKVCache):
                 pages, page_layer, group = kv_cache.layer_pages(index)
                 slot_mapping = packed.group_slot_mappings[group]
                 block_tables = packed.group_block_tables[group]
             else:
-                pages, page_layer = kv_cache, index
+                pages, page_layer, group = kv_cache, index, 0
                 slot_mapping, block_tables = packed.slot_mapping, packed.block_tables
             if packed.written_rows is None:
                 pages.write(page_layer, key, value, slot_mapping, check_bounds=False)
@@ -477,6 +480,17 @@ class LlamaModel(nn.Module):
                 rows = packed.written_rows
                 pages.write(page_layer, key[rows], value[rows], slot_mapping, check_bounds=False)
             if one_query_each:
+                window = config.layer_sliding_window(index)
+                reads = decode_reads.get((group, window))
+                if reads is None:
+                    reads = plan_decode_reads(
+                        block_tables,
+                        packed.seq_lens,
+                        pages.block_size,
+                        sliding_window=window,
+                        device=query.device,
+                    )
+                    decode_reads[(group, window)] = reads
                 attended = paged_decode_attention(
                     query,
                     pages.key_pages[page_layer],
@@ -484,7 +498,8 @@ class LlamaModel(nn.Module):
                     block_tables,
                     packed.seq_lens,
                     scale=config.head_dim**-0.5,
-                    sliding_window=config.layer_sliding_window(index),
+                    sliding_window=window,
+                    reads=reads,
                 )
             else:
                 attended = paged_prefill_attention(
