@@ -231,6 +231,59 @@ def test_torch_backend_matches_reference_float32(
     assert relative_error(case, torch_backend(case, query_tile, kv_tile_tokens)) <= 1e-5
 
 
+def fused_backend(case: Case, query_tile: int) -> torch.Tensor:
+    """The CPU torch backend's SDPA path with small query tiles, so short test sequences span
+    many masked tiles."""
+    batch = attention._check_inputs(
+        case.query,
+        case.key_pages,
+        case.value_pages,
+        case.block_tables,
+        case.query_lens,
+        case.seq_lens,
+        None,
+    )
+    return attention._sdpa_attention(
+        case.query,
+        case.key_pages,
+        case.value_pages,
+        case.block_tables,
+        batch,
+        1.0 / math.sqrt(int(case.query.shape[2])),
+        case.sliding_window,
+        query_tile=query_tile,
+    )
+
+
+@given(spec=case_specs(), query_tile=st.integers(1, 9))
+def test_fused_cpu_path_matches_reference_float32(spec: CaseSpec, query_tile: int) -> None:
+    """The SDPA path (the CPU default) is as exact as the tiled walk: same float32 bound, stale
+    NaN slots never read, windows and cached prefixes across several query tiles."""
+    case = build(spec)
+    assert relative_error(case, fused_backend(case, query_tile)) <= 1e-5
+
+
+def test_cpu_prefill_is_one_fused_call_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the torch backend hands each request's attention to torch's fused SDPA kernel
+    (one call for an uncached request, one per query tile over a cached prefix) instead of
+    walking KV tiles in Python, which made SmolLM2's 4,096-token prefill 0.82x transformers'."""
+    calls: list[tuple[int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append((int(args[0].shape[2]), kwargs.get("attn_mask") is None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    # Uncached 1,100 tokens and 700 new after a 400-token prefix, no window: one causal call for
+    # the first, two masked query tiles (512 + 188) for the second.
+    spec = CaseSpec((Request(1100, 0), Request(1100, 400)), 1, 3, 16, 16, 0, 0, 0, None, seed=5)
+    case = build(spec)
+    output = case.run("torch")
+    assert calls == [(1100, True), (512, False), (188, False)]
+    assert relative_error(case, output) <= 1e-5
+
+
 @given(spec=case_specs(max_seq_len=40), dtype=st.sampled_from(HALF_DTYPES))
 def test_torch_backend_matches_reference_half(spec: CaseSpec, dtype: torch.dtype) -> None:
     case = build(spec, dtype)

@@ -337,7 +337,9 @@ class PagedKVCache:
         `key` and `value` are ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype and
         on its device; ``slot_mapping[i]`` is token i's slot (``block_id * block_size +
         offset``). Slots must be distinct (checked when free, see the module docstring). One
-        indexed copy each for K and V, whatever the number of tokens.
+        indexed copy each for K and V, whatever the number of tokens. ``check_bounds=False``
+        skips the distinct-slots check too: the caller has validated the mapping (
+        `LlamaModel.prefill` checks a batch's slots once per call, not once per layer).
         """
         self._check_layer(layer)
         num_keys = self._check_token_tensor(key, "key")
@@ -348,7 +350,7 @@ class PagedKVCache:
             upper=self.num_slots,
             device=self.device,
             check_bounds=check_bounds,
-            require_unique=True,
+            require_unique=check_bounds is not False,
         )
         if not num_keys == num_values == slots.numel():
             raise KVShapeError(

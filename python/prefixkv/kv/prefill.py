@@ -31,12 +31,22 @@ Conventions:
 
 Backends
 --------
-- ``"torch"``: FlashAttention's algorithm in plain torch. Per request and per query tile it walks
-  KV tiles of whole pages, keeping a running maximum and sum (online softmax), so the largest
+- ``"torch"``: on CPU tensors, torch's fused SDPA kernel (``scaled_dot_product_attention``, its
+  flash-attention CPU kernel: online softmax in float32 over blocks of keys, grouped-query
+  heads read in place). Per request, one gather of the pages its queries read (positions
+  ``0 .. n-1``, or from the first query's window on), then one call with ``is_causal`` when
+  nothing is cached and there is no window, else one call per query tile of
+  `_SDPA_QUERY_TILE` rows with an explicit mask over keys up to the tile's last position (so the
+  mask stays ``[tile, keys]`` and at most half a tile of keys per row is computed and masked).
+  Only the tokens that exist are gathered, so a stale page slot is never read. This is exact as
+  an attention computation: it differs from the walk below only in the order of the float32
+  sums. Elsewhere (CUDA tensors), or when `_fused_path_applies` says no, FlashAttention's
+  algorithm in plain torch (`_torch_attention`): per request and per query tile it walks KV
+  tiles of whole pages, keeping a running maximum and sum (online softmax), so the largest
   score matrix is ``[num_heads, query_tile, kv_tile]`` and never ``[q, n]``. Tiles entirely
-  above the causal diagonal or before the window are skipped. Half-precision inputs are
-  upcast to float32 tile by tile, so products and sums accumulate in float32 and only the
-  output is rounded. CPU or CUDA.
+  above the causal diagonal or before the window are skipped. Either way, half-precision
+  inputs are upcast to float32, so products and sums accumulate in float32 and only the
+  output is rounded.
 - ``"triton"``: the same algorithm as a Triton kernel (`prefixkv.kv._triton_prefill`) that reads
   K and V through the block table in place, one program per (query tile, query head). CUDA
   tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
@@ -89,6 +99,10 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the Python loop is not the bottleneck.
 _TORCH_QUERY_TILE = 64
 _TORCH_KV_TILE_TOKENS = 256
+
+# Fused (SDPA) path: query rows per call when a mask is needed (a cached prefix or a window). The
+# float mask SDPA builds is [tile, keys]: 512 rows of an 8,192-token context are 16 MiB.
+_SDPA_QUERY_TILE = 512
 
 
 def triton_available() -> bool:
@@ -191,10 +205,24 @@ def paged_prefill_attention(
         return _triton_attention(
             query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
         )
+    if _fused_path_applies(query, sinks=sinks, softcap=softcap):
+        return _sdpa_attention(
+            query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window
+        )
     return _torch_attention(
         query, key_pages, value_pages, block_tables, batch, float(scale), sliding_window, sinks,
         softcap=softcap,
     )  # fmt: skip
+
+
+def _fused_path_applies(
+    query: Tensor, *, sinks: Tensor | None = None, softcap: float | None = None
+) -> bool:
+    """Whether the torch backend hands the attention to torch's fused SDPA kernel: on CPU
+    tensors (what the speed comparison with transformers measures; CUDA has the Triton kernel).
+    An option SDPA cannot express (a score soft-cap, attention sinks) takes the tiled walk
+    instead, which implements both."""
+    return query.device.type == "cpu" and sinks is None and softcap is None
 
 
 def _auto_backend(query: Tensor) -> AttentionBackend:
@@ -505,6 +533,75 @@ def _torch_attention(
                 .reshape(tile_len, num_heads, head_dim)
                 .to(query.dtype)
             )
+    return output
+
+
+def _sdpa_attention(
+    query: Tensor,
+    key_pages: Tensor,
+    value_pages: Tensor,
+    block_tables: Tensor,
+    batch: _Batch,
+    scale: float,
+    sliding_window: int | None,
+    *,
+    query_tile: int = _SDPA_QUERY_TILE,
+) -> Tensor:
+    """The torch backend through torch's fused SDPA kernel (see the module docstring)."""
+    block_size, num_kv_heads = int(key_pages.shape[1]), int(key_pages.shape[2])
+    head_dim = int(query.shape[2])
+    compute_dtype = torch.promote_types(query.dtype, torch.float32)
+    tables = block_tables.to(device=query.device, dtype=torch.int64)
+    output = torch.empty_like(query)
+    for b in range(batch.size):
+        q_len, n = batch.query_lens[b], batch.seq_lens[b]
+        if q_len == 0:
+            continue
+        cached = n - q_len
+        # The lowest key any of this request's queries reads, and the pages from its page on.
+        lowest = 0 if sliding_window is None else max(0, cached - sliding_window + 1)
+        first_page = lowest // block_size
+        pages = tables[b, first_page : -(-n // block_size)]
+        skip = lowest - first_page * block_size
+        keys = key_pages.index_select(0, pages).view(-1, num_kv_heads, head_dim)
+        values = value_pages.index_select(0, pages).view(-1, num_kv_heads, head_dim)
+        # [1, kv_heads, keys, dim] for positions lowest .. n-1: the slots past n-1 of the last
+        # page (stale, possibly NaN) are cut here, never read.
+        keys = keys[skip : skip + n - lowest].to(compute_dtype).transpose(0, 1)[None]
+        values = values[skip : skip + n - lowest].to(compute_dtype).transpose(0, 1)[None]
+        start = batch.query_starts[b]
+        queries = query[start : start + q_len].to(compute_dtype).transpose(0, 1)[None]
+        if cached == 0 and sliding_window is None:
+            # Top-left causal alignment is the right one when queries and keys both start at 0.
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            tiles = []
+            for tile_start in range(0, q_len, query_tile):
+                tile_len = min(query_tile, q_len - tile_start)
+                first_pos = cached + tile_start
+                last_pos = first_pos + tile_len - 1
+                key_low = (
+                    lowest if sliding_window is None else max(0, first_pos - sliding_window + 1)
+                )
+                allowed = _allowed_keys(
+                    torch.arange(first_pos, last_pos + 1, device=query.device),
+                    torch.arange(key_low, last_pos + 1, device=query.device),
+                    sliding_window,
+                )
+                tiles.append(
+                    F.scaled_dot_product_attention(
+                        queries[:, :, tile_start : tile_start + tile_len],
+                        keys[:, :, key_low - lowest : last_pos + 1 - lowest],
+                        values[:, :, key_low - lowest : last_pos + 1 - lowest],
+                        attn_mask=allowed,
+                        scale=scale,
+                        enable_gqa=True,
+                    )
+                )
+            attended = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)
+        output[start : start + q_len] = attended[0].transpose(0, 1).to(query.dtype)
     return output
 
 

@@ -64,7 +64,7 @@ from torch import nn
 
 from prefixkv.context import CacheContext
 from prefixkv.errors import InvalidInputError
-from prefixkv.kv.decode import paged_decode_attention
+from prefixkv.kv.decode import DecodeReads, paged_decode_attention, plan_decode_reads
 from prefixkv.kv.grouped import GroupedKVCache
 from prefixkv.kv.pages import PagedKVCache
 
@@ -88,7 +88,7 @@ from prefixkv.models.hf_weights import load_pretrained, save_pretrained
 from prefixkv.models.layers import DecoderLayer, DecoderStack, draw_random_weights
 from prefixkv.models.lora import AdapterSet, random_adapter
 from prefixkv.models.rope import apply_rotate_half_rope as _apply_rotate_half_rope
-from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies
+from prefixkv.models.rope import rope_attention_factor, rope_inverse_frequencies, rotate_half_tables
 
 if TYPE_CHECKING:
     from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
@@ -468,8 +468,16 @@ class LlamaModel(nn.Module):
         packed = self._pack(kv_cache, batch)
         config = self.config
         total = packed.tokens.numel()
-        # YaRN's attention factor is in the tables; Gemma 3's sliding layers have their own.
-        tables = {False: (packed.cos, packed.sin), True: (packed.local_cos, packed.local_sin)}
+        # Once per call, not per layer (YaRN's attention factor is in them); Gemma 3's sliding
+        # layers have their own.
+        tables = {
+            False: rotate_half_tables(packed.cos, packed.sin),
+            True: (
+                None
+                if packed.local_cos is None or packed.local_sin is None
+                else rotate_half_tables(packed.local_cos, packed.local_sin)
+            ),
+        }
         # A decode step (every request computes one position) takes the batched decode path
         # (`prefixkv.kv.decode`) where the torch backend would run; explicit
         # "reference" / "triton" and CUDA's auto choice keep theirs.
@@ -477,6 +485,8 @@ class LlamaModel(nn.Module):
             attention_backend == "torch"
             or (attention_backend == "auto" and packed.tokens.device.type == "cpu")
         )
+        # Where each decode request's keys are read, per (KV group, window): shared by layers.
+        decode_reads: dict[tuple[int, int | None], DecodeReads] = {}
 
         hidden = self.model.embed(packed.tokens)
         for index, layer in enumerate(self.model.layers):
@@ -487,8 +497,9 @@ class LlamaModel(nn.Module):
             value = self._project(index, "v_proj", normed).view(total, config.num_kv_heads, -1)
             query, key = layer.self_attn.normalize_heads(query, key)
             if config.layer_applies_rope(index):  # not on SmolLM3's NoPE layers
-                cos, sin = tables[config.layer_uses_local_rope(index)]
-                assert cos is not None and sin is not None
+                rope_tables = tables[config.layer_uses_local_rope(index)]
+                assert rope_tables is not None
+                cos, sin = rope_tables
                 query = _apply_rotate_half_rope(query, cos, sin)
                 key = _apply_rotate_half_rope(key, cos, sin)
             # A layer's pages, its index in them, and its group's slots and block tables.
@@ -497,7 +508,7 @@ class LlamaModel(nn.Module):
                 slot_mapping = packed.group_slot_mappings[group]
                 block_tables = packed.group_block_tables[group]
             else:
-                pages, page_layer = kv_cache, index
+                pages, page_layer, group = kv_cache, index, 0
                 slot_mapping, block_tables = packed.slot_mapping, packed.block_tables
             if packed.written_rows is None:
                 pages.write(page_layer, key, value, slot_mapping, check_bounds=False)
@@ -505,6 +516,17 @@ class LlamaModel(nn.Module):
                 rows = packed.written_rows
                 pages.write(page_layer, key[rows], value[rows], slot_mapping, check_bounds=False)
             if one_query_each:
+                window = config.layer_sliding_window(index)
+                reads = decode_reads.get((group, window))
+                if reads is None:
+                    reads = plan_decode_reads(
+                        block_tables,
+                        packed.seq_lens,
+                        pages.block_size,
+                        sliding_window=window,
+                        device=query.device,
+                    )
+                    decode_reads[(group, window)] = reads
                 attended = paged_decode_attention(
                     query,
                     pages.key_pages[page_layer],
@@ -512,9 +534,10 @@ class LlamaModel(nn.Module):
                     block_tables,
                     packed.seq_lens,
                     scale=config.attention_scale,
-                    sliding_window=config.layer_sliding_window(index),
+                    sliding_window=window,
                     sinks=layer.self_attn.sinks,
                     softcap=config.attention_softcap,
+                    reads=reads,
                 )
             else:
                 attended = paged_prefill_attention(

@@ -28,6 +28,7 @@ __all__ = [
     "rope_attention_factor",
     "rope_base",
     "rope_inverse_frequencies",
+    "rotate_half_tables",
 ]
 
 
@@ -274,9 +275,16 @@ def _llama3_frequencies(inverse: torch.Tensor, scaling: RopeScaling) -> torch.Te
 
 def apply_rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF Llama RoPE on ``[tokens, heads, dim]``: ``x * cos + rotate_half(x) * sin``, the angle
-    table repeated over both halves (pair i is dimensions i and i + dim/2)."""
-    cos_full = torch.cat((cos, cos), dim=-1)[:, None, :]
-    sin_full = torch.cat((sin, sin), dim=-1)[:, None, :]
+    table repeated over both halves (pair i is dimensions i and i + dim/2). `cos` and `sin` are
+    ``[tokens, dim/2]`` angle tables, or the ``[tokens, 1, dim]`` ones `rotate_half_tables`
+    builds from them (once per forward pass, not once per layer and projection)."""
+    if cos.dim() == 2:
+        cos, sin = rotate_half_tables(cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos_full + rotated * sin_full
+    return x * cos + rotated * sin
+
+
+def rotate_half_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tokens, dim/2]`` angle tables repeated over both halves, ``[tokens, 1, dim]``."""
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
