@@ -34,14 +34,13 @@ pub struct CacheStats {
     pub blocks_in_use: usize,
     /// Pinned blocks.
     pub blocks_pinned: usize,
-    /// Blocks that could be evicted right now without evicting anything else first:
-    /// unreferenced, unpinned cached leaves, and spares (released duplicates of cached blocks,
-    /// `pool.rs`). A lower bound on what eviction can free.
+    /// Cached blocks that could be evicted right now without evicting anything else first:
+    /// unreferenced, unpinned leaves. A lower bound on what eviction can free.
     pub blocks_evictable: usize,
-    /// Blocks an allocation could obtain right now: the free ones, the spares, plus every cached
-    /// block that eviction can reach by evicting leaves repeatedly (unreferenced and unpinned,
-    /// with no referenced or pinned descendant in its chain). Never counts a block someone
-    /// holds. This is the figure for admission.
+    /// Blocks an allocation could obtain right now: the free ones plus every cached block that
+    /// eviction can reach by evicting leaves repeatedly (unreferenced and unpinned, with no
+    /// referenced or pinned descendant). Never counts a block someone holds. This is the
+    /// figure for admission.
     pub blocks_obtainable: usize,
     /// Requests begun and not finished.
     pub requests_live: usize,

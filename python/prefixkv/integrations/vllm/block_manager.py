@@ -20,8 +20,7 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
   slots. vLLM schedules draft tokens (spec decode) and, with async scheduling, positions whose
   token is not sampled yet; both are lookahead here, never tokens, so no draft can be published.
   vLLM's ``num_computed_tokens`` says how far KV is written after drafts were verified; the
-  manager commits it with the next allocation once that succeeds, which is when vLLM caches
-  those blocks too (a request whose allocation fails caches nothing).
+  manager commits it before the next allocation, which is when vLLM caches those blocks too.
 - A preempted request keeps its tokens in the core (`preempt`); its next lookup re-matches
   from the keys it kept.
 
@@ -340,7 +339,6 @@ class PrefixKVCacheManager:
         tracked = self._track(request)
         waiting = tracked.table is None
         vllm_computed = request.num_computed_tokens
-        behind = 0
         num_tokens = request.num_tokens
         bs = self.block_size
         if waiting:
@@ -367,12 +365,11 @@ class PrefixKVCacheManager:
                     f"new computed blocks for running request {rid!r} (a late prefix hit) are "
                     "not supported by prefixkv's block manager"
                 )
-            # Drafts verified since the last step: their KV is written up to vLLM's count. They
-            # are committed below with the step's tokens, once the allocation succeeded: vLLM
-            # caches nothing for a request whose allocation fails (it is preempted, or waits).
-            # Until then the core counts from its last commit, `behind` tokens short of `start`.
-            start = min(vllm_computed, num_tokens)
-            behind = max(start - tracked.committed, 0)
+            # The core counts slots from what it has committed. Tokens vLLM computed since
+            # (drafts verified last step) are committed below, only once the allocation
+            # succeeded: vLLM caches them in the same call, and not at all when it fails (the
+            # request may then be preempted with those blocks never published).
+            start = tracked.committed
         total_computed = min(start if waiting else vllm_computed, self.max_model_len)
         # Tokens the core knows (verified) among those scheduled; the rest (drafts, and with
         # async scheduling tokens not sampled yet) and the lookahead are slots past them.
@@ -388,13 +385,13 @@ class PrefixKVCacheManager:
         ):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
-            full = min(num_tokens, self.max_model_len) - start + behind
+            full = min(num_tokens, self.max_model_len) - start
             if not self._cache.can_allocate_slots(rid, full, watermark_blocks=watermark):
                 return None
         try:
             slots = self._cache.allocate_slots(
                 rid,
-                num_known + behind,
+                num_known,
                 num_lookahead_tokens=lookahead,
                 watermark_blocks=watermark + reserved_blocks,
             )
@@ -412,12 +409,11 @@ class PrefixKVCacheManager:
         else:
             assert tracked.table is not None
             tracked.table.extend(self._ids.to_vllm(new_ids))
-        # Publish what vLLM publishes now: the full blocks of verified tokens scheduled (and of
-        # drafts verified since the last step, up to `start`).
-        upto = max(start, end_known)
-        if upto > tracked.committed or waiting:
-            tracked.cached_blocks = self._cache.commit(rid, upto)
-            tracked.committed = max(tracked.committed, upto)
+        # Publish what vLLM publishes now: the full blocks of verified tokens computed or
+        # scheduled.
+        if end_known > start or waiting:
+            tracked.cached_blocks = self._cache.commit(rid, end_known)
+            tracked.committed = max(tracked.committed, end_known)
         if not new_ids:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks((self._ids.to_vllm(new_ids),))
