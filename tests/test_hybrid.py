@@ -159,3 +159,29 @@ def test_a_different_layer_pattern_never_shares_kv() -> None:
     uniform = _hybrid((SLIDING, SLIDING), window=6).cache_context(BLOCK)
     plain = LlamaModel.random(ModelConfig(vocab_size=VOCAB, sliding_window=6)).cache_context(BLOCK)
     assert uniform.attention_mask == plain.attention_mask
+
+
+def test_the_engine_reports_the_kv_its_sliding_layers_let_go() -> None:
+    # One 64-token prompt in 8-token chunks on (sliding, full, sliding) with a window of 4: at the
+    # last step the full layer holds all 16 blocks, each sliding layer only the blocks its window
+    # and the chunk still read. `peak_kv_bytes` counts both; `..._all_full` counts every layer as
+    # the full one. A plain model holds the same in both.
+    model = _hybrid((SLIDING, FULL, SLIDING), 4)
+    config = model.config
+    block_layer_bytes = 2 * BLOCK * config.num_kv_heads * config.head_dim * 4  # float32
+    engine = Engine(model, num_blocks=40, block_size=BLOCK, max_num_batched_tokens=8)
+    engine.generate([_prompt(64, seed=7)], max_new_tokens=2)
+    stats = engine.last_stats
+    assert stats.peak_kv_bytes_all_full is not None
+    # The full layer's 16 prompt blocks (and the first new token's) at the last step, x 3 layers.
+    assert stats.peak_kv_bytes_all_full >= 16 * 3 * block_layer_bytes
+    sliding_peak = stats.peak_kv_bytes - stats.peak_kv_bytes_all_full // 3
+    assert 0 < sliding_peak < stats.peak_kv_bytes_all_full // 3
+    assert stats.peak_kv_bytes_all_full / stats.peak_kv_bytes > 2
+
+    plain = Engine(
+        _hybrid((FULL, FULL, FULL), 4), num_blocks=40, block_size=BLOCK, max_num_batched_tokens=8
+    )
+    plain.generate([_prompt(64, seed=7)], max_new_tokens=2)
+    assert plain.last_stats.peak_kv_bytes == plain.last_stats.peak_kv_bytes_all_full
+    assert plain.last_stats.peak_kv_bytes >= 16 * 3 * block_layer_bytes

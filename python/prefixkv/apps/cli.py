@@ -104,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
         "recompute without cache; 0 skips it (default: all; 3 with --model)",
     )
     demo.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the Engine's token budget per step (default: the Engine's); a smaller one "
+        "prefills long prompts in chunks",
+    )
+    demo.add_argument(
         "--threads",
         type=_positive_int,
         default=1,
@@ -396,6 +404,7 @@ def _demo(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         checked_requests=check,
         progress=not args.quiet,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     if args.plot is not None:
         save_plot(result, args.plot)

@@ -42,6 +42,7 @@ from prefixkv.errors import OutOfBlocksError
 from prefixkv.group_cache import GroupedCacheStats, GroupedPrefixCache, GroupSlots
 from prefixkv.kv.grouped import GroupedKVCache
 from prefixkv.kv.pages import PagedKVCache
+from prefixkv.kv_groups import KVGroupSpec
 from prefixkv.models.decoder import LlamaModel, PrefillRequest
 from prefixkv.text.tokenizers import Tokenizer
 from prefixkv.tiers.manager import KVTiers, TierHit
@@ -60,6 +61,8 @@ class Engine(Protocol):
     def cache(self) -> PrefixCache | GroupedPrefixCache: ...
     @property
     def kv_cache(self) -> PagedKVCache | GroupedKVCache: ...
+    @property
+    def kv_groups(self) -> tuple[KVGroupSpec, ...]: ...
     @property
     def tiers(self) -> KVTiers | None: ...
     @property
@@ -527,9 +530,29 @@ class GenerateRun:
 
     # -- one model call ------------------------------------------------------------------
 
+    def _record_kv_held(self) -> None:
+        """Update the peak KV the running requests hold (`SchedulerStats.peak_kv_bytes`)."""
+        engine = self.engine
+        stats = self.cache.stats()
+        per_group = stats.groups if isinstance(stats, GroupedCacheStats) else (stats,)
+        config, kv = engine.model.config, engine.kv_cache
+        element = torch.empty((), dtype=kv.dtype).element_size()
+        block_layer = 2 * kv.block_size * config.num_kv_heads * config.head_dim * element
+        held = full = 0
+        has_full = False
+        for group, spec in zip(per_group, engine.kv_groups, strict=True):
+            held += int(group.blocks_in_use) * len(spec.layers) * block_layer
+            if spec.sliding_window is None:
+                has_full = True
+                full = max(full, int(group.blocks_in_use) * config.num_layers * block_layer)
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
+        if has_full:
+            self.stats.peak_kv_bytes_all_full = max(self.stats.peak_kv_bytes_all_full or 0, full)
+
     def _step(self, scheduled: list[_Scheduled]) -> None:
         engine = self.engine
         self.stats.steps += 1
+        self._record_kv_held()
         self.stats.tokens_per_step.append(sum(item.num_new for item in scheduled))
         batch = []
         for item in scheduled:

@@ -52,6 +52,13 @@ class SchedulerStats:
     accepted_draft_tokens: int = 0
     #: Tokens computed per step (prefill and decode), for the budget's use.
     tokens_per_step: list[int] = field(default_factory=list)
+    #: KV bytes the running requests held at the start of the busiest model step: per KV
+    #: group, its blocks in use x its layers x the bytes of one block of one layer (K and V).
+    peak_kv_bytes: int = 0
+    #: What those steps would hold if every layer kept every block, as a full-attention layer
+    #: does (the full-attention group's blocks in use x all layers): the KV groups' saving is
+    #: the ratio of the two. None when no group is full attention.
+    peak_kv_bytes_all_full: int | None = None
 
     @property
     def hit_rate(self) -> float:
