@@ -25,6 +25,9 @@ drafts with `num_speculative_tokens`. The loop of one `generate` call is
 a request's state while served and its `RequestResult` are `prefixkv.engine.requests`'.
 Requests become token ids in `prefixkv.engine.inputs` (with the chat-template and stop-token
 policy); a checkpoint's settings come from `prefixkv.models.checkpoint`.
+
+size: one class, the engine's public surface (constructor checks, `generate`, checkpoints,
+tiers); the per-step work is in `prefixkv.engine.loop`.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Every request added to the cache and not yet finished is in `live`; if anything 
 
 Time to first token is measured from the `generate` call to the step that produced the token,
 so it includes queueing behind other requests of the same call.
+
+size: one run's state machine (schedule, admit, step, verify drafts, finish); its parts share
+the run's queues and cache, which a split would have to pass around.
 """
 
 from __future__ import annotations

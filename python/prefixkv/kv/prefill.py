@@ -1,5 +1,8 @@
 """Paged prefill attention: the new tokens of a batch of requests attend to keys read from pages.
 
+size: three backends of one contract (the reference, torch's tiled walk, the CPU fused SDPA
+path) and their shared checks; the Triton kernel is in `prefixkv.kv._triton_prefill`.
+
 What is computed
 ----------------
 Requests are concatenated along the token axis of `query`. Request ``b`` has ``n = seq_lens[b]``

@@ -8,6 +8,9 @@ the reader and its rules; `to_hf_config` writes no Ministral config: a per-layer
 written as Qwen2 or Qwen3). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
 `model_context` is the one place that says which settings change the KV a model writes (the
 essay of `prefixkv.models.decoder` says why each does).
+
+size: `ModelConfig`'s fields are the decoder's whole vocabulary, each with its check and its
+place in the cache context; reading `config.json` is in `prefixkv.models.hf_config`.
 """
 
 from __future__ import annotations

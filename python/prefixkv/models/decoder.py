@@ -1,5 +1,8 @@
 """A small Llama-style decoder that runs on paged KV storage: the reference model of prefixkv.
 
+size: the full-recompute oracle and the paged path side by side, so that a reader compares
+them layer step by layer step.
+
 Why it exists: prefix caching is only correct if the KV of a cached prefix, read back from the
 pages, gives the same logits as recomputing the whole prompt. This module supplies both sides of
 that comparison:

@@ -18,7 +18,7 @@ from torch import nn
 
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.gemma import GemmaRMSNorm, gelu_tanh
-from prefixkv.models.moe import SparseMoE, build_mlp, draw_random_moe
+from prefixkv.models.moe import SparseMoE, draw_random_moe
 
 __all__ = [
     "DecoderLayer",
@@ -109,7 +109,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config)
-        self.mlp = build_mlp(config, layer_index, SwiGLU)  # experts where config.moe says
+        # Experts on the layers config.moe makes sparse (Mixtral, Qwen3-MoE, gpt-oss).
+        moe = config.moe
+        self.mlp: nn.Module = (
+            SparseMoE(moe, config.hidden_size)
+            if moe is not None and moe.layer_is_sparse(layer_index)
+            else SwiGLU(config)
+        )
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         # Gemma's sandwich: a norm after attention (post_attention_layernorm, which in Llama

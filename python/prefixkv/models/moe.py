@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +37,7 @@ from torch import nn
 
 from prefixkv.errors import InvalidInputError
 
-if TYPE_CHECKING:
-    from prefixkv.models.config import ModelConfig
-
-__all__ = ["MOE_KINDS", "MoESettings", "SparseMoE", "build_mlp", "draw_random_moe"]
+__all__ = ["MOE_KINDS", "MoESettings", "SparseMoE", "draw_random_moe"]
 
 MoEKind = Literal["mixtral", "qwen3_moe", "gpt_oss"]
 #: The routers this module implements (transformers' model_type names).
@@ -209,15 +206,6 @@ class SparseMoE(nn.Module):
             weighted = computed * weights[tokens, slot, None]
             output.index_add_(0, tokens, weighted.to(output.dtype))
         return output.reshape(shape)
-
-
-def build_mlp(config: ModelConfig, layer_index: int, dense: type[nn.Module]) -> nn.Module:
-    """The MLP of one layer: a `SparseMoE` where `config.moe` puts experts, else `dense(config)`
-    (the layers module's SwiGLU, passed in so that this module does not import it)."""
-    moe = config.moe
-    if moe is None or not moe.layer_is_sparse(layer_index):
-        return dense(config)
-    return SparseMoE(moe, config.hidden_size)
 
 
 def draw_random_moe(
