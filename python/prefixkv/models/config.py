@@ -2,8 +2,9 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2, Qwen3 and
-SmolLM3 configs as transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds
+decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2, Qwen3,
+SmolLM3, Starcoder2 (and the types `prefixkv.models.hf_config` lists) configs as transformers
+reads them, or refuses them by name (`prefixkv.models.hf_config` holds
 the reader and its rules; `to_hf_config` writes no Ministral config: a per-layer pattern is
 written as Qwen2 or Qwen3). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
 `model_context` is the one place that says which settings change the KV a model writes (the
@@ -388,7 +389,7 @@ class ModelConfig:
         """This config as a Hugging Face ``config.json`` dict that transformers reads as the
         same model: Llama, Mistral when every layer has a window (transformers' Llama ignores
         ``sliding_window``), Qwen2 for q/k/v biases without an output bias or a per-layer pattern,
-        Qwen3 for q/k norms.
+        Qwen3 for q/k norms, Starcoder2 for LayerNorms and a plain MLP.
 
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.

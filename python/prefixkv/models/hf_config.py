@@ -528,6 +528,10 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         nullable=model_type not in ("qwen3", "ministral", "gpt_oss") and not gemma_type,
     )
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
+    epsilon_key = "norm_epsilon" if starcoder2 else "rms_norm_eps"
+    epsilon = fields.number(epsilon_key)
+    if not epsilon > 0:  # named as the file names it (ModelConfig's name is rms_norm_eps)
+        raise InvalidInputError(f"config.json field {epsilon_key!r} must be > 0, got {epsilon}")
     return {
         "vocab_size": fields.integer("vocab_size"),
         "hidden_size": hidden_size,
@@ -536,7 +540,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "num_kv_heads": num_heads if num_kv_heads is None else num_kv_heads,
         "head_dim": hidden_size // num_heads if head_dim is None else head_dim,
         "intermediate_size": fields.integer("intermediate_size"),
-        "rms_norm_eps": fields.number("norm_epsilon" if starcoder2 else "rms_norm_eps"),
+        "rms_norm_eps": epsilon,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": fields.integer("max_position_embeddings"),
