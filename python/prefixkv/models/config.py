@@ -2,8 +2,9 @@
 Hugging Face ``config.json``, and the `CacheContext` they imply.
 
 `ModelConfig` is validated on construction, so a model is never built from settings the
-decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2, Qwen3 and
-SmolLM3 configs as transformers reads them, or refuses them by name (`prefixkv.models.hf_config` holds
+decoder does not implement; `from_hf_config` reads Llama, Mistral, Ministral, Qwen2, Qwen3,
+SmolLM3, Starcoder2 (and the types `prefixkv.models.hf_config` lists) configs as transformers
+reads them, or refuses them by name (`prefixkv.models.hf_config` holds
 the reader and its rules; `to_hf_config` writes no Ministral config: a per-layer pattern is
 written as Qwen2 or Qwen3). `weight_bytes` and `check_fits_in_memory` size a model before a loader builds it.
 `model_context` is the one place that says which settings change the KV a model writes (the
@@ -31,6 +32,7 @@ from prefixkv.models.gemma import GemmaSettings
 from prefixkv.models.hf_config import KNOWN_HF_CONFIG_FIELDS, read_hf_config
 from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling, rope_attention_factor, rope_base
+from prefixkv.models.starcoder2 import PLAIN_MLP_ACTIVATIONS
 
 if TYPE_CHECKING:
     from prefixkv.text.tokenizers import ChatTemplate, Tokenizer
@@ -111,6 +113,13 @@ class ModelConfig:
     #: Gemma 2 / Gemma 3 text (`prefixkv.models.gemma`): scaled embedding, ``(1 + weight)``
     #: sandwich norms, GELU MLP, query pre-scaling, soft caps, Gemma 3's local RoPE base.
     gemma: GemmaSettings | None = None
+    #: Starcoder2 (`prefixkv.models.starcoder2`): every norm a LayerNorm with a bias (the mean
+    #: subtracted; `rms_norm_eps` is its epsilon) instead of an RMSNorm.
+    layer_norm: bool = False
+    #: Starcoder2: a plain MLP ``c_proj(act(c_fc(x)))`` (biased with `mlp_bias`) instead of the
+    #: gated one; the value names ``act`` as transformers does (``PLAIN_MLP_ACTIVATIONS``).
+    #: None: the gated MLP (SwiGLU, or Gemma's GELU gate).
+    plain_mlp_activation: str | None = None
     dtype: torch.dtype = field(default=torch.float32)
 
     def __post_init__(self) -> None:
@@ -199,6 +208,26 @@ class ModelConfig:
             raise InvalidInputError("attention_output_bias needs attention_qkv_bias")
         if self.gemma is not None and not isinstance(self.gemma, GemmaSettings):
             raise InvalidInputError(f"gemma must be a GemmaSettings or None, got {self.gemma!r}")
+        self._check_starcoder2_parts()
+
+    def _check_starcoder2_parts(self) -> None:
+        if not isinstance(self.layer_norm, bool):
+            raise InvalidInputError(f"layer_norm must be a bool, got {self.layer_norm!r}")
+        activation = self.plain_mlp_activation
+        if activation is not None and activation not in PLAIN_MLP_ACTIVATIONS:
+            raise InvalidInputError(
+                f"plain_mlp_activation must be None or one of {sorted(PLAIN_MLP_ACTIVATIONS)}, "
+                f"got {activation!r}"
+            )
+        if (self.layer_norm or activation is not None) and (
+            self.gemma is not None or self.moe is not None
+        ):
+            # Gemma's norms and MLP, and the experts, are their own modules: no architecture
+            # transformers has mixes them with Starcoder2's.
+            raise InvalidInputError(
+                "layer_norm and plain_mlp_activation (Starcoder2's) do not combine with gemma "
+                "or moe"
+            )
 
     def _check_layer_types(self) -> None:
         if isinstance(self.layer_types, str) or not isinstance(self.layer_types, Sequence):
@@ -306,10 +335,12 @@ class ModelConfig:
             attention += q_width + 2 * kv_width
         if self.attention_output_bias:
             attention += hidden
-        mlp = 3 * hidden * self.intermediate_size
+        plain_mlp = self.plain_mlp_activation is not None  # c_fc and c_proj, no gate
+        mlp = (2 if plain_mlp else 3) * hidden * self.intermediate_size
         if self.mlp_bias:
-            mlp += 2 * self.intermediate_size + hidden
-        layer = attention + 2 * hidden  # two RMSNorm weights
+            mlp += (1 if plain_mlp else 2) * self.intermediate_size + hidden
+        norm = 2 * hidden if self.layer_norm else hidden  # a LayerNorm has a bias too
+        layer = attention + 2 * norm
         if self.gemma is not None:
             layer += 2 * hidden  # the sandwich's pre/post feed-forward norms
         if self.qk_norm:
@@ -322,7 +353,7 @@ class ModelConfig:
             for index in range(self.num_layers)
         )  # fmt: skip
         heads = 1 if self.tie_word_embeddings else 2
-        return heads * self.vocab_size * hidden + self.num_layers * layer + mlps + hidden
+        return heads * self.vocab_size * hidden + self.num_layers * layer + mlps + norm
 
     def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the weights take in `dtype` (loaders build in float32, then cast)."""
@@ -358,7 +389,7 @@ class ModelConfig:
         """This config as a Hugging Face ``config.json`` dict that transformers reads as the
         same model: Llama, Mistral when every layer has a window (transformers' Llama ignores
         ``sliding_window``), Qwen2 for q/k/v biases without an output bias or a per-layer pattern,
-        Qwen3 for q/k norms.
+        Qwen3 for q/k norms, Starcoder2 for LayerNorms and a plain MLP.
 
         Fields HF has no name for (position offset, LoRA shape) are written with a
         ``prefixkv_`` prefix, which HF ignores and `from_hf_config` reads back.
@@ -405,6 +436,8 @@ class ModelConfig:
                 rope_scaling["truncate"] = self.rope_scaling.truncate
                 if self.rope_scaling.attention_factor is not None:
                     rope_scaling["attention_factor"] = self.rope_scaling.attention_factor
+        if self.layer_norm or self.plain_mlp_activation is not None:
+            return self._starcoder2_hf_config(rope_scaling)
         # SmolLM3 is the only type with NoPE layers; its attention_bias biases all four
         # projections (or none), and it reads mlp_bias and a per-layer window pattern.
         smollm3 = self.rope_layers is not None
@@ -499,6 +532,60 @@ class ModelConfig:
                     "full_attention" if window is None else "sliding_attention"
                     for window in windows
                 ]
+        if self.position_offset:
+            hf["prefixkv_position_offset"] = self.position_offset
+        if self.lora_rank is not None:
+            hf["prefixkv_lora_rank"] = self.lora_rank
+            hf["prefixkv_lora_alpha"] = self.lora_alpha
+        return hf
+
+    def _starcoder2_hf_config(self, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+        """A LayerNorm or plain-MLP model written as the one type that has them, Starcoder2,
+        or refused naming what Starcoder2Config cannot say."""
+        biases = {self.attention_qkv_bias, self.attention_output_bias, self.mlp_bias}
+        windows = set(self.layer_sliding_windows)
+        unsaid = [
+            name
+            for name, unsayable in (
+                ("layer_norm", not self.layer_norm),
+                ("plain_mlp_activation", self.plain_mlp_activation is None),
+                ("attention_qkv_bias, attention_output_bias and mlp_bias", len(biases) > 1),
+                ("qk_norm", self.qk_norm),
+                ("rope_layers", self.rope_layers is not None),
+                ("layer_types", len(windows) > 1),
+            )
+            if unsayable
+        ]
+        if unsaid:
+            raise InvalidInputError(
+                "LayerNorms and a plain MLP are written as a Starcoder2 config, which has both, "
+                "one use_bias for all six projections, no q/k norms, NoPE layers or per-layer "
+                f"pattern; refusing to write {', '.join(unsaid)}"
+            )
+        hf: dict[str, Any] = {
+            "architectures": ["Starcoder2ForCausalLM"],
+            "model_type": "starcoder2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.plain_mlp_activation,
+            "norm_epsilon": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": windows.pop(),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_bias": self.mlp_bias,
+            # Starcoder2Config's defaults (50256) are outside a small vocabulary, which
+            # transformers warns about; no forward pass reads them.
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "torch_dtype": str(self.dtype).removeprefix("torch."),
+        }
         if self.position_offset:
             hf["prefixkv_position_offset"] = self.position_offset
         if self.lora_rank is not None:
@@ -635,6 +722,10 @@ def _architecture_extra(config: ModelConfig) -> dict[str, str]:
         extra["moe"] = json.dumps(asdict(config.moe), sort_keys=True)
     if config.attention_sinks:
         extra["attention_sinks"] = "per_head_logit"
+    if config.layer_norm:
+        extra["norm"] = "layer_norm_with_bias"
+    if config.plain_mlp_activation is not None:
+        extra["mlp"] = f"plain:{config.plain_mlp_activation}"
     if config.gemma is not None:
         # Every Gemma setting changes the KV (the embedding scale and norms feed the keys) or
         # the attention over it; the local RoPE base is the sliding layers' position encoding.

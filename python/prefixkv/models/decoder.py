@@ -41,7 +41,8 @@ paths (`SelfAttention.normalize_heads`). Gemma 2 / 3 (`ModelConfig.gemma`, `pref
 take the same paths through hooks: the scaled embedding (`DecoderStack.embed`), the sandwich
 (`DecoderLayer.add_attention_and_mlp`), the attention scale and cap (`ModelConfig.attention_scale`
 / `attention_softcap`, handed to the kernels), Gemma 3's local RoPE table for sliding layers and
-the final logit cap.
+the final logit cap. Starcoder2's LayerNorms and plain MLP (`ModelConfig.layer_norm` /
+`plain_mlp_activation`, `prefixkv.models.starcoder2`) are other modules behind the same calls.
 
 The model tells a cache what its KV depends on through public methods: `cache_context` (with
 `weights_digest`), `adapter_digest` (the per-block key of the active adapter), and the cheap

@@ -1,8 +1,8 @@
 """Reading a Hugging Face ``config.json`` exactly as transformers' config class for its
 ``model_type`` reads it (`read_hf_config`), for the types this decoder implements: ``llama``,
 ``mistral``, ``ministral``, ``phi3``, ``qwen2``, ``qwen3``, ``smollm3``, ``gemma2``,
-``gemma3_text``, and the mixture-of-experts ``mixtral``, ``qwen3_moe`` and ``gpt_oss``
-(`_moe_from_hf`).
+``gemma3_text``, ``starcoder2``, and the mixture-of-experts ``mixtral``, ``qwen3_moe`` and
+``gpt_oss`` (`_moe_from_hf`).
 
 The tables below are data taken from transformers 5.24 (`TRANSFORMERS_VERSION`), which is not a
 runtime dependency: `PreTrainedConfig`'s own fields and the keys its ``__post_init__`` consumes,
@@ -43,6 +43,7 @@ from prefixkv.errors import InvalidInputError
 from prefixkv.models.gemma import GEMMA_MODEL_TYPES, GemmaSettings
 from prefixkv.models.moe import MoESettings
 from prefixkv.models.rope import RopeScaling
+from prefixkv.models.starcoder2 import PLAIN_MLP_ACTIVATIONS
 
 __all__ = [
     "FUSED_PROJECTION_TYPES",
@@ -212,6 +213,21 @@ TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_bidirectional_attention": False, "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,
     },
+    # Starcoder2 (`prefixkv.models.starcoder2`): LayerNorms (norm_epsilon), a plain GELU MLP,
+    # use_bias on all six projections, the window on every layer when set; the dropouts are
+    # training settings (typed, never read by inference).
+    "starcoder2": {
+        "vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
+        "num_hidden_layers": 30, "num_attention_heads": 24, "num_key_value_heads": 2,
+        "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 4096,
+        "initializer_range": 0.018042, "norm_epsilon": 1e-5, "use_cache": True,
+        "bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": None,
+        "rope_parameters": None, "sliding_window": None, "attention_dropout": 0.0,
+        "residual_dropout": 0.0, "embedding_dropout": 0.0, "use_bias": True,
+        "tie_word_embeddings": True,
+        # Not a Starcoder2Config field: its modeling code reads it with getattr (hidden / heads).
+        "head_dim": None,
+    },
 }  # fmt: skip
 
 #: Types whose checkpoints store q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
@@ -299,12 +315,16 @@ _IGNORED_BY_TYPE: dict[str, frozenset[str]] = {
     # `sliding_window_pattern`, and the `layer_types` it writes beside it).
     "gemma2": frozenset({"hidden_act", "cache_implementation"}),
     "gemma3_text": frozenset({"hidden_act", "cache_implementation", "_sliding_window_pattern"}),
+    # Starcoder2-15B's config.json carries rms_norm_eps beside norm_epsilon; only the latter is
+    # read.
+    "starcoder2": frozenset({"rms_norm_eps"}),
 }
 
 #: Fields a type's config class does not declare, accepted there only with the value that type
 #: computes with: Llama's (no biases, unsliced weights), which configs copied from a Llama one
-#: carry, and Qwen2.5's ``use_mrope: false`` (transformers' Qwen2 never reads it; true would
-#: claim Qwen2-VL's multimodal RoPE, which neither it nor this decoder computes).
+#: carry, Qwen2.5's ``use_mrope: false`` (transformers' Qwen2 never reads it; true would
+#: claim Qwen2-VL's multimodal RoPE, which neither it nor this decoder computes) and
+#: Starcoder2's ``mlp_type`` / ``norm_type``.
 _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
@@ -318,6 +338,10 @@ _LLAMA_FIELDS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "gpt_oss": {"mlp_bias": False, "pretraining_tp": 1},
     "gemma2": {},
     "gemma3_text": {},
+    # Published Starcoder2 configs carry BigCode's training settings; transformers never reads
+    # them and computes the plain MLP and LayerNorm these values name. Another value would
+    # claim a gated MLP or an RMSNorm (other weights) that neither it nor this decoder computes.
+    "starcoder2": {"mlp_type": "default", "norm_type": "layer_norm"},
 }
 
 #: prefixkv's own fields (`ModelConfig.to_hf_config`), which transformers ignores.
@@ -396,14 +420,18 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         )
     fields = _Fields(hf, TYPE_DEFAULTS[model_type])
     gemma_type = model_type in GEMMA_MODEL_TYPES
+    starcoder2 = model_type == "starcoder2"
     activation_key, supported = (
-        ("hidden_activation", "gelu_pytorch_tanh") if gemma_type else ("hidden_act", "silu")
-    )
+        ("hidden_activation", ("gelu_pytorch_tanh",)) if gemma_type
+        else ("hidden_act", tuple(PLAIN_MLP_ACTIVATIONS)) if starcoder2
+        else ("hidden_act", ("silu",))
+    )  # fmt: skip
     activation = fields.string(activation_key)
     # gpt-oss's experts apply their own clamped SwiGLU: its modeling never reads hidden_act.
-    if activation != supported and model_type != "gpt_oss":
+    if activation not in supported and model_type != "gpt_oss":
         raise InvalidInputError(
-            f"unsupported {activation_key} {activation!r}: only {supported!r} for {model_type}"
+            f"unsupported {activation_key} {activation!r}: only "
+            f"{' or '.join(map(repr, supported))} for {model_type}"
         )
     if hf.get("rope_interleaved", False) is not False:
         # GPT-J-style adjacent pairs; this decoder (and HF Llama) rotates halves.
@@ -425,6 +453,12 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         qkv_bias = output_bias = fields.boolean("attention_bias")
         mlp_bias = False
         sliding_window, layer_types = _gemma_layer_types(fields, model_type, num_layers)
+    elif starcoder2:
+        # use_bias: all six projections or none; the window on every layer when set.
+        qkv_bias = output_bias = mlp_bias = fields.boolean("use_bias")
+        sliding_window = fields.integer("sliding_window", nullable=True)
+        for key in ("residual_dropout", "embedding_dropout"):
+            fields.number(key)  # inert, but typed as transformers types it
     elif model_type == "gpt_oss":
         qkv_bias = output_bias = fields.boolean("attention_bias")
         mlp_bias = False
@@ -494,6 +528,10 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         nullable=model_type not in ("qwen3", "ministral", "gpt_oss") and not gemma_type,
     )
     num_kv_heads = fields.integer("num_key_value_heads", nullable=True)
+    epsilon_key = "norm_epsilon" if starcoder2 else "rms_norm_eps"
+    epsilon = fields.number(epsilon_key)
+    if not epsilon > 0:  # named as the file names it (ModelConfig's name is rms_norm_eps)
+        raise InvalidInputError(f"config.json field {epsilon_key!r} must be > 0, got {epsilon}")
     return {
         "vocab_size": fields.integer("vocab_size"),
         "hidden_size": hidden_size,
@@ -502,7 +540,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "num_kv_heads": num_heads if num_kv_heads is None else num_kv_heads,
         "head_dim": hidden_size // num_heads if head_dim is None else head_dim,
         "intermediate_size": fields.integer("intermediate_size"),
-        "rms_norm_eps": fields.number("rms_norm_eps"),
+        "rms_norm_eps": epsilon,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": fields.integer("max_position_embeddings"),
@@ -520,6 +558,8 @@ def read_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         "moe": moe,
         "attention_sinks": model_type == "gpt_oss",
         "gemma": gemma,
+        "layer_norm": starcoder2,
+        "plain_mlp_activation": activation if starcoder2 else None,
         "dtype": _dtype(hf),
     }
 

@@ -3,7 +3,7 @@ init: HF Llama's modules with HF's attribute names, so a ``state_dict`` key is t
 parameter name (``model.layers.N.self_attn.q_proj.weight``).
 
 These hold weights and the pieces of per-layer math both forward paths share unchanged
-(`RMSNorm`, `SwiGLU`, `SelfAttention.normalize_heads`). The attention itself (projections plus adapter, RoPE, paged or
+(`RMSNorm`, `SwiGLU`, `SelfAttention.normalize_heads`; Starcoder2's `PlainMLP` and LayerNorm). The attention itself (projections plus adapter, RoPE, paged or
 contiguous softmax, residual adds) is written in `prefixkv.models.decoder`, where the paged path and its
 full-recompute oracle are read side by side.
 """
@@ -19,6 +19,7 @@ from torch import nn
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.gemma import GemmaRMSNorm, gelu_tanh
 from prefixkv.models.moe import SparseMoE, draw_random_moe
+from prefixkv.models.starcoder2 import PlainMLP
 
 __all__ = [
     "DecoderLayer",
@@ -46,8 +47,11 @@ class RMSNorm(nn.Module):
         return self.weight * normalized.to(input_dtype)
 
 
-def make_norm(config: ModelConfig, size: int) -> RMSNorm | GemmaRMSNorm:
-    """The model's RMSNorm over `size` values: Gemma's ``(1 + weight)`` kind or Llama's."""
+def make_norm(config: ModelConfig, size: int) -> RMSNorm | GemmaRMSNorm | nn.LayerNorm:
+    """The model's norm over `size` values: Gemma's ``(1 + weight)`` RMSNorm, Llama's, or
+    Starcoder2's LayerNorm with a bias (torch's own module, as transformers builds it)."""
+    if config.layer_norm:
+        return nn.LayerNorm(size, eps=config.rms_norm_eps)
     if config.gemma is not None:
         return GemmaRMSNorm(size, config.rms_norm_eps)
     return RMSNorm(size, config.rms_norm_eps)
@@ -111,11 +115,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config)
         # Experts on the layers config.moe makes sparse (Mixtral, Qwen3-MoE, gpt-oss).
         moe = config.moe
-        self.mlp: nn.Module = (
-            SparseMoE(moe, config.hidden_size)
-            if moe is not None and moe.layer_is_sparse(layer_index)
-            else SwiGLU(config)
-        )
+        self.mlp: nn.Module
+        if moe is not None and moe.layer_is_sparse(layer_index):
+            self.mlp = SparseMoE(moe, config.hidden_size)
+        elif config.plain_mlp_activation is not None:  # Starcoder2's, not gated
+            self.mlp = PlainMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.mlp_bias,
+                config.plain_mlp_activation,
+            )
+        else:
+            self.mlp = SwiGLU(config)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         # Gemma's sandwich: a norm after attention (post_attention_layernorm, which in Llama
@@ -197,6 +208,12 @@ def draw_random_weights(
             dense: tuple[nn.Linear, ...] = ()
             if isinstance(mlp, SparseMoE):
                 draw_random_moe(mlp, normal)
+            elif isinstance(mlp, PlainMLP):
+                mlp.c_fc.weight.copy_(normal(tuple(mlp.c_fc.weight.shape), hidden**-0.5))
+                mlp.c_proj.weight.copy_(
+                    normal(tuple(mlp.c_proj.weight.shape), config.intermediate_size**-0.5)
+                )
+                dense = (mlp.c_fc, mlp.c_proj)
             else:
                 assert isinstance(mlp, SwiGLU)
                 for projection in (mlp.gate_proj, mlp.up_proj):
@@ -240,6 +257,17 @@ def draw_random_weights(
             ):
                 if sandwich_norm is not None:
                     sandwich_norm.weight.copy_(normal((hidden,), 0.2))
+        if config.layer_norm:
+            # Starcoder2's LayerNorm biases, drawn last for the same reason; large enough that
+            # a dropped one moves the logits.
+            layer_norms = [
+                norm
+                for layer in stack.layers
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+            ]
+            for layer_norm in (*layer_norms, stack.norm):
+                assert isinstance(layer_norm, nn.LayerNorm)
+                layer_norm.bias.copy_(normal((hidden,), 0.2))
         if not config.tie_word_embeddings:
             # Logits of order a few units: a peaked but not one-hot next-token distribution.
             lm_head.weight.copy_(normal((config.vocab_size, hidden), 2.0 * hidden**-0.5))
