@@ -450,7 +450,7 @@ def test_a_full_digest_queue_drops_the_save_and_reports_it() -> None:
         pool = side.host
         assert pool is not None
         pool.close()  # no digest thread: the queue only fills
-        pool._queue = type(pool._queue)(maxsize=1)
+        pool._digests._queue = type(pool._digests._queue)(maxsize=1)
         tokens = list(range(3 * BLOCK))
         slots = (HostSlot(0, 1), HostSlot(1, 2), HostSlot(2, 3))
         side.save([], [BlockJob("r", 0, (0, 1, 2), tuple(tokens), None, None, slots)])
