@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.checkpoint import Checkpoint
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.models.gguf import load_gguf
+from tests import tokenizer_support
 
 gguf = pytest.importorskip("gguf")
 
@@ -58,15 +59,9 @@ _CORPUS = [
 
 def byte_level_bpe(corpus: list[str] = _CORPUS) -> Tokenizer:
     """A GPT-2 style tokenizer (byte-level BPE, 300 tokens, `SPECIALS`) trained on `corpus`."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    tokenizer: Tokenizer = tokenizer_support.byte_level_bpe(
+        corpus, vocab_size=300, special_tokens=SPECIALS
     )
-    tokenizer.train_from_iterator(corpus, trainer)
     return tokenizer
 
 
