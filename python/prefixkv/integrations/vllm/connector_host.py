@@ -16,7 +16,7 @@ vLLM's own `OffloadingConnector` splits its CPU tier:
 
 Why not `prefixkv.tiers.HostTier`: it moves blocks between two `PagedKVCache` pools of
 prefixkv's own layout within one process; here the index and the bytes live in different
-processes and the bytes in vLLM's layout. The `BlockRecord` check at load is the same.
+processes and the bytes in vLLM's layout. The `BlockRecord` check is the same (`held_run`).
 
 What the worker checks before a host block reaches the KV cache: the slot holds the generation
 the scheduler planned, the record is this request's own (this rank's key chain and tokens), and
@@ -49,6 +49,7 @@ from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector_keys import BlockGeometry
 from prefixkv.tiers import BlockRecord
 from prefixkv.tiers.background import BackgroundQueue
+from prefixkv.tiers.host import held_run
 
 __all__ = ["HostIndex", "HostPool", "HostPoolStats", "HostReport", "HostSlot", "host_capacity"]
 
@@ -119,12 +120,7 @@ class HostIndex:
     def match(self, records: Sequence[BlockRecord]) -> list[HostSlot]:
         """The slots of `records[:n]`, the longest run from the first the index holds with the
         same parent and tokens. The run becomes the most recently used."""
-        slots = []
-        for record in records:
-            entry = self._entries.get(record.key)
-            if entry is None or entry[0] != record:
-                break
-            slots.append(entry[1])
+        slots = held_run(self._entries, records)
         self._touch(records[: len(slots)])
         return slots
 
