@@ -23,6 +23,7 @@ from prefixkv.analyze import (
 from prefixkv.analyze.match import RadixTrie, resync
 from prefixkv.apps.cli import analyze_main as main
 from prefixkv.text.tokenizers import ByteTokenizer, SimpleChatTemplate, load_tokenizer
+from tests.tokenizer_support import byte_level_bpe
 
 DATA = Path(__file__).parent / "data"
 
@@ -543,19 +544,9 @@ def test_json_output_has_every_documented_field(
 
 def train_tokenizer(path: Path) -> Path:
     """A tiny byte-level BPE tokenizer.json, trained here rather than downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([SYSTEM, *QUERIES, json.dumps(TOOLS)], trainer)
-    tokenizer.save(str(path))
+    corpus = [SYSTEM, *QUERIES, json.dumps(TOOLS)]
+    specials = ["<|im_start|>", "<|im_end|>"]
+    byte_level_bpe(corpus, vocab_size=500, special_tokens=specials).save(str(path))
     return path
 
 

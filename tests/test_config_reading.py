@@ -200,20 +200,10 @@ def test_the_type_tables_are_transformers_config_classes(model_type: str) -> Non
 def test_a_config_transformers_converted_from_gguf_loads(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
     del gguf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tests.gguf_files import byte_level_bpe, tiny_model, write_gguf
 
-    from tests.test_gguf import _model, write_gguf
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(["the sky is grey, the sea is blue"] * 20, trainer)
-    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer)
+    tokenizer = byte_level_bpe(["the sky is grey, the sea is blue"] * 20)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model(tokenizer), tokenizer)
     converted = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     converted.save_pretrained(tmp_path / "hf")
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())

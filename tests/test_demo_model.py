@@ -1,5 +1,5 @@
 """`prefixkv demo --model PATH` and `load_checkpoint` (issue 14), on tiny checkpoints written
-here: a GGUF file (`test_gguf.write_gguf`) and the same model as a Hugging Face directory.
+here: a GGUF file (`gguf_files.write_gguf`) and the same model as a Hugging Face directory.
 
 The real SmolLM2 run is `test_real_model.py` (opt-in).
 """
@@ -18,8 +18,8 @@ from prefixkv.apps import cli
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.checkpoint import load_checkpoint
 from prefixkv.models.decoder import LlamaModel, ModelConfig
-from tests.test_gguf import CHATML, write_gguf
-from tests.test_gguf import tokenizer as tokenizer
+from tests.gguf_files import CHATML, write_gguf
+from tests.gguf_files import tokenizer as tokenizer
 
 CHAT = [{"role": "user", "content": "Name a colour of the sea."}]
 

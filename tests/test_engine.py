@@ -20,6 +20,7 @@ from prefixkv import InvalidInputError, OutOfBlocksError
 from prefixkv.engine.facade import Engine, RequestResult, weights_digest
 from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
 from prefixkv.text.tokenizers import ByteTokenizer
+from tests.engine_support import assert_exact, random_prompt
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size
@@ -35,23 +36,17 @@ def _engine(model: LlamaModel, num_blocks: int = 64, **options: object) -> Engin
     return Engine(model, num_blocks=num_blocks, block_size=BLOCK, **options)  # type: ignore[arg-type]
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (length,), generator=generator).tolist()
-
-
 def _assert_exact(model: LlamaModel, result: RequestResult, max_new_tokens: int) -> None:
-    assert result.output_token_ids == model.generate_greedy_full(
-        result.prompt_token_ids, max_new_tokens
-    )
-    assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
+    assert_exact(model, result, max_new_tokens)
     assert result.tokens_match
 
 
 def test_batch_with_shared_prefix_matches_full_recompute(model: LlamaModel) -> None:
     engine = _engine(model)
-    system = _prompt(21, seed=1)
-    prompts = [system + _prompt(5 + i, seed=10 + i) for i in range(3)] + [_prompt(9, seed=20)]
+    system = random_prompt(21, seed=1)
+    prompts = [system + random_prompt(5 + i, seed=10 + i) for i in range(3)] + [
+        random_prompt(9, seed=20)
+    ]
     results = engine.generate(prompts, max_new_tokens=5, check_exactness=True)
     assert [r.prompt_token_ids for r in results] == prompts
     for result in results:
@@ -70,7 +65,7 @@ def test_batch_with_shared_prefix_matches_full_recompute(model: LlamaModel) -> N
 @pytest.mark.parametrize("mode", ["recompute_last_block", "reuse_last_block"])
 def test_a_full_hit_never_writes_into_a_shared_block(model: LlamaModel, mode: str) -> None:
     engine = _engine(model, full_hit=mode)
-    prompt = _prompt(4 * BLOCK, seed=2)
+    prompt = random_prompt(4 * BLOCK, seed=2)
     (first,) = engine.generate([prompt], max_new_tokens=3)
     before = engine.kv_cache.storage.clone()
     prompt_blocks = engine.cache.lookup([*prompt, 0]).block_ids
@@ -102,7 +97,7 @@ def test_result_docs_describe_both_full_hit_modes(model: LlamaModel) -> None:
         "``prompt_tokens - 1``",
     ):
         assert phrase in doc
-    prompt = _prompt(3 * BLOCK, seed=4)
+    prompt = random_prompt(3 * BLOCK, seed=4)
     for mode, cached in (("recompute_last_block", 2 * BLOCK), ("reuse_last_block", 3 * BLOCK - 1)):
         engine = _engine(model, full_hit=mode)
         engine.generate([prompt], max_new_tokens=1)
@@ -113,10 +108,10 @@ def test_result_docs_describe_both_full_hit_modes(model: LlamaModel) -> None:
 
 def test_next_turn_reuses_the_previous_answer(model: LlamaModel) -> None:
     engine = _engine(model)
-    turn_one = _prompt(10, seed=3)
+    turn_one = random_prompt(10, seed=3)
     (first,) = engine.generate([turn_one], max_new_tokens=7, check_exactness=True)
     # What a chat engine sends next: the whole conversation, the answer included.
-    turn_two = turn_one + first.output_token_ids + _prompt(6, seed=4)
+    turn_two = turn_one + first.output_token_ids + random_prompt(6, seed=4)
     (second,) = engine.generate([turn_two], max_new_tokens=4, check_exactness=True)
     _assert_exact(model, second, 4)
     # KV exists for prompt + answer[:-1] (16 tokens): four full blocks, the generated ones too.
@@ -151,7 +146,7 @@ def test_inputs_as_arrays_and_tensors(model: LlamaModel) -> None:
     import numpy as np
 
     engine = _engine(model)
-    prompt = _prompt(9, seed=5)
+    prompt = random_prompt(9, seed=5)
     results = engine.generate(
         [np.array(prompt, dtype=np.int32), torch.tensor(prompt), tuple(prompt)], max_new_tokens=2
     )
@@ -163,7 +158,7 @@ def test_inputs_as_arrays_and_tensors(model: LlamaModel) -> None:
 def test_small_pool_serves_in_waves(model: LlamaModel) -> None:
     # 12 blocks hold about two requests (3-4 blocks each with their output) at a time.
     engine = _engine(model, num_blocks=12)
-    prompts = [_prompt(11, seed=30 + i) for i in range(6)]
+    prompts = [random_prompt(11, seed=30 + i) for i in range(6)]
     results = engine.generate(prompts, max_new_tokens=4, check_exactness=True)
     for result in results:
         _assert_exact(model, result, 4)
@@ -174,13 +169,13 @@ def test_small_pool_serves_in_waves(model: LlamaModel) -> None:
 def test_request_larger_than_the_pool_is_refused_clearly(model: LlamaModel) -> None:
     engine = _engine(model, num_blocks=4)
     with pytest.raises(OutOfBlocksError, match=r"need 5 blocks .* the KV pool has 4"):
-        engine.generate([_prompt(17, seed=6)], max_new_tokens=2)
+        engine.generate([random_prompt(17, seed=6)], max_new_tokens=2)
     assert engine.cache.stats().requests_live == 0
 
 
 def test_stop_tokens(model: LlamaModel) -> None:
     engine = _engine(model)
-    prompt = _prompt(7, seed=7)
+    prompt = random_prompt(7, seed=7)
     expected = model.generate_greedy_full(prompt, 6)
     (result,) = engine.generate([prompt], max_new_tokens=6, stop_token_ids=[expected[2]])
     assert result.output_token_ids == expected[: expected.index(expected[2]) + 1]
@@ -189,7 +184,7 @@ def test_stop_tokens(model: LlamaModel) -> None:
 def test_exactness_check_detects_a_corrupted_page(model: LlamaModel) -> None:
     """A planted bug (one cached page overwritten) must show up in max_logit_diff."""
     engine = _engine(model)
-    prompt = _prompt(13, seed=8)
+    prompt = random_prompt(13, seed=8)
     engine.generate([prompt], max_new_tokens=2)
     block = engine.cache.lookup(prompt).block_ids[1]
     engine.kv_cache.storage[:, :, block] += 1.0
@@ -224,12 +219,12 @@ def test_length_dependent_rope_is_served_without_prefix_reuse(
     dynamic = model.with_config(
         rope_scaling=RopeScaling("dynamic_ntk", 2.0), max_position_embeddings=16
     )
-    prompt = _prompt(5 * BLOCK + 2, seed=11)  # 22 tokens > 16: the RoPE base moves
+    prompt = random_prompt(5 * BLOCK + 2, seed=11)  # 22 tokens > 16: the RoPE base moves
     with caplog.at_level(logging.WARNING, logger="prefixkv.engine.facade"):
         engine = _engine(dynamic)
         (first,) = engine.generate([prompt], max_new_tokens=1, check_exactness=True)
         results = engine.generate(
-            [prompt, prompt + _prompt(3, seed=12)], max_new_tokens=1, check_exactness=True
+            [prompt, prompt + random_prompt(3, seed=12)], max_new_tokens=1, check_exactness=True
         )
     assert not engine.prefix_reuse
     assert engine.prefix_reuse_off_reason is not None
@@ -261,7 +256,7 @@ def test_without_prefix_reuse_chunked_prefill_and_long_decodes_get_their_slots(
         sliding_window=6 if layer_types else None,
         layer_types=layer_types,
     )
-    prompts = [_prompt(30, seed=20 + i) for i in range(3)]
+    prompts = [random_prompt(30, seed=20 + i) for i in range(3)]
     engine = _engine(dynamic, num_blocks=30, max_num_batched_tokens=8)
     results = engine.generate([*prompts, prompts[0]], max_new_tokens=20, check_exactness=True)
     assert not engine.prefix_reuse
@@ -283,7 +278,7 @@ def test_switching_weights_into_a_length_dependent_rope_turns_reuse_off(
     engine.model.config = engine.model.config.replace(
         rope_scaling=RopeScaling("dynamic_ntk", 2.0), max_position_embeddings=16
     )
-    prompt = _prompt(22, seed=13)
+    prompt = random_prompt(22, seed=13)
     engine.generate([prompt], max_new_tokens=1)
     (again,) = engine.generate([prompt], max_new_tokens=1, check_exactness=True)
     assert not engine.prefix_reuse
@@ -297,7 +292,7 @@ def test_switching_adapters_never_reuses_kv() -> None:
     model.load_adapter("a", LlamaModel.random_adapter(config, seed=1))
     model.load_adapter("b", LlamaModel.random_adapter(config, seed=2))
     engine = _engine(model)
-    prompt = _prompt(12, seed=9)
+    prompt = random_prompt(12, seed=9)
     model.set_adapter("a")
     engine.generate([prompt], max_new_tokens=2)
     model.set_adapter("b")
@@ -319,7 +314,7 @@ def test_from_pretrained(model: LlamaModel, tmp_path: object) -> None:
     engine = Engine.from_pretrained(directory, num_blocks=16, block_size=BLOCK)
     assert engine.context.model_id == "tiny-llama"
     assert engine.context.weights_digest == _engine(model).context.weights_digest
-    prompt = _prompt(9, seed=10)
+    prompt = random_prompt(9, seed=10)
     (result,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
     _assert_exact(model, result, 3)
 
@@ -366,7 +361,7 @@ def test_in_place_weight_edit_is_detected_and_never_serves_stale_kv() -> None:
     """Issue 8.1: the weights digest was taken once; an in-place edit served the old KV."""
     model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
     engine = _engine(model)
-    prompt = _prompt(4 * BLOCK + 3, seed=40)
+    prompt = random_prompt(4 * BLOCK + 3, seed=40)
     engine.generate([prompt], max_new_tokens=3)
     before = engine.context.fingerprint()
     with torch.no_grad():
@@ -383,7 +378,7 @@ def test_weights_changed_covers_edits_torch_cannot_see() -> None:
     the documented way to say so, and it makes the next request miss."""
     model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
     engine = _engine(model)
-    prompt = _prompt(3 * BLOCK + 1, seed=41)
+    prompt = random_prompt(3 * BLOCK + 1, seed=41)
     engine.generate([prompt], max_new_tokens=2)
     weight = model.model.layers[1].self_attn.v_proj.weight
     # Swap the bytes without any torch op on the parameter: its version counter stays put.
@@ -400,7 +395,7 @@ def test_weight_edit_between_steps_restarts_running_requests() -> None:
     still running under the new weights rather than finishing them on stale KV."""
     model = LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=6)
     engine = _engine(model)
-    short, long = _prompt(5, seed=42), _prompt(9, seed=43)
+    short, long = random_prompt(5, seed=42), random_prompt(9, seed=43)
     edited = False
 
     def edit(index: int, result: RequestResult) -> None:
@@ -444,7 +439,7 @@ def test_admission_still_waits_for_blocks_held_by_running_requests(model: LlamaM
     """The probe that replaced the leaf count must not over-admit: with room for one request
     and its output at a time, every request is still served exactly, in waves."""
     engine = _engine(model, num_blocks=5)
-    prompts = [_prompt(9, seed=50 + i) for i in range(4)]  # 3 blocks + 2 of output each
+    prompts = [random_prompt(9, seed=50 + i) for i in range(4)]  # 3 blocks + 2 of output each
     results = engine.generate(prompts, max_new_tokens=8, check_exactness=True)
     for result in results:
         _assert_exact(model, result, 8)

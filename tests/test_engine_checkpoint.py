@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import ChatTemplateError, InvalidInputError
 from prefixkv.models.checkpoint import checkpoint_eos_token_ids, find_chat_template
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.text.tokenizers import ChatTemplateSet, HFTokenizer, JinjaChatTemplate
+from tests.tokenizer_support import byte_level_bpe
 
 DATA = Path(__file__).parent / "data"
 CHATML = (DATA / "chatml.jinja").read_text()
@@ -46,19 +47,11 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = [
         "You are terse. Name a colour of the sea. system user assistant tools",
         "Look a word up. lookup the sea is blue, the sky is grey.",
     ] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = byte_level_bpe(corpus, vocab_size=320, special_tokens=SPECIALS)
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tokenizer.save(str(path))
     return path

@@ -17,11 +17,7 @@ from prefixkv.events import EventSubscriber, PrefixIndex
 from prefixkv.events.subscriber import Endpoint
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.text.tokenizers import ByteTokenizer
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (length,), generator=generator).tolist()
+from tests.engine_support import random_prompt
 
 
 @pytest.mark.timeout(120)
@@ -44,11 +40,13 @@ def test_the_index_follows_the_engine_step_by_step() -> None:
                 assert index.blocks_of("engine") == cached
                 assert len(cached) == engine.cache.stats().blocks_cached
 
-            system = _prompt(20, seed=2)
-            engine.generate([system + _prompt(6, seed=3 + i) for i in range(3)], max_new_tokens=3)
+            system = random_prompt(20, seed=2)
+            engine.generate(
+                [system + random_prompt(6, seed=3 + i) for i in range(3)], max_new_tokens=3
+            )
             in_step()
             # More distinct prompts than the pool holds: evictions are published too.
-            engine.generate([_prompt(30, seed=10 + i) for i in range(4)], max_new_tokens=2)
+            engine.generate([random_prompt(30, seed=10 + i) for i in range(4)], max_new_tokens=2)
             assert engine.cache.stats().evictions > 0
             in_step()
             with torch.no_grad():

@@ -23,6 +23,7 @@ from prefixkv.errors import OutOfBlocksError
 from prefixkv.kv.pages import PagedKVCache
 from prefixkv.models.decoder import LlamaModel, ModelConfig, PrefillRequest
 from prefixkv.text.tokenizers import ByteTokenizer
+from tests.engine_support import random_prompt
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size
@@ -32,11 +33,6 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
     return LlamaModel.random(ModelConfig(vocab_size=VOCAB), seed=3)
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (length,), generator=generator).tolist()
 
 
 class _Driver:
@@ -75,7 +71,7 @@ def test_any_schedule_equals_full_recompute(model: LlamaModel, data: st.DataObje
         config.num_layers, 48, BLOCK, config.num_kv_heads, config.head_dim, dtype=model.dtype
     )
     driver = _Driver(model, cache, kv)
-    prompt = _prompt(data.draw(st.integers(1, 20), label="prompt length"), seed=5)
+    prompt = random_prompt(data.draw(st.integers(1, 20), label="prompt length"), seed=5)
     warm = data.draw(st.integers(0, len(prompt)), label="cached prefix length")
     if warm:
         driver.serve_plainly("warm", prompt[:warm])
@@ -187,8 +183,8 @@ def test_the_engine_is_exact_under_any_budget_pool_and_draft_setting(
     mode: str,
     seed: int,
 ) -> None:
-    system = _prompt(13, seed=seed)
-    prompts = [system + _prompt(3 + 2 * i, seed=10 * seed + i) for i in range(3)]
+    system = random_prompt(13, seed=seed)
+    prompts = [system + random_prompt(3 + 2 * i, seed=10 * seed + i) for i in range(3)]
     prompts.append(system[:8])  # a full hit of a block-aligned prefix once cached
     engine = Engine(
         model,
@@ -208,7 +204,7 @@ def test_the_engine_is_exact_under_any_budget_pool_and_draft_setting(
 
 
 def test_a_small_pool_preempts_and_resumes_exactly(model: LlamaModel) -> None:
-    prompts = [_prompt(14, seed=40 + i) for i in range(4)]
+    prompts = [random_prompt(14, seed=40 + i) for i in range(4)]
     # Room for about two requests at once: the running ones outgrow it while decoding.
     engine = Engine(model, num_blocks=10, block_size=BLOCK, watermark_blocks=0)
     results = engine.generate(prompts, max_new_tokens=12, check_exactness=True)
@@ -219,7 +215,7 @@ def test_a_small_pool_preempts_and_resumes_exactly(model: LlamaModel) -> None:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget(model: LlamaModel) -> None:
-    prompt = _prompt(50, seed=7)
+    prompt = random_prompt(50, seed=7)
     engine = Engine(model, num_blocks=32, block_size=BLOCK, max_num_batched_tokens=16)
     (result,) = engine.generate([prompt], max_new_tokens=3, check_exactness=True)
     _assert_exact_results(model, [result], 3)
@@ -231,7 +227,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget(model: LlamaMode
 def test_drafts_speed_up_decode_of_repetitive_text_and_stay_exact(model: LlamaModel) -> None:
     # A prompt that repeats itself: its greedy continuation tends to repeat too, which is
     # what prompt-lookup drafts guess.
-    phrase = _prompt(6, seed=11)
+    phrase = random_prompt(6, seed=11)
     prompt = phrase * 5
     plain = Engine(model, num_blocks=64, block_size=BLOCK)
     drafted = Engine(model, num_blocks=64, block_size=BLOCK, num_speculative_tokens=4)
@@ -249,8 +245,8 @@ def test_a_pool_far_smaller_than_the_prompts_serves_everything_near_the_ideal_hi
     """Sixteen 40-token requests sharing a 24-token system prompt through a pool holding
     under a fifth of them: all complete, none refused, and the shared prefix is computed
     about once."""
-    system = _prompt(24, seed=21)
-    prompts = [system + _prompt(16, seed=100 + i) for i in range(16)]
+    system = random_prompt(24, seed=21)
+    prompts = [system + random_prompt(16, seed=100 + i) for i in range(16)]
     hit_rates = {}
     for policy in ("cache_aware", "fcfs"):
         engine = Engine(
@@ -275,10 +271,10 @@ def test_a_pool_far_smaller_than_the_prompts_serves_everything_near_the_ideal_hi
 def test_no_request_is_passed_over_more_than_the_bound(model: LlamaModel) -> None:
     """Cache-aware ordering favours cached prefixes, but a request passed over `max_passes`
     times goes first: a stream of hits cannot starve a miss."""
-    system = _prompt(16, seed=31)
+    system = random_prompt(16, seed=31)
     engine = Engine(model, num_blocks=64, block_size=BLOCK, max_batch_size=1, max_passes=2)
     engine.generate([[*system, 1]], max_new_tokens=1)  # warm the shared prefix
-    loner = _prompt(17, seed=32)
+    loner = random_prompt(17, seed=32)
     prompts = [loner] + [[*system, 2 + i] for i in range(6)]
     finished: list[int] = []
     engine.generate(prompts, max_new_tokens=1, on_finish=lambda i, _: finished.append(i))
@@ -289,7 +285,7 @@ def test_a_request_that_fits_only_without_drafts_is_served(model: LlamaModel) ->
     """Issue 20.11: drafts are optional room. 37 prompt tokens plus 4 new fill a 10-block pool
     of 4-token blocks exactly; with 3 draft tokens on, the request is served (as with drafts
     off), alone or behind another such request, and drafts still run where there is room."""
-    prompt = (_prompt(6, seed=33) * 7)[:37]  # prompt-lookup proposes drafts for it (below)
+    prompt = (random_prompt(6, seed=33) * 7)[:37]  # prompt-lookup proposes drafts for it (below)
     plain = Engine(model, num_blocks=10, block_size=BLOCK)
     drafted = Engine(model, num_blocks=10, block_size=BLOCK, num_speculative_tokens=3)
     (expected,) = plain.generate([prompt], max_new_tokens=4)
@@ -300,7 +296,7 @@ def test_a_request_that_fits_only_without_drafts_is_served(model: LlamaModel) ->
     # Admitted without draft room: 38 prompt tokens plus 3 drafts would not fit.
     (longer,) = drafted.generate([[*prompt, 7]], max_new_tokens=3, check_exactness=True)
     _assert_exact_results(model, [longer], 3)
-    other = (_prompt(5, seed=13) * 8)[:37]
+    other = (random_prompt(5, seed=13) * 8)[:37]
     results = drafted.generate([other, prompt], max_new_tokens=4, check_exactness=True)
     _assert_exact_results(model, results, 4)
     assert results[1].output_token_ids == expected.output_token_ids
@@ -314,5 +310,5 @@ def test_a_request_that_fits_only_without_drafts_is_served(model: LlamaModel) ->
 def test_a_request_too_big_without_drafts_is_refused_by_its_own_need(model: LlamaModel) -> None:
     engine = Engine(model, num_blocks=10, block_size=BLOCK, num_speculative_tokens=3)
     with pytest.raises(OutOfBlocksError, match=r"38 prompt tokens plus 4 new need 11 blocks"):
-        engine.generate([_prompt(38, seed=1)], max_new_tokens=4)
+        engine.generate([random_prompt(38, seed=1)], max_new_tokens=4)
     assert engine.cache.stats().blocks_in_use == 0

@@ -8,16 +8,15 @@ against the cache-free oracle), and its blocks are never another adapter's.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from prefixkv import InvalidInputError
 from prefixkv.engine.facade import Engine, EngineRequest, RequestResult
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.text.tokenizers import ByteTokenizer
+from tests.engine_support import assert_exact, random_prompt
 
 BLOCK = 4
 VOCAB = ByteTokenizer().vocab_size
-TOLERANCE = 1e-4
 CONFIG = ModelConfig(vocab_size=VOCAB, lora_rank=4, lora_alpha=8.0)
 
 
@@ -27,18 +26,6 @@ def model() -> LlamaModel:
     model.load_adapter("a", LlamaModel.random_adapter(CONFIG, seed=1))
     model.load_adapter("b", LlamaModel.random_adapter(CONFIG, seed=2))
     return model
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (length,), generator=generator).tolist()
-
-
-def _assert_exact(model: LlamaModel, result: RequestResult, max_new_tokens: int) -> None:
-    assert result.output_token_ids == model.generate_greedy_full(
-        result.prompt_token_ids, max_new_tokens
-    )
-    assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
 
 
 def _block_tables(engine: Engine, requests: list[EngineRequest]) -> list[set[int]]:
@@ -62,24 +49,24 @@ def _block_tables(engine: Engine, requests: list[EngineRequest]) -> list[set[int
 def test_two_tenants_never_share_blocks_and_the_same_tenant_does(model: LlamaModel) -> None:
     model.set_adapter(None)
     engine = Engine(model, num_blocks=64, block_size=BLOCK)
-    prompt = _prompt(21, seed=9)
+    prompt = random_prompt(21, seed=9)
     (first,) = engine.generate([EngineRequest(prompt, salt="tenant-a")], max_new_tokens=2)
     assert first.cached_tokens == 0
     (other,) = engine.generate(
         [EngineRequest(prompt, salt="tenant-b")], max_new_tokens=2, check_exactness=True
     )
     assert other.cached_tokens == 0  # the same prompt, another tenant: nothing shared
-    _assert_exact(model, other, 2)
+    assert_exact(model, other, 2)
     (shared,) = engine.generate([prompt], max_new_tokens=2)
     assert shared.cached_tokens == 0  # nor with requests without a salt
     (again,) = engine.generate(
         [EngineRequest(prompt, salt=b"tenant-a")], max_new_tokens=2, check_exactness=True
     )
     assert again.cached_tokens == 20  # the same tenant (str or bytes alike): a hit
-    _assert_exact(model, again, 2)
+    assert_exact(model, again, 2)
     # In one call too: two tenants' identical prompts admitted side by side hold disjoint
     # blocks, two requests of one tenant share theirs.
-    fresh = _prompt(16, seed=10)
+    fresh = random_prompt(16, seed=10)
     tables = _block_tables(
         engine,
         [
@@ -97,7 +84,7 @@ def test_two_tenants_never_share_blocks_and_the_same_tenant_does(model: LlamaMod
 def test_a_request_is_served_with_the_adapter_it_names(model: LlamaModel) -> None:
     model.set_adapter(None)
     engine = Engine(model, num_blocks=64, block_size=BLOCK)
-    prompt = _prompt(13, seed=11)
+    prompt = random_prompt(13, seed=11)
     requests = [
         EngineRequest(prompt, adapter="a"),
         EngineRequest(prompt),

@@ -1,6 +1,6 @@
-"""GGUF files (issue 14): tiny files written here with the `gguf` package's own writer, from a
-random model and a byte-level BPE tokenizer trained here, each compared with the same weights
-saved as a Hugging Face directory.
+"""GGUF files (issue 14): tiny files written with the `gguf` package's own writer
+(`tests/gguf_files.py`), from a random model and a byte-level BPE tokenizer trained there, each
+compared with the same weights saved as a Hugging Face directory.
 
 The writer does what llama.cpp's converter does (permutes the Q/K rows of the ``llama``
 architecture, quantizes with ``gguf.quants.quantize``), so a loader that forgets to undo the
@@ -10,7 +10,6 @@ SmolLM2 file is only used by `test_real_model.py` (opt-in: ``-m real_model``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +19,22 @@ import torch
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
-from prefixkv.models.decoder import LlamaModel, ModelConfig, RopeScaling
+from prefixkv.models.decoder import LlamaModel, RopeScaling
 from prefixkv.models.gguf import is_gguf, load_gguf
+from tests.gguf_files import TOKENS, finish, tiny_model, write_gguf
+from tests.gguf_files import tokenizer as tokenizer  # the module-scoped fixture
 
 gguf = pytest.importorskip("gguf")
 
-CHATML = (Path(__file__).parent / "data" / "chatml.jinja").read_text()
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour of the sea, and 2024 + 17."},
 ]
 TEXTS = ["Name a colour of the sea.", "order 00417 ships 12 units", " the  sky\n\nis grey's"]
-TOKENS = torch.tensor([(37 * i + 11) % 300 for i in range(40)])
 #: Largest |dequantized - original| per element, relative to its 32-element block's absmax
 #: (llama.cpp's formats): half a step for Q8_0 (1/127 of absmax) and the min/scale types
 #: Q4_1/Q5_1 ((max - min) / 15 or 31); Q4_0/Q5_0 scale by the signed extreme over -8 / -16,
@@ -53,148 +51,11 @@ RELATIVE_ERROR = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["You are terse. Name a colour of the sea. system user assistant"] * 20
-    corpus += ["the sky is grey, the sea is blue; order 2024 ships 17 units"] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
-    return tokenizer
-
-
-def write_gguf(
-    path: Path,
-    model: LlamaModel,
-    tokenizer: Tokenizer,
-    *,
-    qtype: str = "F32",
-    arch: str = "llama",
-    pre: str = "default",
-    chat_template: str | None = CHATML,
-    extra: dict[str, Any] | None = None,
-    replace: dict[str, tuple[Any, Any]] | None = None,
-    tensors: dict[str, np.ndarray] | None = None,
-    raw_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
-) -> Path:
-    """`model` and `tokenizer` as llama.cpp's converter writes them; `replace` overwrites
-    metadata keys with (value, GGUFValueType) and `tensors` tensors by GGUF name (hostile
-    files for tests). `raw_tensors` gives some tensors (by Hugging Face name) as
-    already-encoded blocks in the file's row order, with their quantization type (the `gguf`
-    package has no quantizer for K-quants)."""
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny test model")
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    if config.rope_scaling is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType(config.rope_scaling.kind))
-        writer.add_rope_scaling_factor(config.rope_scaling.factor)
-        writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
-    for key, value in (extra or {}).items():
-        writer.add_uint32(key, value)
-    data = json.loads(tokenizer.to_str())
-    vocab = sorted(data["model"]["vocab"].items(), key=lambda item: item[1])
-    tokens = [token for token, _ in vocab]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens])
-    merges = data["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    for key, (value, value_type) in (replace or {}).items():
-        sub_type = None
-        if value_type == gguf.GGUFValueType.ARRAY:
-            sub_type = gguf.GGUFValueType.get_type(value[0])
-        writer.add_key_value(key, value, value_type, sub_type=sub_type)
-    quant = getattr(gguf.GGMLQuantizationType, qtype)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if raw_tensors and name in raw_tensors:
-            blocks, raw_type = raw_tensors[name]
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=raw_type)
-            continue
-        values = tensor.to(torch.float32).numpy()
-        values = (tensors or {}).get(gguf_name(name), values)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            if values.shape[0] % (2 * heads) == 0:
-                values = permute(values, heads)
-        if values.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
-            writer.add_tensor(gguf_name(name), values)
-        else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, quant), raw_dtype=quant)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def permute(weights: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py `permute`, as written there."""
-    return (
-        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
-def gguf_name(hf_name: str) -> str:
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in names:
-        return names[hf_name]
-    layer_names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    _, _, layer, *rest = hf_name.split(".")
-    module, kind = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{layer_names[module]}.{kind}"
-
-
-def _model(tokenizer: Tokenizer, **changes: Any) -> LlamaModel:
-    return LlamaModel.random(ModelConfig(vocab_size=tokenizer.get_vocab_size(), **changes), seed=5)
-
-
 @pytest.mark.parametrize("qtype", sorted(RELATIVE_ERROR))  # K-quants: test_gguf_kquants.py
 def test_each_supported_type_loads_the_same_weights_as_the_hf_directory(
     tmp_path: Path, tokenizer: Tokenizer, qtype: str
 ) -> None:
-    ours = _model(tokenizer, tie_word_embeddings=qtype == "Q8_0")
+    ours = tiny_model(tokenizer, tie_word_embeddings=qtype == "Q8_0")
     ours.save_pretrained(tmp_path / "hf")
     hf = LlamaModel.from_pretrained(tmp_path / "hf")
     loaded = load_gguf(write_gguf(tmp_path / "m.gguf", ours, tokenizer, qtype=qtype)).model
@@ -222,7 +83,7 @@ def test_q_k_rows_are_unpermuted_for_llama_and_not_for_qwen2(
     tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
     for arch, changes in (("llama", {}), ("qwen2", {"attention_qkv_bias": True})):
-        ours = _model(tokenizer, **changes)
+        ours = tiny_model(tokenizer, **changes)
         path = write_gguf(tmp_path / f"{arch}.gguf", ours, tokenizer, arch=arch)
         loaded = load_gguf(path).model
         assert loaded.config == ours.config
@@ -238,7 +99,7 @@ def test_a_qwen3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
     weights and with transformers' own GGUF loader."""
     # head_dim 128 (not hidden / heads = 16): transformers' GGUF conversion does not read
     # key_length and takes Qwen3Config's default, 128, as every published Qwen3 has.
-    ours = _model(tokenizer, qk_norm=True, head_dim=128)
+    ours = tiny_model(tokenizer, qk_norm=True, head_dim=128)
     ours.save_pretrained(tmp_path / "hf")
     hf = LlamaModel.from_pretrained(tmp_path / "hf")
     path = write_gguf(tmp_path / "m.gguf", ours, tokenizer, arch="qwen3", qtype=qtype)
@@ -270,7 +131,7 @@ def test_a_qwen3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
 
 def test_yarn_metadata_is_read(tmp_path: Path, tokenizer: Tokenizer) -> None:
     scaling = RopeScaling("yarn", 4.0, original_max_position_embeddings=32)
-    ours = _model(tokenizer, rope_scaling=scaling, max_position_embeddings=128)
+    ours = tiny_model(tokenizer, rope_scaling=scaling, max_position_embeddings=128)
     loaded = load_gguf(write_gguf(tmp_path / "m.gguf", ours, tokenizer)).model
     assert loaded.config.rope_scaling == scaling
 
@@ -279,7 +140,7 @@ def test_yarn_metadata_is_read(tmp_path: Path, tokenizer: Tokenizer) -> None:
 def test_the_tokenizer_encodes_as_transformers_gguf_conversion(
     tmp_path: Path, tokenizer: Tokenizer, pre: str
 ) -> None:
-    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer, pre=pre)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model(tokenizer), tokenizer, pre=pre)
     ours = load_gguf(path).tokenizer
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
@@ -302,7 +163,7 @@ def test_smollm_pre_tokenizer_splits_every_digit(
 @pytest.fixture(scope="module")
 def smollm_tokenizer(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Any:
     path = tmp_path_factory.mktemp("smollm") / "m.gguf"
-    return load_gguf(write_gguf(path, _model(tokenizer), tokenizer, pre="smollm")).tokenizer
+    return load_gguf(write_gguf(path, tiny_model(tokenizer), tokenizer, pre="smollm")).tokenizer
 
 
 @given(text=st.text(max_size=40))
@@ -314,7 +175,7 @@ def test_the_tokenizer_round_trips_any_text(smollm_tokenizer: Any, text: str) ->
 def test_chat_through_the_engine_gives_transformers_apply_chat_template_ids(
     tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
-    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model(tokenizer), tokenizer)
     checkpoint = load_gguf(path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     expected = theirs.apply_chat_template(
@@ -335,7 +196,7 @@ def test_chat_through_the_engine_gives_transformers_apply_chat_template_ids(
 def test_engine_from_pretrained_serves_a_gguf_file_as_its_metadata_says(
     tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
-    model = _model(tokenizer)
+    model = tiny_model(tokenizer)
     path = write_gguf(tmp_path / "m.gguf", model, tokenizer)
     engine = Engine.from_pretrained(path, num_blocks=64, block_size=4)
     checkpoint = load_gguf(path)
@@ -351,12 +212,12 @@ def test_engine_from_pretrained_serves_a_gguf_file_as_its_metadata_says(
 
 
 def test_a_file_without_a_template_has_none(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    path = write_gguf(tmp_path / "m.gguf", _model(tokenizer), tokenizer, chat_template=None)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model(tokenizer), tokenizer, chat_template=None)
     assert load_gguf(path).chat_template is None
 
 
 def test_refusals_name_the_problem(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    model = _model(tokenizer)
+    model = tiny_model(tokenizer)
     good = write_gguf(tmp_path / "good.gguf", model, tokenizer)
     assert is_gguf(good) and not is_gguf(Path(__file__))
     truncated = tmp_path / "truncated.gguf"
@@ -388,9 +249,6 @@ def test_an_unsupported_tensor_type_is_refused_by_name(
     ternary = gguf.GGMLQuantizationType.TQ2_0
     raw = np.zeros(gguf.quants.quant_shape_to_byte_shape((300, 256), ternary), dtype=np.uint8)
     writer.add_tensor("token_embd.weight", raw, raw_dtype=ternary)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(InvalidInputError, match="TQ2_0"):
         load_gguf(path)

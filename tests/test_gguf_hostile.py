@@ -22,12 +22,12 @@ from prefixkv.apps.cli import main
 from prefixkv.errors import InvalidInputError, PrefixKVError
 from prefixkv.models import config as model_config
 from prefixkv.models.gguf import load_gguf
-from tests.test_gguf import _model, tokenizer, write_gguf
+from tests.gguf_files import tiny_model, tokenizer, write_gguf
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGUFValueType
 
-__all__ = ["tokenizer"]  # the fixture, shared with test_gguf
+__all__ = ["tokenizer"]  # the fixture, shared with the other GGUF tests
 
 #: Seconds a refusal may take (a 300 KB file; the lie used to cost 1 GB of RSS after 8 s).
 BOUND_S = 3.0
@@ -81,7 +81,7 @@ def count_fields(data: bytes) -> list[tuple[int, str, str]]:
 @pytest.fixture(scope="module")
 def small_file(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "small.gguf"
-    return write_gguf(path, _model(tokenizer), tokenizer)
+    return write_gguf(path, tiny_model(tokenizer), tokenizer)
 
 
 def refused_in_bounded_time(path: Path) -> InvalidInputError:
@@ -163,7 +163,7 @@ def test_any_lying_count_is_a_typed_error_in_bounded_time(
 def test_a_model_larger_than_memory_is_refused_before_allocating(
     tmp_path: Path, tokenizer: Tokenizer, replace: dict[str, Any]
 ) -> None:
-    path = write_gguf(tmp_path / "big.gguf", _model(tokenizer), tokenizer, replace=replace)
+    path = write_gguf(tmp_path / "big.gguf", tiny_model(tokenizer), tokenizer, replace=replace)
     start = time.monotonic()
     with pytest.raises(MemoryError, match=r"needs [\d,]+ bytes") as caught:
         load_gguf(path)
@@ -174,7 +174,7 @@ def test_a_model_larger_than_memory_is_refused_before_allocating(
 def test_the_memory_limit_applies_to_gguf_files(
     tmp_path: Path, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model(tokenizer)
+    model = tiny_model(tokenizer)
     path = write_gguf(tmp_path / "m.gguf", model, tokenizer)
     monkeypatch.setattr(model_config, "physical_memory_bytes", lambda: 1_000)
     with pytest.raises(MemoryError, match="1,000 bytes"):
@@ -203,7 +203,7 @@ def test_the_memory_limit_applies_to_gguf_files(
 def test_malformed_metadata_is_refused_by_name(
     tmp_path: Path, tokenizer: Tokenizer, replace: dict[str, Any], named: str
 ) -> None:
-    path = write_gguf(tmp_path / "bad.gguf", _model(tokenizer), tokenizer, replace=replace)
+    path = write_gguf(tmp_path / "bad.gguf", tiny_model(tokenizer), tokenizer, replace=replace)
     with pytest.raises(InvalidInputError, match=named.replace(".", r"\.")):
         load_gguf(path)
 
@@ -212,7 +212,7 @@ def test_a_q_tensor_of_the_wrong_shape_is_refused_before_unpermuting(
     tmp_path: Path, tokenizer: Tokenizer
 ) -> None:
     tensors = {"blk.0.attn_q.weight": np.zeros((5, 64), dtype=np.float32)}
-    path = write_gguf(tmp_path / "q.gguf", _model(tokenizer), tokenizer, tensors=tensors)
+    path = write_gguf(tmp_path / "q.gguf", tiny_model(tokenizer), tokenizer, tensors=tensors)
     with pytest.raises(InvalidInputError, match="q_proj"):
         load_gguf(path)
 
@@ -221,7 +221,7 @@ def test_demo_model_with_a_bad_gguf_prints_one_line_and_exits_2(
     tmp_path: Path, tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     replace = {"llama.attention.head_count": (0, T.UINT32)}
-    path = write_gguf(tmp_path / "bad.gguf", _model(tokenizer), tokenizer, replace=replace)
+    path = write_gguf(tmp_path / "bad.gguf", tiny_model(tokenizer), tokenizer, replace=replace)
     assert main(["demo", "--model", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "head_count" in err, err

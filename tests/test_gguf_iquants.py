@@ -20,22 +20,23 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from prefixkv.engine.facade import Engine
-from prefixkv.errors import InvalidInputError
-from prefixkv.models.decoder import LlamaModel, ModelConfig
-from prefixkv.models.gguf import SUPPORTED_TYPES, load_gguf
-from tests.test_gguf import RELATIVE_ERROR, TOKENS, permute, write_gguf
-from tests.test_gguf import tokenizer as tokenizer  # the module-scoped fixture
-from tests.test_gguf_kquants import K_QUANTS, _matrices
+from prefixkv.models.gguf import SUPPORTED_TYPES
+from tests.gguf_files import (
+    assert_pre_scan_sizes_the_last_tensor_exactly,
+    assert_serves_as_its_dequantized_checkpoint,
+    quant_checkpoint,
+    quant_matrices,
+)
+from tests.gguf_files import tokenizer as tokenizer  # the module-scoped fixture
+from tests.test_gguf import RELATIVE_ERROR
+from tests.test_gguf_kquants import K_QUANTS
 
 gguf = pytest.importorskip("gguf")
 
@@ -304,34 +305,17 @@ def test_the_gguf_dequantizer_is_llama_cpp_s(qtype: str, data: st.DataObject) ->
 def _iquant_checkpoint(
     directory: Path, tokenizer: Tokenizer, types: dict[str, str]
 ) -> tuple[Path, Path]:
-    """A tiny Llama as a GGUF whose matrices are random i-quant blocks (`types`: Hugging Face
-    name -> type; norms stay F32), and the same model as a Hugging Face directory holding the
-    blocks' dequantized values (the port above)."""
-    config = ModelConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=256,
-        num_heads=4, num_kv_heads=2, head_dim=64,
-    )  # fmt: skip
-    ours = LlamaModel.random(config, seed=5)
+    """`quant_checkpoint` of random i-quant blocks, dequantized by the port above."""
     rng = np.random.default_rng(11)
-    state = dict(ours.state_dict())
-    raw_tensors: dict[str, tuple[np.ndarray, Any]] = {}
-    for name, qtype in types.items():
-        rows, columns = state[name].shape
+
+    def draw_blocks(qtype: str, rows: int, columns: int, target: float) -> np.ndarray:
+        # The same seed twice: only the scale changes.
         seed = int(rng.integers(2**32))
         blocks = random_blocks(qtype, rows, columns, np.random.default_rng(seed))
-        # One scale per tensor, so each has about the spread `LlamaModel.random` gives it
-        # (the same seed: only the scale changes).
-        scale = float(state[name].std()) / float(reference_dequantize(blocks, qtype).std())
-        blocks = random_blocks(qtype, rows, columns, np.random.default_rng(seed), scale)
-        state[name] = torch.from_numpy(reference_dequantize(blocks, qtype))
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp's converter permutes Q/K rows; a row is whole blocks here.
-            blocks = permute(blocks, config.num_heads if "q_proj" in name else config.num_kv_heads)
-        raw_tensors[name] = (blocks, getattr(gguf.GGMLQuantizationType, qtype))
-    ours.load_state_dict(state)
-    ours.save_pretrained(directory / "hf")
-    path = write_gguf(directory / "m.gguf", ours, tokenizer, raw_tensors=raw_tensors)
-    return path, directory / "hf"
+        scale = target / float(reference_dequantize(blocks, qtype).std())
+        return random_blocks(qtype, rows, columns, np.random.default_rng(seed), scale)
+
+    return quant_checkpoint(directory, tokenizer, types, draw_blocks, reference_dequantize)
 
 
 @pytest.mark.parametrize("qtype", [*I_QUANTS, "mixed"])
@@ -341,35 +325,13 @@ def test_an_iquant_file_loads_and_serves_as_its_dequantized_checkpoint(
     """Every matrix in one i-quant type, or (``mixed``, as an ``IQ3_M`` file mixes them) each in
     the next of the nine: the weights are exactly the dequantized ones, and the engine serving
     the file gives the Hugging Face directory's greedy tokens and logits."""
-    matrices = _matrices(tokenizer)
+    matrices = quant_matrices(tokenizer)
     if qtype == "mixed":
         types = {name: I_QUANTS[index % len(I_QUANTS)] for index, name in enumerate(matrices)}
     else:
         types = dict.fromkeys(matrices, qtype)
     path, hf_directory = _iquant_checkpoint(tmp_path, tokenizer, types)
-    checkpoint = load_gguf(path)
-    hf = LlamaModel.from_pretrained(hf_directory)
-    assert checkpoint.model.config == hf.config
-    expected_types = {kind: list(types.values()).count(kind) for kind in set(types.values())}
-    assert {k: v for k, v in checkpoint.tensor_types.items() if k != "F32"} == expected_types
-    loaded = checkpoint.model.state_dict()
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(loaded[name], tensor), name
-    logits = checkpoint.model.forward_full(TOKENS)
-    assert torch.equal(logits, hf.forward_full(TOKENS))
-    assert logits.std() > 0.5  # a model that computes something, not all-zero weights
-
-    engine = Engine.from_pretrained(
-        path, num_blocks=64, block_size=4, max_num_batched_tokens=16, stop_token_ids=()
-    )
-    reference = Engine(hf, num_blocks=64, block_size=4)
-    prompt = TOKENS.tolist()
-    for tokens in (prompt, [*prompt[:24], 7, 8, 9]):  # the second after a cached prefix
-        (ours,) = engine.generate([tokens], max_new_tokens=6, check_exactness=True)
-        (theirs,) = reference.generate([tokens], max_new_tokens=6)
-        assert ours.output_token_ids == theirs.output_token_ids
-        assert ours.max_logit_diff is not None and ours.max_logit_diff < 1e-4
-    assert ours.cached_tokens >= 20
+    assert_serves_as_its_dequantized_checkpoint(path, hf_directory, types)
 
 
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS", "IQ1_M"])
@@ -380,23 +342,8 @@ def test_the_header_pre_scan_sizes_iquant_tensors_exactly(
     IQ4_NL, 256 for the rest): a file one byte short of its last tensor is refused, naming it,
     before the reader sees it; a row that is not whole blocks is refused too."""
     values, _ = BLOCKS[qtype]
-    path, _ = _iquant_checkpoint(tmp_path, tokenizer, dict.fromkeys(_matrices(tokenizer), qtype))
-    good = path.read_bytes()
-    last = gguf.GGUFReader(str(path)).tensors[-1]
-    assert last.tensor_type == getattr(gguf.GGMLQuantizationType, qtype)
-    end = int(last.data_offset) + int(last.n_bytes)
-    (tmp_path / "short.gguf").write_bytes(good[: end - 1])
-    with pytest.raises(InvalidInputError, match=rf"tensor '{last.name}' needs \d+ bytes"):
-        load_gguf(tmp_path / "short.gguf")
-    (tmp_path / "exact.gguf").write_bytes(good[:end])
-    load_gguf(tmp_path / "exact.gguf")  # the last tensor's bytes exactly: loads
-
-    # Rows of 256 + 16 values (dims are u64s after the name and a u32 count): never whole blocks.
-    name = b"blk.0.attn_q.weight"
-    at = good.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4
-    assert struct.unpack_from("<Q", good, at)[0] == 256
-    bad = bytearray(good)
-    struct.pack_into("<Q", bad, at, 256 + 16)
-    (tmp_path / "odd_row.gguf").write_bytes(bytes(bad))
-    with pytest.raises(InvalidInputError, match=f"not a whole number of {values}-value blocks"):
-        load_gguf(tmp_path / "odd_row.gguf")
+    types = dict.fromkeys(quant_matrices(tokenizer), qtype)
+    path, _ = _iquant_checkpoint(tmp_path, tokenizer, types)
+    # Rows of 256 + 16 values: never whole blocks.
+    refusal = f"not a whole number of {values}-value blocks"
+    assert_pre_scan_sizes_the_last_tensor_exactly(path, qtype, 256 + 16, refusal)

@@ -12,23 +12,24 @@ values.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from prefixkv.engine.facade import Engine
-from prefixkv.errors import InvalidInputError
-from prefixkv.models.decoder import LlamaModel, ModelConfig
-from prefixkv.models.gguf import SUPPORTED_TYPES, load_gguf
-from tests.test_gguf import RELATIVE_ERROR, TOKENS, permute, write_gguf
-from tests.test_gguf import tokenizer as tokenizer  # the module-scoped fixture
+from prefixkv.models.gguf import SUPPORTED_TYPES
+from tests.gguf_files import (
+    assert_pre_scan_sizes_the_last_tensor_exactly,
+    assert_serves_as_its_dequantized_checkpoint,
+    quant_checkpoint,
+    quant_matrices,
+)
+from tests.gguf_files import tokenizer as tokenizer  # the module-scoped fixture
+from tests.test_gguf import RELATIVE_ERROR
 
 gguf = pytest.importorskip("gguf")
 
@@ -218,49 +219,17 @@ def test_the_gguf_dequantizer_is_llama_cpp_s(qtype: str, data: st.DataObject) ->
 def _kquant_checkpoint(
     directory: Path, tokenizer: Tokenizer, types: dict[str, str], arch: str = "llama"
 ) -> tuple[Path, Path]:
-    """A tiny Llama as a GGUF whose matrices are random K-quant blocks (`types`: Hugging Face
-    name -> type; norms stay F32, as llama.cpp keeps them), and the same model as a Hugging
-    Face directory holding the blocks' dequantized values (llama.cpp's loops, above)."""
-    # Rows of 256 values: K-quant blocks span a whole super-block of one row.
-    config = ModelConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=256,
-        intermediate_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        qk_norm=arch == "qwen3",
-    )
-    ours = LlamaModel.random(config, seed=5)
+    """`quant_checkpoint` of random K-quant blocks, dequantized by llama.cpp's loops (above)."""
     rng = np.random.default_rng(7)
-    state = dict(ours.state_dict())
-    raw_tensors: dict[str, tuple[np.ndarray, Any]] = {}
-    for name, qtype in types.items():
-        rows, columns = state[name].shape
+
+    def draw_blocks(qtype: str, rows: int, columns: int, target: float) -> np.ndarray:
         blocks = random_blocks(qtype, rows, columns, rng)
-        # One scale per tensor, so each has about the spread `LlamaModel.random` gives it.
-        target = float(state[name].std())
-        blocks = random_blocks(
+        return random_blocks(
             qtype, rows, columns, np.random.default_rng(rng.integers(2**32)),
             scale=target / float(reference_dequantize(blocks, qtype).std()),
         )  # fmt: skip
-        values = reference_dequantize(blocks, qtype)
-        state[name] = torch.from_numpy(values)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp's converter permutes Q/K rows; a row is whole blocks here.
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            blocks = permute(blocks, heads)
-        raw_tensors[name] = (blocks, getattr(gguf.GGMLQuantizationType, qtype))
-    ours.load_state_dict(state)
-    ours.save_pretrained(directory / "hf")
-    path = write_gguf(directory / "m.gguf", ours, tokenizer, arch=arch, raw_tensors=raw_tensors)
-    return path, directory / "hf"
 
-
-def _matrices(tokenizer: Tokenizer) -> list[str]:
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=256,
-                         intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=64)  # fmt: skip
-    return [name for name, tensor in LlamaModel(config).state_dict().items() if tensor.ndim == 2]
+    return quant_checkpoint(directory, tokenizer, types, draw_blocks, reference_dequantize, arch)
 
 
 @pytest.mark.parametrize(
@@ -274,36 +243,14 @@ def test_a_kquant_file_loads_and_serves_as_its_dequantized_checkpoint(
     in the next of the five, for a Llama and a Qwen3 (what a ``Qwen3-8B-Q4_K_M.gguf`` is): the
     weights are exactly the dequantized ones, and the engine serving the file gives the Hugging
     Face directory's greedy tokens and logits."""
-    matrices = _matrices(tokenizer)
+    matrices = quant_matrices(tokenizer)
     if qtype == "mixed":
         types = {name: K_QUANTS[index % 5] for index, name in enumerate(matrices)}
     else:
         types = dict.fromkeys(matrices, qtype)
     path, hf_directory = _kquant_checkpoint(tmp_path, tokenizer, types, arch)
-    checkpoint = load_gguf(path)
-    hf = LlamaModel.from_pretrained(hf_directory)
-    assert checkpoint.model.config == hf.config
+    checkpoint = assert_serves_as_its_dequantized_checkpoint(path, hf_directory, types)
     assert checkpoint.model.config.qk_norm is (arch == "qwen3")
-    expected_types = {kind: list(types.values()).count(kind) for kind in set(types.values())}
-    assert {k: v for k, v in checkpoint.tensor_types.items() if k != "F32"} == expected_types
-    loaded = checkpoint.model.state_dict()
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(loaded[name], tensor), name
-    logits = checkpoint.model.forward_full(TOKENS)
-    assert torch.equal(logits, hf.forward_full(TOKENS))
-    assert logits.std() > 0.5  # a model that computes something, not all-zero weights
-
-    engine = Engine.from_pretrained(
-        path, num_blocks=64, block_size=4, max_num_batched_tokens=16, stop_token_ids=()
-    )
-    reference = Engine(hf, num_blocks=64, block_size=4)
-    prompt = TOKENS.tolist()
-    for tokens in (prompt, [*prompt[:24], 7, 8, 9]):  # the second after a cached prefix
-        (ours,) = engine.generate([tokens], max_new_tokens=6, check_exactness=True)
-        (theirs,) = reference.generate([tokens], max_new_tokens=6)
-        assert ours.output_token_ids == theirs.output_token_ids
-        assert ours.max_logit_diff is not None and ours.max_logit_diff < 1e-4
-    assert ours.cached_tokens >= 20
 
 
 def test_the_header_pre_scan_sizes_kquant_tensors_exactly(
@@ -312,25 +259,8 @@ def test_the_header_pre_scan_sizes_kquant_tensors_exactly(
     """The bounded pre-scan (`prefixkv.models.gguf_header`) counts a K-quant tensor's bytes from
     its 256-value blocks: a file one byte short of its last tensor is refused, naming it, before
     the reader sees it; a row that is not whole super-blocks is refused too."""
-    types = dict.fromkeys(_matrices(tokenizer), "Q4_K")
+    types = dict.fromkeys(quant_matrices(tokenizer), "Q4_K")
     path, _ = _kquant_checkpoint(tmp_path, tokenizer, types)
-    good = path.read_bytes()
-    last = gguf.GGUFReader(str(path)).tensors[-1]
-    assert last.tensor_type == gguf.GGMLQuantizationType.Q4_K
-    end = int(last.data_offset) + int(last.n_bytes)
-    short = tmp_path / "short.gguf"
-    short.write_bytes(good[: end - 1])
-    with pytest.raises(InvalidInputError, match=rf"tensor '{last.name}' needs \d+ bytes"):
-        load_gguf(short)
-    (tmp_path / "exact.gguf").write_bytes(good[:end])
-    load_gguf(tmp_path / "exact.gguf")  # the last tensor's bytes exactly: loads
-
-    # A row of 128 values in a Q4_K tensor (dims are u64s after the name and a u32 count).
-    name = b"blk.0.attn_q.weight"
-    at = good.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4
-    assert struct.unpack_from("<Q", good, at)[0] == 256
-    bad = bytearray(good)
-    struct.pack_into("<Q", bad, at, 128)
-    (tmp_path / "half_row.gguf").write_bytes(bytes(bad))
-    with pytest.raises(InvalidInputError, match="not a whole number of 256-value blocks"):
-        load_gguf(tmp_path / "half_row.gguf")
+    # A row of 128 values in a Q4_K tensor.
+    refusal = "not a whole number of 256-value blocks"
+    assert_pre_scan_sizes_the_last_tensor_exactly(path, "Q4_K", 128, refusal)

@@ -24,7 +24,7 @@ from prefixkv.engine.facade import Engine
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.decoder import LlamaModel, ModelConfig
 from prefixkv.models.gguf import load_gguf
-from tests.test_gguf import gguf_name, permute
+from tests.gguf_files import add_model_tensors, finish, start_llama_file
 
 gguf = pytest.importorskip("gguf")
 
@@ -113,17 +113,7 @@ def write_spm_gguf(
     ``tokenizer.ggml.<key>`` bools, `strings` other string / string-array keys."""
     config = ModelConfig(vocab_size=len(tokens))
     model = LlamaModel.random(config, seed=3)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny sentencepiece model")
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer = start_llama_file(path, "llama", "tiny sentencepiece model", config)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -138,16 +128,8 @@ def write_spm_gguf(
             writer.add_array(key, value)
         else:
             writer.add_string(key, value)
-    for name, tensor in model.state_dict().items():
-        values = tensor.float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            values = permute(values, heads)
-        writer.add_tensor(gguf_name(name), values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_model_tensors(writer, model)
+    finish(writer)
     return path
 
 

@@ -24,6 +24,7 @@ from prefixkv.text.tokenizers import (
     message_text,
     segment_at,
 )
+from tests.tokenizer_support import byte_level_bpe
 
 DATA = Path(__file__).parent / "data"
 
@@ -41,24 +42,13 @@ TOOLS = [
 
 def train_tokenizer(path: Path) -> Path:
     """A tiny byte-level BPE tokenizer.json, trained here rather than downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        show_progress=False,
-    )
     corpus = [
         "You are a helpful assistant. Answer briefly and cite the policy section.",
         "Current time: 2024-05-01T10:00:00Z. Where is my parcel? The order id is 1234.",
         "système, naïve café — 東京 ✓",
     ]
-    tokenizer.train_from_iterator(corpus * 20, trainer)
-    tokenizer.save(str(path))
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    byte_level_bpe(corpus * 20, vocab_size=600, special_tokens=specials).save(str(path))
     return path
 
 

@@ -17,6 +17,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 with warnings.catch_warnings():
@@ -49,6 +50,7 @@ with warnings.catch_warnings():
     from vllm.v1.worker.utils import allocate_kv_cache
 
 from prefixkv.integrations.vllm.connector import PrefixKVConnector
+from prefixkv.integrations.vllm.connector_keys import BlockGeometry, EngineIdentity
 
 EOS = 2
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -122,12 +124,15 @@ def vllm_config(
 
 
 def kv_cache_config(config: VllmConfig, num_blocks: int = 64) -> KVCacheConfig:
-    block_size = config.cache_config.block_size
+    return _kv_cache_config(config.cache_config.block_size, config.model_config.dtype, num_blocks)
+
+
+def _kv_cache_config(block_size: int, dtype: torch.dtype, num_blocks: int) -> KVCacheConfig:
     spec = FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=KV_HEADS,
         head_size=HEAD_SIZE,
-        dtype=config.model_config.dtype,
+        dtype=dtype,
     )
     page = spec.page_size_bytes
     tensor = KVCacheTensor(
@@ -140,6 +145,37 @@ def kv_cache_config(config: VllmConfig, num_blocks: int = 64) -> KVCacheConfig:
         num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+
+
+def cpu_kv_caches(
+    *, block_size: int, num_blocks: int, kernel_block_size: int, dtype: torch.dtype, dtype_name: str
+) -> tuple[dict[str, torch.Tensor], EngineIdentity]:
+    """The CPU backend's real KV cache views (`allocate_kv_cache`, kernel blocks of
+    `kernel_block_size` tokens) of `num_blocks` blocks of every layer, without a scheduler, and
+    an engine identity of their geometry (`dtype_name` as the identity's dtype), for a
+    `WorkerSide` built by hand."""
+    config = _kv_cache_config(block_size, dtype, num_blocks)
+    caches = allocate_kv_cache(
+        config, torch.device("cpu"), KVCacheLayout.LBHNC, [kernel_block_size]
+    )
+    geometry = BlockGeometry.from_kv_cache_config(config)
+    identity = EngineIdentity(
+        "sha256:test", "cfg", dtype_name, "auto", "None", 2, 1, "cpu/CPU_ATTN/0.32", geometry
+    )
+    return caches, identity
+
+
+def block_in_token_order(
+    caches: dict[str, torch.Tensor], num_blocks: int, block_id: int
+) -> torch.Tensor:
+    """Block `block_id` of `cpu_kv_caches`'s views in token order, ``[layers, heads, block,
+    head dims]`` (the kernel blocks it is split into put back together)."""
+    return torch.stack(
+        [
+            caches[name].unflatten(0, (num_blocks, -1))[block_id].transpose(0, 1).flatten(1, 2)
+            for name in LAYERS
+        ]
     )
 
 
@@ -246,6 +282,37 @@ def make_request(
         block_hasher=get_request_block_hasher(block_size, sha256),
         **kwargs,
     )
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=generator).tolist()
+
+
+# -- fixtures shared by the engine tests (import them by name) -----------------------------------
+
+_LIVE: list[Engine] = []
+
+
+def live_engine(config: VllmConfig) -> Engine:
+    """`make_engine(config)`, shut down after the test by `shutdown_engines`."""
+    made = make_engine(config)
+    _LIVE.append(made)
+    return made
+
+
+@pytest.fixture(autouse=True)
+def shutdown_engines() -> Iterator[None]:
+    yield
+    while _LIVE:
+        made = _LIVE.pop()
+        made.connector.shutdown()
+        made.worker.shutdown()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "model")
 
 
 def run_to_completion(engine: Engine, request: Request, **step: Any) -> Iterator[SchedulerOutput]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,9 @@ import torch
 # First: it imports vLLM under a filter for torch's own import-time deprecation warning.
 from tests.vllm.connector_support import (
     Engine,
-    make_engine,
+    live_engine,
     make_request,
+    prompt_of,
     run_to_completion,
     vllm_config,
     write_model_dir,
@@ -32,31 +32,13 @@ from vllm.v1.request import RequestStatus
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector import PrefixKVConnector
 from tests.redis_server import RedisServer, client, server  # noqa: F401 (fixtures)
+from tests.vllm.connector_support import model_dir, shutdown_engines  # noqa: F401 (fixtures)
 
 BS = 16
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return write_model_dir(tmp_path / "model")
-
-
-_ENGINES: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _shutdown() -> Iterator[None]:
-    yield
-    while _ENGINES:
-        engine = _ENGINES.pop()
-        engine.connector.shutdown()
-        engine.worker.shutdown()
-
-
 def engine(model_dir: Path, url: str, **options: object) -> Engine:
-    made = make_engine(vllm_config(model_dir, url, block_size=BS, **options))  # type: ignore[arg-type]
-    _ENGINES.append(made)
-    return made
+    return live_engine(vllm_config(model_dir, url, block_size=BS, **options))  # type: ignore[arg-type]
 
 
 def serve(a: Engine, prompt: list[int]) -> list[int]:
@@ -77,11 +59,6 @@ def admit(b: Engine, prompt: list[int], **kwargs: object) -> tuple[int, list[int
     output = b.step()
     [new] = output.scheduled_new_reqs
     return new.num_computed_tokens, list(new.block_ids[0])
-
-
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (n,), generator=generator).tolist()
 
 
 def test_a_fresh_engine_loads_the_first_engines_blocks_exactly(

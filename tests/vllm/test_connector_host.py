@@ -11,7 +11,6 @@ can only come from the connector.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,67 +26,38 @@ from tests.vllm.connector_support import (
     KV_HEADS,
     LAYERS,
     Engine,
-    make_engine,
+    block_in_token_order,
+    cpu_kv_caches,
+    live_engine,
     make_request,
+    prompt_of,
     run_to_completion,
     vllm_config,
-    write_model_dir,
 )
 
 # isort: split
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
-from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector import PrefixKVWorkerMetadata
 from prefixkv.integrations.vllm.connector_config import ConnectorSettings
 from prefixkv.integrations.vllm.connector_host import HostIndex, HostPool, HostReport, HostSlot
-from prefixkv.integrations.vllm.connector_keys import BlockGeometry, EngineIdentity, RequestKeys
+from prefixkv.integrations.vllm.connector_keys import BlockGeometry, RequestKeys
 from prefixkv.integrations.vllm.connector_scheduler import BlockJob
 from prefixkv.integrations.vllm.connector_worker import WorkerSide
 from prefixkv.tiers import BlockRecord
 from tests.redis_server import RedisServer, client, server  # noqa: F401 (fixtures)
+from tests.vllm.connector_support import model_dir, shutdown_engines  # noqa: F401 (fixtures)
 
 BS = 16
 #: Bytes of one block in the engine tests (fp16, 2 layers, 2 KV heads, K and V of 32).
 BLOCK_BYTES = 2 * len(LAYERS) * KV_HEADS * BS * 2 * HEAD_SIZE
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return write_model_dir(tmp_path / "model")
-
-
-_ENGINES: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _shutdown() -> Iterator[None]:
-    yield
-    while _ENGINES:
-        made = _ENGINES.pop()
-        made.connector.shutdown()
-        made.worker.shutdown()
-
-
 def engine(model_dir: Path, url: str | None = None, **options: object) -> Engine:
     options.setdefault("host_tier_bytes", 16 * BLOCK_BYTES)
     options.setdefault("prefix_caching", False)
-    made = make_engine(vllm_config(model_dir, url, block_size=BS, **options))  # type: ignore[arg-type]
-    _ENGINES.append(made)
-    return made
-
-
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (n,), generator=generator).tolist()
+    return live_engine(vllm_config(model_dir, url, block_size=BS, **options))  # type: ignore[arg-type]
 
 
 def serve(e: Engine, prompt: list[int]) -> list[torch.Tensor]:
@@ -332,26 +302,12 @@ NUM_BLOCKS = 8
 def _worker_side(
     capacity: int, *, salt_rank: int = 0
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
-    )
-    page = spec.page_size_bytes
-    config = KVCacheConfig(
+    caches, identity = cpu_kv_caches(
+        block_size=BLOCK,
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * NUM_BLOCKS * len(LAYERS),
-                layers=list(LAYERS),
-                layer_stride=page * NUM_BLOCKS,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-    )
-    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, [KERNEL_BLOCK])
-    geometry = BlockGeometry.from_kv_cache_config(config)
-    identity = EngineIdentity(
-        "sha256:test", "cfg", "fp16", "auto", "None", 2, 1, "cpu/CPU_ATTN/0.32", geometry
+        kernel_block_size=KERNEL_BLOCK,
+        dtype=torch.float16,
+        dtype_name="fp16",
     )
     side = WorkerSide(RequestKeys(identity, salt_rank), None, host_capacity=capacity)
     side.register_kv_caches(caches, LAYERS, NUM_BLOCKS)
@@ -359,12 +315,7 @@ def _worker_side(
 
 
 def _block(caches: dict[str, torch.Tensor], block_id: int) -> torch.Tensor:
-    return torch.stack(
-        [
-            caches[name].unflatten(0, (NUM_BLOCKS, -1))[block_id].transpose(0, 1).flatten(1, 2)
-            for name in LAYERS
-        ]
-    )
+    return block_in_token_order(caches, NUM_BLOCKS, block_id)
 
 
 _MUTATIONS = st.sampled_from(["none", "flip", "swap", "stale", "foreign", "drop", "empty"])
@@ -450,7 +401,7 @@ def test_a_full_digest_queue_drops_the_save_and_reports_it() -> None:
         pool = side.host
         assert pool is not None
         pool.close()  # no digest thread: the queue only fills
-        pool._queue = type(pool._queue)(maxsize=1)
+        pool._digests._queue = type(pool._digests._queue)(maxsize=1)
         tokens = list(range(3 * BLOCK))
         slots = (HostSlot(0, 1), HostSlot(1, 2), HostSlot(2, 3))
         side.save([], [BlockJob("r", 0, (0, 1, 2), tuple(tokens), None, None, slots)])

@@ -14,17 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # First: it imports vLLM under a filter for torch's own import-time deprecation warning.
-from tests.vllm.connector_support import HEAD_SIZE, KV_HEADS, LAYERS
+from tests.vllm.connector_support import (
+    HEAD_SIZE,
+    KV_HEADS,
+    LAYERS,
+    block_in_token_order,
+    cpu_kv_caches,
+)
 
 # isort: split
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector_config import ConnectorSettings
@@ -32,45 +30,21 @@ from prefixkv.integrations.vllm.connector_keys import BlockGeometry, EngineIdent
 from prefixkv.integrations.vllm.connector_scheduler import BlockJob
 from prefixkv.integrations.vllm.connector_worker import WorkerSide
 from prefixkv.tiers import RedisStore, RemoteTier
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, server  # noqa: F401 (fixture)
 
 BLOCK = 64
 KERNEL_BLOCK = 32  # the CPU backend's kernels take multiples of 32: two per scheduler block
 NUM_BLOCKS = 12
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    instance = RedisServer()
-    instance.start()
-    yield instance
-    instance.stop()
-
-
 class Worker:
     def __init__(self, url: str, *, dtype: torch.dtype = torch.float16, rank: int = 0) -> None:
-        spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=dtype
-        )
-        page = spec.page_size_bytes
-        config = KVCacheConfig(
+        self.caches, identity = cpu_kv_caches(
+            block_size=BLOCK,
             num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * NUM_BLOCKS * len(LAYERS),
-                    layers=list(LAYERS),
-                    layer_stride=page * NUM_BLOCKS,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
-        self.caches = allocate_kv_cache(
-            config, torch.device("cpu"), KVCacheLayout.LBHNC, [KERNEL_BLOCK]
-        )
-        geometry = BlockGeometry.from_kv_cache_config(config)
-        identity = EngineIdentity(
-            "sha256:test", "cfg", str(dtype), "auto", "None", 2, 1, "cpu/CPU_ATTN/0.32", geometry
+            kernel_block_size=KERNEL_BLOCK,
+            dtype=dtype,
+            dtype_name=str(dtype),
         )
         self.store = RedisStore(url, timeout=1.0)
         self.remote = RemoteTier(self.store, namespace="worker-test")
@@ -79,15 +53,7 @@ class Worker:
 
     def block(self, block_id: int) -> torch.Tensor:
         """Block `block_id` in token order, ``[layers, heads, block, head dims]``."""
-        return torch.stack(
-            [
-                self.caches[name]
-                .unflatten(0, (NUM_BLOCKS, -1))[block_id]
-                .transpose(0, 1)
-                .flatten(1, 2)
-                for name in LAYERS
-            ]
-        )
+        return block_in_token_order(self.caches, NUM_BLOCKS, block_id)
 
     def close(self) -> None:
         self.remote.close()

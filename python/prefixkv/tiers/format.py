@@ -53,12 +53,17 @@ def value_length(num_tokens: int, dtype: torch.dtype, shape: Sequence[int]) -> i
     """The exact length of the value of a block of `num_tokens` tokens whose KV has `dtype` and
     `shape`: a reader never needs more bytes than this, so it never reads more (a store's value
     is untrusted; a longer one is refused like any other wrong length)."""
-    payload = torch.empty((), dtype=dtype).element_size()
-    for size in shape:
-        payload *= size
     # magic, version, dtype, ndim | shape | three keys | token count, tokens | payload length
     header = 8 + 4 * len(shape) + 3 * _KEY_BYTES + 4 + 4 * num_tokens + 8
-    return header + _CHECKSUM_BYTES + payload
+    return header + _CHECKSUM_BYTES + _payload_length(dtype, shape)
+
+
+def _payload_length(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of the KV of one block of `dtype` and `shape`."""
+    length = torch.empty((), dtype=dtype).element_size()
+    for size in shape:
+        length *= size
+    return length
 
 
 def _checksum(header: bytes, payload: bytes | memoryview) -> bytes:
@@ -125,10 +130,7 @@ def decode_block(
     what the caller expects; raises `BlockFormatError` on any difference."""
     if not isinstance(value, bytes | bytearray | memoryview):
         raise BlockFormatError(f"a block value is bytes, got {type(value).__name__}")
-    element = torch.empty((), dtype=dtype).element_size()
-    payload_len = element
-    for size in shape:
-        payload_len *= size
+    payload_len = _payload_length(dtype, shape)
     expected = _header(key, parent, tokens, context, dtype, shape, payload_len)
     if len(value) != len(expected) + _CHECKSUM_BYTES + payload_len:
         if value[:4] != _MAGIC:

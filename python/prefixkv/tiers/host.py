@@ -15,15 +15,18 @@ cached one again; its next eviction brings it back).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.kv.pages import PagedKVCache
 
-__all__ = ["BlockRecord", "HostTier"]
+__all__ = ["BlockRecord", "HostTier", "held_run"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,7 @@ class HostTier:
     def match(self, records: Sequence[BlockRecord]) -> int:
         """How many of `records` (consecutive blocks of one request) the pool holds, from the
         first, with the same parent and tokens."""
-        count = 0
-        for record in records:
-            entry = self._entries.get(record.key)
-            if entry is None or entry[0] != record:
-                break
-            count += 1
-        return count
+        return len(held_run(self._entries, records))
 
     def load(
         self, device_pool: PagedKVCache, records: Sequence[BlockRecord], block_ids: Sequence[int]
@@ -121,6 +118,21 @@ class HostTier:
     def clear(self) -> None:
         self._free.extend(slot for _, slot in self._entries.values())
         self._entries.clear()
+
+
+def held_run(
+    entries: Mapping[bytes, tuple[BlockRecord, T]], records: Sequence[BlockRecord]
+) -> list[T]:
+    """The values `entries` (block key -> record and value) holds for `records[:n]`, the
+    longest run from the first whose entry is the same record: the same key is not enough, the
+    parent and tokens must be the request's own too."""
+    held = []
+    for record in records:
+        entry = entries.get(record.key)
+        if entry is None or entry[0] != record:
+            break
+        held.append(entry[1])
+    return held
 
 
 def _copy_blocks(

@@ -20,8 +20,7 @@ implements it on Valkey or Redis through redis-py. `RemoteTier` puts the policy 
 
 from __future__ import annotations
 
-import queue
-import threading
+import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from prefixkv.errors import InvalidInputError, PrefixKVError, missing_dependency
+from prefixkv.tiers.background import BackgroundQueue
 from prefixkv.tiers.format import BlockFormatError, decode_block, encode_block, value_length
 from prefixkv.tiers.host import BlockRecord
 
@@ -150,8 +150,6 @@ class RemoteTier:
         max_probe_blocks: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(queue_size, int) or isinstance(queue_size, bool) or queue_size < 1:
-            raise InvalidInputError(f"queue_size must be an int >= 1, got {queue_size!r}")
         self.store = store
         self.namespace = namespace
         self.retry_after = retry_after
@@ -159,20 +157,16 @@ class RemoteTier:
         self.stats = RemoteStats()
         self._clock = clock
         self._down_until = 0.0
-        self._queue: queue.Queue[tuple[str, BlockRecord, bytes, torch.Tensor] | None] = queue.Queue(
-            maxsize=queue_size
+        # Its thread holds the store and the counters, not the tier, so a tier nobody holds
+        # is collected and the thread stops (queued writes first).
+        self._writes: BackgroundQueue[tuple[str, BlockRecord, bytes, torch.Tensor]] = (
+            BackgroundQueue(
+                functools.partial(_write, store, self.stats),
+                queue_size=queue_size,
+                name="prefixkv-remote-writer",
+                max_batch=64,
+            )
         )
-        # The thread holds the queue, the store and the counters, not the tier, so a tier
-        # nobody holds is collected, and its finalizer stops the thread (queued writes first).
-        self._writer = threading.Thread(
-            target=_write_loop,
-            args=(self._queue, store, self.stats),
-            name="prefixkv-remote-writer",
-            daemon=True,
-        )
-        self._writer.start()
-        # Also at interpreter exit: the thread must not be inside torch while Python tears down.
-        self._finalizer = weakref.finalize(self, _stop_writer, self._queue, self._writer)
 
     def store_key(self, key: bytes) -> str:
         return f"{self.namespace}:{key.hex()}"
@@ -229,63 +223,33 @@ class RemoteTier:
 
     def put(self, record: BlockRecord, context: bytes, kv: torch.Tensor) -> None:
         """Queue one block's value (`kv` must not change afterwards: pass a copy)."""
-        try:
-            self._queue.put_nowait((self.store_key(record.key), record, context, kv))
-        except queue.Full:
+        if not self._writes.offer((self.store_key(record.key), record, context, kv)):
             self.stats.dropped += 1
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        return self._writes.pending()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued write was attempted; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.001)
-        return False
+        return self._writes.flush(timeout)
 
     def close(self) -> None:
         """Stop the writer thread (queued writes are attempted first)."""
-        self._finalizer()
+        self._writes.close()
 
 
-def _stop_writer(pending: queue.Queue[Any], writer: threading.Thread) -> None:
-    pending.put(None)
-    if writer is not threading.current_thread():
-        writer.join()
-
-
-def _write_loop(
-    pending: queue.Queue[tuple[str, BlockRecord, bytes, torch.Tensor] | None],
+def _write(
     store: RemoteStore,
     stats: RemoteStats,
+    writes: list[tuple[str, BlockRecord, bytes, torch.Tensor]],
 ) -> None:
-    """Drains the queue in batches of up to 64, one pipelined round trip each, until None."""
-    while True:
-        item = pending.get()
-        batch = [item]
-        while item is not None and len(batch) < 64:
-            try:
-                item = pending.get_nowait()
-            except queue.Empty:
-                break
-            batch.append(item)
-        stop = batch[-1] is None
-        writes = [entry for entry in batch if entry is not None]
-        try:
-            if writes:
-                values = [
-                    (key, encode_block(r.key, r.parent, r.tokens, context, kv))
-                    for key, r, context, kv in writes
-                ]
-                store.put_many(values)
-                stats.writes += len(values)
-        except (StoreError, BlockFormatError):
-            stats.write_errors += len(writes)
-        finally:
-            for _ in batch:
-                pending.task_done()
-        if stop:
-            return
+    """One batch of queued writes (up to 64), one pipelined round trip."""
+    try:
+        values = [
+            (key, encode_block(r.key, r.parent, r.tokens, context, kv))
+            for key, r, context, kv in writes
+        ]
+        store.put_many(values)
+        stats.writes += len(values)
+    except (StoreError, BlockFormatError):
+        stats.write_errors += len(writes)

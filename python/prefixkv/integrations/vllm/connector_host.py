@@ -16,7 +16,7 @@ vLLM's own `OffloadingConnector` splits its CPU tier:
 
 Why not `prefixkv.tiers.HostTier`: it moves blocks between two `PagedKVCache` pools of
 prefixkv's own layout within one process; here the index and the bytes live in different
-processes and the bytes in vLLM's layout. The `BlockRecord` check at load is the same.
+processes and the bytes in vLLM's layout. The `BlockRecord` check is the same (`held_run`).
 
 What the worker checks before a host block reaches the KV cache: the slot holds the generation
 the scheduler planned, the record is this request's own (this rank's key chain and tokens), and
@@ -35,21 +35,21 @@ in the previous step can need.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import queue
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
 from prefixkv.errors import InvalidInputError
 from prefixkv.integrations.vllm.connector_keys import BlockGeometry
 from prefixkv.tiers import BlockRecord
+from prefixkv.tiers.background import BackgroundQueue
+from prefixkv.tiers.host import held_run
 
 __all__ = ["HostIndex", "HostPool", "HostPoolStats", "HostReport", "HostSlot", "host_capacity"]
 
@@ -120,12 +120,7 @@ class HostIndex:
     def match(self, records: Sequence[BlockRecord]) -> list[HostSlot]:
         """The slots of `records[:n]`, the longest run from the first the index holds with the
         same parent and tokens. The run becomes the most recently used."""
-        slots = []
-        for record in records:
-            entry = self._entries.get(record.key)
-            if entry is None or entry[0] != record:
-                break
-            slots.append(entry[1])
+        slots = held_run(self._entries, records)
         self._touch(records[: len(slots)])
         return slots
 
@@ -220,30 +215,23 @@ class HostPool:
         queue_size: int = 64,
         pin_memory: bool = False,
     ) -> None:
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
-            raise InvalidInputError(f"queue_size must be an int >= 1, got {queue_size!r}")
         self.geometry = geometry
-        # Uncommitted until written (on CPU): a slot is never read before a save fills it.
-        self.slots = torch.empty(
-            (capacity, *geometry.value_shape), dtype=geometry.dtype, pin_memory=pin_memory
-        )
         self.stats = HostPoolStats()
         self._contents: list[_SlotContent | None] = [None] * capacity
         self._lock = threading.Lock()
         self._forget: list[HostSlot] = []
-        self._queue: queue.Queue[tuple[HostSlot, torch.Tensor] | None] = queue.Queue(
-            maxsize=queue_size
-        )
-        # The thread holds what it writes to, not the pool, so a pool nobody holds is
-        # collected and its finalizer stops the thread.
-        self._thread = threading.Thread(
-            target=_digest_loop,
-            args=(self._queue, self._contents, self._lock, self._forget, self.stats),
+        # First, so that a bad queue_size is refused before the slots are allocated. Its
+        # thread holds what it writes to, not the pool, so a pool nobody holds is collected
+        # and the thread stops.
+        self._digests: BackgroundQueue[tuple[HostSlot, torch.Tensor]] = BackgroundQueue(
+            functools.partial(_take_digests, self._contents, self._lock, self._forget, self.stats),
+            queue_size=queue_size,
             name="prefixkv-host-digests",
-            daemon=True,
         )
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop_thread, self._queue, self._thread)
+        # Uncommitted until written (on CPU): a slot is never read before a save fills it.
+        self.slots = torch.empty(
+            (capacity, *geometry.value_shape), dtype=geometry.dtype, pin_memory=pin_memory
+        )
 
     @property
     def capacity(self) -> int:
@@ -271,9 +259,7 @@ class HostPool:
         for i, (slot, record) in enumerate(zip(slots, records, strict=True)):
             with self._lock:
                 self._contents[slot.slot] = _SlotContent(slot.generation, record, None)
-            try:
-                self._queue.put_nowait((slot, kv[i]))
-            except queue.Full:
+            if not self._digests.offer((slot, kv[i])):
                 with self._lock:
                     self._contents[slot.slot] = None
                     self._forget.append(slot)
@@ -323,52 +309,33 @@ class HostPool:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued digest was taken; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._queue.unfinished_tasks == 0:
-                return True
-            time.sleep(0.001)
-        return False
+        return self._digests.flush(timeout)
 
     def close(self) -> None:
-        self._finalizer()
+        self._digests.close()
 
 
-def _stop_thread(pending: queue.Queue[Any], thread: threading.Thread) -> None:
-    pending.put(None)
-    if thread is not threading.current_thread():
-        thread.join()
-
-
-def _digest_loop(
-    pending: queue.Queue[tuple[HostSlot, torch.Tensor] | None],
+def _take_digests(
     contents: list[_SlotContent | None],
     lock: threading.Lock,
     forget: list[HostSlot],
     stats: HostPoolStats,
+    blocks: list[tuple[HostSlot, torch.Tensor]],
 ) -> None:
     """Takes each queued block's digest and records it, unless the slot was written again
-    since (its generation changed); until None. Never dies on an error: it counts it and
-    reports the slot."""
-    while True:
-        item = pending.get()
+    since (its generation changed). Never raises: an error is counted and the slot reported."""
+    for slot, kv in blocks:
         try:
-            if item is None:
-                return
-            slot, kv = item
-            try:
-                digest = _digest(kv)
-            except Exception:  # a digest thread must outlive any one block
-                with lock:
-                    if (content := contents[slot.slot]) and content.generation == slot.generation:
-                        contents[slot.slot] = None
-                    forget.append(slot)
-                stats.errors += 1
-                continue
+            digest = _digest(kv)
+        except Exception:  # a digest thread must outlive any one block
             with lock:
-                content = contents[slot.slot]
-                if content is not None and content.generation == slot.generation:
-                    contents[slot.slot] = replace(content, digest=digest)
-                    stats.saved_blocks += 1
-        finally:
-            pending.task_done()
+                if (content := contents[slot.slot]) and content.generation == slot.generation:
+                    contents[slot.slot] = None
+                forget.append(slot)
+            stats.errors += 1
+            continue
+        with lock:
+            content = contents[slot.slot]
+            if content is not None and content.generation == slot.generation:
+                contents[slot.slot] = replace(content, digest=digest)
+                stats.saved_blocks += 1

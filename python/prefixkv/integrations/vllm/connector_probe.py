@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import torch
-
 from prefixkv.errors import InvalidInputError, missing_dependency
 from prefixkv.integrations.vllm.connector_keys import BlockGeometry
-from prefixkv.tiers import BlockRecord, RemoteTier, encode_block
+from prefixkv.tiers import BlockRecord, RemoteTier
+from prefixkv.tiers.format import value_length
 
 __all__ = ["PROBE_MODES", "BlockProbe", "LengthProbe", "VerifyingProbe"]
 
@@ -75,16 +74,8 @@ class LengthProbe:
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=None
         )
-        # The length does not depend on the content: measure it on a zero block once.
-        self.value_length = len(
-            encode_block(
-                bytes(32),
-                None,
-                [0] * geometry.block_size,
-                bytes(32),
-                torch.zeros(geometry.value_shape, dtype=geometry.dtype),
-            )
-        )
+        # The length does not depend on the content, only on the geometry.
+        self.value_length = value_length(geometry.block_size, geometry.dtype, geometry.value_shape)
         self._clock = clock
         self._down_until = 0.0
 
