@@ -223,6 +223,31 @@ def test_a_full_write_queue_drops_and_counts(server: RedisServer, client: redis.
         proxy.close()
 
 
+def test_an_unexpected_write_failure_is_counted_and_the_writer_lives_on(
+    server: RedisServer, client: redis.Redis
+) -> None:
+    # A store may raise what it never promised (a client library's own bug, a MemoryError while
+    # encoding): the writer thread must count it and keep serving later writes, not die silently
+    # and leave every later save queued forever.
+    engine = engine_for(server.url)
+    tier = remote(engine)
+    real_put_many = tier.store.put_many
+
+    def broken_put_many(values: object) -> None:
+        raise RuntimeError("a client bug")
+
+    tier.store.put_many = broken_put_many
+    try:
+        engine.generate(prompts_from(9, 2, 22, 0), max_new_tokens=2)
+        assert tier.flush(timeout=10)
+    finally:
+        tier.store.put_many = real_put_many
+    assert tier.stats.write_errors > 0 and tier.stats.writes == 0
+    engine.generate(prompts_from(10, 2, 22, 0), max_new_tokens=2)
+    assert tier.flush(timeout=10)
+    assert tier.stats.writes > 0
+
+
 def test_write_back_with_a_host_tier(server: RedisServer, client: redis.Redis) -> None:
     prompts = prompts_from(9, 6, 22, shared=4)
     engine = engine_for(server.url, remote_write="write_back", host_tier_bytes=1 << 16)

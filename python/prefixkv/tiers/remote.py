@@ -253,3 +253,7 @@ def _write(
         stats.writes += len(values)
     except (StoreError, BlockFormatError):
         stats.write_errors += len(writes)
+    except Exception:  # the writer thread must outlive any one batch
+        # What a store never promised to raise (a client library's bug, a MemoryError while
+        # encoding) is counted the same way: a dead writer would leave every later save queued.
+        stats.write_errors += len(writes)
