@@ -329,6 +329,19 @@ impl Table {
         }
     }
 
+    /// Starts the memory reads a `remove` of `key`, published in `block`, will need: the index
+    /// word at its home slot and the block's slot (whose key the removal compares). Unlike
+    /// `prefetch` for an insert, not the token row, which a removal never reads. Plain loads
+    /// whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
+        let home = index_hash(*key) as usize & self.mask;
+        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        if let Some(slot) = self.slots.get(block as usize) {
+            std::hint::black_box(slot.key[0].load(Ordering::Relaxed));
+        }
+    }
+
     /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,
     /// until it answers `Yes` (found) or `No` (the key's entry, refused); a miss at the end of
     /// the run probes again if a backward shift raced it (module docs).

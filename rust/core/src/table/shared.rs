@@ -64,6 +64,10 @@ mod lock_free {
         pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
             self.0.prefetch(key, block);
         }
+        #[inline]
+        pub(crate) fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
+            self.0.prefetch_removal(key, block);
+        }
         pub(crate) fn len(&self) -> usize {
             self.0.len()
         }
@@ -126,6 +130,7 @@ mod model {
         }
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
+        pub(crate) fn prefetch_removal(&self, _key: &TableKey, _block: BlockId) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()
         }
