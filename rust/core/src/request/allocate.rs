@@ -217,7 +217,7 @@ impl PrefixCache {
                 );
             }
             for key in &request.keys[position..batch_end] {
-                self.table.prefetch(key, None);
+                self.table.prefetch_entry(key);
             }
             for p in position..batch_end {
                 let chunk = &request.tokens[p * bs..(p + 1) * bs];

@@ -68,6 +68,10 @@ mod lock_free {
         pub(crate) fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
             self.0.prefetch_removal(key, block);
         }
+        #[inline]
+        pub(crate) fn prefetch_entry(&self, key: &TableKey) {
+            self.0.prefetch_entry(key);
+        }
         pub(crate) fn len(&self) -> usize {
             self.0.len()
         }
@@ -131,6 +135,7 @@ mod model {
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
         pub(crate) fn prefetch_removal(&self, _key: &TableKey, _block: BlockId) {}
+        pub(crate) fn prefetch_entry(&self, _key: &TableKey) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()
         }
