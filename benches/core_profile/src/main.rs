@@ -209,7 +209,10 @@ fn main() {
     if let Some(mode) = args.get(1) {
         if mode.starts_with("loop-") {
             let seconds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3.0);
-            let max_requests = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
+            let max_requests = args
+                .get(3)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(usize::MAX);
             profile_loop(mode, seconds, max_requests);
             return;
         }
