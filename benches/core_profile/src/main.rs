@@ -150,8 +150,9 @@ fn decode(steps: usize) {
     println!("{{\"what\": \"decode step: append 1 token + commit (mean over {steps} steps from a 4000-token prompt)\", \"ns\": {per_step:.0}}}");
 }
 
-/// `loop-MODE SECONDS`: one shape, repeated, for `perf record`.
-fn profile_loop(mode: &str, seconds: f64) {
+/// `loop-MODE SECONDS [REQUESTS]`: one shape, repeated, for `perf record`; with REQUESTS, stops
+/// after that many requests too (a fixed amount of work, for `valgrind --tool=callgrind`).
+fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
     let context = context_fingerprint(b"bench");
     let start = Instant::now();
     let mut seed = 5000;
@@ -159,7 +160,7 @@ fn profile_loop(mode: &str, seconds: f64) {
         "loop-miss" => {
             let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
             let mut count = 0;
-            while start.elapsed().as_secs_f64() < seconds {
+            while start.elapsed().as_secs_f64() < seconds && count < max_requests {
                 seed += 1;
                 run_request(&cache, &tokens(seed, 4000));
                 count += 1;
@@ -170,7 +171,7 @@ fn profile_loop(mode: &str, seconds: f64) {
             let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
             let shared = tokens(1, 3808);
             let mut count = 0;
-            while start.elapsed().as_secs_f64() < seconds {
+            while start.elapsed().as_secs_f64() < seconds && count < max_requests {
                 seed += 1;
                 let mut prompt = shared.clone();
                 prompt.extend(tokens(seed, 192));
@@ -182,14 +183,17 @@ fn profile_loop(mode: &str, seconds: f64) {
         "loop-pressure" => {
             let cache = PrefixCache::new(CacheConfig::new(16_384, BLOCK_SIZE), context).expect("cache");
             let prompts = pressure_prompts(64);
+            let mut count = 0;
             'outer: loop {
                 for prompt in &prompts {
-                    if start.elapsed().as_secs_f64() > seconds {
+                    if start.elapsed().as_secs_f64() > seconds || count >= max_requests {
                         break 'outer;
                     }
                     run_request(&cache, prompt);
+                    count += 1;
                 }
             }
+            eprintln!("requests: {count}");
         }
         "loop-decode" => {
             while start.elapsed().as_secs_f64() < seconds {
@@ -205,7 +209,11 @@ fn main() {
     if let Some(mode) = args.get(1) {
         if mode.starts_with("loop-") {
             let seconds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3.0);
-            profile_loop(mode, seconds);
+            let max_requests = args
+                .get(3)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(usize::MAX);
+            profile_loop(mode, seconds, max_requests);
             return;
         }
     }

@@ -361,10 +361,13 @@ impl BlockPool {
             // which joins the set in order (the same order `plan_eviction` computes).
             evicted.reserve(count - self.free.len());
             while self.free.len() < count {
-                let &(_, _, block) = self
+                // Popped here, so `uncache` finds it out of the set already (one descent of
+                // the ordered set per evicted block, not two).
+                let (_, _, block) = self
                     .evictable
-                    .first()
+                    .pop_first()
                     .expect("the obtainable count promised a block");
+                self.blocks[block as usize].evictable_as = None;
                 self.uncache(block);
                 evicted.push(block);
             }

@@ -111,12 +111,12 @@ impl PrefixCache {
         let bs = self.config.block_size;
         let guard = self.table.guard();
         for key in keys.iter().take(upto.min(crate::cache::LOOKAHEAD)) {
-            self.table.prefetch(key, None);
+            self.table.prefetch_entry(key);
         }
         (0..upto)
             .map(|position| {
                 if let Some(key) = keys.get(position + crate::cache::LOOKAHEAD) {
-                    self.table.prefetch(key, None);
+                    self.table.prefetch_entry(key);
                 }
                 let parent = match position {
                     0 => *root,

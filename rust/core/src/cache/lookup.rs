@@ -112,7 +112,7 @@ impl PrefixCache {
             }
             // Back to back, after the hashing: the loads are then in flight together.
             for key in &keys[..batch_len] {
-                self.table.prefetch(key, None);
+                self.table.prefetch_entry(key);
             }
             for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
                 let key = keys[offset];

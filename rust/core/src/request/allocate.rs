@@ -14,7 +14,7 @@
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
 use super::{with_request, Request};
-use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
+use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
 use crate::request::{RequestId, Slots};
@@ -187,31 +187,56 @@ impl PrefixCache {
     }
 
     /// Matches a waiting request's cached prefix under the mutex, from its kept keys.
+    ///
+    /// As in `match_chain`: the keys of the next `LOOKAHEAD` blocks are computed (or taken from
+    /// the request's memo) first and their index reads started together, so the cache misses of
+    /// a long hit overlap instead of queueing; each entry is then verified in place. Keys hashed
+    /// past the first miss are not wasted: the request keeps them, and its commit publishes
+    /// under them.
     fn match_request(&self, inner: &mut Inner, request: &mut Request) -> Vec<Anchor> {
         self.refresh_epoch(inner, request);
         let bs = self.config.block_size;
         let guard = self.table.guard();
+        let num_full = request.num_verified() / bs;
         let mut anchors = Vec::new();
         let mut parent = Parent::Root(request.root);
-        for position in 0..request.num_verified() / bs {
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras(&request.extras, position, bs);
-            let key = table_key(
-                &self.hasher,
-                &mut inner.scratch,
-                &mut request.keys,
-                &request.root,
-                chunk,
-                &block_extras,
-                position,
-            );
-            match self.table.get(&key, &guard) {
-                Some(entry) if entry.verifies(&parent, chunk, &block_extras) => {
-                    anchors.push(entry.anchor(key));
-                    parent = Parent::Entry(entry.id);
-                }
-                _ => break,
+        let mut position = 0;
+        while position < num_full {
+            let batch_end = num_full.min(position + LOOKAHEAD);
+            for p in request.keys.len().max(position)..batch_end {
+                let chunk = &request.tokens[p * bs..(p + 1) * bs];
+                let block_extras = block_extras(&request.extras, p, bs);
+                table_key(
+                    &self.hasher,
+                    &mut inner.scratch,
+                    &mut request.keys,
+                    &request.root,
+                    chunk,
+                    &block_extras,
+                    p,
+                );
             }
+            for key in &request.keys[position..batch_end] {
+                self.table.prefetch_entry(key);
+            }
+            for p in position..batch_end {
+                let chunk = &request.tokens[p * bs..(p + 1) * bs];
+                let block_extras = block_extras(&request.extras, p, bs);
+                match self.table.get_verified(
+                    &request.keys[p],
+                    &parent,
+                    chunk,
+                    &block_extras,
+                    &guard,
+                ) {
+                    Some(anchor) => {
+                        parent = Parent::Entry(anchor.id);
+                        anchors.push(anchor);
+                    }
+                    None => return anchors,
+                }
+            }
+            position = batch_end;
         }
         anchors
     }

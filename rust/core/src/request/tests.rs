@@ -354,3 +354,114 @@ fn a_hit_that_grew_since_start_position_is_cut_back_to_fit() {
     assert!(c.block_table(&short).unwrap().is_empty());
     c.check_invariants();
 }
+
+/// A prompt of `blocks` blocks of 2 tokens, distinct from every other `tag`'s.
+fn chain(tag: u32, blocks: usize) -> Vec<u32> {
+    (0..2 * blocks as u32).map(|i| tag * 10_000 + i).collect()
+}
+
+#[test]
+fn a_match_finds_every_hit_length_across_the_hash_ahead_batches() {
+    // `match_request` hashes and reads LOOKAHEAD (16) blocks at a time: hits ending just
+    // before, at and after each batch boundary, and the whole prompt, must all be found.
+    let c = cache(400, 2);
+    let base = chain(1, 50);
+    let first = c.begin(None, base.clone(), b"", no_extras(), 0).unwrap();
+    assert_eq!(c.commit(&first.request_id, base.len()), Ok(50));
+    c.finish(&first.request_id).unwrap();
+    for hit in [0, 1, 15, 16, 17, 31, 32, 33, 47, 48, 49] {
+        let mut prompt = base[..2 * hit].to_vec();
+        prompt.extend(chain(100 + hit as u32, 3));
+        let probe = c.lookup(&prompt, b"", &no_extras()).unwrap();
+        let r = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+        assert_eq!(r.num_cached_tokens, 2 * hit, "hit of {hit} blocks");
+        assert_eq!(r.block_table[..hit], first.block_table[..hit]);
+        assert_eq!(probe.blocks, r.block_table[..hit]);
+        // The keys hashed ahead of the miss are the ones the commit publishes under.
+        assert_eq!(c.commit(&r.request_id, prompt.len()), Ok(hit + 3));
+        c.finish(&r.request_id).unwrap();
+        assert_eq!(
+            c.lookup(&[&prompt[..], &[0]].concat(), b"", &no_extras())
+                .unwrap()
+                .blocks
+                .len(),
+            hit + 3
+        );
+        c.check_invariants();
+    }
+    // The whole prompt cached: a full hit, the last block recomputed (the default).
+    let r = c.begin(None, base.clone(), b"", no_extras(), 0).unwrap();
+    assert!(r.full_hit);
+    assert_eq!(r.num_cached_tokens, base.len() - 2);
+    assert_eq!(r.block_table[..49], first.block_table[..49]);
+    c.finish(&r.request_id).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn a_batched_match_still_verifies_every_block_under_colliding_keys() {
+    // Three-bit table keys: most blocks of a long chain share keys with others, so the table
+    // holds many entries whose key matches a later probe but whose content does not. The hit
+    // must be exactly the blocks that were published and equal, whatever the batch.
+    for seed in 0..24 {
+        let config = crate::CacheConfig {
+            key_bits: 3,
+            ..crate::CacheConfig::new(200, 2)
+        };
+        let c = PrefixCache::with_table_seed(config, context_fingerprint(b"unit"), seed).unwrap();
+        let a = chain(1, 40);
+        let first = c.begin(None, a.clone(), b"", no_extras(), 0).unwrap();
+        let published = c.commit(&first.request_id, a.len()).unwrap();
+        c.finish(&first.request_id).unwrap();
+        for shared in [0, 5, 16, 17, 33, 39] {
+            let mut b = a[..2 * shared].to_vec();
+            b.extend(chain(2 + shared as u32, 4));
+            let r = c.begin(None, b.clone(), b"", no_extras(), 0).unwrap();
+            let expected = shared.min(published);
+            assert_eq!(
+                r.num_cached_tokens,
+                2 * expected,
+                "seed {seed}, {shared} shared"
+            );
+            assert_eq!(r.block_table[..expected], first.block_table[..expected]);
+            c.finish(&r.request_id).unwrap();
+            c.check_invariants();
+        }
+    }
+}
+
+#[test]
+fn evicting_more_blocks_than_a_lookahead_removes_exactly_the_evicted_entries() {
+    // Removals read 16 entries ahead: an allocation that evicts 45 blocks across three chains
+    // must leave the table holding exactly the blocks still cached.
+    let c = cache(60, 2);
+    c.set_eviction_log(true);
+    let prompts: Vec<Vec<u32>> = (1..=3).map(|tag| chain(tag, 20)).collect();
+    let mut tables = Vec::new();
+    for prompt in &prompts {
+        let r = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+        assert_eq!(c.commit(&r.request_id, prompt.len()), Ok(20));
+        c.finish(&r.request_id).unwrap();
+        tables.push(r.block_table);
+    }
+    let big = c.begin(None, chain(9, 45), b"", no_extras(), 0).unwrap();
+    assert_eq!(c.stats().evictions, 45);
+    let mut evicted = c.drain_evicted();
+    evicted.sort_unstable();
+    // Least recently used first: the first two chains whole, the third's last five blocks.
+    let mut expected: Vec<u32> = tables[0].iter().chain(&tables[1]).copied().collect();
+    expected.extend_from_slice(&tables[2][15..]);
+    expected.sort_unstable();
+    assert_eq!(evicted, expected);
+    c.check_invariants();
+    let hit = |prompt: &[u32]| {
+        c.lookup(&[prompt, &[0]].concat(), b"", &no_extras())
+            .unwrap()
+            .blocks
+    };
+    assert!(hit(&prompts[0]).is_empty());
+    assert!(hit(&prompts[1]).is_empty());
+    assert_eq!(hit(&prompts[2]), tables[2][..15]);
+    c.finish(&big.request_id).unwrap();
+    c.check_invariants();
+}

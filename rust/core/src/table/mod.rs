@@ -329,6 +329,40 @@ impl Table {
         }
     }
 
+    /// Starts the memory reads a `get` or `get_verified` of `key` will need: the index word at
+    /// its home slot, then, when it names a block with the key's hash, that block's slot and
+    /// token row. The second reads depend on the first, so a lookup walk issues this for a
+    /// batch of keys before verifying any: both tiers of misses then overlap across the batch
+    /// instead of coming two per block in turn (benches/PROFILE.md). Plain loads whose values
+    /// are discarded, and a stale or torn word only wastes a load: no effect on any answer.
+    #[inline]
+    pub fn prefetch_entry(&self, key: &TableKey) {
+        let hash = index_hash(*key);
+        let word = self.index[hash as usize & self.mask].load(Ordering::Relaxed);
+        if word != EMPTY && word_hash(word) == hash {
+            let block = word_block(word) as usize;
+            if let Some(slot) = self.slots.get(block) {
+                std::hint::black_box(slot.id.load(Ordering::Relaxed));
+            }
+            if let Some(cell) = self.tokens.get(block * self.block_size) {
+                std::hint::black_box(cell.load(Ordering::Relaxed));
+            }
+        }
+    }
+
+    /// Starts the memory reads a `remove` of `key`, published in `block`, will need: the index
+    /// word at its home slot and the block's slot (whose key the removal compares). Unlike
+    /// `prefetch` for an insert, not the token row, which a removal never reads. Plain loads
+    /// whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
+        let home = index_hash(*key) as usize & self.mask;
+        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        if let Some(slot) = self.slots.get(block as usize) {
+            std::hint::black_box(slot.key[0].load(Ordering::Relaxed));
+        }
+    }
+
     /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,
     /// until it answers `Yes` (found) or `No` (the key's entry, refused); a miss at the end of
     /// the run probes again if a backward shift raced it (module docs).

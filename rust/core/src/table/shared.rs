@@ -64,6 +64,14 @@ mod lock_free {
         pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
             self.0.prefetch(key, block);
         }
+        #[inline]
+        pub(crate) fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
+            self.0.prefetch_removal(key, block);
+        }
+        #[inline]
+        pub(crate) fn prefetch_entry(&self, key: &TableKey) {
+            self.0.prefetch_entry(key);
+        }
         pub(crate) fn len(&self) -> usize {
             self.0.len()
         }
@@ -126,6 +134,8 @@ mod model {
         }
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
+        pub(crate) fn prefetch_removal(&self, _key: &TableKey, _block: BlockId) {}
+        pub(crate) fn prefetch_entry(&self, _key: &TableKey) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()
         }

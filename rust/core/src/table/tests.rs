@@ -78,6 +78,9 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     for slot in 0..48u64 {
+                        // A lookup walk's prefetch reads a word and a slot the writer may be
+                        // moving or rewriting: it must never fault or change an answer.
+                        table.prefetch_entry(&key_of(slot));
                         if let Some(e) = table.get(&key_of(slot)) {
                             assert_eq!(key_of(e.id), key_of(slot));
                             assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
@@ -97,6 +100,7 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
     for id in 2..200_000u64 {
         let block = (id % 32) as BlockId;
         if let Some(old) = owner[block as usize].take() {
+            table.prefetch_removal(&key_of(old), block);
             table.remove(&key_of(old));
             live.remove(&(old % 48));
         }
