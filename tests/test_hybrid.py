@@ -41,8 +41,13 @@ def _hybrid(layer_types: tuple[str, ...], window: int, seed: int = 3) -> LlamaMo
 
 def _assert_exact(model: LlamaModel, results: list[RequestResult], max_new_tokens: int) -> None:
     for result in results:
-        # The engine's logits equal a full recompute of its own sequence at every step...
-        assert result.max_logit_diff is not None and result.max_logit_diff < TOLERANCE
+        # The engine's logits equal a full recompute of its own sequence at every step, within
+        # float32 rounding relative to the logits' size (a CI draw, kept as an @example below,
+        # reached 1.15e-4 on logits up to 7.9 through four layers; in float64 the same run
+        # differs by 3e-14, so the paths compute the same thing)...
+        assert result.max_logit_diff is not None
+        full = model.forward_full(result.prompt_token_ids + result.output_token_ids)
+        assert result.max_logit_diff < TOLERANCE * max(1.0, full.abs().max().item())
         expected = model.generate_greedy_full(result.prompt_token_ids, max_new_tokens)
         if result.output_token_ids == expected:
             assert result.tokens_match
@@ -64,6 +69,9 @@ def _assert_exact(model: LlamaModel, results: list[RequestResult], max_new_token
 @settings(max_examples=max(12, settings().max_examples // 2), deadline=None)
 @example(  # a near-tie of the two best tokens at one decode step (see _assert_exact)
     layer_types=(FULL, SLIDING, SLIDING), window=12, budget=4, num_blocks=14, speculative=0, seed=0
+)
+@example(  # float32 rounding of 1.15e-4 on logits of size 7.9 (see _assert_exact)
+    layer_types=(FULL, FULL, FULL, FULL), window=1, budget=4, num_blocks=14, speculative=0, seed=1
 )
 @given(
     layer_types=st.lists(st.sampled_from([FULL, SLIDING]), min_size=2, max_size=4).map(tuple),
