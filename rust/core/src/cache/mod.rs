@@ -28,10 +28,11 @@
 //! eviction (`pins.rs`).
 //!
 //! ## When a block may be evicted
-//! Only when the pool counts it evictable (cached, unreferenced, unpinned, no cached child), and
-//! only inside an allocation, under the mutex. Its table entry is removed in the same critical
-//! section, before the block is handed out: no lookup that starts afterwards can reach it while
-//! new KV is written into it.
+//! Only when the pool counts it evictable (cached, unreferenced, unpinned, no cached child; or a
+//! spare, a released duplicate whose content is cached elsewhere: `pool.rs`), and
+//! only inside an allocation, under the mutex. Its table entry is removed, or moved into a held
+//! duplicate of its content (`pool.rs`), in the same critical section, before the block is handed
+//! out: no lookup that starts afterwards can reach it while new KV is written into it.
 //!
 //! ## Two inserts of the same key
 //! Writers never race each other: the mutex orders them. The later insert finds the key taken
@@ -55,7 +56,7 @@ use crate::error::{CacheError, Result};
 use crate::events::Events;
 use crate::key::{root_key, BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
-use crate::pool::{BlockId, BlockPool};
+use crate::pool::{BlockId, BlockPool, Evicted};
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
@@ -344,7 +345,7 @@ impl PrefixCache {
             blocks_released: c.blocks_released,
             blocks_total: inner.pool.num_blocks(),
             blocks_free: inner.pool.num_free(),
-            blocks_cached: inner.pool.num_cached(),
+            blocks_cached: inner.pool.num_cached() + inner.pool.num_spares(),
             blocks_in_use: inner.pool.num_in_use(),
             blocks_pinned: inner.pool.num_pinned(),
             blocks_evictable: inner.pool.num_evictable_leaves(),
@@ -479,15 +480,27 @@ impl PrefixCache {
                 }
                 let guard = self.table.guard();
                 // Start every index read first, so the removals' cache misses overlap.
-                for &block in &evicted {
+                for &Evicted { block, .. } in &evicted {
                     if let Some(entry) = &inner.entries[block as usize] {
                         self.table.prefetch(&entry.key, None);
                     }
                 }
-                for block in evicted {
+                for Evicted { block, moved_to } in evicted {
                     let entry = inner.entries[block as usize]
                         .take()
                         .expect("evicted a cached block");
+                    if let Some(heir) = moved_to {
+                        // Its content stays cached in a duplicate (`pool.rs`): nothing is lost,
+                        // nothing for a router or a host tier to learn.
+                        let moved = self.table.move_entry(&entry.key, heir, &guard);
+                        debug_assert!(moved);
+                        inner.entries[heir as usize] = Some(Anchor {
+                            block: heir,
+                            ..entry
+                        });
+                        inner.events.moved(block, heir);
+                        continue;
+                    }
                     self.table.remove(&entry.key, &guard);
                     inner.events.removed(block);
                     inner.counters.evictions += 1;
@@ -523,6 +536,7 @@ impl PrefixCache {
             }
             inner.pool.uncache(block);
         }
+        inner.pool.forget_duplicates();
     }
 }
 
