@@ -25,6 +25,7 @@ from tests.vllm.harness import (
     Workload,
     drive,
     make_scheduler,
+    model_token,
 )
 
 
@@ -253,6 +254,36 @@ def test_core_evicts_a_duplicated_canonical_copy_in_release_order() -> None:
     # hash): a lookup still matches both blocks, the second in z's copy.
     assert cache.lookup([1] * 5).block_ids == [x[0], z[1]]
     cache.check_invariants()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "rust/core: a finished duplicate's cached successor is handed to the canonical copy, "
+        "which then cannot be evicted before it; vLLM evicts the canonical copy first "
+        "(docs/vllm.md, 'Full hits and duplicate blocks')"
+    ),
+)
+def test_canonical_copy_evicted_before_a_finished_duplicates_successor(tiny_model: Path) -> None:
+    """r1 is a full hit on r0's prompt P (two blocks): it recomputes P's second block B1 into
+    its own copy and decodes a third block C. At r1's finish the core hands C to r0's B1 (the
+    canonical copy), so B1 waits for C. r2 then needs two blocks more than the free ones: vLLM
+    takes r0's B1 (released first; the hash stays cached in r1's copy) and r1's partial block,
+    prefixkv the partial block and C, so r3 (P, C's tokens, one more) hits 12 tokens under vLLM
+    and 8 under prefixkv. Strict: passes, and so fails as an xfail, once the core evicts as
+    vLLM does."""
+    prompt = (1, 2, 3, 4, 5, 6, 7, 8)
+    decoded = tuple(model_token("r1", position) for position in range(8, 12))
+    setup = SchedulerSetup(num_blocks=16, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    workload = Workload(
+        requests=(
+            RequestSpec("r0", prompt, max_tokens=1),
+            RequestSpec("r1", prompt, max_tokens=6, arrival_step=2),
+            RequestSpec("r2", tuple(40 + i % 20 for i in range(48)), 1, arrival_step=12),
+            RequestSpec("r3", (*prompt, *decoded, 9), max_tokens=1, arrival_step=18),
+        )
+    )
+    _compare(tiny_model, setup, workload)
 
 
 def test_async_steps_overlap(tiny_model: Path) -> None:
