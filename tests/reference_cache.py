@@ -8,6 +8,7 @@ token contents, so the model has no hash at all: it is what the verified table m
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 LOWEST = -(2**31)  # a freshly allocated block's priority, until a request touches it
@@ -30,6 +31,8 @@ class Meta:
     tick: int = 0
     priority: int = 0
     entry: Entry | None = None
+    #: A held private copy of this cached block's content (rust/core/src/pool.rs).
+    duplicate_of: int | None = None
 
 
 @dataclass
@@ -58,6 +61,8 @@ class ReferenceCache:
         self.next_request = self.next_pin = self.next_entry = 1
         self.tick = 0
         self.lookups = self.lookup_tokens = self.hit_tokens = self.evictions = 0
+        #: Each canonical block's duplicates, in the order they were recorded.
+        self.duplicates: dict[int, list[int]] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _key(self, root: tuple, tokens: list[int], n_blocks: int) -> tuple:
@@ -81,9 +86,13 @@ class ReferenceCache:
             return blocks, n - 1, True
         return blocks[:-1], n - self.bs, True
 
-    def _evictable(self, b: int) -> bool:
+    def _evictable(self, b: int, children: int | None = None) -> bool:
+        # A cached leaf nobody holds or pins, or a spare (a released duplicate, pool.rs).
         m = self.blocks[b]
-        return m.cached and m.ref == 0 and m.pins == 0 and m.children == 0
+        children = m.children if children is None else children
+        return m.ref == 0 and (
+            (m.cached and m.pins == 0 and children == 0) or m.duplicate_of is not None
+        )
 
     def _uncache(self, b: int) -> None:
         m = self.blocks[b]
@@ -98,30 +107,41 @@ class ReferenceCache:
         if parent is not None:
             self.blocks[parent].children = max(0, self.blocks[parent].children - 1)
 
+    def _plan(self) -> list[int]:
+        """Every block eviction could take, in order: the smallest (priority, tick, id) evictable
+        block each time, a parent joining once its children are planned."""
+        plan: list[int] = []
+        children = {i: m.children for i, m in enumerate(self.blocks)}
+        planned: set[int] = set()
+        while True:
+            candidates = [
+                (m.priority, m.tick, i)
+                for i, m in enumerate(self.blocks)
+                if i not in planned and self._evictable(i, children[i])
+            ]
+            if not candidates:
+                return plan
+            _, _, b = min(candidates)
+            plan.append(b)
+            planned.add(b)
+            if self.blocks[b].parent is not None:
+                children[self.blocks[b].parent] -= 1
+
     def _allocate(self, count: int) -> list[int] | None:
-        if len(self.free) < count:
-            # Plan: repeatedly take the smallest (priority, tick, id) evictable leaf.
-            plan: list[int] = []
-            children = {i: m.children for i, m in enumerate(self.blocks)}
-            planned: set[int] = set()
-            while len(self.free) + len(plan) < count:
-                candidates = [
-                    (m.priority, m.tick, i)
-                    for i, m in enumerate(self.blocks)
-                    if i not in planned
-                    and m.cached
-                    and m.ref == 0
-                    and m.pins == 0
-                    and children[i] == 0
-                ]
-                if not candidates:
-                    return None
-                _, _, b = min(candidates)
-                plan.append(b)
-                planned.add(b)
-                if self.blocks[b].parent is not None:
-                    children[self.blocks[b].parent] -= 1
-            for b in plan:
+        if len(self.free) + len(self._plan()) < count:
+            return None
+        # One block at a time, planned afresh: a move into a spare changes which are leaves.
+        while len(self.free) < count:
+            b = self._plan()[0]
+            m = self.blocks[b]
+            if m.duplicate_of is not None:
+                # A spare: its content is cached elsewhere.
+                self._forget_duplicate(m.duplicate_of, b)
+                m.duplicate_of = None
+                self.free.append(b)
+            elif b in self.duplicates:
+                self._move_into_duplicate(b, self.duplicates.pop(b))
+            else:
                 self._uncache(b)
                 self.evictions += 1
         taken = self.free[len(self.free) - count :][::-1]
@@ -131,12 +151,44 @@ class ReferenceCache:
             self.blocks[b].priority = LOWEST
         return taken
 
+    def _move_into_duplicate(self, b: int, duplicates: list[int]) -> None:
+        # Evicting a canonical block with a duplicate moves its entry there: the first one
+        # recorded becomes cached under its own parent; the others follow it.
+        heir = duplicates.pop(0)  # the earliest copy left, as vLLM returns
+        for other in duplicates:
+            self.blocks[other].duplicate_of = heir
+        if duplicates:
+            self.duplicates[heir] = duplicates
+        entry = self.blocks[b].entry
+        assert entry is not None
+        moved = Entry(entry.id, heir, entry.key)
+        self.table[entry.key] = moved
+        self.blocks[b].entry = None
+        evicted_parent = self.blocks[b].parent
+        self._uncache(b)
+        m = self.blocks[heir]
+        if m.ref == 0:
+            m.parent = evicted_parent  # a spare takes the evicted block's place
+        m.cached, m.entry, m.duplicate_of = True, moved, None
+        if m.parent is not None:
+            self.blocks[m.parent].children += 1
+
     def _release(self, b: int) -> None:
         m = self.blocks[b]
         assert m.ref > 0
         m.ref -= 1
         if m.ref == 0 and not m.cached:
+            if m.duplicate_of is not None:
+                # A spare now, in the eviction order.
+                assert m.children == 0
+                m.parent = None
+                return
             self.free.append(b)
+
+    def _forget_duplicate(self, canonical: int, b: int) -> None:
+        self.duplicates[canonical].remove(b)
+        if not self.duplicates[canonical]:
+            del self.duplicates[canonical]
 
     def _touch(self, b: int, priority: int) -> None:
         # A block keeps the highest priority of any request that used it.
@@ -151,6 +203,18 @@ class ReferenceCache:
             key = self._key(req.root, req.tokens, pos + 1)
             own = req.table[pos]
             existing = self.table.get(key)
+            # Later blocks chain on the request's own copy (a duplicate, if it deduplicated).
+            previous = req.table[pos - 1] if pos else None
+            if existing is not None and existing.block != own:
+                m = self.blocks[own]
+                if m.duplicate_of != existing.block:
+                    if m.duplicate_of is None:
+                        m.parent = previous
+                    m.duplicate_of = existing.block
+                    self.duplicates.setdefault(existing.block, []).append(own)
+                # The request reads its own copy: the canonical one keeps its LRU place.
+                req.anchors.append(existing)
+                continue
             if existing is not None:
                 anchor = existing
             else:
@@ -158,7 +222,7 @@ class ReferenceCache:
                 self.next_entry += 1
                 m = self.blocks[own]
                 m.cached, m.entry = True, anchor
-                m.parent = req.anchors[-1].block if req.anchors else None
+                m.parent = previous
                 if m.parent is not None:
                     self.blocks[m.parent].children += 1
                 self.table[key] = anchor
@@ -221,10 +285,25 @@ class ReferenceCache:
     def finish(self, rid: int) -> None:
         req = self.requests.pop(rid)
         self.tick += 1
+        # A duplicate's cached successor, if the duplicate parents it, goes to the canonical copy.
+        for dup, nxt in itertools.pairwise(req.table):
+            canonical = self.blocks[dup].duplicate_of
+            if canonical is not None and self.blocks[nxt].cached and self.blocks[nxt].parent == dup:
+                self.blocks[dup].children -= 1
+                self.blocks[canonical].children += 1
+                self.blocks[nxt].parent = canonical
+        # Duplicates (spares once released) one tick after the rest (rust/core/src/request/mod.rs).
+        spares = False
         for b in req.table:
-            if self.blocks[b].cached:
+            m = self.blocks[b]
+            if m.cached:
                 self._touch(b, req.priority)
+            elif m.duplicate_of is not None:
+                m.tick, m.priority = self.tick + 1, max(m.priority, req.priority)
+                spares = True
             self._release(b)
+        if spares:
+            self.tick += 1
 
     def allocate(self, count: int) -> list[int] | None:
         return self._allocate(count)
@@ -258,6 +337,14 @@ class ReferenceCache:
         for b, m in enumerate(self.blocks):
             if m.cached:
                 self._uncache(b)
+        spares = []
+        for duplicates in self.duplicates.values():
+            for d in duplicates:
+                self.blocks[d].duplicate_of = self.blocks[d].parent = None
+                if self.blocks[d].ref == 0:
+                    spares.append(d)
+        self.duplicates.clear()
+        self.free.extend(sorted(spares))
 
     def set_context(self, context: int) -> None:
         self.context = context
@@ -267,7 +354,10 @@ class ReferenceCache:
     def counts(self) -> dict[str, int]:
         return {
             "blocks_free": len(self.free),
-            "blocks_cached": sum(m.cached for m in self.blocks),
+            # Table entries and spares (released duplicates): cached content (core stats.rs).
+            "blocks_cached": sum(
+                m.cached or (m.duplicate_of is not None and m.ref == 0) for m in self.blocks
+            ),
             "blocks_in_use": sum(m.ref > 0 for m in self.blocks),
             "blocks_pinned": sum(m.pins > 0 for m in self.blocks),
             "evictions": self.evictions,

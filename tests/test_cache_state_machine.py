@@ -101,6 +101,24 @@ class CacheMachine(RuleBasedStateMachine):
             self.commit(request, 1.0)
         self.finish(request)
 
+    @rule(
+        target=requests,
+        tokens=token_lists,
+        salt=st.sampled_from([None, "tenant"]),
+        priority=st.sampled_from([0, 0, 1, -1]),
+    )
+    def begin_full_hit(self, tokens: list[int], salt: str | None, priority: int):
+        """A prompt of whole blocks served, then begun again: a full hit, whose recomputed last
+        block, committed, duplicates the cached one (issue 22: later blocks chain on it, and
+        evicting the original moves its entry into it)."""
+        whole = len(tokens) // self.model.bs * self.model.bs
+        if whole == 0:
+            return None
+        self.serve(tokens[:whole], salt, priority, [])
+        request = self.begin(tokens[:whole], salt, priority)
+        self.commit(request, 1.0)
+        return request
+
     @rule(request=requests, fraction=st.floats(0, 1))
     def commit(self, request: int | None, fraction: float) -> None:
         if request is None or request not in self.live:
@@ -204,6 +222,11 @@ class CacheMachine(RuleBasedStateMachine):
         stats = self.cache.stats()
         assert stats.blocks_in_use == 0, "a block is still referenced after every request finished"
         assert stats.blocks_free + stats.blocks_cached == self.num_blocks, "a block leaked"
+        self.cache.check_invariants()
+        # Released duplicates are spares (cached content, rust/core/src/pool.rs) until taken;
+        # a clear frees them, and every other block.
+        self.cache.clear()
+        assert self.cache.stats().blocks_free == self.num_blocks, "a block leaked"
         self.cache.check_invariants()
 
 

@@ -549,6 +549,10 @@ class PrefixCache:
             self._context = context
 
     def stats(self) -> CacheStats:
+        """Counters and block states. Every block is exactly one of free (`blocks_free`),
+        cached (`blocks_cached`: a table entry, or a spare copy of one) or private (held and
+        not an entry), so `blocks_free + blocks_cached == blocks_total` once no request holds
+        a private block (docs/design.md, "Block counts")."""
         return self._core.stats()
 
     def set_eviction_log(self, enabled: bool) -> None:

@@ -13,8 +13,8 @@ How big a cache. "Large enough for the whole trace" (`capacity_blocks=None`) is,
 one block per block of every prompt (`blocks_needed`); and a given capacity may be larger than
 the trace can use. The core allocates a few hundred bytes of metadata per block up front, used
 or not, so a replay allocates no more than the trace can occupy at once
-(`blocks_occupied_at_most`: the distinct full blocks of the requests so far, plus the blocks of
-the request being admitted). A cache that never has to evict or refuse behaves the same
+(`blocks_occupied_at_most`: the distinct full blocks of the requests so far and the spare copies
+full hits leave, plus the blocks of the request being admitted). A cache that never has to evict or refuse behaves the same
 whatever its size, so every figure is the one the larger cache would give; should the bound
 ever be short (an eviction, a refusal), the replay is run again at the full size.
 """
@@ -164,16 +164,20 @@ def blocks_occupied_at_most(prepared: Sequence[Prepared], block_size: int) -> in
     group are new, the others are already cached (a block's key is its whole prefix and the
     group's salt). While a request runs it holds, besides those, at most the blocks of its
     prompt past the shared full blocks, plus one: a full hit recomputes its last block into a
-    private one. Linear in the tokens: one radix trie per group, as `diagnose_all` builds."""
+    private one, which stays cached after it as a spare copy (the core keeps duplicates as vLLM
+    keeps its copies: rust/core/src/pool.rs), so each full hit occupies one block more for good.
+    Linear in the tokens: one radix trie per group, as `diagnose_all` builds."""
     tries: dict[str | None, RadixTrie] = defaultdict(RadixTrie)
-    distinct = peak = 0
+    occupied = peak = 0
     for index, item in enumerate(prepared):
         trie = tries[item.request.isolation]
         shared, _ = trie.longest_match(item.tokens)
         trie.insert(item.tokens, index)
         length = len(item.tokens)
-        peak = max(peak, distinct + -(-length // block_size) - shared // block_size + 1)
-        distinct += length // block_size - shared // block_size
+        peak = max(peak, occupied + -(-length // block_size) - shared // block_size + 1)
+        occupied += length // block_size - shared // block_size
+        if length and length % block_size == 0 and shared >= length:
+            occupied += 1  # a full hit's recomputed last block, kept as a spare
     return peak
 
 

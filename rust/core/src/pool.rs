@@ -10,6 +10,26 @@
 //! - Only evictable blocks are ever evicted, so a block someone reads is never reused under them.
 //! - A cached block's cached children keep it from being evicted: a chain is only ever shortened
 //!   from its tail, so no cached chain loses its middle.
+//! - A private block may be a *duplicate*: a request computed the same content as a cached block
+//!   (its *canonical* copy) and holds its own copy (`request/publish.rs`). Its pool parent is the
+//!   holder's block at the previous position, and the holder's later cached blocks name it as
+//!   their parent. So a duplicate, not the canonical copy, keeps its holder's chain alive, and the
+//!   canonical copy is evictable as soon as nobody references it, as vLLM's block pool counts it
+//!   free; recording a duplicate does not touch the canonical copy, which keeps its place in the
+//!   eviction order (vLLM caches a copy without moving the first one in its free queue).
+//!   Evicting a canonical copy that has duplicates *moves* its entry into the earliest one
+//!   recorded (vLLM's lookup returns the first block cached under a hash that is still there;
+//!   `allocate` reports the move), which becomes cached in its place: no content reachable
+//!   before is lost, and nothing referenced is freed. A duplicate released while it still parents cached
+//!   blocks hands them to its canonical copy first (`reparent`). Every cached block's parent is
+//!   cached or a held duplicate.
+//! - A duplicate nobody references any more is a *spare*, as vLLM keeps its copy cached and
+//!   free: not on the free list but in the eviction order, where it is taken like any evictable
+//!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
+//!   entry when that is evicted first. So eviction takes blocks in vLLM's order of release, and
+//!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
+//!   The cache's stats count spares as cached content, so every block is exactly one of free,
+//!   cached (an entry or a spare) or private (`stats.rs`).
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
 //!   `acquire` and `release`; `release` of a block whose refcount is already zero is a bug and
 //!   panics (callers check ownership first, see `cache/mod.rs`), and a block returns to the free list
@@ -79,9 +99,19 @@ struct BlockMeta {
     evictable_as: Option<EvictionKey>,
     /// Number of cached children that are blocked (see the module docs).
     blocked_children: u32,
+    /// When this private block is a duplicate: the canonical copy of its content (module docs).
+    /// Its `parent` is then its holder's previous block, cached or a duplicate itself.
+    duplicate_of: Option<BlockId>,
 }
 
 impl BlockMeta {
+    /// In the evictable set: a cached leaf nobody references or pins, or a spare.
+    fn evictable(&self) -> bool {
+        self.ref_count == 0
+            && (self.cached && self.pin_count == 0 && self.cached_children == 0
+                || self.duplicate_of.is_some())
+    }
+
     /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
     fn blocked(&self) -> bool {
         self.cached && (self.ref_count > 0 || self.pin_count > 0 || self.blocked_children > 0)
@@ -100,6 +130,19 @@ pub struct BlockPool {
     num_pinned: usize,
     /// Cached blocks that are blocked: `num_cached - num_blocked` are obtainable by eviction.
     num_blocked: usize,
+    /// Duplicates nobody references (module docs): obtainable, in the evictable set.
+    num_spares: usize,
+    /// The duplicates of each canonical block that has any (rare: keyed, not per block).
+    duplicates: HashMap<BlockId, Vec<BlockId>, BuildHasherDefault<BlockIdHasher>>,
+}
+
+/// A cached block `allocate` took back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    /// The block, now handed out: its table entry must go.
+    pub block: BlockId,
+    /// The duplicate its entry moved to (module docs), or `None` when the entry is gone.
+    pub moved_to: Option<BlockId>,
 }
 
 impl BlockPool {
@@ -130,6 +173,8 @@ impl BlockPool {
             num_in_use: 0,
             num_pinned: 0,
             num_blocked: 0,
+            num_spares: 0,
+            duplicates: HashMap::default(),
         })
     }
 
@@ -148,6 +193,11 @@ impl BlockPool {
     pub fn num_cached(&self) -> usize {
         self.num_cached
     }
+    /// Released duplicates of cached blocks (module docs): obtainable, not on the free list.
+    #[must_use]
+    pub fn num_spares(&self) -> usize {
+        self.num_spares
+    }
     /// Blocks with a refcount above zero.
     #[must_use]
     pub fn num_in_use(&self) -> usize {
@@ -158,7 +208,7 @@ impl BlockPool {
     pub fn num_pinned(&self) -> usize {
         self.num_pinned
     }
-    /// Cached blocks that could be evicted right now (leaves of the cached forest).
+    /// Blocks that could be evicted right now (leaves of the cached forest, and spares).
     #[must_use]
     pub fn num_evictable_leaves(&self) -> usize {
         self.evictable.len()
@@ -232,6 +282,18 @@ impl BlockPool {
             self.refresh(block);
             false
         } else {
+            if meta.duplicate_of.is_some() {
+                // Its holder handed its cached children over first (`reparent`). Its parent was
+                // the holder's block: stale from now on.
+                assert_eq!(
+                    meta.cached_children, 0,
+                    "duplicate {block} released while it parents cached blocks"
+                );
+                meta.parent = None;
+                self.num_spares += 1;
+                self.refresh(block);
+                return false;
+            }
             self.free.push(block);
             true
         }
@@ -256,13 +318,169 @@ impl BlockPool {
         meta.parent = parent;
         self.num_cached += 1;
         if let Some(parent) = parent {
-            debug_assert!(self.blocks[parent as usize].cached);
+            debug_assert!(self.holds_chain(parent));
             self.blocks[parent as usize].cached_children += 1;
             self.refresh(parent);
         }
         // Referenced, so blocked from now on; before, uncached, it was not counted.
         self.reblock(block, false);
         self.refresh(block);
+    }
+
+    /// Whether `block` may be the parent of a cached block: cached, or a held duplicate.
+    fn holds_chain(&self, block: BlockId) -> bool {
+        let meta = &self.blocks[block as usize];
+        meta.cached || (meta.duplicate_of.is_some() && meta.ref_count > 0)
+    }
+
+    /// Records that held, uncached `block` holds the same content as cached `canonical`, and
+    /// that its holder's previous block is `parent` (module docs). Again for the same pair is a
+    /// no-op; returns whether it was new.
+    pub fn mark_duplicate(
+        &mut self,
+        block: BlockId,
+        canonical: BlockId,
+        parent: Option<BlockId>,
+    ) -> bool {
+        debug_assert!(!self.blocks[block as usize].cached);
+        debug_assert!(self.blocks[block as usize].ref_count > 0);
+        debug_assert!(self.blocks[canonical as usize].cached);
+        let meta = &mut self.blocks[block as usize];
+        match meta.duplicate_of {
+            Some(current) if current == canonical => return false,
+            Some(current) => {
+                meta.duplicate_of = Some(canonical);
+                self.forget_duplicate(current, block);
+            }
+            None => {
+                meta.duplicate_of = Some(canonical);
+                meta.parent = parent;
+            }
+        }
+        self.duplicates.entry(canonical).or_default().push(block);
+        true
+    }
+
+    /// The canonical copy a held duplicate stands for, if `block` is one.
+    #[must_use]
+    pub fn duplicate_of(&self, block: BlockId) -> Option<BlockId> {
+        self.blocks.get(block as usize).and_then(|m| m.duplicate_of)
+    }
+
+    /// The block a cached block or a duplicate names as its parent.
+    #[must_use]
+    pub fn parent_of(&self, block: BlockId) -> Option<BlockId> {
+        self.blocks.get(block as usize).and_then(|m| m.parent)
+    }
+
+    /// Moves cached `child` under `parent` (cached, or a held duplicate), carrying its blocked
+    /// state from its old parent's counts to the new one's.
+    pub fn reparent(&mut self, child: BlockId, parent: BlockId) {
+        let meta = &self.blocks[child as usize];
+        debug_assert!(meta.cached && self.holds_chain(parent));
+        let blocked = meta.blocked();
+        if let Some(old) = meta.parent {
+            self.detach_child(old, blocked);
+        }
+        self.blocks[child as usize].parent = Some(parent);
+        let parent_meta = &mut self.blocks[parent as usize];
+        let parent_was_blocked = parent_meta.blocked();
+        parent_meta.cached_children += 1;
+        if blocked {
+            parent_meta.blocked_children += 1;
+            self.reblock(parent, parent_was_blocked);
+        }
+        self.refresh(parent);
+    }
+
+    /// Takes one cached child, blocked or not, off `parent`'s counts.
+    fn detach_child(&mut self, parent: BlockId, child_blocked: bool) {
+        let parent_meta = &mut self.blocks[parent as usize];
+        // `clear` goes in id order and may uncache a parent before its children: an uncached
+        // parent keeps counting them until they go too, and ends at 0 either way.
+        parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
+        if child_blocked {
+            let parent_was_blocked = parent_meta.blocked();
+            parent_meta.blocked_children -= 1;
+            self.reblock(parent, parent_was_blocked);
+        }
+        self.refresh(parent);
+    }
+
+    fn forget_duplicate(&mut self, canonical: BlockId, block: BlockId) {
+        if let Some(list) = self.duplicates.get_mut(&canonical) {
+            list.retain(|&b| b != block);
+            if list.is_empty() {
+                self.duplicates.remove(&canonical);
+            }
+        }
+    }
+
+    /// Forgets every duplicate (`clear`, once every cached block is gone): they stay private.
+    pub fn forget_duplicates(&mut self) {
+        let mut spares = Vec::new();
+        for (_, list) in std::mem::take(&mut self.duplicates) {
+            for block in list {
+                let meta = &mut self.blocks[block as usize];
+                meta.duplicate_of = None;
+                meta.parent = None;
+                if meta.ref_count == 0 {
+                    spares.push(block);
+                }
+                self.refresh(block);
+            }
+        }
+        // Freed in id order: the free list's order must not depend on a map's.
+        spares.sort_unstable();
+        self.num_spares -= spares.len();
+        self.free.extend(spares);
+    }
+
+    /// Hands out spare `block` (module docs): its content is cached elsewhere.
+    fn take_spare(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        let canonical = meta.duplicate_of.take().expect("a spare is a duplicate");
+        debug_assert!(meta.ref_count == 0 && !meta.cached);
+        self.num_spares -= 1;
+        self.forget_duplicate(canonical, block);
+        self.refresh(block);
+        self.free.push(block);
+    }
+
+    /// Evicts canonical `block` by moving its content's place in the cache into one of its
+    /// duplicates, which becomes cached under its own parent (module docs). Returns it.
+    fn evict_into_duplicate(&mut self, block: BlockId) -> Option<BlockId> {
+        let mut list = self.duplicates.remove(&block)?;
+        // The earliest copy left, as vLLM's lookup returns the first block cached under a hash.
+        let heir = list.remove(0);
+        for &other in &list {
+            self.blocks[other as usize].duplicate_of = Some(heir);
+        }
+        if !list.is_empty() {
+            self.duplicates.insert(heir, list);
+        }
+        let evicted_parent = self.blocks[block as usize].parent;
+        self.uncache(block);
+        let meta = &mut self.blocks[heir as usize];
+        debug_assert!(!meta.cached);
+        if meta.ref_count == 0 {
+            // A spare: its holder's chain is gone; it takes the evicted block's place.
+            meta.parent = evicted_parent;
+            self.num_spares -= 1;
+        }
+        let meta = &mut self.blocks[heir as usize];
+        meta.duplicate_of = None;
+        meta.cached = true;
+        self.num_cached += 1;
+        if let Some(parent) = meta.parent {
+            debug_assert!(self.holds_chain(parent));
+            self.blocks[parent as usize].cached_children += 1;
+            self.refresh(parent);
+        }
+        // Blocked from now on if referenced (its cached children were counted all along).
+        self.reblock(heir, false);
+        self.refresh(heir);
+        Some(heir)
     }
 
     /// Removes a block from the cached state (eviction or `clear`). A block nobody references
@@ -288,17 +506,8 @@ impl BlockPool {
             self.free.push(block);
         }
         if let Some(parent) = parent {
-            let parent_meta = &mut self.blocks[parent as usize];
-            // Eviction takes only leaves, so here the parent is still cached. `clear` goes in id
-            // order and may uncache a parent before its children: an uncached parent keeps
-            // counting them until they go too, and ends at 0 either way.
-            parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
-            if was_blocked {
-                let parent_was_blocked = parent_meta.blocked();
-                parent_meta.blocked_children -= 1;
-                self.reblock(parent, parent_was_blocked);
-            }
-            self.refresh(parent);
+            // Eviction takes only leaves, so here the parent is still cached (or a duplicate).
+            self.detach_child(parent, was_blocked);
         }
     }
 
@@ -334,13 +543,13 @@ impl BlockPool {
     /// O(1): the free blocks plus the cached blocks that are not blocked (module docs).
     #[must_use]
     pub fn available(&self, want: usize) -> usize {
-        (self.free.len() + self.num_cached - self.num_blocked).min(want)
+        (self.free.len() + self.num_cached - self.num_blocked + self.num_spares).min(want)
     }
 
     /// Takes `count` blocks with refcount 1, evicting the least valuable cached blocks if the
-    /// free list is short. Returns the evicted blocks alongside, so the caller can drop their
-    /// table entries. Changes nothing when it cannot supply `count` blocks.
-    pub fn allocate(&mut self, count: usize) -> Result<(Vec<BlockId>, Vec<BlockId>)> {
+    /// free list is short. Returns the evicted blocks alongside, so the caller can drop or move
+    /// their table entries. Changes nothing when it cannot supply `count` blocks.
+    pub fn allocate(&mut self, count: usize) -> Result<(Vec<BlockId>, Vec<Evicted>)> {
         if count > self.blocks.len() {
             // More than the whole pool: refuse before planning anything.
             return Err(CacheError::OutOfBlocks {
@@ -361,15 +570,22 @@ impl BlockPool {
             // which joins the set in order (the same order `plan_eviction` computes).
             evicted.reserve(count - self.free.len());
             while self.free.len() < count {
-                // Popped here, so `uncache` finds it out of the set already (one descent of
-                // the ordered set per evicted block, not two).
-                let (_, _, block) = self
+                // Peeked, not popped: `take_spare`, `evict_into_duplicate` and `uncache` each
+                // take it out of the set with the rest of their bookkeeping.
+                let &(_, _, block) = self
                     .evictable
-                    .pop_first()
+                    .first()
                     .expect("the obtainable count promised a block");
-                self.blocks[block as usize].evictable_as = None;
-                self.uncache(block);
-                evicted.push(block);
+                if !self.blocks[block as usize].cached {
+                    // A spare: nothing to drop but the block itself.
+                    self.take_spare(block);
+                    continue;
+                }
+                let moved_to = self.evict_into_duplicate(block);
+                if moved_to.is_none() {
+                    self.uncache(block);
+                }
+                evicted.push(Evicted { block, moved_to });
             }
         }
         let start = self.free.len() - count;
@@ -466,8 +682,7 @@ impl BlockPool {
     /// Keeps the evictable set in step with one block's state.
     fn refresh(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
-        let should =
-            meta.cached && meta.ref_count == 0 && meta.pin_count == 0 && meta.cached_children == 0;
+        let should = meta.evictable();
         let key = (meta.priority, meta.last_access, block);
         if meta.evictable_as == Some(key) && should {
             return;
@@ -504,25 +719,44 @@ impl BlockPool {
             let free = on_free[id];
             assert_eq!(
                 free,
-                meta.ref_count == 0 && !meta.cached,
+                meta.ref_count == 0 && !meta.cached && meta.duplicate_of.is_none(),
                 "block {id} free-list state"
             );
+            if meta.cached || meta.duplicate_of.is_some() {
+                assert_eq!(meta.cached_children, children[id], "block {id} child count");
+            }
             if meta.cached {
                 cached += 1;
-                assert_eq!(meta.cached_children, children[id], "block {id} child count");
+                assert!(
+                    meta.duplicate_of.is_none(),
+                    "cached block {id} is a duplicate"
+                );
                 if let Some(parent) = meta.parent {
                     assert!(
-                        self.blocks[parent as usize].cached,
-                        "block {id} has uncached parent"
+                        self.holds_chain(parent),
+                        "block {id} has a parent neither cached nor a held duplicate"
                     );
                 }
             }
+            if let Some(canonical) = meta.duplicate_of {
+                assert!(
+                    meta.ref_count > 0 || meta.cached_children == 0 && meta.parent.is_none(),
+                    "spare {id} still chained"
+                );
+                assert!(
+                    self.blocks[canonical as usize].cached,
+                    "duplicate {id} of an uncached block"
+                );
+                assert!(
+                    self.duplicates
+                        .get(&canonical)
+                        .is_some_and(|list| list.contains(&(id as BlockId))),
+                    "duplicate {id} missing from its canonical block's list"
+                );
+            }
             in_use += usize::from(meta.ref_count > 0);
             pinned += usize::from(meta.pin_count > 0);
-            let should = meta.cached
-                && meta.ref_count == 0
-                && meta.pin_count == 0
-                && meta.cached_children == 0;
+            let should = meta.evictable();
             assert_eq!(
                 meta.evictable_as.is_some(),
                 should,
@@ -541,17 +775,33 @@ impl BlockPool {
             }
         }
         for (id, meta) in self.blocks.iter().enumerate() {
-            if meta.cached {
+            if meta.cached || meta.duplicate_of.is_some() {
                 assert_eq!(
                     meta.blocked_children, blocked_children[id],
                     "block {id} blocked children"
                 );
             }
         }
+        for (&canonical, list) in &self.duplicates {
+            assert!(!list.is_empty(), "empty duplicate list of {canonical}");
+            for &block in list {
+                assert_eq!(
+                    self.blocks[block as usize].duplicate_of,
+                    Some(canonical),
+                    "listed duplicate {block} of {canonical}"
+                );
+            }
+        }
         let blocked = self.blocks.iter().filter(|m| m.blocked()).count();
         assert_eq!(blocked, self.num_blocked, "blocked cached blocks");
+        let spares = self
+            .blocks
+            .iter()
+            .filter(|m| m.duplicate_of.is_some() && m.ref_count == 0)
+            .count();
+        assert_eq!(spares, self.num_spares, "spares");
         assert_eq!(
-            self.num_cached - self.num_blocked,
+            self.num_cached - self.num_blocked + self.num_spares,
             self.plan_eviction(self.blocks.len()).len(),
             "obtainable blocks vs. the planned eviction order"
         );
@@ -587,6 +837,7 @@ mod tests {
         // The parent (tick 1) is older than block 2 (tick 5) but goes only after its child.
         assert_eq!(pool.plan_eviction(3), vec![blocks[1], blocks[0], blocks[2]]);
         let (_, evicted) = pool.allocate(3).unwrap();
+        let evicted: Vec<BlockId> = evicted.iter().map(|e| e.block).collect();
         assert_eq!(evicted, vec![blocks[1], blocks[0]]);
         pool.check_invariants();
     }

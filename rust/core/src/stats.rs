@@ -17,7 +17,8 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Blocks newly published by commits.
     pub committed_blocks: u64,
-    /// Committed blocks that another copy already held (freed at release).
+    /// Committed blocks that another copy already held: kept as duplicates (`pool.rs`), except
+    /// in sliding-window caches and for `commit_blocks`, whose copies are freed at release.
     pub deduplicated_blocks: u64,
     /// Commits refused because a different block held the key.
     pub collisions: u64,
@@ -28,19 +29,26 @@ pub struct CacheStats {
     pub blocks_total: usize,
     /// Blocks on the free list.
     pub blocks_free: usize,
-    /// Blocks reachable by lookups.
+    /// Blocks holding cached content: those reachable by lookups (table entries), plus spares
+    /// (released duplicates of a cached block, which eviction takes like cached blocks and
+    /// vLLM counts cached and free alike: `pool.rs`). Every block is exactly one of free,
+    /// cached, or held private (in use and not a table entry: a request's own uncached blocks,
+    /// including duplicates it holds), so `blocks_free + blocks_cached == blocks_total`
+    /// whenever no request holds a private block, and `blocks_free + blocks_cached <=
+    /// blocks_total` always.
     pub blocks_cached: usize,
     /// Blocks with a reference.
     pub blocks_in_use: usize,
     /// Pinned blocks.
     pub blocks_pinned: usize,
-    /// Cached blocks that could be evicted right now without evicting anything else first:
-    /// unreferenced, unpinned leaves. A lower bound on what eviction can free.
+    /// Blocks that could be evicted right now without evicting anything else first:
+    /// unreferenced, unpinned cached leaves, and spares (released duplicates of cached blocks,
+    /// `pool.rs`). A lower bound on what eviction can free.
     pub blocks_evictable: usize,
-    /// Blocks an allocation could obtain right now: the free ones plus every cached block that
-    /// eviction can reach by evicting leaves repeatedly (unreferenced and unpinned, with no
-    /// referenced or pinned descendant). Never counts a block someone holds. This is the
-    /// figure for admission.
+    /// Blocks an allocation could obtain right now: the free ones, the spares, plus every cached
+    /// block that eviction can reach by evicting leaves repeatedly (unreferenced and unpinned,
+    /// with no referenced or pinned descendant in its chain). Never counts a block someone
+    /// holds. This is the figure for admission.
     pub blocks_obtainable: usize,
     /// Requests begun and not finished.
     pub requests_live: usize,

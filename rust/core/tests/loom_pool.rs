@@ -46,7 +46,7 @@
 use loom::sync::Arc;
 use loom::thread;
 use prefixkv_core::key::TableHasher;
-use prefixkv_core::pool::BlockPool;
+use prefixkv_core::pool::{BlockPool, Evicted};
 use prefixkv_core::{
     context_fingerprint, root_key, BlockId, BlockKey, CacheConfig, FullHit, PrefixCache,
     RequestExtras,
@@ -297,7 +297,7 @@ fn take_reference_release_and_evict_race() {
             thread::spawn(move || {
                 let mut p = pool.lock().unwrap();
                 if let Ok((fresh, evicted)) = p.allocate(2) {
-                    for &block in &evicted {
+                    for &Evicted { block, .. } in &evicted {
                         assert_eq!(
                             p.ref_count(block),
                             Some(1),
@@ -334,6 +334,75 @@ fn take_reference_release_and_evict_race() {
             p.num_free() + p.num_cached(),
             3,
             "no block leaked or freed twice"
+        );
+    });
+}
+
+/// Issue 22: entries move. Twins computed prompt A, the second one's blocks are duplicates and
+/// its third block chains on them; once the first twin is done, an allocation evicts A's
+/// originals, moving each entry into its duplicate. A lookup racing it finds, at each position,
+/// the original or the duplicate (each held A's prefix when read), never anything else, and
+/// the whole chain stays reachable after: no held child loses its parent.
+#[test]
+fn lookup_racing_an_eviction_that_moves_entries_into_duplicates() {
+    const PROMPT: [u32; 3] = [1, 2, 5];
+    model(|| {
+        let config = CacheConfig {
+            full_hit: FullHit::ReuseLastBlock,
+            ..CacheConfig::new(5, 1)
+        };
+        let cache = PrefixCache::with_table_seed(config, context_fingerprint(b"loom"), 7).unwrap();
+        let begin = |prompt: &[u32]| {
+            cache
+                .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
+                .unwrap()
+        };
+        let first = begin(&PROMPT[..2]);
+        let second = begin(&PROMPT);
+        cache.commit(&first.request_id, 2).unwrap();
+        cache.commit(&second.request_id, 3).unwrap();
+        cache.finish(&first.request_id).unwrap();
+        let (originals, copies) = (first.block_table, second.block_table);
+        let cache = Arc::new(cache);
+
+        let reader = {
+            let cache = Arc::clone(&cache);
+            let (originals, copies) = (originals.clone(), copies.clone());
+            thread::spawn(move || {
+                let found = lookup(&cache, &PROMPT);
+                for (position, block) in found.iter().enumerate() {
+                    let allowed = [
+                        copies[position],
+                        *originals.get(position).unwrap_or(&copies[2]),
+                    ];
+                    assert!(
+                        allowed.contains(block),
+                        "position {position}: block {block} never held A's prefix"
+                    );
+                }
+            })
+        };
+        let evictor = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                let taken = cache.allocate(2).unwrap();
+                cache.check_invariants();
+                cache.release(&taken).unwrap();
+            })
+        };
+        reader.join().unwrap();
+        evictor.join().unwrap();
+        assert_eq!(
+            lookup(&cache, &PROMPT),
+            copies,
+            "the chain lives on in the duplicates"
+        );
+        cache.finish(&second.request_id).unwrap();
+        cache.check_invariants();
+        assert_eq!(
+            cache.stats().evictions,
+            0,
+            "every entry moved, none was lost"
         );
     });
 }

@@ -55,6 +55,8 @@ struct Meta {
     tick: u64,
     priority: i32,
     entry: Option<ModelEntry>,
+    /// A held private copy of this cached block's content (`pool.rs`, duplicates).
+    duplicate_of: Option<BlockId>,
 }
 
 #[derive(Clone, Debug)]
@@ -67,6 +69,8 @@ struct ModelRequest {
     cacheable: bool,
     /// Tokens with KV written: the most any commit said (a commit never takes KV back).
     computed: usize,
+    /// Later blocks chain on its own copies (a request; not `commit_blocks`).
+    own_chain: bool,
 }
 
 /// Which table key a content takes in the real cache: the one fact the model borrows.
@@ -113,6 +117,10 @@ struct Model {
     block_epoch: Vec<u64>,
     external: Vec<u32>,
     stats: CacheStats,
+    /// Each canonical block's duplicates, in the order they were recorded.
+    duplicates: HashMap<BlockId, Vec<BlockId>>,
+    /// Entries eviction moved into a duplicate (for the tests that must reach it).
+    moves: u64,
 }
 
 type Matched = (Vec<BlockId>, usize, bool);
@@ -143,6 +151,8 @@ impl Model {
                 blocks_total: n,
                 ..CacheStats::default()
             },
+            duplicates: HashMap::new(),
+            moves: 0,
         }
     }
 
@@ -186,9 +196,10 @@ impl Model {
         hits
     }
 
+    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`).
     fn evictable(&self, b: usize, children: &[u32]) -> bool {
         let m = &self.blocks[b];
-        m.cached && m.refs == 0 && m.pins == 0 && children[b] == 0
+        m.refs == 0 && (m.cached && m.pins == 0 && children[b] == 0 || m.duplicate_of.is_some())
     }
 
     fn uncache(&mut self, b: BlockId) {
@@ -239,10 +250,23 @@ impl Model {
                     available: self.free.len() + plan.len(),
                 });
             }
-            let take = count - self.free.len();
-            for &b in &plan[..take] {
-                self.uncache(b);
-                self.stats.evictions += 1;
+            // One block at a time, the order planned afresh: a move into a spare changes
+            // which blocks are leaves (the heir takes the evicted block's place).
+            while self.free.len() < count {
+                let b = self.plan()[0];
+                if let Some(canonical) = self.blocks[b as usize].duplicate_of.take() {
+                    // A spare: its content is cached elsewhere.
+                    self.forget_duplicate(canonical, b);
+                    self.free.push(b);
+                    continue;
+                }
+                match self.duplicates.remove(&b) {
+                    Some(list) => self.move_into_duplicate(b, list),
+                    None => {
+                        self.uncache(b);
+                        self.stats.evictions += 1;
+                    }
+                }
             }
         }
         let start = self.free.len() - count;
@@ -255,12 +279,74 @@ impl Model {
         Ok(taken)
     }
 
+    /// Evicts canonical `b` by moving its entry into its first recorded duplicate, which
+    /// becomes cached under the parent it has (`pool.rs`); the other duplicates follow it.
+    fn move_into_duplicate(&mut self, b: BlockId, mut list: Vec<BlockId>) {
+        let heir = list.remove(0); // the earliest copy left
+        self.moves += 1;
+        for &other in &list {
+            self.blocks[other as usize].duplicate_of = Some(heir);
+        }
+        if !list.is_empty() {
+            self.duplicates.insert(heir, list);
+        }
+        let mut entry = self.blocks[b as usize].entry.take().expect("cached");
+        entry.block = heir;
+        self.table.insert(entry.content.clone(), entry.clone());
+        let evicted_parent = self.blocks[b as usize].parent;
+        self.uncache(b);
+        let m = &mut self.blocks[heir as usize];
+        if m.refs == 0 {
+            m.parent = evicted_parent;
+        }
+        m.cached = true;
+        m.duplicate_of = None;
+        m.entry = Some(entry);
+        if let Some(p) = m.parent {
+            self.blocks[p as usize].children += 1;
+        }
+    }
+
     fn release_one(&mut self, b: BlockId) {
         let m = &mut self.blocks[b as usize];
         assert!(m.refs > 0, "model: release of an unreferenced block");
         m.refs -= 1;
         if m.refs == 0 && !m.cached {
+            if m.duplicate_of.is_some() {
+                // A spare now, in the eviction order.
+                assert_eq!(
+                    m.children, 0,
+                    "model: a released duplicate parents cached blocks"
+                );
+                m.parent = None;
+                return;
+            }
             self.free.push(b);
+        }
+    }
+
+    fn forget_duplicate(&mut self, canonical: BlockId, b: BlockId) {
+        let list = self.duplicates.get_mut(&canonical).unwrap();
+        list.retain(|&d| d != b);
+        if list.is_empty() {
+            self.duplicates.remove(&canonical);
+        }
+    }
+
+    /// Before a request lets go of its table: a duplicate's cached successor, if the duplicate
+    /// parents it, goes to the canonical copy.
+    fn hand_over_duplicate_children(&mut self, table: &[BlockId]) {
+        for pair in table.windows(2) {
+            let (dup, next) = (pair[0], pair[1]);
+            if let Some(canonical) = self.blocks[dup as usize].duplicate_of {
+                if self.blocks[next as usize].cached
+                    && self.blocks[next as usize].parent == Some(dup)
+                {
+                    self.blocks[dup as usize].children -= 1;
+                    self.blocks[canonical as usize].children += 1;
+                    self.blocks[next as usize].parent = Some(canonical);
+                }
+            }
         }
     }
 
@@ -305,7 +391,10 @@ impl Model {
                         content: content.clone(),
                     };
                     self.next_entry += 1;
-                    let parent = req.anchors.last().map(|a| a.block);
+                    let parent = match pos.checked_sub(1) {
+                        Some(previous) if req.own_chain => Some(req.table[previous]),
+                        _ => req.anchors.last().map(|a| a.block),
+                    };
                     let m = &mut self.blocks[own as usize];
                     m.cached = true;
                     m.entry = Some(entry.clone());
@@ -319,7 +408,23 @@ impl Model {
                     entry
                 }
                 Some(holder) if *holder == content => {
-                    self.stats.deduplicated_blocks += 1;
+                    let canonical = self.table[&content].block;
+                    let m = &mut self.blocks[own as usize];
+                    if !req.own_chain {
+                        self.stats.deduplicated_blocks += 1;
+                    } else if m.duplicate_of != Some(canonical) {
+                        if m.duplicate_of.is_none() {
+                            m.parent = pos.checked_sub(1).map(|previous| req.table[previous]);
+                        }
+                        m.duplicate_of = Some(canonical);
+                        self.duplicates.entry(canonical).or_default().push(own);
+                        self.stats.deduplicated_blocks += 1;
+                    }
+                    if req.own_chain {
+                        // It reads its own copy: the canonical one keeps its LRU place.
+                        req.anchors.push(self.table[&content].clone());
+                        continue;
+                    }
                     self.table[&content].clone()
                 }
                 Some(_) => {
@@ -404,6 +509,7 @@ impl Model {
                 anchors: hits,
                 cacheable: true,
                 computed: cached,
+                own_chain: true,
             },
         );
         Ok((id, table, cached, full))
@@ -450,11 +556,22 @@ impl Model {
             .remove(&id)
             .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
+        self.hand_over_duplicate_children(&req.table);
+        // Duplicates (spares once released) one tick after the rest (`request/mod.rs`).
+        let mut spares = false;
         for &b in &req.table {
-            if self.blocks[b as usize].cached {
+            let m = &mut self.blocks[b as usize];
+            if m.cached {
                 self.touch(b, req.priority);
+            } else if m.duplicate_of.is_some() {
+                m.tick = self.tick + 1;
+                m.priority = m.priority.max(req.priority);
+                spares = true;
             }
             self.release_one(b);
+        }
+        if spares {
+            self.tick += 1;
         }
         Ok(())
     }
@@ -523,6 +640,7 @@ impl Model {
             anchors: Vec::new(),
             cacheable: true,
             computed: blocks.len() * self.bs,
+            own_chain: false,
         };
         self.tick += 1;
         self.extend(&mut req, blocks.len());
@@ -596,6 +714,18 @@ impl Model {
                 self.uncache(b as BlockId);
             }
         }
+        let mut spares = Vec::new();
+        for (_, list) in self.duplicates.drain() {
+            for d in list {
+                self.blocks[d as usize].duplicate_of = None;
+                self.blocks[d as usize].parent = None;
+                if self.blocks[d as usize].refs == 0 {
+                    spares.push(d);
+                }
+            }
+        }
+        spares.sort_unstable();
+        self.free.extend(spares);
     }
 
     fn set_context(&mut self, context: usize) {
@@ -607,7 +737,11 @@ impl Model {
         let children: Vec<u32> = self.blocks.iter().map(|m| m.children).collect();
         CacheStats {
             blocks_free: self.free.len(),
-            blocks_cached: self.blocks.iter().filter(|m| m.cached).count(),
+            blocks_cached: self
+                .blocks
+                .iter()
+                .filter(|m| m.cached || m.duplicate_of.is_some() && m.refs == 0)
+                .count(),
             blocks_in_use: self.blocks.iter().filter(|m| m.refs > 0).count(),
             blocks_pinned: self.blocks.iter().filter(|m| m.pins > 0).count(),
             blocks_evictable: (0..self.blocks.len())
@@ -1101,6 +1235,13 @@ impl Machine {
         self.check(&Op::Clear);
         let stats = self.real.stats();
         assert_eq!(stats.blocks_in_use, 0, "a block is still referenced");
+        // Spares (released duplicates, `pool.rs`) are neither free nor cached; a clear frees
+        // them: then every block is free or cached.
+        self.real.clear();
+        self.model
+            .clear("dropped by clear(), which releases every pin");
+        self.check(&Op::Clear);
+        let stats = self.real.stats();
         assert_eq!(
             stats.blocks_free + stats.blocks_cached,
             stats.blocks_total,
@@ -1207,6 +1348,66 @@ fn tiny_keys_collide_and_shared_stems_deduplicate() {
         stats.collisions + stats.deduplicated_blocks > 0,
         "{stats:?}"
     );
+    machine.teardown();
+}
+
+/// Issue 22: a full hit's recomputed last block is a duplicate of the cached one, and the
+/// request's next block chains on it; so once nobody references the original it is evictable
+/// (as vLLM counts it), and evicting it moves its entry into the duplicate: the whole chain
+/// stays reachable.
+#[test]
+fn an_evicted_original_moves_into_the_full_hits_duplicate() {
+    let mut machine = Machine::new(6, 2, 128, 3, false);
+    let prompt = vec![1, 2, 3, 4];
+    // Request index 1: the one live request (`Machine::request_id`).
+    let ops = [
+        Op::Serve {
+            tokens: prompt.clone(),
+            salt: false,
+            priority: 0,
+            generated: vec![],
+        },
+        // A full hit: the first block shared, the second recomputed into a duplicate.
+        Op::Begin {
+            tokens: prompt.clone(),
+            salt: false,
+            priority: 0,
+        },
+        Op::Commit {
+            request: 1,
+            percent: 100,
+        },
+        Op::Append {
+            request: 1,
+            tokens: vec![5, 6],
+        },
+        Op::Commit {
+            request: 1,
+            percent: 100,
+        },
+        // Two free blocks, the original second block obtainable: three can be had.
+        Op::Allocate { count: 3 },
+        Op::Lookup {
+            tokens: vec![1, 2, 3, 4, 5, 6, 7],
+            salt: false,
+        },
+        Op::Finish { request: 1 },
+        Op::Lookup {
+            tokens: vec![1, 2, 3, 4, 5, 6, 7],
+            salt: false,
+        },
+    ];
+    for op in &ops {
+        machine.apply(op);
+        machine.check(op);
+    }
+    assert_eq!(machine.model.moves, 1);
+    // The whole chain is still reachable, through the duplicate.
+    let found = machine
+        .real
+        .lookup(&[1, 2, 3, 4, 5, 6, 7], b"", &RequestExtras::default());
+    assert_eq!(found.unwrap().num_cached_tokens, 6);
+    machine.model.lookup(&[1, 2, 3, 4, 5, 6, 7], (0, false));
     machine.teardown();
 }
 

@@ -28,10 +28,11 @@
 //! eviction (`pins.rs`).
 //!
 //! ## When a block may be evicted
-//! Only when the pool counts it evictable (cached, unreferenced, unpinned, no cached child), and
-//! only inside an allocation, under the mutex. Its table entry is removed in the same critical
-//! section, before the block is handed out: no lookup that starts afterwards can reach it while
-//! new KV is written into it.
+//! Only when the pool counts it evictable (cached, unreferenced, unpinned, no cached child; or a
+//! spare, a released duplicate whose content is cached elsewhere: `pool.rs`), and
+//! only inside an allocation, under the mutex. Its table entry is removed, or moved into a held
+//! duplicate of its content (`pool.rs`), in the same critical section, before the block is handed
+//! out: no lookup that starts afterwards can reach it while new KV is written into it.
 //!
 //! ## Two inserts of the same key
 //! Writers never race each other: the mutex orders them. The later insert finds the key taken
@@ -53,9 +54,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{CacheError, Result};
 use crate::events::Events;
-use crate::key::{root_key, BlockKey, RequestExtras, TableHasher, TableKey};
+use crate::key::{root_key, BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
-use crate::pool::{BlockId, BlockPool};
+use crate::pool::{BlockId, BlockPool, Evicted};
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
@@ -344,7 +345,7 @@ impl PrefixCache {
             blocks_released: c.blocks_released,
             blocks_total: inner.pool.num_blocks(),
             blocks_free: inner.pool.num_free(),
-            blocks_cached: inner.pool.num_cached(),
+            blocks_cached: inner.pool.num_cached() + inner.pool.num_spares(),
             blocks_in_use: inner.pool.num_in_use(),
             blocks_pinned: inner.pool.num_pinned(),
             blocks_evictable: inner.pool.num_evictable_leaves(),
@@ -478,30 +479,37 @@ impl PrefixCache {
                     inner.block_epoch[block as usize] = inner.epoch;
                 }
                 let guard = self.table.guard();
-                // The evicted entries' keys first (independent loads, which overlap), then the
-                // removals `LOOKAHEAD` at a time, their index and slot reads started together
-                // so the misses overlap (a read kept one removal ahead was no faster: PROFILE.md).
-                let keys: Vec<TableKey> = evicted
-                    .iter()
-                    .map(|&block| {
-                        inner.entries[block as usize]
+                // `LOOKAHEAD` evictions at a time: their index and slot reads started together,
+                // so the cache misses overlap (PROFILE.md), then each removed or moved.
+                for chunk in evicted.chunks(LOOKAHEAD) {
+                    for &Evicted { block, .. } in chunk {
+                        if let Some(entry) = &inner.entries[block as usize] {
+                            self.table.prefetch_removal(&entry.key, block);
+                        }
+                    }
+                    for &Evicted { block, moved_to } in chunk {
+                        let entry = inner.entries[block as usize]
                             .take()
-                            .expect("evicted a cached block")
-                            .key
-                    })
-                    .collect();
-                for (keys, blocks) in keys.chunks(LOOKAHEAD).zip(evicted.chunks(LOOKAHEAD)) {
-                    for (key, &block) in keys.iter().zip(blocks) {
-                        self.table.prefetch_removal(key, block);
-                    }
-                    for (key, &block) in keys.iter().zip(blocks) {
-                        self.table.remove(key, &guard);
+                            .expect("evicted a cached block");
+                        if let Some(heir) = moved_to {
+                            // Its content stays cached in a duplicate (`pool.rs`): nothing is
+                            // lost, nothing for a router or a host tier to learn.
+                            let moved = self.table.move_entry(&entry.key, heir, &guard);
+                            debug_assert!(moved);
+                            inner.entries[heir as usize] = Some(Anchor {
+                                block: heir,
+                                ..entry
+                            });
+                            inner.events.moved(block, heir);
+                            continue;
+                        }
+                        self.table.remove(&entry.key, &guard);
                         inner.events.removed(block);
+                        inner.counters.evictions += 1;
+                        if let Some(log) = inner.eviction_log.as_mut() {
+                            log.push(block);
+                        }
                     }
-                }
-                inner.counters.evictions += evicted.len() as u64;
-                if let Some(log) = inner.eviction_log.as_mut() {
-                    log.extend_from_slice(&evicted);
                 }
                 Ok(fresh)
             }
@@ -531,6 +539,7 @@ impl PrefixCache {
             }
             inner.pool.uncache(block);
         }
+        inner.pool.forget_duplicates();
     }
 }
 

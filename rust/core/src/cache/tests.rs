@@ -16,7 +16,7 @@ pub(crate) fn no_extras() -> RequestExtras {
 }
 
 #[test]
-fn the_first_copy_stays_canonical_and_the_duplicate_is_freed() {
+fn the_first_copy_stays_canonical_and_the_duplicate_is_a_spare() {
     let c = cache(8, 2);
     let prompt = vec![1, 2, 3, 4, 5];
     // Two requests compute the same prefix side by side: both miss, both get own blocks.
@@ -35,12 +35,78 @@ fn the_first_copy_stays_canonical_and_the_duplicate_is_freed() {
     // A third request hits a's blocks, never b's.
     let hit = c.lookup(&prompt, b"", &no_extras()).unwrap();
     assert_eq!(hit.blocks, a.block_table[..2]);
-    // b's duplicates go back to the free list at finish; a's stay cached.
-    let free = c.stats().blocks_free;
+    // At finish, b's partial block goes back to the free list, its duplicates become spares:
+    // obtainable, in the eviction order as vLLM keeps its copies (`pool.rs`); a's stay cached.
+    let (free, evictable) = (c.stats().blocks_free, c.stats().blocks_evictable);
     c.finish(&b.request_id).unwrap();
-    assert_eq!(c.stats().blocks_free, free + 3);
+    assert_eq!(c.stats().blocks_free, free + 1);
+    assert_eq!(c.stats().blocks_evictable, evictable + 2);
     c.finish(&a.request_id).unwrap();
-    assert_eq!(c.stats().blocks_cached, 2);
+    // Cached content: a's two entries and b's two spares; every other block is free.
+    let stats = c.stats();
+    assert_eq!(stats.blocks_cached, 4);
+    assert_eq!(stats.blocks_free + stats.blocks_cached, stats.blocks_total);
+    assert_eq!(c.stats().blocks_obtainable, c.stats().blocks_total);
+    c.check_invariants();
+    // Taking every block takes the spares too (nothing of what they held is lost before).
+    let all = c.allocate(c.stats().blocks_total).unwrap();
+    assert_eq!(c.stats().evictions, 2);
+    c.release(&all).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn a_duplicate_commit_leaves_the_canonical_copy_in_its_eviction_place() {
+    // vLLM caches a request's copy of a block without touching the first copy, which keeps its
+    // place in the free queue. x's blocks are released before y's; z, a full hit on x's first
+    // two blocks, recomputes x's second block into its own copy. The next eviction takes x's
+    // second block (released first), whose entry moves into z's copy.
+    let c = cache(6, 2);
+    let serve = |tokens: Vec<u32>| {
+        let r = c.begin(None, tokens.clone(), b"", no_extras(), 0).unwrap();
+        c.commit(&r.request_id, tokens.len()).unwrap();
+        r
+    };
+    let x = serve(vec![1; 5]);
+    c.finish(&x.request_id).unwrap();
+    let y = serve(vec![2; 5]);
+    c.finish(&y.request_id).unwrap();
+    let z = serve(vec![1; 4]);
+    assert_eq!(z.num_cached_tokens, 2);
+    assert_ne!(z.block_table[1], x.block_table[1]);
+    let w = serve(vec![3; 4]);
+    assert!(w.block_table.contains(&x.block_table[1]), "{w:?} {x:?}");
+    assert!(!w.block_table.contains(&y.block_table[1]));
+    let hit = c.lookup(&[1; 5], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, [x.block_table[0], z.block_table[1]]);
+    c.check_invariants();
+}
+
+#[test]
+fn an_evicted_canonical_copy_hands_its_entry_to_the_earliest_copy() {
+    // vLLM's lookup returns the first block cached under a hash that is still there: after
+    // the original goes, the copy cached first.
+    let c = cache(5, 2);
+    let serve = |tokens: Vec<u32>| {
+        let r = c.begin(None, tokens.clone(), b"", no_extras(), 0).unwrap();
+        c.commit(&r.request_id, tokens.len()).unwrap();
+        c.finish(&r.request_id).unwrap();
+        r
+    };
+    let x = serve(vec![1; 4]);
+    let first = serve(vec![1; 4]);
+    let second = serve(vec![1; 4]);
+    let copies = [
+        x.block_table[1],
+        first.block_table[1],
+        second.block_table[1],
+    ];
+    assert!(copies[0] != copies[1] && copies[1] != copies[2] && copies[0] != copies[2]);
+    // One free block, then the oldest evictable one: x's second block.
+    let taken = c.allocate(2).unwrap();
+    assert!(taken.contains(&x.block_table[1]));
+    let hit = c.lookup(&[1; 5], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, [x.block_table[0], first.block_table[1]]);
     c.check_invariants();
 }
 

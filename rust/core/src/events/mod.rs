@@ -164,6 +164,15 @@ impl Events {
         }
     }
 
+    /// A cached block's entry moved into its duplicate (`pool.rs`): the same content stays
+    /// cached, so a router has nothing to learn; only the remembered key follows the block.
+    #[inline]
+    pub(crate) fn moved(&mut self, from: BlockId, to: BlockId) {
+        if let Some(recorder) = self.recorder.as_deref_mut() {
+            recorder.keys[to as usize] = recorder.keys[from as usize].take();
+        }
+    }
+
     /// Every cached block was dropped; `context` is the (possibly new) context fingerprint.
     #[inline]
     pub(crate) fn cleared(&mut self, context: &BlockKey) {

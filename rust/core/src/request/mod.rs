@@ -147,6 +147,9 @@ pub(crate) struct Request {
     released: usize,
     /// The longest hit its matches may use (`limit_cached_prefix`); kept until changed.
     max_cached_tokens: Option<usize>,
+    /// Its later blocks chain, in the pool, on its own copy of a deduplicated block
+    /// (`publish.rs`); false for `commit_blocks`, whose caller releases blocks one by one.
+    pub(crate) own_chain: bool,
 }
 
 impl Request {
@@ -175,6 +178,7 @@ impl Request {
             cacheable: true,
             released: 0,
             max_cached_tokens: None,
+            own_chain: true,
         }
     }
 
@@ -191,6 +195,7 @@ impl Request {
         request.num_computed = request.tokens.len();
         request.block_table = block_table;
         request.scheduled = true;
+        request.own_chain = false;
         request
     }
 
@@ -442,12 +447,33 @@ impl PrefixCache {
     }
 
     fn release_table(&self, inner: &mut Inner, request: &Request) {
-        for &block in &request.block_table[request.released..] {
+        let table = &request.block_table[request.released..];
+        // A duplicate's cached children (at most its successor: `publish.rs`) go to its
+        // canonical copy before the duplicate is freed.
+        for (&block, &next) in table.iter().zip(table.iter().skip(1)) {
+            if let Some(canonical) = inner.pool.duplicate_of(block) {
+                if inner.pool.is_cached(next) && inner.pool.parent_of(next) == Some(block) {
+                    inner.pool.reparent(next, canonical);
+                }
+            }
+        }
+        // Cached blocks join the LRU order now; duplicates (spares once released: `pool.rs`)
+        // one tick later, so they go after the request's other blocks: vLLM frees a request's
+        // blocks tail first, and a full hit's duplicate is its prompt's last block.
+        let spare_tick = inner.tick + 1;
+        let mut spares = false;
+        for &block in table {
             if inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
+            } else if inner.pool.duplicate_of(block).is_some() {
+                inner.pool.touch(block, spare_tick, request.priority);
+                spares = true;
             }
             // The reference the request took: only it drops it (see `cache/mod.rs`).
             inner.pool.release(block);
+        }
+        if spares {
+            inner.tick = spare_tick;
         }
     }
 }

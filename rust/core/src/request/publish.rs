@@ -15,10 +15,23 @@
 //!
 //! Inserts never race: they happen under the mutex, so "first" is the mutex order.
 //!
-//! A deduplicated anchor is another sequence's block, which this request does not hold: it can be
-//! evicted between two commits. Liveness is prefix-closed (a cached child keeps its parent), so
-//! dead anchors are dropped from the tip and their positions committed again from the request's
-//! own copies.
+//! ## Later blocks chain on the request's own copy
+//! A deduplicated position's anchor is another sequence's block, which this request does not hold.
+//! Its own copy becomes a *duplicate* of it in the pool (`pool.rs`), and the pool parent of the
+//! request's next published block is that copy, not the canonical block: in the pool, a request's
+//! chain is always the blocks it holds. So the canonical block is evictable once nobody
+//! references it, as vLLM counts it (a full hit's recomputed last block is the common case:
+//! `request/allocate.rs`), and evicting it moves its entry into a duplicate rather than dropping
+//! it, so the request's later entries, which name it as their parent, stay reachable. Before the
+//! request lets go of a duplicate (`finish`, `preempt`), its next block, if it parents it, is
+//! handed to the canonical copy (`request/mod.rs`). The low-level `commit_blocks`, whose caller
+//! releases blocks one by one in any order, keeps chaining on canonical blocks instead.
+//!
+//! An anchor names a block, and an entry can move, or go when nobody holds it: a dead anchor (its
+//! block no longer holds its entry) is dropped from the tip and its position committed again
+//! from the request's own copy (deduplicating again against the moved entry). Liveness is
+//! prefix-closed at the entry level (a cached entry's parent entry is cached), so only the tip
+//! needs the check.
 //!
 //! ## Non-cacheable requests
 //! A scheduled request stops publishing for good after a collision, and after a `clear` or
@@ -155,10 +168,18 @@ impl PrefixCache {
         let mut prefetched_to = 0;
         while request.anchors.len() < target {
             let position = request.anchors.len();
+            // `parent_block`: the parent entry's block (events name the chain by it);
+            // `chain_parent`: the pool parent (the request's own copy, see the module docs).
             let (parent, parent_block) = match request.anchors.last() {
                 _ if sliding => (Parent::Root(sliding_parent(request, position)), None),
                 Some(e) => (Parent::Entry(e.id), Some(e.block)),
                 None => (Parent::Root(request.root), None),
+            };
+            let chain_parent = match position.checked_sub(1) {
+                Some(previous) if request.own_chain && !sliding => {
+                    Some(request.block_table[previous])
+                }
+                _ => parent_block,
             };
             if position >= prefetched_to {
                 prefetched_to = target.min(position + LOOKAHEAD);
@@ -200,7 +221,7 @@ impl PrefixCache {
             let anchor = match self.table.try_insert(key, entry, &guard) {
                 Ok(inserted) => {
                     inner.next_entry += 1;
-                    inner.pool.mark_cached(own_block, parent_block);
+                    inner.pool.mark_cached(own_block, chain_parent);
                     let origin = (&request.root, &request.extras);
                     if sliding {
                         // The parent block may be released or evicted: name it by key.
@@ -235,8 +256,24 @@ impl PrefixCache {
                         request.cacheable = false;
                         return;
                     }
-                    inner.counters.deduplicated_blocks += 1;
-                    existing.anchor(key)
+                    let duplicate = request.own_chain && !sliding;
+                    let new_duplicate = !duplicate
+                        || inner
+                            .pool
+                            .mark_duplicate(own_block, existing.block, chain_parent);
+                    if new_duplicate {
+                        // Not again when a moved entry is met again (a dead anchor's recommit).
+                        inner.counters.deduplicated_blocks += 1;
+                    }
+                    let anchor = existing.anchor(key);
+                    if duplicate {
+                        // The request computed this block itself and reads its own copy: the
+                        // canonical copy is not used, so it keeps its place in the eviction
+                        // order (vLLM caches its copy without touching the first one).
+                        request.anchors.push(anchor);
+                        continue;
+                    }
+                    anchor
                 }
             };
             inner.pool.touch(anchor.block, inner.tick, request.priority);

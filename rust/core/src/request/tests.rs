@@ -232,9 +232,16 @@ fn an_evicted_deduplicated_anchor_is_recommitted_from_the_own_copy() {
     c.commit(&a.request_id, 2).unwrap();
     c.commit(&b.request_id, 1).unwrap(); // anchors on a's first block
     c.finish(&a.request_id).unwrap();
-    // Pressure evicts a's cached chain (b holds only its own, uncached copies).
+    // Pressure takes a's cached chain (b holds only its own copies): a's second block is
+    // evicted, its first block's entry moves into b's duplicate, which stays cached.
     let pressure = c.allocate(2).unwrap();
-    assert_eq!(c.stats().evictions, 2);
+    assert_eq!(c.stats().evictions, 1);
+    assert_eq!(c.is_cached(b.block_table[0]), Ok(true));
+    assert_eq!(
+        c.lookup(&[1, 2, 3], b"", &no_extras()).unwrap().blocks,
+        b.block_table[..1]
+    );
+    c.check_invariants();
     assert_eq!(
         c.commit(&b.request_id, 3),
         Ok(3),

@@ -18,12 +18,13 @@
 //!
 //! ## Reading without locks, and why a reader never sees a torn entry
 //! Every field is an atomic, so no read is ever a data race; consistency comes from a sequence
-//! lock per slot, with the entry id as its sequence number. The writer sets the id to 0, writes
-//! the fields, then stores the new id with `Release`; a reader loads the id (`Acquire`), the
-//! fields, then the id again after an `Acquire` fence, and keeps the snapshot only if both ids
-//! are the same nonzero id. Entry ids are never reused, so an unchanged id means the fields were
-//! not rewritten in between (the seqlock pattern of Boehm, "Can seqlocks get along with
-//! programming language memory models?", MSPC 2012). A slot being rewritten, or whose entry was
+//! lock per slot. The writer makes the slot's sequence number odd, writes the fields, then makes
+//! it even again with `Release`; a reader loads it (`Acquire`, and gives up on an odd one), the
+//! fields, then the sequence number again after an `Acquire` fence, and keeps the snapshot only
+//! if it did not change (the seqlock pattern of Boehm, "Can seqlocks get along with programming
+//! language memory models?", MSPC 2012). The sequence number is the slot's own, not the entry
+//! id: an entry can move to another block and, later, back (`move_entry`), so an id seen twice
+//! in one slot would not prove the fields unchanged. A slot being rewritten, or whose entry was
 //! removed (`remove` zeroes the id), reads as "no entry".
 //!
 //! An index word is only a hint: the reader compares the slot's full table key, then verifies
@@ -193,10 +194,12 @@ fn word_block(word: u64) -> BlockId {
 }
 
 /// The published entry of one block (see the module docs: every field is read under the
-/// slot's sequence lock, whose sequence number is the entry id).
+/// slot's own sequence lock).
 #[derive(Default)]
 struct Slot {
-    /// Id of the entry in this slot; 0 when there is none or while the writer rewrites it.
+    /// The sequence lock: odd while the writer rewrites the slot (module docs).
+    seq: AtomicU64,
+    /// Id of the entry in this slot; 0 when there is none.
     id: AtomicU64,
     key: [AtomicU64; 2],
     /// The parent entry's id, or 0 for a first block (whose root key is `root`).
@@ -446,9 +449,7 @@ impl Table {
             }
             if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
                 // No entry any more: a reader holding the old word now finds none.
-                self.slots[word_block(word) as usize]
-                    .id
-                    .store(0, Ordering::Release);
+                self.clear_slot(word_block(word));
                 break;
             }
             hole = (hole + 1) & self.mask;
@@ -495,8 +496,10 @@ impl Table {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
         let slot = &self.slots[entry.block as usize];
-        slot.id.store(0, Ordering::Relaxed);
+        let seq = slot.seq.load(Ordering::Relaxed);
+        slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
+        slot.id.store(entry.id, Ordering::Relaxed);
         slot.key[0].store(key.0 as u64, Ordering::Relaxed);
         slot.key[1].store((key.0 >> 64) as u64, Ordering::Relaxed);
         match entry.parent {
@@ -523,7 +526,50 @@ impl Table {
                 .store((extras_len > 0).then(|| Arc::new(entry.extras.clone())));
         }
         slot.extras_len.store(extras_len, Ordering::Relaxed);
-        slot.id.store(entry.id, Ordering::Release);
+        slot.seq.store(seq + 2, Ordering::Release);
+    }
+
+    /// Zeroes a slot's entry id under its sequence lock.
+    fn clear_slot(&self, block: BlockId) {
+        let slot = &self.slots[block as usize];
+        let seq = slot.seq.load(Ordering::Relaxed);
+        slot.seq.store(seq + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.id.store(0, Ordering::Relaxed);
+        slot.seq.store(seq + 2, Ordering::Release);
+    }
+
+    /// Moves the entry published under `key` into block `to`, whose slot is empty: same id, key,
+    /// parent, tokens and extras, so its children still verify against it (`pool.rs`, on
+    /// duplicates). Readers see it in one block or the other, or miss it while the index word
+    /// moves, which a lock-free probe may. Writer only; returns false if `key` has no entry.
+    pub fn move_entry(&self, key: &TableKey, to: BlockId) -> bool {
+        let hash = index_hash(*key);
+        let mut i = hash as usize & self.mask;
+        loop {
+            let word = self.index[i].load(Ordering::Relaxed);
+            if word == EMPTY {
+                return false;
+            }
+            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
+                break;
+            }
+            i = (i + 1) & self.mask;
+        }
+        let from = word_block(self.index[i].load(Ordering::Relaxed));
+        let mut entry = self
+            .read(from, key)
+            .expect("the writer reads its own published entry");
+        assert_eq!(
+            self.slots[to as usize].id.load(Ordering::Relaxed),
+            0,
+            "block {to} already holds a published entry"
+        );
+        entry.block = to;
+        self.write(*key, &entry);
+        self.index[i].store(index_word(hash, to), Ordering::Release);
+        self.clear_slot(from);
+        true
     }
 
     fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
@@ -566,8 +612,9 @@ impl Table {
         extras: &[u8],
     ) -> Verified<Anchor> {
         let slot = &self.slots[block as usize];
-        let id = slot.id.load(Ordering::Acquire);
-        if id == 0 || self.slot_key(block) != *key {
+        let seq = slot.seq.load(Ordering::Acquire);
+        let id = slot.id.load(Ordering::Relaxed);
+        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
             return Verified::OtherKey;
         }
         let parent_ok = match parent {
@@ -601,7 +648,7 @@ impl Table {
             }
         };
         fence(Ordering::Acquire);
-        if slot.id.load(Ordering::Relaxed) != id {
+        if slot.seq.load(Ordering::Relaxed) != seq {
             // Rewritten while we read: no longer this key's entry.
             return Verified::OtherKey;
         }
@@ -620,8 +667,9 @@ impl Table {
     /// `key`, else `None`.
     fn read(&self, block: BlockId, key: &TableKey) -> Option<Entry> {
         let slot = self.slots.get(block as usize)?;
-        let id = slot.id.load(Ordering::Acquire);
-        if id == 0 || self.slot_key(block) != *key {
+        let seq = slot.seq.load(Ordering::Acquire);
+        let id = slot.id.load(Ordering::Relaxed);
+        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
             return None;
         }
         let parent = match slot.parent.load(Ordering::Relaxed) {
@@ -644,7 +692,7 @@ impl Table {
                 .unwrap_or_default()
         };
         fence(Ordering::Acquire);
-        (slot.id.load(Ordering::Relaxed) == id).then_some(Entry {
+        (slot.seq.load(Ordering::Relaxed) == seq).then_some(Entry {
             id,
             block,
             parent,

@@ -60,6 +60,9 @@ mod lock_free {
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.remove(key);
         }
+        pub(crate) fn move_entry(&self, key: &TableKey, to: BlockId, _guard: &TableGuard) -> bool {
+            self.0.move_entry(key, to)
+        }
         #[inline]
         pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
             self.0.prefetch(key, block);
@@ -131,6 +134,10 @@ mod model {
         }
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.write().unwrap().remove(key);
+        }
+        pub(crate) fn move_entry(&self, key: &TableKey, to: BlockId, _guard: &TableGuard) -> bool {
+            let mut map = self.0.write().unwrap();
+            map.get_mut(key).map(|entry| entry.block = to).is_some()
         }
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}

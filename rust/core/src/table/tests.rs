@@ -130,3 +130,96 @@ fn truncated_keys_still_spread_over_slots() {
         .collect();
     assert_eq!(low_bits.len(), 64, "each 6-bit key gets its own slot of 64");
 }
+
+#[test]
+fn a_moved_entry_keeps_its_id_and_frees_its_old_slot() {
+    let table = Table::new(8, 2).unwrap();
+    let key = TableKey(42 << 100);
+    assert!(table.try_insert(key, entry(5, 1, 7)).is_ok());
+    assert!(table.move_entry(&key, 6));
+    let got = table.get(&key).unwrap();
+    assert_eq!((got.id, got.block, got.parent), (5, 6, Parent::Entry(1005)));
+    assert_eq!(&got.tokens[..], &[7, 8]);
+    // The old block holds nothing: a new entry may take it; an unknown key does not move.
+    assert!(table
+        .try_insert(TableKey(43 << 100), entry(9, 1, 1))
+        .is_ok());
+    assert!(!table.move_entry(&TableKey(44 << 100), 2));
+    assert_eq!(table.len(), 2);
+    // And back (the sequence lock, not the id, tells a reader the slot was rewritten).
+    table.remove(&TableKey(43 << 100));
+    assert!(table.move_entry(&key, 1));
+    assert_eq!(table.get(&key).unwrap().block, 1);
+}
+
+#[test]
+fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
+    // Entries move between blocks and back, and blocks are refilled with other entries in
+    // between (an entry id seen again in the same slot), while readers check every snapshot.
+    const BLOCKS: u64 = 16;
+    let table = std::sync::Arc::new(Table::new(BLOCKS as usize, 4).unwrap());
+    let key_of = |id: u64| TableKey(u128::from(id % 24 + 1) << 100);
+    let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (table, stop) = (table.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut seen = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for k in 0..24u64 {
+                        if let Some(e) = table.get(&key_of(k)) {
+                            assert_eq!(key_of(e.id), key_of(k));
+                            assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
+                            assert_eq!(e.parent, Parent::Entry(e.id ^ 1));
+                            seen += 1;
+                        }
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    // owner[block] = the entry id it holds; ids from 2 (see the test above).
+    let mut owner: Vec<Option<u64>> = vec![None; BLOCKS as usize];
+    let mut live = std::collections::HashSet::new();
+    let mut state = 99u64;
+    let mut next_id = 2u64;
+    for _ in 0..200_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let block = (state % BLOCKS) as usize;
+        let other = ((state >> 8) % BLOCKS) as usize;
+        match (owner[block], owner[other]) {
+            (Some(id), None) if state & 1 == 0 => {
+                assert!(table.move_entry(&key_of(id), other as BlockId));
+                owner[other] = owner[block].take();
+            }
+            (Some(id), _) => {
+                table.remove(&key_of(id));
+                live.remove(&(id % 24));
+                owner[block] = None;
+            }
+            (None, _) => {
+                let id = next_id;
+                next_id += 1;
+                if live.insert(id % 24) {
+                    let e = Entry {
+                        id,
+                        block: block as BlockId,
+                        parent: Parent::Entry(id ^ 1),
+                        tokens: SmallVec::from_slice(&tokens_of(id)),
+                        extras: Box::default(),
+                    };
+                    assert!(table.try_insert(key_of(id), e).is_ok());
+                    owner[block] = Some(id);
+                }
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for reader in readers {
+        assert!(reader.join().unwrap() > 0);
+    }
+}
