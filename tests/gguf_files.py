@@ -223,6 +223,7 @@ def gguf_name(hf_name: str) -> str:
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
+        "model.norm.bias": "output_norm.bias",
     }
     if hf_name in names:
         return names[hf_name]
@@ -238,6 +239,8 @@ def gguf_name(hf_name: str) -> str:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        "mlp.c_fc": "ffn_up",  # Starcoder2's plain MLP
+        "mlp.c_proj": "ffn_down",
     }
     _, _, layer, *rest = hf_name.split(".")
     module, kind = ".".join(rest[:-1]), rest[-1]

@@ -108,3 +108,66 @@ def test_a_phi3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
     if qtype == "F32":  # a quantized file is a different model: its own recompute only
         assert outputs[0] == outputs[1]
 
+
+
+def _starcoder2_checkpoint(directory: Path, tokenizer: Tokenizer) -> LlamaModel:
+    """A Starcoder2 checkpoint transformers writes (LayerNorm epsilon 1e-3, so reading the
+    RMS key instead shows), q/k scaled up and the norms' biases made large enough to matter."""
+    config = transformers.Starcoder2Config(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, norm_epsilon=1e-3, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    theirs = transformers.Starcoder2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in theirs.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+            layer.self_attn.k_proj.weight.mul_(20.0)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1.0, 0.3)
+                norm.bias.normal_(0.0, 0.5)
+        theirs.model.norm.bias.normal_(0.0, 0.5)
+    theirs.save_pretrained(directory)
+    return LlamaModel.from_pretrained(directory, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_starcoder2_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
+    tmp_path: Path, tokenizer: Tokenizer, qtype: str
+) -> None:
+    """``starcoder2``: LayerNorms with biases (``output_norm.bias`` too) and the
+    ``attention.layer_norm_epsilon`` key, biased projections, ``ffn_up`` / ``ffn_down`` as the
+    plain MLP's ``c_fc`` / ``c_proj``, Q/K not permuted, tied embeddings."""
+    hf = _starcoder2_checkpoint(tmp_path, tokenizer)
+    assert hf.config.layer_norm and hf.config.tie_word_embeddings
+    f32 = gguf.GGUFValueType.FLOAT32
+    metadata = {
+        "starcoder2.attention.layer_norm_epsilon": (1e-3, f32),
+        # What Starcoder2-15B's file carries beside it: not what its LayerNorms use.
+        "starcoder2.attention.layer_norm_rms_epsilon": (1e-6, f32),
+    }
+    path = write_gguf(
+        tmp_path / "m.gguf", hf, tokenizer, arch="starcoder2", qtype=qtype, pre="starcoder",
+        replace=metadata,
+    )  # fmt: skip
+    loaded = load_gguf(path).model
+    assert loaded.config == hf.config
+    if qtype == "F32":
+        for name, tensor in hf.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+        _close(loaded.forward_full(TOKENS), hf.forward_full(TOKENS))
+    _close(loaded.forward_full(TOKENS), _transformers_gguf_logits(tmp_path, path, "starcoder2"))
+    prompt = TOKENS.tolist()
+    outputs = []
+    for model in (hf, loaded):
+        engine = Engine(model, num_blocks=32, block_size=4, max_num_batched_tokens=8)
+        results = [
+            engine.generate([tokens], max_new_tokens=6, check_exactness=True)[0]
+            for tokens in (prompt, [*prompt[:24], 5, 6, 7])
+        ]
+        assert all(result.tokens_match for result in results)
+        assert results[1].cached_tokens >= 20
+        outputs.append([result.output_token_ids for result in results])
+    if qtype == "F32":
+        assert outputs[0] == outputs[1]
