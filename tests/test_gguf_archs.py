@@ -109,7 +109,6 @@ def test_a_phi3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
         assert outputs[0] == outputs[1]
 
 
-
 def _starcoder2_checkpoint(directory: Path, tokenizer: Tokenizer) -> LlamaModel:
     """A Starcoder2 checkpoint transformers writes (LayerNorm epsilon 1e-3, so reading the
     RMS key instead shows), q/k scaled up and the norms' biases made large enough to matter."""

@@ -366,8 +366,7 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
         rope_scaling=_rope_scaling(metadata, prefix),
         max_position_embeddings=metadata.integer(prefix + "context_length", 2048),
         # llama.cpp's phi3 slides every layer when the key is set (0 or absent: none).
-        sliding_window=metadata.integer(prefix + "attention.sliding_window", 0, minimum=0)
-        or None,
+        sliding_window=metadata.integer(prefix + "attention.sliding_window", 0, minimum=0) or None,
         # Starcoder2: biases on all six projections (every published one has them; llama.cpp
         # writes no use_bias, so a file without them is refused as missing tensors), LayerNorms,
         # the plain MLP with GELU-tanh (llama.cpp's GELU; Starcoder2Config's default).
