@@ -14,9 +14,10 @@ import transformers
 from tokenizers import Tokenizer
 
 from prefixkv.engine.facade import Engine
+from prefixkv.errors import InvalidInputError
 from prefixkv.models.decoder import LlamaModel
 from prefixkv.models.gguf import load_gguf
-from tests.gguf_files import TOKENS, write_gguf
+from tests.gguf_files import TOKENS, add_model_tensors, finish, start_llama_file, write_gguf
 from tests.gguf_files import tokenizer as tokenizer  # the module-scoped fixture
 
 gguf = pytest.importorskip("gguf")
@@ -107,6 +108,23 @@ def test_a_phi3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
         outputs.append([result.output_token_ids for result in results])
     if qtype == "F32":  # a quantized file is a different model: its own recompute only
         assert outputs[0] == outputs[1]
+
+
+def test_a_longrope_phi3_file_is_refused_naming_its_factors(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """Phi-3-mini-128k / Phi-3.5 files carry LongRoPE's factors as ``rope_factors_long`` /
+    ``rope_factors_short`` tensors; reading the file without them would compute another model."""
+    hf = _phi3_checkpoint(tmp_path, tokenizer, None)
+    path = tmp_path / "long.gguf"
+    writer = start_llama_file(path, "phi3", "tiny longrope", hf.config)
+    writer.add_vocab_size(hf.config.vocab_size)
+    add_model_tensors(writer, hf, arch="phi3")
+    factors = torch.linspace(1.0, 4.0, hf.config.head_dim // 2).numpy()
+    writer.add_tensor("rope_factors_long.weight", factors)
+    finish(writer)
+    with pytest.raises(InvalidInputError, match="rope_factors_long"):
+        load_gguf(path)
 
 
 def _starcoder2_checkpoint(directory: Path, tokenizer: Tokenizer) -> LlamaModel:
