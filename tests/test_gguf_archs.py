@@ -93,21 +93,7 @@ def test_a_phi3_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
         # transformers' phi3 mapping reads no sliding_window (Phi3Config's default, None):
         # compared where the file has none, so both compute the same thing.
         _close(loaded.forward_full(TOKENS), _transformers_gguf_logits(tmp_path, path, "phi3"))
-    # Served through the Engine (equal to its own recompute, after a cached prefix and in
-    # 8-token chunks): the same greedy tokens as the HF directory's model.
-    prompt = TOKENS.tolist()
-    outputs = []
-    for model in (hf, loaded):
-        engine = Engine(model, num_blocks=32, block_size=4, max_num_batched_tokens=8)
-        results = [
-            engine.generate([tokens], max_new_tokens=6, check_exactness=True)[0]
-            for tokens in (prompt, [*prompt[:24], 5, 6, 7])
-        ]
-        assert all(result.tokens_match for result in results)
-        assert results[1].cached_tokens >= 20
-        outputs.append([result.output_token_ids for result in results])
-    if qtype == "F32":  # a quantized file is a different model: its own recompute only
-        assert outputs[0] == outputs[1]
+    _assert_served_alike(hf, loaded, same_weights=qtype == "F32")
 
 
 def test_a_longrope_phi3_file_is_refused_naming_its_factors(
@@ -175,6 +161,13 @@ def test_a_starcoder2_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
             assert torch.equal(loaded.state_dict()[name], tensor), name
         _close(loaded.forward_full(TOKENS), hf.forward_full(TOKENS))
     _close(loaded.forward_full(TOKENS), _transformers_gguf_logits(tmp_path, path, "starcoder2"))
+    _assert_served_alike(hf, loaded, same_weights=qtype == "F32")
+
+
+def _assert_served_alike(hf: LlamaModel, loaded: LlamaModel, *, same_weights: bool) -> None:
+    """Served through the Engine (equal to its own recompute, after a cached prefix and in
+    8-token chunks): with the same weights, the same greedy tokens as the HF directory's model
+    (a quantized file is a different model: its own recompute only)."""
     prompt = TOKENS.tolist()
     outputs = []
     for model in (hf, loaded):
@@ -186,5 +179,5 @@ def test_a_starcoder2_file_loads_as_its_checkpoint_and_as_transformers_reads_it(
         assert all(result.tokens_match for result in results)
         assert results[1].cached_tokens >= 20
         outputs.append([result.output_token_ids for result in results])
-    if qtype == "F32":
+    if same_weights:
         assert outputs[0] == outputs[1]

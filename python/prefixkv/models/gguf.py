@@ -1,6 +1,9 @@
 """GGUF files (llama.cpp's format) as a `LlamaModel`, a tokenizer, a chat template and stop
 tokens: `load_gguf`.
 
+size: one reader of one format; the per-architecture parts are small tables (metadata keys,
+tensor names, layout transforms) that only make sense beside the code that applies them.
+
 Read with the ``gguf`` package (`prefixkv[gguf]`), the reader llama.cpp maintains. Loading is
 as strict as `prefixkv.models.checkpoint`'s: every metadata key of the architecture and every tensor
 must be one this decoder implements, or the file is refused with an `InvalidInputError` naming
