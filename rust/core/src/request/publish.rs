@@ -46,7 +46,7 @@ use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::request::RequestId;
-use crate::table::{Anchor, Entry, Parent};
+use crate::table::{Anchor, Insertion, NewEntry, Parent};
 
 impl PrefixCache {
     /// Records that the KV of the first `num_computed_tokens` tokens is written, and publishes
@@ -211,15 +211,15 @@ impl PrefixCache {
                     }
                 }
             }
-            let entry = Entry {
+            let entry = NewEntry {
                 id: inner.next_entry,
                 block: own_block,
                 parent,
-                tokens: chunk.into(),
-                extras: block_extras.into_boxed_slice(),
+                tokens: chunk,
+                extras: &block_extras,
             };
-            let anchor = match self.table.try_insert(key, entry, &guard) {
-                Ok(inserted) => {
+            let anchor = match self.table.insert(key, &entry, &guard) {
+                Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, chain_parent);
                     let origin = (&request.root, &request.extras);
@@ -232,30 +232,23 @@ impl PrefixCache {
                             (block_key, parent_key),
                             origin,
                             chunk,
-                            &inserted.extras,
+                            &block_extras,
                         );
                     } else {
-                        inner.events.stored(
-                            own_block,
-                            parent_block,
-                            origin,
-                            chunk,
-                            &inserted.extras,
-                        );
+                        inner
+                            .events
+                            .stored(own_block, parent_block, origin, chunk, &block_extras);
                     }
-                    let anchor = inserted.anchor(key);
                     inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;
                     anchor
                 }
-                Err(occupied) => {
-                    let existing = occupied.current;
-                    let mine = &occupied.not_inserted;
-                    if !existing.verifies(&mine.parent, &mine.tokens, &mine.extras) {
-                        inner.counters.collisions += 1;
-                        request.cacheable = false;
-                        return;
-                    }
+                Insertion::Collision => {
+                    inner.counters.collisions += 1;
+                    request.cacheable = false;
+                    return;
+                }
+                Insertion::Present(existing) => {
                     let duplicate = request.own_chain && !sliding;
                     let new_duplicate = !duplicate
                         || inner
@@ -265,7 +258,7 @@ impl PrefixCache {
                         // Not again when a moved entry is met again (a dead anchor's recommit).
                         inner.counters.deduplicated_blocks += 1;
                     }
-                    let anchor = existing.anchor(key);
+                    let anchor = existing;
                     if duplicate {
                         // The request computed this block itself and reads its own copy: the
                         // canonical copy is not used, so it keeps its place in the eviction

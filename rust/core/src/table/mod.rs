@@ -92,6 +92,48 @@ pub struct Entry {
     pub extras: Box<[u8]>,
 }
 
+/// An entry to publish, borrowed from the request that computed it (`Table::insert`): nothing
+/// is copied until the table's own slot and token row are written.
+#[derive(Clone, Copy, Debug)]
+pub struct NewEntry<'a> {
+    /// Unique for the life of the cache.
+    pub id: u64,
+    /// The block holding this entry's KV.
+    pub block: BlockId,
+    /// What the block's KV was computed after.
+    pub parent: Parent,
+    /// The block's exact token ids.
+    pub tokens: &'a [u32],
+    /// The block's encoded extra keys (see `key.rs`).
+    pub extras: &'a [u8],
+}
+
+impl Entry {
+    /// This entry, borrowed for `Table::insert`.
+    #[must_use]
+    pub fn as_new(&self) -> NewEntry<'_> {
+        NewEntry {
+            id: self.id,
+            block: self.block,
+            parent: self.parent,
+            tokens: &self.tokens,
+            extras: &self.extras,
+        }
+    }
+}
+
+/// What `Table::insert` found under the key (see the publishing rules in `request/publish.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insertion {
+    /// The key was free: the entry is published.
+    Inserted(Anchor),
+    /// The key holds an entry that verifies against the new one (same parent, tokens and
+    /// extras): another sequence published this block first. Nothing was written.
+    Present(Anchor),
+    /// The key holds other content: a hash collision. Nothing was written.
+    Collision,
+}
+
 /// A reference to a published entry, kept by requests and by the cache: enough to find it again
 /// and to tell whether it is still the one published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -228,14 +270,6 @@ pub struct Table {
     len: AtomicUsize,
 }
 
-/// A `try_insert` that found the key taken: the entry holding it, and the one not inserted.
-pub struct Occupied {
-    /// The entry published under the key.
-    pub current: Entry,
-    /// The entry handed to `try_insert`, back to the caller.
-    pub not_inserted: Entry,
-}
-
 impl Table {
     /// Bytes `new` allocates up front for `num_blocks` blocks of `block_size` tokens (`None`
     /// when the figure overflows), so a cache can refuse an absurd size before trying.
@@ -317,8 +351,8 @@ impl Table {
         })
     }
 
-    /// Starts the memory reads that a `get` or `try_insert` of `key` will need, without
-    /// waiting for them: the index word at its home slot and, for `try_insert`, the slot and
+    /// Starts the memory reads that a `get` or `insert` of `key` will need, without
+    /// waiting for them: the index word at its home slot and, for `insert`, the slot and
     /// token row of `block`. The table is several MiB and keys are random, so each probe is a
     /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
     /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
@@ -402,15 +436,15 @@ impl Table {
         None
     }
 
-    /// Publishes `entry` under `key` unless the key is taken; then hands back the entry
-    /// holding it and `entry`. Writer only (the cache's mutex).
+    /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
+    /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
+    /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
     ///
     /// # Panics
     /// If the key is free but `entry.block` already holds a published entry: a block holds one
     /// entry at a time (the cache removes the old one before reusing a block), which is what
     /// keeps at most half of the index in use.
-    #[allow(clippy::result_large_err)] // the entry not inserted goes back, as papaya's did
-    pub fn try_insert(&self, key: TableKey, entry: Entry) -> Result<Entry, Occupied> {
+    pub fn insert(&self, key: TableKey, entry: &NewEntry<'_>) -> Insertion {
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {
@@ -419,13 +453,17 @@ impl Table {
                 break;
             }
             if word_hash(word) == hash && self.slot_key(word_block(word)) == key {
-                let current = self
-                    .read(word_block(word), &key)
-                    .expect("the writer reads its own published entry");
-                return Err(Occupied {
-                    current,
-                    not_inserted: entry,
-                });
+                // The writer's own slot: never odd, never rewritten while it reads.
+                return match self.verify(
+                    word_block(word),
+                    &key,
+                    &entry.parent,
+                    entry.tokens,
+                    entry.extras,
+                ) {
+                    Verified::Yes(anchor) => Insertion::Present(anchor),
+                    Verified::No | Verified::OtherKey => Insertion::Collision,
+                };
             }
             i = (i + 1) & self.mask;
         }
@@ -435,10 +473,14 @@ impl Table {
             "block {} already holds a published entry",
             entry.block
         );
-        self.write(key, &entry);
+        self.write(key, entry);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
         self.len.fetch_add(1, Ordering::Relaxed);
-        Ok(entry)
+        Insertion::Inserted(Anchor {
+            id: entry.id,
+            block: entry.block,
+            key,
+        })
     }
 
     /// Removes the entry published under `key`, if any. Writer only.
@@ -495,7 +537,7 @@ impl Table {
     }
 
     /// The writer's side of the slot's sequence lock.
-    fn write(&self, key: TableKey, entry: &Entry) {
+    fn write(&self, key: TableKey, entry: &NewEntry<'_>) {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
         let slot = &self.slots[entry.block as usize];
@@ -518,7 +560,7 @@ impl Table {
         let start = entry.block as usize * self.block_size;
         for (cell, &token) in self.tokens[start..start + self.block_size]
             .iter()
-            .zip(&entry.tokens)
+            .zip(entry.tokens)
         {
             cell.store(token, Ordering::Relaxed);
         }
@@ -526,7 +568,7 @@ impl Table {
         // Only the writer stores `extras`, so its own length says whether one is there.
         if extras_len > 0 || slot.extras_len.load(Ordering::Relaxed) > 0 {
             slot.extras
-                .store((extras_len > 0).then(|| Arc::new(entry.extras.clone())));
+                .store((extras_len > 0).then(|| Arc::new(entry.extras.into())));
         }
         slot.extras_len.store(extras_len, Ordering::Relaxed);
         slot.seq.store(seq + 2, Ordering::Release);
@@ -569,7 +611,7 @@ impl Table {
             "block {to} already holds a published entry"
         );
         entry.block = to;
-        self.write(*key, &entry);
+        self.write(*key, &entry.as_new());
         self.index[i].store(index_word(hash, to), Ordering::Release);
         self.clear_slot(from);
         true
