@@ -152,6 +152,13 @@ impl PrefixCache {
         // Every key to publish, kept by the request (computed once, chained on keys whatever
         // the table holds); then the table reads of the next few positions start together so
         // their cache misses overlap (`match_chain`).
+        // Sized once: a long miss would otherwise regrow (and copy) both lists several times.
+        request
+            .keys
+            .reserve(target.saturating_sub(request.keys.len()));
+        request
+            .anchors
+            .reserve(target.saturating_sub(request.anchors.len()));
         for p in request.keys.len()..target {
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
             let block_extras = block_extras(&request.extras, p, bs);
