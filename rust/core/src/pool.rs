@@ -727,7 +727,21 @@ impl BlockPool {
     }
 
     /// Keeps the evictable set in step with one block's state.
+    #[inline(always)] // the early return is the common case: no call at all then
     fn refresh(&mut self, block: BlockId) {
+        // Most calls are for referenced blocks (publishing, touching a hit, finishing), which
+        // are never evictable: with nothing in the set, nothing to do, and no call into the
+        // set's code (PROFILE.md, issue 24).
+        let meta = &self.blocks[block as usize];
+        if meta.ref_count > 0 && meta.evictable_as.is_none() {
+            return;
+        }
+        self.refresh_set(block);
+    }
+
+    /// `refresh` for a block that may be in the evictable set or belong there.
+    #[inline(never)]
+    fn refresh_set(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
         let should = meta.evictable();
         let key = (meta.priority, meta.last_access, block);
