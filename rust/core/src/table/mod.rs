@@ -475,7 +475,7 @@ impl Table {
         );
         self.write(key, entry);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
-        self.len.fetch_add(1, Ordering::Relaxed);
+        self.count_entries(1);
         Insertion::Inserted(Anchor {
             id: entry.id,
             block: entry.block,
@@ -525,7 +525,17 @@ impl Table {
         }
         self.index[hole].store(EMPTY, Ordering::Relaxed);
         self.shifts.store(shifts + 2, Ordering::Release);
-        self.len.fetch_sub(1, Ordering::Relaxed);
+        self.count_entries(-1);
+    }
+
+    /// Moves the entry count by `delta`. Writer only, so a plain load and store: an atomic
+    /// read-modify-write (`fetch_add`) is a locked instruction on x86, which waits for every
+    /// earlier store to reach the cache, here the cold slot and token row just written; that
+    /// wait was a fifth of `insert`'s samples (PROFILE.md, issue 24).
+    fn count_entries(&self, delta: isize) {
+        let len = self.len.load(Ordering::Relaxed);
+        self.len
+            .store(len.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     fn slot_key(&self, block: BlockId) -> TableKey {
