@@ -68,7 +68,7 @@ impl PrefixCache {
             || request
                 .anchors
                 .last()
-                .is_none_or(|last| anchor_live(inner, last));
+                .is_none_or(|last| self.anchor_live(last));
         if tip_live && (!request.cacheable || target <= request.anchors.len()) {
             let request = inner.requests.get_mut(id)?;
             request.num_computed = request.num_computed.max(num_computed_tokens);
@@ -126,7 +126,7 @@ impl PrefixCache {
         // none any more (the null block stands there), so the pops stop above it.
         while request.anchors.len() > request.released {
             let last = request.anchors[request.anchors.len() - 1];
-            if anchor_live(inner, &last) {
+            if self.anchor_live(&last) {
                 break;
             }
             request.anchors.pop();
@@ -246,7 +246,6 @@ impl PrefixCache {
                             .events
                             .stored(own_block, parent_block, origin, chunk, &block_extras);
                     }
-                    inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;
                     anchor
                 }
@@ -282,13 +281,14 @@ impl PrefixCache {
     }
 }
 
-/// Whether `anchor` is still the entry published in its block (a null stand-in never is).
-pub(super) fn anchor_live(inner: &Inner, anchor: &Anchor) -> bool {
-    inner
-        .entries
-        .get(anchor.block as usize)
-        .and_then(Option::as_ref)
-        .is_some_and(|e| e.id == anchor.id)
+impl PrefixCache {
+    /// Whether `anchor` is still the entry published in its block (a null stand-in never is).
+    /// Under the mutex (the table's writer side).
+    pub(super) fn anchor_live(&self, anchor: &Anchor) -> bool {
+        self.table
+            .published(anchor.block, &self.table.guard())
+            .is_some_and(|e| e.id == anchor.id)
+    }
 }
 
 /// The parent an entry at `position` names in a sliding-window cache: the previous block's

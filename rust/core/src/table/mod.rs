@@ -390,17 +390,36 @@ impl Table {
         }
     }
 
-    /// Starts the memory reads a `remove` of `key`, published in `block`, will need: the index
-    /// word at its home slot and the block's slot (whose key the removal compares). Unlike
-    /// `prefetch` for an insert, not the token row, which a removal never reads. Plain loads
-    /// whose values are discarded: no effect on any answer.
+    /// Starts the memory reads a removal of `block`'s entry will need: the block's slot (its
+    /// key) and then the index word at the key's home slot. Unlike `prefetch` for an insert, not
+    /// the token row, which a removal never reads. Plain loads whose values are discarded: no
+    /// effect on any answer.
     #[inline]
-    pub fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
-        let home = index_hash(*key) as usize & self.mask;
-        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+    pub fn prefetch_removal(&self, block: BlockId) {
         if let Some(slot) = self.slots.get(block as usize) {
-            std::hint::black_box(slot.key[0].load(Ordering::Relaxed));
+            let key = TableKey(
+                u128::from(slot.key[0].load(Ordering::Relaxed))
+                    | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
+            );
+            let home = index_hash(key) as usize & self.mask;
+            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
         }
+    }
+
+    /// The anchor of the entry `block` holds, if it holds one (`None` for an id outside the
+    /// pool, such as the null block). Writer only: the writer is the only one who changes a
+    /// slot, so its own reads need no sequence lock. The cache keeps no copy of this per block:
+    /// the slot is the one home of a block's published id and key, and a second array would
+    /// cost a cold cache line per publish and per eviction (PROFILE.md, issue 24).
+    #[must_use]
+    pub fn published(&self, block: BlockId) -> Option<Anchor> {
+        let slot = self.slots.get(block as usize)?;
+        let id = slot.id.load(Ordering::Relaxed);
+        (id != 0).then(|| Anchor {
+            id,
+            block,
+            key: self.slot_key(block),
+        })
     }
 
     /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,

@@ -67,8 +67,12 @@ mod lock_free {
             self.0.prefetch(key, block);
         }
         #[inline]
-        pub(crate) fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
-            self.0.prefetch_removal(key, block);
+        pub(crate) fn prefetch_removal(&self, block: BlockId) {
+            self.0.prefetch_removal(block);
+        }
+        #[inline]
+        pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
+            self.0.published(block)
         }
         #[inline]
         pub(crate) fn prefetch_entry(&self, key: &TableKey) {
@@ -148,7 +152,14 @@ mod model {
         }
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
-        pub(crate) fn prefetch_removal(&self, _key: &TableKey, _block: BlockId) {}
+        pub(crate) fn prefetch_removal(&self, _block: BlockId) {}
+        /// The entry `block` holds: a scan, which the few entries of a loom model allow.
+        pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
+            let map = self.0.read().unwrap();
+            map.iter()
+                .find(|(_, entry)| entry.block == block)
+                .map(|(key, entry)| entry.anchor(*key))
+        }
         pub(crate) fn prefetch_entry(&self, _key: &TableKey) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()

@@ -76,6 +76,14 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
             model.insert(key, e);
         }
         assert_eq!(table.len(), model.len());
+        // The writer's per-block view (the cache keeps no other copy of it).
+        for block in 0..64 {
+            let expected = model
+                .iter()
+                .find(|(_, e)| e.block == block)
+                .map(|(&key, e)| e.anchor(TableKey(key)));
+            assert_eq!(table.published(block), expected, "block {block}");
+        }
         for (&key, e) in &model {
             let got = table
                 .get(&TableKey(key))
@@ -128,8 +136,17 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
     for id in 2..200_000u64 {
         let block = (id % 32) as BlockId;
         if let Some(old) = owner[block as usize].take() {
-            table.prefetch_removal(&key_of(old), block);
+            table.prefetch_removal(block);
+            assert_eq!(
+                table.published(block),
+                Some(Anchor {
+                    id: old,
+                    block,
+                    key: key_of(old)
+                })
+            );
             table.remove(&key_of(old));
+            assert_eq!(table.published(block), None);
             live.remove(&(old % 48));
         }
         if live.insert(id % 48) {
