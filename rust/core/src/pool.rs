@@ -88,7 +88,20 @@ impl Hasher for BlockIdHasher {
 /// Eviction order key: (priority, last access tick, id). Smallest is evicted first.
 type EvictionKey = (i32, u64, BlockId);
 
+/// Where a block sits in the evictable set: its key there but for the id (the block's own).
+/// Two fields and a flag, not an `Option<EvictionKey>` (24 bytes), so that `BlockMeta` fits one
+/// 64-byte cache line: an eviction reads the metadata of its victim and of the victim's parent,
+/// both cold, and each then costs one line instead of two (PROFILE.md, issue 24).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct SetPlace {
+    tick: u64,
+    priority: i32,
+    present: bool,
+}
+
+/// One block's state; one cache line (`block_meta_fits_one_cache_line`).
 #[derive(Clone, Debug, Default)]
+#[repr(align(64))]
 struct BlockMeta {
     ref_count: u32,
     pin_count: u32,
@@ -99,8 +112,8 @@ struct BlockMeta {
     parent: Option<BlockId>,
     last_access: u64,
     priority: i32,
-    /// The key under which this block sits in the evictable set, if it does.
-    evictable_as: Option<EvictionKey>,
+    /// The key under which this block sits in the evictable set, if it does (`evictable_as`).
+    in_set: SetPlace,
     /// Number of cached children that are blocked (see the module docs).
     blocked_children: u32,
     /// When this private block is a duplicate: the canonical copy of its content (module docs).
@@ -109,6 +122,21 @@ struct BlockMeta {
 }
 
 impl BlockMeta {
+    /// The key under which `block` (this block) sits in the evictable set, if it does.
+    fn evictable_as(&self, block: BlockId) -> Option<EvictionKey> {
+        let place = self.in_set;
+        place.present.then_some((place.priority, place.tick, block))
+    }
+
+    /// Records that the block sits in the evictable set under `key`, or (`None`) not at all.
+    fn set_evictable_as(&mut self, key: Option<EvictionKey>) {
+        self.in_set = key.map_or(SetPlace::default(), |(priority, tick, _)| SetPlace {
+            tick,
+            priority,
+            present: true,
+        });
+    }
+
     /// In the evictable set: a cached leaf nobody references or pins, or a spare.
     fn evictable(&self) -> bool {
         self.ref_count == 0
@@ -597,7 +625,7 @@ impl BlockPool {
                             .pop_first()
                             .expect("the obtainable count promised a block");
                         // Out of the set already: the calls below find nothing to remove.
-                        self.blocks[block as usize].evictable_as = None;
+                        self.blocks[block as usize].set_evictable_as(None);
                         block
                     }
                 };
@@ -638,7 +666,7 @@ impl BlockPool {
     /// `None`, with `parent` brought in step with the set (`refresh`).
     fn next_in_chain(&mut self, parent: BlockId) -> Option<BlockId> {
         let meta = &self.blocks[parent as usize];
-        if meta.evictable() && meta.evictable_as.is_none() {
+        if meta.evictable() && !meta.in_set.present {
             let key = (meta.priority, meta.last_access, parent);
             if self.evictable.first().is_none_or(|first| key < *first) {
                 return Some(parent);
@@ -733,7 +761,7 @@ impl BlockPool {
         // are never evictable: with nothing in the set, nothing to do, and no call into the
         // set's code (PROFILE.md, issue 24).
         let meta = &self.blocks[block as usize];
-        if meta.ref_count > 0 && meta.evictable_as.is_none() {
+        if meta.ref_count > 0 && !meta.in_set.present {
             return;
         }
         self.refresh_set(block);
@@ -745,14 +773,15 @@ impl BlockPool {
         let meta = &mut self.blocks[block as usize];
         let should = meta.evictable();
         let key = (meta.priority, meta.last_access, block);
-        if meta.evictable_as == Some(key) && should {
+        let old = meta.evictable_as(block);
+        if old == Some(key) && should {
             return;
         }
-        if let Some(old) = meta.evictable_as.take() {
+        meta.set_evictable_as(should.then_some(key));
+        if let Some(old) = old {
             self.evictable.remove(&old);
         }
         if should {
-            meta.evictable_as = Some(key);
             self.evictable.insert(key);
         }
     }
@@ -818,11 +847,7 @@ impl BlockPool {
             in_use += usize::from(meta.ref_count > 0);
             pinned += usize::from(meta.pin_count > 0);
             let should = meta.evictable();
-            assert_eq!(
-                meta.evictable_as.is_some(),
-                should,
-                "block {id} evictable state"
-            );
+            assert_eq!(meta.in_set.present, should, "block {id} evictable state");
         }
         assert_eq!(cached, self.num_cached);
         assert_eq!(in_use, self.num_in_use);
@@ -868,10 +893,7 @@ impl BlockPool {
         );
         assert_eq!(
             self.evictable.len(),
-            self.blocks
-                .iter()
-                .filter(|m| m.evictable_as.is_some())
-                .count()
+            self.blocks.iter().filter(|m| m.in_set.present).count()
         );
     }
 }
@@ -1021,6 +1043,13 @@ mod tests {
                 pool.check_invariants();
             }
         }
+    }
+
+    #[test]
+    fn block_meta_fits_one_cache_line() {
+        // Grown past 64 bytes, `repr(align(64))` would make it 128: twice the memory and two
+        // cold lines per eviction again. A new field must fit, or the layout be rethought.
+        assert_eq!(std::mem::size_of::<BlockMeta>(), 64);
     }
 
     #[test]
