@@ -273,3 +273,28 @@ def production_trace(params: TraceParams | None = None, seed: int = 0) -> Produc
         heapq.merge(*[[(t, s.index, turn) for turn, t in enumerate(s.times)] for s in sessions])
     )
     return ProductionTrace(p, seed, sessions, shared, order)
+
+
+def dump(trace: ProductionTrace, path: str) -> None:
+    """Writes `trace`'s prompts for `benches/core_profile`'s `replay` mode (pure-Rust A/B runs
+    and `perf record` without Python in the samples). Little-endian u32 words: the cache's
+    blocks, the warm-up requests (not timed), the request count, then per request its length
+    and its token ids."""
+    warmup = int(0.1 * trace.num_requests)  # bench_production.WARMUP_FRACTION
+    with open(path, "wb") as out:
+        out.write(np.array([trace.num_blocks(), warmup, trace.num_requests], "<u4").tobytes())
+        for request in trace.requests():
+            out.write(np.array([len(request.tokens)], "<u4").tobytes())
+            out.write(request.tokens.astype("<u4").tobytes())
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="dump the trace for core_profile's replay mode")
+    parser.add_argument("path")
+    parser.add_argument("--quick", action="store_true", help="a fifth of the trace")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    params = TraceParams().scaled(0.2) if args.quick else TraceParams()
+    dump(production_trace(params, args.seed), args.path)

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use prefixkv_core::key::TableKey;
-use prefixkv_core::table::{Entry, Parent, Table};
+use prefixkv_core::table::{NewEntry, Parent, Table};
 use prefixkv_core::{block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras};
 
 const BLOCK_SIZE: usize = 16;
@@ -204,9 +204,89 @@ fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
     }
 }
 
+/// A trace written by `benches/production_workload.py PATH [--quick]`: (cache blocks, warm-up
+/// requests, prompts).
+fn read_trace(path: &str) -> (u32, usize, Vec<Vec<u32>>) {
+    let bytes = std::fs::read(path).expect("trace file");
+    let mut words = bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+    let mut next = || words.next().expect("truncated trace");
+    let (num_blocks, warmup, count) = (next(), next() as usize, next() as usize);
+    let prompts = (0..count)
+        .map(|_| {
+            let len = next() as usize;
+            (0..len).map(|_| next()).collect()
+        })
+        .collect();
+    (num_blocks, warmup, prompts)
+}
+
+/// CPU time of the calling thread, in ns (the clock of `benches/common.py`).
+fn thread_ns() -> u128 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // Safety: `now` is a valid, writable timespec for the duration of the call.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now);
+    }
+    now.tv_sec as u128 * 1_000_000_000 + now.tv_nsec as u128
+}
+
+/// `replay TRACE [ROUNDS]`: the production-shaped trace of `bench_production.py` through the
+/// core alone, begin + commit + finish per request beside the hash floor (`hash_prompt`), in
+/// rotating order; per round the mean µs of both over the timed requests, their ratio and the
+/// hit rate (which must not change between builds). Also the loop to `perf record`.
+fn replay(path: &str, rounds: usize) {
+    let (num_blocks, warmup, prompts) = read_trace(path);
+    let context = context_fingerprint(b"bench");
+    let extras = RequestExtras::default();
+    for _ in 0..rounds {
+        let cache = PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
+        let (mut ours, mut floor, mut timed) = (0u128, 0u128, 0usize);
+        let (mut prompt_tokens, mut hit_tokens) = (0usize, 0usize);
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut cost = [0u128; 2];
+            for k in 0..2 {
+                let which = (i + k) % 2;
+                let start = thread_ns();
+                if which == 0 {
+                    let r = cache.begin(None, prompt.clone(), b"", RequestExtras::default(), 0).expect("begin");
+                    hit_tokens += r.num_cached_tokens;
+                    cache.commit(&r.request_id, prompt.len()).expect("commit");
+                    cache.finish(&r.request_id).expect("finish");
+                } else {
+                    std::hint::black_box(cache.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+                }
+                cost[which] = thread_ns() - start;
+            }
+            prompt_tokens += prompt.len();
+            if i >= warmup {
+                ours += cost[0];
+                floor += cost[1];
+                timed += 1;
+            }
+        }
+        let stats = cache.stats();
+        println!(
+            "{{\"replay_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}, \"hit_rate\": {:.5}, \"evictions\": {}}}",
+            ours as f64 / timed as f64 / 1e3,
+            floor as f64 / timed as f64 / 1e3,
+            ours as f64 / floor as f64,
+            hit_tokens as f64 / prompt_tokens as f64,
+            stats.evictions,
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(mode) = args.get(1) {
+        if mode == "replay" {
+            let path = args.get(2).expect("replay TRACE [ROUNDS]");
+            replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
+            return;
+        }
         if mode.starts_with("loop-") {
             let seconds = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3.0);
             let max_requests = args
@@ -313,21 +393,21 @@ fn main() {
             next_key ^= next_key >> 7;
             next_key ^= next_key << 17;
             next_id += 1;
-            let entry = Entry {
+            let entry = NewEntry {
                 id: next_id,
                 block: (next_id % 200_000) as u32,
                 parent: Parent::Entry(next_id - 1),
-                tokens: chunk.into(),
-                extras: Vec::new().into_boxed_slice(),
+                tokens: chunk,
+                extras: &[],
             };
             let key = TableKey(u128::from(next_key) << 64 | u128::from(next_id));
             if let Some(old) = keys_of_block[entry.block as usize].replace(key) {
                 table.remove(&old);
             }
-            let _ = std::hint::black_box(table.try_insert(key, entry));
+            let _ = std::hint::black_box(table.insert(key, &entry));
         }
     });
-    println!("{{\"what\": \"table try_insert of 250 entries (the core's Entry; each block's old entry removed first), 200,000-block table\", \"ns\": {insert_ns:.0}}}");
+    println!("{{\"what\": \"table insert of 250 entries (borrowed NewEntry; each block's old entry removed first), 200,000-block table\", \"ns\": {insert_ns:.0}}}");
 
     let mut seed = 100;
     let request = |tokens: Vec<u32>| -> [u128; 3] {

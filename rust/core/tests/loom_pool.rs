@@ -14,7 +14,7 @@
 //! - the context cell (`arc-swap`) becomes a `loom::sync::RwLock<BlockKey>`: one linearizable
 //!   load or store;
 //! - the lookup table (`table/mod.rs`: a compact index beside per-block seqlocked slots) becomes a
-//!   `loom::sync::RwLock<HashMap<_, Entry>>`: each `get`, `try_insert` and `remove` one
+//!   `loom::sync::RwLock<HashMap<_, Entry>>`: each `get`, `insert` and `remove` one
 //!   linearizable step handing out owned snapshots, as the real table does.
 //!
 //! loom then tries every interleaving of those steps (within a preemption bound, below): a lookup

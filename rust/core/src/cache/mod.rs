@@ -60,7 +60,7 @@ use crate::pool::{BlockId, BlockPool, Evicted};
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
-use crate::table::{Anchor, SharedTable};
+use crate::table::SharedTable;
 
 pub use crate::request::{BeginResult, RequestId, Slots};
 
@@ -152,8 +152,6 @@ pub(crate) enum Reset {
 /// Everything behind the mutex.
 pub(crate) struct Inner {
     pub(crate) pool: BlockPool,
-    /// The published entry of each cached block.
-    pub(crate) entries: Vec<Option<Anchor>>,
     pub(crate) requests: Requests,
     pub(crate) pins: Pins,
     /// Id of the next published entry: unique for the life of the cache.
@@ -251,7 +249,6 @@ impl PrefixCache {
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
                 pool,
-                entries: per_block(num_blocks, None).ok_or_else(unallocated)?,
                 requests: Requests::default(),
                 pins: Pins::default(),
                 next_entry: 1,
@@ -379,7 +376,8 @@ impl PrefixCache {
         inner.pool.check_invariants();
         let guard = self.table.guard();
         assert_eq!(self.table.len(), inner.pool.num_cached(), "table size");
-        for (block, entry) in inner.entries.iter().enumerate() {
+        for block in 0..inner.pool.num_blocks() {
+            let entry = self.table.published(block as BlockId, &guard);
             assert_eq!(
                 entry.is_some(),
                 inner.pool.is_cached(block as BlockId),
@@ -483,23 +481,18 @@ impl PrefixCache {
                 // so the cache misses overlap (PROFILE.md), then each removed or moved.
                 for chunk in evicted.chunks(LOOKAHEAD) {
                     for &Evicted { block, .. } in chunk {
-                        if let Some(entry) = &inner.entries[block as usize] {
-                            self.table.prefetch_removal(&entry.key, block);
-                        }
+                        self.table.prefetch_removal(block);
                     }
                     for &Evicted { block, moved_to } in chunk {
-                        let entry = inner.entries[block as usize]
-                            .take()
+                        let entry = self
+                            .table
+                            .published(block, &guard)
                             .expect("evicted a cached block");
                         if let Some(heir) = moved_to {
                             // Its content stays cached in a duplicate (`pool.rs`): nothing is
                             // lost, nothing for a router or a host tier to learn.
                             let moved = self.table.move_entry(&entry.key, heir, &guard);
                             debug_assert!(moved);
-                            inner.entries[heir as usize] = Some(Anchor {
-                                block: heir,
-                                ..entry
-                            });
                             inner.events.moved(block, heir);
                             continue;
                         }
@@ -534,7 +527,7 @@ impl PrefixCache {
         inner.pins.drop_all(reset);
         let guard = self.table.guard();
         for block in inner.pool.cached_blocks() {
-            if let Some(entry) = inner.entries[block as usize].take() {
+            if let Some(entry) = self.table.published(block, &guard) {
                 self.table.remove(&entry.key, &guard);
             }
             inner.pool.uncache(block);
@@ -582,10 +575,8 @@ fn check_up_front_bytes(config: &CacheConfig) -> Result<usize> {
              per block"
         )));
     }
-    let per_block = std::mem::size_of::<Option<Anchor>>()
-        + std::mem::size_of::<u64>()
-        + std::mem::size_of::<u32>()
-        + BlockPool::BYTES_PER_BLOCK;
+    let per_block =
+        std::mem::size_of::<u64>() + std::mem::size_of::<u32>() + BlockPool::BYTES_PER_BLOCK;
     let bytes = crate::table::Table::bytes_up_front(num_blocks, block_size)
         .and_then(|table| num_blocks.checked_mul(per_block)?.checked_add(table));
     match bytes {

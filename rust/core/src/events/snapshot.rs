@@ -11,7 +11,7 @@ use super::{KvEvent, TokenIds};
 use crate::cache::{Inner, PrefixCache};
 use crate::key::{block_key_with, root_key, BlockKey};
 use crate::pool::BlockId;
-use crate::table::Parent;
+use crate::table::{Anchor, Parent};
 
 impl PrefixCache {
     /// `Cleared`, then one `Stored` per cached block, parents first.
@@ -26,7 +26,10 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut events = vec![KvEvent::Cleared];
         for (block, parent, root) in self.cached_in_chain_order(inner) {
-            let anchor = inner.entries[block as usize].expect("cached blocks have entries");
+            let anchor = self
+                .table
+                .published(block, &guard)
+                .expect("cached blocks have entries");
             let entry = self.table.get(&anchor.key, &guard).expect("published");
             let with_tokens = match token_policy {
                 TokenIds::All => true,
@@ -51,14 +54,22 @@ impl PrefixCache {
     /// Every cached block with its cached parent and its chain's root key, parents first.
     fn cached_in_chain_order(&self, inner: &Inner) -> Vec<(BlockId, Option<BlockId>, BlockKey)> {
         let guard = self.table.guard();
-        let by_entry: HashMap<u64, BlockId> = inner
-            .entries
+        let published: Vec<Anchor> = inner
+            .pool
+            .cached_blocks()
+            .into_iter()
+            .map(|block| {
+                self.table
+                    .published(block, &guard)
+                    .expect("cached blocks have entries")
+            })
+            .collect();
+        let by_entry: HashMap<u64, BlockId> = published
             .iter()
-            .flatten()
             .map(|anchor| (anchor.id, anchor.block))
             .collect();
         let mut parent_of: HashMap<BlockId, Result<BlockId, BlockKey>> = HashMap::new();
-        for anchor in inner.entries.iter().flatten() {
+        for anchor in &published {
             let entry = self.table.get(&anchor.key, &guard).expect("published");
             let parent = match entry.parent {
                 Parent::Root(root) => Err(root),
@@ -93,7 +104,10 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut keys = vec![None; inner.pool.num_blocks()];
         for (block, parent, root) in self.cached_in_chain_order(inner) {
-            let anchor = inner.entries[block as usize].expect("cached blocks have entries");
+            let anchor = self
+                .table
+                .published(block, &guard)
+                .expect("cached blocks have entries");
             let entry = self.table.get(&anchor.key, &guard).expect("published");
             let parent_key = parent.map_or(root, |p| keys[p as usize].expect("parents first"));
             keys[block as usize] = Some(block_key_with(

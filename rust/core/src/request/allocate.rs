@@ -198,6 +198,10 @@ impl PrefixCache {
         let bs = self.config.block_size;
         let guard = self.table.guard();
         let num_full = request.num_verified() / bs;
+        // Every key is hashed by the commit if not here: sized once, not regrown.
+        request
+            .keys
+            .reserve(num_full.saturating_sub(request.keys.len()));
         let mut anchors = Vec::new();
         let mut parent = Parent::Root(request.root);
         let mut position = 0;

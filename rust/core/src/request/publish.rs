@@ -46,7 +46,7 @@ use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::request::RequestId;
-use crate::table::{Anchor, Entry, Parent};
+use crate::table::{Anchor, Insertion, NewEntry, Parent};
 
 impl PrefixCache {
     /// Records that the KV of the first `num_computed_tokens` tokens is written, and publishes
@@ -68,7 +68,7 @@ impl PrefixCache {
             || request
                 .anchors
                 .last()
-                .is_none_or(|last| anchor_live(inner, last));
+                .is_none_or(|last| self.anchor_live(last));
         if tip_live && (!request.cacheable || target <= request.anchors.len()) {
             let request = inner.requests.get_mut(id)?;
             request.num_computed = request.num_computed.max(num_computed_tokens);
@@ -126,7 +126,7 @@ impl PrefixCache {
         // none any more (the null block stands there), so the pops stop above it.
         while request.anchors.len() > request.released {
             let last = request.anchors[request.anchors.len() - 1];
-            if anchor_live(inner, &last) {
+            if self.anchor_live(&last) {
                 break;
             }
             request.anchors.pop();
@@ -152,6 +152,13 @@ impl PrefixCache {
         // Every key to publish, kept by the request (computed once, chained on keys whatever
         // the table holds); then the table reads of the next few positions start together so
         // their cache misses overlap (`match_chain`).
+        // Sized once: a long miss would otherwise regrow (and copy) both lists several times.
+        request
+            .keys
+            .reserve(target.saturating_sub(request.keys.len()));
+        request
+            .anchors
+            .reserve(target.saturating_sub(request.anchors.len()));
         for p in request.keys.len()..target {
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
             let block_extras = block_extras(&request.extras, p, bs);
@@ -211,15 +218,15 @@ impl PrefixCache {
                     }
                 }
             }
-            let entry = Entry {
+            let entry = NewEntry {
                 id: inner.next_entry,
                 block: own_block,
                 parent,
-                tokens: chunk.into(),
-                extras: block_extras.into_boxed_slice(),
+                tokens: chunk,
+                extras: &block_extras,
             };
-            let anchor = match self.table.try_insert(key, entry, &guard) {
-                Ok(inserted) => {
+            let anchor = match self.table.insert(key, &entry, &guard) {
+                Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, chain_parent);
                     let origin = (&request.root, &request.extras);
@@ -232,30 +239,22 @@ impl PrefixCache {
                             (block_key, parent_key),
                             origin,
                             chunk,
-                            &inserted.extras,
+                            &block_extras,
                         );
                     } else {
-                        inner.events.stored(
-                            own_block,
-                            parent_block,
-                            origin,
-                            chunk,
-                            &inserted.extras,
-                        );
+                        inner
+                            .events
+                            .stored(own_block, parent_block, origin, chunk, &block_extras);
                     }
-                    let anchor = inserted.anchor(key);
-                    inner.entries[own_block as usize] = Some(anchor);
                     inner.counters.committed_blocks += 1;
                     anchor
                 }
-                Err(occupied) => {
-                    let existing = occupied.current;
-                    let mine = &occupied.not_inserted;
-                    if !existing.verifies(&mine.parent, &mine.tokens, &mine.extras) {
-                        inner.counters.collisions += 1;
-                        request.cacheable = false;
-                        return;
-                    }
+                Insertion::Collision => {
+                    inner.counters.collisions += 1;
+                    request.cacheable = false;
+                    return;
+                }
+                Insertion::Present(existing) => {
                     let duplicate = request.own_chain && !sliding;
                     let new_duplicate = !duplicate
                         || inner
@@ -265,7 +264,7 @@ impl PrefixCache {
                         // Not again when a moved entry is met again (a dead anchor's recommit).
                         inner.counters.deduplicated_blocks += 1;
                     }
-                    let anchor = existing.anchor(key);
+                    let anchor = existing;
                     if duplicate {
                         // The request computed this block itself and reads its own copy: the
                         // canonical copy is not used, so it keeps its place in the eviction
@@ -282,13 +281,14 @@ impl PrefixCache {
     }
 }
 
-/// Whether `anchor` is still the entry published in its block (a null stand-in never is).
-pub(super) fn anchor_live(inner: &Inner, anchor: &Anchor) -> bool {
-    inner
-        .entries
-        .get(anchor.block as usize)
-        .and_then(Option::as_ref)
-        .is_some_and(|e| e.id == anchor.id)
+impl PrefixCache {
+    /// Whether `anchor` is still the entry published in its block (a null stand-in never is).
+    /// Under the mutex (the table's writer side).
+    pub(super) fn anchor_live(&self, anchor: &Anchor) -> bool {
+        self.table
+            .published(anchor.block, &self.table.guard())
+            .is_some_and(|e| e.id == anchor.id)
+    }
 }
 
 /// The parent an entry at `position` names in a sliding-window cache: the previous block's

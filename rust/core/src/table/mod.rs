@@ -92,6 +92,48 @@ pub struct Entry {
     pub extras: Box<[u8]>,
 }
 
+/// An entry to publish, borrowed from the request that computed it (`Table::insert`): nothing
+/// is copied until the table's own slot and token row are written.
+#[derive(Clone, Copy, Debug)]
+pub struct NewEntry<'a> {
+    /// Unique for the life of the cache.
+    pub id: u64,
+    /// The block holding this entry's KV.
+    pub block: BlockId,
+    /// What the block's KV was computed after.
+    pub parent: Parent,
+    /// The block's exact token ids.
+    pub tokens: &'a [u32],
+    /// The block's encoded extra keys (see `key.rs`).
+    pub extras: &'a [u8],
+}
+
+impl Entry {
+    /// This entry, borrowed for `Table::insert`.
+    #[must_use]
+    pub fn as_new(&self) -> NewEntry<'_> {
+        NewEntry {
+            id: self.id,
+            block: self.block,
+            parent: self.parent,
+            tokens: &self.tokens,
+            extras: &self.extras,
+        }
+    }
+}
+
+/// What `Table::insert` found under the key (see the publishing rules in `request/publish.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insertion {
+    /// The key was free: the entry is published.
+    Inserted(Anchor),
+    /// The key holds an entry that verifies against the new one (same parent, tokens and
+    /// extras): another sequence published this block first. Nothing was written.
+    Present(Anchor),
+    /// The key holds other content: a hash collision. Nothing was written.
+    Collision,
+}
+
 /// A reference to a published entry, kept by requests and by the cache: enough to find it again
 /// and to tell whether it is still the one published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -228,14 +270,6 @@ pub struct Table {
     len: AtomicUsize,
 }
 
-/// A `try_insert` that found the key taken: the entry holding it, and the one not inserted.
-pub struct Occupied {
-    /// The entry published under the key.
-    pub current: Entry,
-    /// The entry handed to `try_insert`, back to the caller.
-    pub not_inserted: Entry,
-}
-
 impl Table {
     /// Bytes `new` allocates up front for `num_blocks` blocks of `block_size` tokens (`None`
     /// when the figure overflows), so a cache can refuse an absurd size before trying.
@@ -317,8 +351,8 @@ impl Table {
         })
     }
 
-    /// Starts the memory reads that a `get` or `try_insert` of `key` will need, without
-    /// waiting for them: the index word at its home slot and, for `try_insert`, the slot and
+    /// Starts the memory reads that a `get` or `insert` of `key` will need, without
+    /// waiting for them: the index word at its home slot and, for `insert`, the slot and
     /// token row of `block`. The table is several MiB and keys are random, so each probe is a
     /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
     /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
@@ -356,17 +390,36 @@ impl Table {
         }
     }
 
-    /// Starts the memory reads a `remove` of `key`, published in `block`, will need: the index
-    /// word at its home slot and the block's slot (whose key the removal compares). Unlike
-    /// `prefetch` for an insert, not the token row, which a removal never reads. Plain loads
-    /// whose values are discarded: no effect on any answer.
+    /// Starts the memory reads a removal of `block`'s entry will need: the block's slot (its
+    /// key) and then the index word at the key's home slot. Unlike `prefetch` for an insert, not
+    /// the token row, which a removal never reads. Plain loads whose values are discarded: no
+    /// effect on any answer.
     #[inline]
-    pub fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
-        let home = index_hash(*key) as usize & self.mask;
-        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+    pub fn prefetch_removal(&self, block: BlockId) {
         if let Some(slot) = self.slots.get(block as usize) {
-            std::hint::black_box(slot.key[0].load(Ordering::Relaxed));
+            let key = TableKey(
+                u128::from(slot.key[0].load(Ordering::Relaxed))
+                    | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
+            );
+            let home = index_hash(key) as usize & self.mask;
+            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
         }
+    }
+
+    /// The anchor of the entry `block` holds, if it holds one (`None` for an id outside the
+    /// pool, such as the null block). Writer only: the writer is the only one who changes a
+    /// slot, so its own reads need no sequence lock. The cache keeps no copy of this per block:
+    /// the slot is the one home of a block's published id and key, and a second array would
+    /// cost a cold cache line per publish and per eviction (PROFILE.md, issue 24).
+    #[must_use]
+    pub fn published(&self, block: BlockId) -> Option<Anchor> {
+        let slot = self.slots.get(block as usize)?;
+        let id = slot.id.load(Ordering::Relaxed);
+        (id != 0).then(|| Anchor {
+            id,
+            block,
+            key: self.slot_key(block),
+        })
     }
 
     /// Walks `key`'s probe run, asking `visit` about each block whose index hash matches,
@@ -402,15 +455,15 @@ impl Table {
         None
     }
 
-    /// Publishes `entry` under `key` unless the key is taken; then hands back the entry
-    /// holding it and `entry`. Writer only (the cache's mutex).
+    /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
+    /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
+    /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
     ///
     /// # Panics
     /// If the key is free but `entry.block` already holds a published entry: a block holds one
     /// entry at a time (the cache removes the old one before reusing a block), which is what
     /// keeps at most half of the index in use.
-    #[allow(clippy::result_large_err)] // the entry not inserted goes back, as papaya's did
-    pub fn try_insert(&self, key: TableKey, entry: Entry) -> Result<Entry, Occupied> {
+    pub fn insert(&self, key: TableKey, entry: &NewEntry<'_>) -> Insertion {
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {
@@ -419,13 +472,17 @@ impl Table {
                 break;
             }
             if word_hash(word) == hash && self.slot_key(word_block(word)) == key {
-                let current = self
-                    .read(word_block(word), &key)
-                    .expect("the writer reads its own published entry");
-                return Err(Occupied {
-                    current,
-                    not_inserted: entry,
-                });
+                // The writer's own slot: never odd, never rewritten while it reads.
+                return match self.verify(
+                    word_block(word),
+                    &key,
+                    &entry.parent,
+                    entry.tokens,
+                    entry.extras,
+                ) {
+                    Verified::Yes(anchor) => Insertion::Present(anchor),
+                    Verified::No | Verified::OtherKey => Insertion::Collision,
+                };
             }
             i = (i + 1) & self.mask;
         }
@@ -435,10 +492,14 @@ impl Table {
             "block {} already holds a published entry",
             entry.block
         );
-        self.write(key, &entry);
+        self.write(key, entry);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
-        self.len.fetch_add(1, Ordering::Relaxed);
-        Ok(entry)
+        self.count_entries(1);
+        Insertion::Inserted(Anchor {
+            id: entry.id,
+            block: entry.block,
+            key,
+        })
     }
 
     /// Removes the entry published under `key`, if any. Writer only.
@@ -483,7 +544,17 @@ impl Table {
         }
         self.index[hole].store(EMPTY, Ordering::Relaxed);
         self.shifts.store(shifts + 2, Ordering::Release);
-        self.len.fetch_sub(1, Ordering::Relaxed);
+        self.count_entries(-1);
+    }
+
+    /// Moves the entry count by `delta`. Writer only, so a plain load and store: an atomic
+    /// read-modify-write (`fetch_add`) is a locked instruction on x86, which waits for every
+    /// earlier store to reach the cache, here the cold slot and token row just written; that
+    /// wait was a fifth of `insert`'s samples (PROFILE.md, issue 24).
+    fn count_entries(&self, delta: isize) {
+        let len = self.len.load(Ordering::Relaxed);
+        self.len
+            .store(len.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
     fn slot_key(&self, block: BlockId) -> TableKey {
@@ -495,7 +566,7 @@ impl Table {
     }
 
     /// The writer's side of the slot's sequence lock.
-    fn write(&self, key: TableKey, entry: &Entry) {
+    fn write(&self, key: TableKey, entry: &NewEntry<'_>) {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
         let slot = &self.slots[entry.block as usize];
@@ -518,7 +589,7 @@ impl Table {
         let start = entry.block as usize * self.block_size;
         for (cell, &token) in self.tokens[start..start + self.block_size]
             .iter()
-            .zip(&entry.tokens)
+            .zip(entry.tokens)
         {
             cell.store(token, Ordering::Relaxed);
         }
@@ -526,7 +597,7 @@ impl Table {
         // Only the writer stores `extras`, so its own length says whether one is there.
         if extras_len > 0 || slot.extras_len.load(Ordering::Relaxed) > 0 {
             slot.extras
-                .store((extras_len > 0).then(|| Arc::new(entry.extras.clone())));
+                .store((extras_len > 0).then(|| Arc::new(entry.extras.into())));
         }
         slot.extras_len.store(extras_len, Ordering::Relaxed);
         slot.seq.store(seq + 2, Ordering::Release);
@@ -569,7 +640,7 @@ impl Table {
             "block {to} already holds a published entry"
         );
         entry.block = to;
-        self.write(*key, &entry);
+        self.write(*key, &entry.as_new());
         self.index[i].store(index_word(hash, to), Ordering::Release);
         self.clear_slot(from);
         true

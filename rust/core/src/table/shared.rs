@@ -1,6 +1,6 @@
 //! `SharedTable`: the operations the cache uses, and their loom stand-in.
 //!
-//! The cache reaches the table only through [`SharedTable`]: `get`, `try_insert`, `remove`, each
+//! The cache reaches the table only through [`SharedTable`]: `get`, `insert`, `remove`, each
 //! one linearizable step, and a guard (nothing to pin here: a reader gets an owned snapshot).
 //! Under `--cfg loom` the same calls run on a `loom::sync::RwLock` around a `HashMap` of
 //! `Arc`ed entries, a map with exactly that contract whose every step loom can see and schedule
@@ -14,7 +14,7 @@ pub(crate) use model::SharedTable;
 
 #[cfg(not(loom))]
 mod lock_free {
-    use crate::table::{Anchor, BlockId, Entry, Occupied, Parent, Table, TableKey};
+    use crate::table::{Anchor, BlockId, Entry, Insertion, NewEntry, Parent, Table, TableKey};
 
     /// Nothing to pin: a reader gets an owned snapshot. Kept so the cache's call sites read the
     /// same under loom, whose stand-in hands out references.
@@ -47,14 +47,13 @@ mod lock_free {
             self.0.get_verified(key, parent, tokens, extras)
         }
         #[inline]
-        #[allow(clippy::result_large_err)] // see `Table::try_insert`
-        pub(crate) fn try_insert(
+        pub(crate) fn insert(
             &self,
             key: TableKey,
-            entry: Entry,
+            entry: &NewEntry<'_>,
             _guard: &TableGuard,
-        ) -> Result<Entry, Occupied> {
-            self.0.try_insert(key, entry)
+        ) -> Insertion {
+            self.0.insert(key, entry)
         }
         #[inline]
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
@@ -68,8 +67,12 @@ mod lock_free {
             self.0.prefetch(key, block);
         }
         #[inline]
-        pub(crate) fn prefetch_removal(&self, key: &TableKey, block: BlockId) {
-            self.0.prefetch_removal(key, block);
+        pub(crate) fn prefetch_removal(&self, block: BlockId) {
+            self.0.prefetch_removal(block);
+        }
+        #[inline]
+        pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
+            self.0.published(block)
         }
         #[inline]
         pub(crate) fn prefetch_entry(&self, key: &TableKey) {
@@ -85,7 +88,7 @@ mod lock_free {
 mod model {
     use std::collections::HashMap;
 
-    use crate::table::{Anchor, BlockId, Entry, Occupied, Parent, TableKey};
+    use crate::table::{Anchor, BlockId, Entry, Insertion, NewEntry, Parent, TableKey};
 
     /// Nothing to pin: entries are handed out as owned snapshots, as by the real table.
     pub(crate) struct TableGuard;
@@ -115,22 +118,30 @@ mod model {
                 .filter(|entry| entry.verifies(parent, tokens, extras))
                 .map(|entry| entry.anchor(*key))
         }
-        #[allow(clippy::result_large_err)] // see `Table::try_insert`
-        pub(crate) fn try_insert(
+        pub(crate) fn insert(
             &self,
             key: TableKey,
-            entry: Entry,
+            entry: &NewEntry<'_>,
             _guard: &TableGuard,
-        ) -> Result<Entry, Occupied> {
+        ) -> Insertion {
             let mut map = self.0.write().unwrap();
             if let Some(current) = map.get(&key) {
-                return Err(Occupied {
-                    current: current.clone(),
-                    not_inserted: entry,
-                });
+                return if current.verifies(&entry.parent, entry.tokens, entry.extras) {
+                    Insertion::Present(current.anchor(key))
+                } else {
+                    Insertion::Collision
+                };
             }
-            map.insert(key, entry.clone());
-            Ok(entry)
+            let inserted = Entry {
+                id: entry.id,
+                block: entry.block,
+                parent: entry.parent,
+                tokens: entry.tokens.into(),
+                extras: entry.extras.into(),
+            };
+            let anchor = inserted.anchor(key);
+            map.insert(key, inserted);
+            Insertion::Inserted(anchor)
         }
         pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
             self.0.write().unwrap().remove(key);
@@ -141,7 +152,14 @@ mod model {
         }
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
-        pub(crate) fn prefetch_removal(&self, _key: &TableKey, _block: BlockId) {}
+        pub(crate) fn prefetch_removal(&self, _block: BlockId) {}
+        /// The entry `block` holds: a scan, which the few entries of a loom model allow.
+        pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
+            let map = self.0.read().unwrap();
+            map.iter()
+                .find(|(_, entry)| entry.block == block)
+                .map(|(key, entry)| entry.anchor(*key))
+        }
         pub(crate) fn prefetch_entry(&self, _key: &TableKey) {}
         pub(crate) fn len(&self) -> usize {
             self.0.read().unwrap().len()

@@ -43,11 +43,47 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
             if model.contains_key(&key) {
                 continue;
             }
-            assert!(table.try_insert(TableKey(key), e.clone()).is_ok());
-            assert!(table.try_insert(TableKey(key), e.clone()).is_err());
+            let anchor = e.anchor(TableKey(key));
+            assert_eq!(
+                table.insert(TableKey(key), &e.as_new()),
+                Insertion::Inserted(anchor)
+            );
+            // The key taken: the same content (from another block) verifies in place and
+            // writes nothing; other tokens, another parent or other extras are a collision.
+            let mut again = e.as_new();
+            again.block = (block + 1) % 64;
+            assert_eq!(
+                table.insert(TableKey(key), &again),
+                Insertion::Present(anchor)
+            );
+            let other_tokens = [e.tokens[0], e.tokens[1] + 1];
+            for other in [
+                NewEntry {
+                    tokens: &other_tokens,
+                    ..again
+                },
+                NewEntry {
+                    parent: Parent::Entry(e.id + 2000),
+                    ..again
+                },
+                NewEntry {
+                    extras: b"x",
+                    ..again
+                },
+            ] {
+                assert_eq!(table.insert(TableKey(key), &other), Insertion::Collision);
+            }
             model.insert(key, e);
         }
         assert_eq!(table.len(), model.len());
+        // The writer's per-block view (the cache keeps no other copy of it).
+        for block in 0..64 {
+            let expected = model
+                .iter()
+                .find(|(_, e)| e.block == block)
+                .map(|(&key, e)| e.anchor(TableKey(key)));
+            assert_eq!(table.published(block), expected, "block {block}");
+        }
         for (&key, e) in &model {
             let got = table
                 .get(&TableKey(key))
@@ -100,8 +136,17 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
     for id in 2..200_000u64 {
         let block = (id % 32) as BlockId;
         if let Some(old) = owner[block as usize].take() {
-            table.prefetch_removal(&key_of(old), block);
+            table.prefetch_removal(block);
+            assert_eq!(
+                table.published(block),
+                Some(Anchor {
+                    id: old,
+                    block,
+                    key: key_of(old)
+                })
+            );
             table.remove(&key_of(old));
+            assert_eq!(table.published(block), None);
             live.remove(&(old % 48));
         }
         if live.insert(id % 48) {
@@ -112,7 +157,10 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
                 tokens: SmallVec::from_slice(&tokens_of(id)),
                 extras: Box::default(),
             };
-            assert!(table.try_insert(key_of(id), e).is_ok());
+            assert!(matches!(
+                table.insert(key_of(id), &e.as_new()),
+                Insertion::Inserted(_)
+            ));
             owner[block as usize] = Some(id);
         }
     }
@@ -135,15 +183,19 @@ fn truncated_keys_still_spread_over_slots() {
 fn a_moved_entry_keeps_its_id_and_frees_its_old_slot() {
     let table = Table::new(8, 2).unwrap();
     let key = TableKey(42 << 100);
-    assert!(table.try_insert(key, entry(5, 1, 7)).is_ok());
+    assert!(matches!(
+        table.insert(key, &entry(5, 1, 7).as_new()),
+        Insertion::Inserted(_)
+    ));
     assert!(table.move_entry(&key, 6));
     let got = table.get(&key).unwrap();
     assert_eq!((got.id, got.block, got.parent), (5, 6, Parent::Entry(1005)));
     assert_eq!(&got.tokens[..], &[7, 8]);
     // The old block holds nothing: a new entry may take it; an unknown key does not move.
-    assert!(table
-        .try_insert(TableKey(43 << 100), entry(9, 1, 1))
-        .is_ok());
+    assert!(matches!(
+        table.insert(TableKey(43 << 100), &entry(9, 1, 1).as_new()),
+        Insertion::Inserted(_)
+    ));
     assert!(!table.move_entry(&TableKey(44 << 100), 2));
     assert_eq!(table.len(), 2);
     // And back (the sequence lock, not the id, tells a reader the slot was rewritten).
@@ -212,7 +264,10 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
                         tokens: SmallVec::from_slice(&tokens_of(id)),
                         extras: Box::default(),
                     };
-                    assert!(table.try_insert(key_of(id), e).is_ok());
+                    assert!(matches!(
+                        table.insert(key_of(id), &e.as_new()),
+                        Insertion::Inserted(_)
+                    ));
                     owner[block] = Some(id);
                 }
             }
