@@ -256,22 +256,13 @@ def test_core_evicts_a_duplicated_canonical_copy_in_release_order() -> None:
     cache.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rust/core: a finished duplicate's cached successor is handed to the canonical copy, "
-        "which then cannot be evicted before it; vLLM evicts the canonical copy first "
-        "(docs/vllm.md, 'Full hits and duplicate blocks')"
-    ),
-)
 def test_canonical_copy_evicted_before_a_finished_duplicates_successor(tiny_model: Path) -> None:
     """r1 is a full hit on r0's prompt P (two blocks): it recomputes P's second block B1 into
-    its own copy and decodes a third block C. At r1's finish the core hands C to r0's B1 (the
-    canonical copy), so B1 waits for C. r2 then needs two blocks more than the free ones: vLLM
-    takes r0's B1 (released first; the hash stays cached in r1's copy) and r1's partial block,
-    prefixkv the partial block and C, so r3 (P, C's tokens, one more) hits 12 tokens under vLLM
-    and 8 under prefixkv. Strict: passes, and so fails as an xfail, once the core evicts as
-    vLLM does."""
+    its own copy and decodes a third block C on it. r2 then needs two blocks more than the free
+    ones: vLLM takes r0's B1 (released first; the hash stays cached in r1's copy) and r1's
+    partial block, so r3 (P, C's tokens, one more) hits 12 tokens. prefixkv used to hand C to
+    B1 at r1's finish, so B1 waited for C, C went instead and r3 hit 8; now r1's copy keeps C
+    as a spare (rust/core/src/pool.rs) and B1 goes first."""
     prompt = (1, 2, 3, 4, 5, 6, 7, 8)
     decoded = tuple(model_token("r1", position) for position in range(8, 12))
     setup = SchedulerSetup(num_blocks=16, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)

@@ -20,13 +20,17 @@
 //!   Evicting a canonical copy that has duplicates *moves* its entry into the earliest one
 //!   recorded (vLLM's lookup returns the first block cached under a hash that is still there;
 //!   `allocate` reports the move), which becomes cached in its place: no content reachable
-//!   before is lost, and nothing referenced is freed. A duplicate released while it still parents cached
-//!   blocks hands them to its canonical copy first (`reparent`). Every cached block's parent is
-//!   cached or a held duplicate.
+//!   before is lost, and nothing referenced is freed. Every cached block's parent is cached or a
+//!   duplicate.
 //! - A duplicate nobody references any more is a *spare*, as vLLM keeps its copy cached and
 //!   free: not on the free list but in the eviction order, where it is taken like any evictable
 //!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
-//!   entry when that is evicted first. So eviction takes blocks in vLLM's order of release, and
+//!   entry when that is evicted first. A spare keeps the cached children its holder chained on
+//!   it (a block decoded after a full hit), so children are counted per content, not per copy:
+//!   the canonical copy stays evictable in its own place, as vLLM evicts it first (the hash
+//!   stays cached in the copy), and the spare goes only after its children, or takes the
+//!   canonical copy's entry (and parent) and stays cached above them. A spare above a blocked
+//!   child counts as blocked, so the obtainable count stays exact. So eviction takes blocks in vLLM's order of release, and
 //!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
@@ -105,16 +109,25 @@ struct BlockMeta {
 }
 
 impl BlockMeta {
-    /// In the evictable set: a cached leaf nobody references or pins, or a spare.
+    /// In the evictable set: a cached leaf nobody references or pins, or a spare without
+    /// cached children.
     fn evictable(&self) -> bool {
         self.ref_count == 0
-            && (self.cached && self.pin_count == 0 && self.cached_children == 0
-                || self.duplicate_of.is_some())
+            && self.cached_children == 0
+            && (self.cached && self.pin_count == 0 || self.duplicate_of.is_some())
     }
 
-    /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+    /// Nobody references it and it is a duplicate (module docs).
+    fn spare(&self) -> bool {
+        self.ref_count == 0 && self.duplicate_of.is_some()
+    }
+
+    /// Out of eviction's reach while the pool stays as it is: cached and referenced, pinned or
+    /// above such a block; or a spare above such a block (it goes only after its children, or
+    /// takes its canonical copy's entry and stays).
     fn blocked(&self) -> bool {
         self.cached && (self.ref_count > 0 || self.pin_count > 0 || self.blocked_children > 0)
+            || self.spare() && self.blocked_children > 0
     }
 }
 
@@ -283,14 +296,21 @@ impl BlockPool {
             false
         } else {
             if meta.duplicate_of.is_some() {
-                // Its holder handed its cached children over first (`reparent`). Its parent was
-                // the holder's block: stale from now on.
-                assert_eq!(
-                    meta.cached_children, 0,
-                    "duplicate {block} released while it parents cached blocks"
-                );
-                meta.parent = None;
+                // A spare. It keeps its cached children (its holder's next block), so the
+                // canonical copy stays evictable in its own place (vLLM evicts it first; its
+                // entry then moves here). With children it stays in the pool's forest under its
+                // holder's previous block, which it keeps from going before it, and goes only
+                // after them (`detach_child` lets it go); without, that parent is stale.
                 self.num_spares += 1;
+                match meta.parent {
+                    Some(parent) if meta.cached_children > 0 => {
+                        self.blocks[parent as usize].cached_children += 1;
+                        self.refresh(parent);
+                    }
+                    _ => meta.parent = None,
+                }
+                // Held and uncached before, so not counted; blocked now if above a blocked child.
+                self.reblock(block, false);
                 self.refresh(block);
                 return false;
             }
@@ -327,10 +347,11 @@ impl BlockPool {
         self.refresh(block);
     }
 
-    /// Whether `block` may be the parent of a cached block: cached, or a held duplicate.
+    /// Whether `block` may be the parent of a cached block: cached, or a duplicate (held, or a
+    /// spare that kept its holder's children).
     fn holds_chain(&self, block: BlockId) -> bool {
         let meta = &self.blocks[block as usize];
-        meta.cached || (meta.duplicate_of.is_some() && meta.ref_count > 0)
+        meta.cached || meta.duplicate_of.is_some()
     }
 
     /// Records that held, uncached `block` holds the same content as cached `canonical`, and
@@ -374,7 +395,9 @@ impl BlockPool {
     }
 
     /// Moves cached `child` under `parent` (cached, or a held duplicate), carrying its blocked
-    /// state from its old parent's counts to the new one's.
+    /// state from its old parent's counts to the new one's. Sliding-window caches use it before
+    /// a request lets go of a duplicate (`request/mod.rs`): they release positions out of
+    /// order, so a spare there could not keep its place in the forest.
     pub fn reparent(&mut self, child: BlockId, parent: BlockId) {
         let meta = &self.blocks[child as usize];
         debug_assert!(meta.cached && self.holds_chain(parent));
@@ -404,7 +427,19 @@ impl BlockPool {
             parent_meta.blocked_children -= 1;
             self.reblock(parent, parent_was_blocked);
         }
+        let parent_meta = &mut self.blocks[parent as usize];
+        let spare_left_bare = parent_meta.spare() && parent_meta.cached_children == 0;
+        let grandparent = if spare_left_bare {
+            parent_meta.parent.take()
+        } else {
+            None
+        };
         self.refresh(parent);
+        if let Some(grandparent) = grandparent {
+            // A spare whose last child went leaves the forest: a plain spare (`release`). With
+            // no children it is not blocked.
+            self.detach_child(grandparent, false);
+        }
     }
 
     fn forget_duplicate(&mut self, canonical: BlockId, block: BlockId) {
@@ -463,6 +498,17 @@ impl BlockPool {
         self.uncache(block);
         let meta = &mut self.blocks[heir as usize];
         debug_assert!(!meta.cached);
+        if meta.ref_count == 0 && meta.cached_children > 0 {
+            // A spare with cached children, already in the forest under its holder's previous
+            // block (or a root) and counted blocked or not exactly as it is once cached: only its state
+            // changes.
+            self.num_spares -= 1;
+            meta.duplicate_of = None;
+            meta.cached = true;
+            self.num_cached += 1;
+            self.refresh(heir);
+            return Some(heir);
+        }
         if meta.ref_count == 0 {
             // A spare: its holder's chain is gone; it takes the evicted block's place.
             meta.parent = evicted_parent;
@@ -633,7 +679,11 @@ impl BlockPool {
                 let meta = &self.blocks[parent as usize];
                 let left = children_left.entry(parent).or_insert(meta.cached_children);
                 *left -= 1;
-                if *left == 0 && meta.ref_count == 0 && meta.pin_count == 0 && meta.cached {
+                if *left == 0
+                    && meta.ref_count == 0
+                    && meta.pin_count == 0
+                    && (meta.cached || meta.duplicate_of.is_some())
+                {
                     exposed.push(Reverse((meta.priority, meta.last_access, parent)));
                 }
             }
@@ -708,7 +758,7 @@ impl BlockPool {
         }
         let mut children = vec![0u32; self.blocks.len()];
         for meta in &self.blocks {
-            if meta.cached {
+            if meta.cached || meta.spare() {
                 if let Some(parent) = meta.parent {
                     children[parent as usize] += 1;
                 }
@@ -734,15 +784,21 @@ impl BlockPool {
                 if let Some(parent) = meta.parent {
                     assert!(
                         self.holds_chain(parent),
-                        "block {id} has a parent neither cached nor a held duplicate"
+                        "block {id} has a parent neither cached nor a duplicate"
                     );
                 }
             }
             if let Some(canonical) = meta.duplicate_of {
                 assert!(
-                    meta.ref_count > 0 || meta.cached_children == 0 && meta.parent.is_none(),
-                    "spare {id} still chained"
+                    meta.ref_count > 0 || meta.cached_children > 0 || meta.parent.is_none(),
+                    "spare {id} without children still chained"
                 );
+                if let (true, Some(parent)) = (meta.spare(), meta.parent) {
+                    assert!(
+                        self.holds_chain(parent),
+                        "spare {id} has a parent neither cached nor a duplicate"
+                    );
+                }
                 assert!(
                     self.blocks[canonical as usize].cached,
                     "duplicate {id} of an uncached block"
@@ -771,6 +827,7 @@ impl BlockPool {
         let mut blocked_children = vec![0u32; self.blocks.len()];
         for meta in &self.blocks {
             if let (true, Some(parent)) = (meta.blocked(), meta.parent) {
+                debug_assert!(meta.cached || meta.spare());
                 blocked_children[parent as usize] += 1;
             }
         }

@@ -196,10 +196,11 @@ impl Model {
         hits
     }
 
-    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`).
+    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`)
+    /// without cached children.
     fn evictable(&self, b: usize, children: &[u32]) -> bool {
         let m = &self.blocks[b];
-        m.refs == 0 && (m.cached && m.pins == 0 && children[b] == 0 || m.duplicate_of.is_some())
+        m.refs == 0 && children[b] == 0 && (m.cached && m.pins == 0 || m.duplicate_of.is_some())
     }
 
     fn uncache(&mut self, b: BlockId) {
@@ -216,8 +217,18 @@ impl Model {
             self.free.push(b);
         }
         if let Some(p) = parent {
-            let pm = &mut self.blocks[p as usize];
-            pm.children = pm.children.saturating_sub(1);
+            self.drop_child(p);
+        }
+    }
+
+    /// One child fewer for `p`; a spare left without children leaves the forest (`pool.rs`).
+    fn drop_child(&mut self, p: BlockId) {
+        let pm = &mut self.blocks[p as usize];
+        pm.children = pm.children.saturating_sub(1);
+        if pm.children == 0 && pm.refs == 0 && !pm.cached && pm.duplicate_of.is_some() {
+            if let Some(grandparent) = pm.parent.take() {
+                self.drop_child(grandparent);
+            }
         }
     }
 
@@ -296,13 +307,15 @@ impl Model {
         let evicted_parent = self.blocks[b as usize].parent;
         self.uncache(b);
         let m = &mut self.blocks[heir as usize];
-        if m.refs == 0 {
+        // A spare with children is in the forest already, under its holder's previous block.
+        let in_forest = m.refs == 0 && m.children > 0;
+        if m.refs == 0 && !in_forest {
             m.parent = evicted_parent;
         }
         m.cached = true;
         m.duplicate_of = None;
         m.entry = Some(entry);
-        if let Some(p) = m.parent {
+        if let (false, Some(p)) = (in_forest, m.parent) {
             self.blocks[p as usize].children += 1;
         }
     }
@@ -313,12 +326,12 @@ impl Model {
         m.refs -= 1;
         if m.refs == 0 && !m.cached {
             if m.duplicate_of.is_some() {
-                // A spare now, in the eviction order.
-                assert_eq!(
-                    m.children, 0,
-                    "model: a released duplicate parents cached blocks"
-                );
-                m.parent = None;
+                // A spare now, in the eviction order. With cached children it stays in the
+                // forest under its holder's previous block (`pool.rs`).
+                match m.parent {
+                    Some(p) if m.children > 0 => self.blocks[p as usize].children += 1,
+                    _ => m.parent = None,
+                }
                 return;
             }
             self.free.push(b);
@@ -330,23 +343,6 @@ impl Model {
         list.retain(|&d| d != b);
         if list.is_empty() {
             self.duplicates.remove(&canonical);
-        }
-    }
-
-    /// Before a request lets go of its table: a duplicate's cached successor, if the duplicate
-    /// parents it, goes to the canonical copy.
-    fn hand_over_duplicate_children(&mut self, table: &[BlockId]) {
-        for pair in table.windows(2) {
-            let (dup, next) = (pair[0], pair[1]);
-            if let Some(canonical) = self.blocks[dup as usize].duplicate_of {
-                if self.blocks[next as usize].cached
-                    && self.blocks[next as usize].parent == Some(dup)
-                {
-                    self.blocks[dup as usize].children -= 1;
-                    self.blocks[canonical as usize].children += 1;
-                    self.blocks[next as usize].parent = Some(canonical);
-                }
-            }
         }
     }
 
@@ -556,8 +552,8 @@ impl Model {
             .remove(&id)
             .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
-        self.hand_over_duplicate_children(&req.table);
-        // Duplicates (spares once released) one tick after the rest (`request/mod.rs`).
+        // Duplicates (spares once released) one tick after the rest, and released first, tail
+        // first (`request/mod.rs`).
         let mut spares = false;
         for &b in &req.table {
             let m = &mut self.blocks[b as usize];
@@ -568,7 +564,16 @@ impl Model {
                 m.priority = m.priority.max(req.priority);
                 spares = true;
             }
-            self.release_one(b);
+        }
+        for &b in req.table.iter().rev() {
+            if self.blocks[b as usize].duplicate_of.is_some() {
+                self.release_one(b);
+            }
+        }
+        for &b in &req.table {
+            if self.blocks[b as usize].duplicate_of.is_none() {
+                self.release_one(b);
+            }
         }
         if spares {
             self.tick += 1;

@@ -331,3 +331,39 @@ fn absurd_sizes_are_refused_by_figure_before_allocating() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_canonical_copy_goes_before_a_finished_duplicates_successor() {
+    // r1 is a full hit on r0's prompt: it recomputes the last block into its own copy and
+    // decodes a further block on it. vLLM frees r0's original first and evicts it first (its
+    // hash stays cached in r1's copy), so the successor stays reachable; the copy keeps it as
+    // a spare rather than handing it to the original, which would then outlive it.
+    let c = cache(8, 2);
+    let r0 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&r0.request_id, 4).unwrap();
+    c.finish(&r0.request_id).unwrap();
+    let r1 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    let copy = r1.block_table[1];
+    assert_ne!(
+        copy, r0.block_table[1],
+        "the full hit's last block is a copy"
+    );
+    c.commit(&r1.request_id, 4).unwrap();
+    let successor = c.append(&r1.request_id, &[5, 6]).unwrap();
+    c.commit(&r1.request_id, 6).unwrap();
+    c.append(&r1.request_id, &[7]).unwrap();
+    c.finish(&r1.request_id).unwrap();
+    c.check_invariants();
+    // Four free blocks (r1's partial one among them), then the oldest evictable block: the
+    // original, whose entry moves into r1's copy.
+    let taken = c.allocate(5).unwrap();
+    assert!(taken.contains(&r0.block_table[1]));
+    assert!(!taken.contains(&successor[0]) && !taken.contains(&copy));
+    let hit = c.lookup(&[1, 2, 3, 4, 5, 6, 7], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, [r0.block_table[0], copy, successor[0]]);
+    c.check_invariants();
+}
