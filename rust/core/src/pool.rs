@@ -26,11 +26,14 @@
 //!   free: not on the free list but in the eviction order, where it is taken like any evictable
 //!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
 //!   entry when that is evicted first. A spare keeps the cached children its holder chained on
-//!   it (a block decoded after a full hit), so children are counted per content, not per copy:
-//!   the canonical copy stays evictable in its own place, as vLLM evicts it first (the hash
-//!   stays cached in the copy), and the spare goes only after its children, or takes the
-//!   canonical copy's entry (and parent) and stays cached above them. A spare above a blocked
-//!   child counts as blocked, so the obtainable count stays exact. So eviction takes blocks in vLLM's order of release, and
+//!   it (a block decoded after a full hit) and stays in the forest under its holder's previous
+//!   block (released after it: `request/mod.rs`), so children are counted per content, not
+//!   per copy: the canonical copy stays evictable in its own place, as vLLM evicts it first
+//!   (the hash stays cached in the copy), and the spare goes only after its children, or takes
+//!   the canonical copy's entry and stays cached above them. A spare above a blocked child
+//!   counts as blocked (it is as it will be once cached), so the obtainable count stays exact.
+//!   Sliding-window caches release positions early, so there a duplicate hands its children to
+//!   its canonical copy instead (`reparent`). So eviction takes blocks in vLLM's order of release, and
 //!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
