@@ -277,6 +277,40 @@ def test_canonical_copy_evicted_before_a_finished_duplicates_successor(tiny_mode
     _compare(tiny_model, setup, workload)
 
 
+#: Found by the CI profile (seed 15133524906804359150) on the change that made a released
+#: duplicate keep its decoded successor: seven requests with one two-block prompt arrive
+#: together, so the later ones compute copies of the first one's blocks in the same step and
+#: decode on them. Once one of them finishes, its copy of the prompt's last block is free in
+#: vLLM (its hash stays cached in the original, which a running request holds), while prefixkv
+#: counted it blocked above its decoded successor, which that running request had reached
+#: through the original: at step 20 it preempted r6 where vLLM scheduled it.
+_TWIN_PROMPT = (0,) * 16
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_num_seqs", "max_tokens"),
+    [(13, 4, (22, 21, 1, 1, 1, 1, 18)), (12, 3, (18, 18, 1, 1, 1, 1, 13))],
+)
+def test_a_spare_copy_is_free_while_its_successor_is_held(
+    tiny_model: Path, num_blocks: int, max_num_seqs: int, max_tokens: tuple[int, ...]
+) -> None:
+    setup = SchedulerSetup(
+        num_blocks=num_blocks,
+        block_size=8,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=32,
+        num_speculative_tokens=1,
+        scheduler_reserve_full_isl=False,
+    )
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", _TWIN_PROMPT, max_tokens=n) for i, n in enumerate(max_tokens)
+        ),
+        draft_accuracy=0,
+    )
+    _compare(tiny_model, setup, workload)
+
+
 def test_async_steps_overlap(tiny_model: Path) -> None:
     """The harness keeps two steps in flight under async scheduling: a decoding request is
     scheduled again before its previous step's token is applied (its in-flight tokens exceed

@@ -24,20 +24,13 @@
 //!   Evicting a canonical copy that has duplicates *moves* its entry into the earliest one
 //!   recorded (vLLM's lookup returns the first block cached under a hash that is still there;
 //!   `allocate` reports the move), which becomes cached in its place: no content reachable
-//!   before is lost, and nothing referenced is freed. Every cached block's parent is cached or a
-//!   duplicate.
+//!   before is lost, and nothing referenced is freed. A duplicate released while it still parents cached
+//!   blocks hands them to its canonical copy first (`reparent`). Every cached block's parent is
+//!   cached or a held duplicate.
 //! - A duplicate nobody references any more is a *spare*, as vLLM keeps its copy cached and
 //!   free: not on the free list but in the eviction order, where it is taken like any evictable
 //!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
-//!   entry when that is evicted first. A spare keeps the cached children its holder chained on
-//!   it (a block decoded after a full hit) and stays in the forest under its holder's previous
-//!   block (released after it: `request/mod.rs`), so children are counted per content, not
-//!   per copy: the canonical copy stays evictable in its own place, as vLLM evicts it first
-//!   (the hash stays cached in the copy), and the spare goes only after its children, or takes
-//!   the canonical copy's entry and stays cached above them. A spare above a blocked child
-//!   counts as blocked (it is as it will be once cached), so the obtainable count stays exact.
-//!   Sliding-window caches release positions early, so there a duplicate hands its children to
-//!   its canonical copy instead (`reparent`). So eviction takes blocks in vLLM's order of release, and
+//!   entry when that is evicted first. So eviction takes blocks in vLLM's order of release, and
 //!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
@@ -63,8 +56,7 @@
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
@@ -116,30 +108,21 @@ struct BlockMeta {
 }
 
 impl BlockMeta {
-    /// In the evictable set: a cached leaf nobody references or pins, or a spare without
-    /// cached children.
+    /// In the evictable set: a cached leaf nobody references or pins, or a spare.
     fn evictable(&self) -> bool {
         self.ref_count == 0
-            && self.cached_children == 0
-            && (self.cached && self.pin_count == 0 || self.duplicate_of.is_some())
+            && (self.cached && self.pin_count == 0 && self.cached_children == 0
+                || self.duplicate_of.is_some())
     }
 
-    /// Nobody references it and it is a duplicate (module docs).
-    fn spare(&self) -> bool {
-        self.ref_count == 0 && self.duplicate_of.is_some()
-    }
-
-    /// Out of eviction's reach while the pool stays as it is: cached and referenced, pinned or
-    /// above such a block; or a spare above such a block (it goes only after its children, or
-    /// takes its canonical copy's entry and stays).
+    /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
     fn blocked(&self) -> bool {
         self.cached && (self.ref_count > 0 || self.pin_count > 0 || self.blocked_children > 0)
-            || self.spare() && self.blocked_children > 0
     }
 }
 
 /// Refcounts, free list and LRU eviction order of a fixed number of blocks.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct BlockPool {
     blocks: Vec<BlockMeta>,
     /// Free blocks; popped from the end. Initialised so that low ids are handed out first.
@@ -154,6 +137,9 @@ pub struct BlockPool {
     num_spares: usize,
     /// The duplicates of each canonical block that has any (rare: keyed, not per block).
     duplicates: HashMap<BlockId, Vec<BlockId>, BuildHasherDefault<BlockIdHasher>>,
+    /// The cached child of each duplicate that has one (at most one: its holder's next block,
+    /// module docs), so taking a spare hands it to the canonical copy without a scan.
+    duplicate_children: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
 }
 
 /// A cached block `allocate` took back.
@@ -195,6 +181,7 @@ impl BlockPool {
             num_blocked: 0,
             num_spares: 0,
             duplicates: HashMap::default(),
+            duplicate_children: HashMap::default(),
         })
     }
 
@@ -303,21 +290,10 @@ impl BlockPool {
             false
         } else {
             if meta.duplicate_of.is_some() {
-                // A spare. It keeps its cached children (its holder's next block), so the
-                // canonical copy stays evictable in its own place (vLLM evicts it first; its
-                // entry then moves here). With children it stays in the pool's forest under its
-                // holder's previous block, which it keeps from going before it, and goes only
-                // after them (`detach_child` lets it go); without, that parent is stale.
+                // A spare. It keeps its cached child, if any (module docs); its parent was the
+                // holder's block: stale from now on.
+                meta.parent = None;
                 self.num_spares += 1;
-                match meta.parent {
-                    Some(parent) if meta.cached_children > 0 => {
-                        self.blocks[parent as usize].cached_children += 1;
-                        self.refresh(parent);
-                    }
-                    _ => meta.parent = None,
-                }
-                // Held and uncached before, so not counted; blocked now if above a blocked child.
-                self.reblock(block, false);
                 self.refresh(block);
                 return false;
             }
@@ -345,9 +321,7 @@ impl BlockPool {
         meta.parent = parent;
         self.num_cached += 1;
         if let Some(parent) = parent {
-            debug_assert!(self.holds_chain(parent));
-            self.blocks[parent as usize].cached_children += 1;
-            self.refresh(parent);
+            self.add_child(parent, block);
         }
         // Referenced, so blocked from now on; before, uncached, it was not counted.
         self.reblock(block, false);
@@ -355,10 +329,26 @@ impl BlockPool {
     }
 
     /// Whether `block` may be the parent of a cached block: cached, or a duplicate (held, or a
-    /// spare that kept its holder's children).
+    /// spare that kept its holder's next block).
     fn holds_chain(&self, block: BlockId) -> bool {
         let meta = &self.blocks[block as usize];
         meta.cached || meta.duplicate_of.is_some()
+    }
+
+    /// Counts cached `child` (whose `parent` is already set) among `parent`'s children, and
+    /// remembers it as a duplicate's one child.
+    fn add_child(&mut self, parent: BlockId, child: BlockId) {
+        debug_assert!(self.holds_chain(parent));
+        let parent_meta = &mut self.blocks[parent as usize];
+        parent_meta.cached_children += 1;
+        if parent_meta.duplicate_of.is_some() {
+            let earlier = self.duplicate_children.insert(parent, child);
+            debug_assert!(
+                earlier.is_none(),
+                "duplicate {parent} with two cached children"
+            );
+        }
+        self.refresh(parent);
     }
 
     /// Records that held, uncached `block` holds the same content as cached `canonical`, and
@@ -401,10 +391,9 @@ impl BlockPool {
         self.blocks.get(block as usize).and_then(|m| m.parent)
     }
 
-    /// Moves cached `child` under `parent` (cached, or a held duplicate), carrying its blocked
+    /// Moves cached `child` under `parent` (cached, or a duplicate), carrying its blocked
     /// state from its old parent's counts to the new one's. Sliding-window caches use it before
-    /// a request lets go of a duplicate (`request/mod.rs`): they release positions out of
-    /// order, so a spare there could not keep its place in the forest.
+    /// a request lets go of a duplicate (`request/mod.rs`); taking a spare uses it too.
     pub fn reparent(&mut self, child: BlockId, parent: BlockId) {
         let meta = &self.blocks[child as usize];
         debug_assert!(meta.cached && self.holds_chain(parent));
@@ -413,14 +402,14 @@ impl BlockPool {
             self.detach_child(old, blocked);
         }
         self.blocks[child as usize].parent = Some(parent);
-        let parent_meta = &mut self.blocks[parent as usize];
-        let parent_was_blocked = parent_meta.blocked();
-        parent_meta.cached_children += 1;
+        self.add_child(parent, child);
         if blocked {
+            let parent_meta = &mut self.blocks[parent as usize];
+            let parent_was_blocked = parent_meta.blocked();
             parent_meta.blocked_children += 1;
             self.reblock(parent, parent_was_blocked);
+            self.refresh(parent);
         }
-        self.refresh(parent);
     }
 
     /// Takes one cached child, blocked or not, off `parent`'s counts.
@@ -429,24 +418,17 @@ impl BlockPool {
         // `clear` goes in id order and may uncache a parent before its children: an uncached
         // parent keeps counting them until they go too, and ends at 0 either way.
         parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
+        if parent_meta.duplicate_of.is_some() {
+            // Its one cached child (`add_child`).
+            self.duplicate_children.remove(&parent);
+        }
+        let parent_meta = &mut self.blocks[parent as usize];
         if child_blocked {
             let parent_was_blocked = parent_meta.blocked();
             parent_meta.blocked_children -= 1;
             self.reblock(parent, parent_was_blocked);
         }
-        let parent_meta = &mut self.blocks[parent as usize];
-        let spare_left_bare = parent_meta.spare() && parent_meta.cached_children == 0;
-        let grandparent = if spare_left_bare {
-            parent_meta.parent.take()
-        } else {
-            None
-        };
         self.refresh(parent);
-        if let Some(grandparent) = grandparent {
-            // A spare whose last child went leaves the forest: a plain spare (`release`). With
-            // no children it is not blocked.
-            self.detach_child(grandparent, false);
-        }
     }
 
     fn forget_duplicate(&mut self, canonical: BlockId, block: BlockId) {
@@ -460,6 +442,9 @@ impl BlockPool {
 
     /// Forgets every duplicate (`clear`, once every cached block is gone): they stay private.
     pub fn forget_duplicates(&mut self) {
+        // Their children were cached blocks, all gone (`detach_child` forgot them).
+        debug_assert!(self.duplicate_children.is_empty());
+        self.duplicate_children.clear();
         let mut spares = Vec::new();
         for (_, list) in std::mem::take(&mut self.duplicates) {
             for block in list {
@@ -478,11 +463,23 @@ impl BlockPool {
         self.free.extend(spares);
     }
 
-    /// Hands out spare `block` (module docs): its content is cached elsewhere.
+    /// Hands out spare `block` (module docs): its content is cached elsewhere, in its canonical
+    /// copy, which takes its cached child if it kept one.
     fn take_spare(&mut self, block: BlockId) {
+        let canonical = self.blocks[block as usize]
+            .duplicate_of
+            .expect("a spare is a duplicate");
+        if let Some(&child) = self.duplicate_children.get(&block) {
+            // Whoever keeps the child from eviction holds or pins the canonical copy too (they
+            // reached the child through it), so the obtainable count does not change.
+            debug_assert!(
+                !self.blocks[child as usize].blocked() || self.blocks[canonical as usize].blocked()
+            );
+            self.reparent(child, canonical);
+        }
         let meta = &mut self.blocks[block as usize];
-        let canonical = meta.duplicate_of.take().expect("a spare is a duplicate");
-        debug_assert!(meta.ref_count == 0 && !meta.cached);
+        meta.duplicate_of = None;
+        debug_assert!(meta.ref_count == 0 && !meta.cached && meta.cached_children == 0);
         self.num_spares -= 1;
         self.forget_duplicate(canonical, block);
         self.refresh(block);
@@ -503,19 +500,10 @@ impl BlockPool {
         }
         let evicted_parent = self.blocks[block as usize].parent;
         self.uncache(block);
+        // No longer a duplicate: its cached child, if any, stays its child.
+        self.duplicate_children.remove(&heir);
         let meta = &mut self.blocks[heir as usize];
         debug_assert!(!meta.cached);
-        if meta.ref_count == 0 && meta.cached_children > 0 {
-            // A spare with cached children, already in the forest under its holder's previous
-            // block (or a root) and counted blocked or not exactly as it is once cached: only its state
-            // changes.
-            self.num_spares -= 1;
-            meta.duplicate_of = None;
-            meta.cached = true;
-            self.num_cached += 1;
-            self.refresh(heir);
-            return Some(heir);
-        }
         if meta.ref_count == 0 {
             // A spare: its holder's chain is gone; it takes the evicted block's place.
             meta.parent = evicted_parent;
@@ -526,11 +514,10 @@ impl BlockPool {
         meta.cached = true;
         self.num_cached += 1;
         if let Some(parent) = meta.parent {
-            debug_assert!(self.holds_chain(parent));
-            self.blocks[parent as usize].cached_children += 1;
-            self.refresh(parent);
+            self.add_child(parent, heir);
         }
-        // Blocked from now on if referenced (its cached children were counted all along).
+        // Blocked from now on if referenced or above a blocked child (its cached children were
+        // counted all along).
         self.reblock(heir, false);
         self.refresh(heir);
         Some(heir)
@@ -620,7 +607,7 @@ impl BlockPool {
                 });
             }
             // The smallest evictable key, one at a time: each eviction may expose its parent,
-            // which joins the set in order (the same order `plan_eviction` computes).
+            // which joins the set in order.
             evicted.reserve(count - self.free.len());
             while self.free.len() < count {
                 // Peeked, not popped: `take_spare`, `evict_into_duplicate` and `uncache` each
@@ -629,16 +616,7 @@ impl BlockPool {
                     .evictable
                     .first()
                     .expect("the obtainable count promised a block");
-                if !self.blocks[block as usize].cached {
-                    // A spare: nothing to drop but the block itself.
-                    self.take_spare(block);
-                    continue;
-                }
-                let moved_to = self.evict_into_duplicate(block);
-                if moved_to.is_none() {
-                    self.uncache(block);
-                }
-                evicted.push(Evicted { block, moved_to });
+                evicted.extend(self.evict(block));
             }
         }
         let start = self.free.len() - count;
@@ -654,48 +632,36 @@ impl BlockPool {
         Ok((blocks, evicted))
     }
 
-    /// The blocks that eviction would take, in order, to free up to `want` blocks — without
-    /// changing anything. Leaves go first; a parent joins the order once all its cached children
-    /// are planned out.
+    /// The blocks that eviction would take, in order, to free up to `want` blocks, without
+    /// changing anything: `allocate`'s own eviction, run on a copy of the pool (invariant checks
+    /// and tests only: it costs a copy of the metadata).
     #[must_use]
     pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
+        let mut copy = self.clone();
         let mut plan = Vec::with_capacity(want.min(self.blocks.len()));
-        // Parents met so far (at most one per planned block): sized once, no rehash mid-plan.
-        let mut children_left: HashMap<BlockId, u32, BuildHasherDefault<BlockIdHasher>> =
-            HashMap::with_capacity_and_hasher(
-                want.min(self.num_cached),
-                BuildHasherDefault::default(),
-            );
-        let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
-        let mut leaves = self.evictable.iter().peekable();
         while plan.len() < want {
-            let from_exposed = match (leaves.peek(), exposed.peek()) {
-                (None, None) => break,
-                (Some(_), None) => false,
-                (None, Some(_)) => true,
-                (Some(leaf), Some(Reverse(parent))) => parent < *leaf,
+            let Some(&(_, _, block)) = copy.evictable.first() else {
+                break;
             };
-            let (_, _, block) = if from_exposed {
-                exposed.pop().map(|Reverse(k)| k)
-            } else {
-                leaves.next().copied()
-            }
-            .expect("peeked above");
+            copy.evict(block);
             plan.push(block);
-            if let Some(parent) = self.blocks[block as usize].parent {
-                let meta = &self.blocks[parent as usize];
-                let left = children_left.entry(parent).or_insert(meta.cached_children);
-                *left -= 1;
-                if *left == 0
-                    && meta.ref_count == 0
-                    && meta.pin_count == 0
-                    && (meta.cached || meta.duplicate_of.is_some())
-                {
-                    exposed.push(Reverse((meta.priority, meta.last_access, parent)));
-                }
-            }
         }
         plan
+    }
+
+    /// Takes evictable `block` back: a spare is handed out, a cached block's entry moves into a
+    /// duplicate or goes. Returns the eviction to report, `None` for a spare.
+    fn evict(&mut self, block: BlockId) -> Option<Evicted> {
+        if !self.blocks[block as usize].cached {
+            // A spare: nothing to drop but the block itself.
+            self.take_spare(block);
+            return None;
+        }
+        let moved_to = self.evict_into_duplicate(block);
+        if moved_to.is_none() {
+            self.uncache(block);
+        }
+        Some(Evicted { block, moved_to })
     }
 
     /// Every cached block, in id order: not parent order (a reused block can hold the parent
@@ -765,7 +731,7 @@ impl BlockPool {
         }
         let mut children = vec![0u32; self.blocks.len()];
         for meta in &self.blocks {
-            if meta.cached || meta.spare() {
+            if meta.cached {
                 if let Some(parent) = meta.parent {
                     children[parent as usize] += 1;
                 }
@@ -791,19 +757,31 @@ impl BlockPool {
                 if let Some(parent) = meta.parent {
                     assert!(
                         self.holds_chain(parent),
-                        "block {id} has a parent neither cached nor a duplicate"
+                        "block {id} has a parent neither cached nor a held duplicate"
                     );
                 }
             }
             if let Some(canonical) = meta.duplicate_of {
                 assert!(
-                    meta.ref_count > 0 || meta.cached_children > 0 || meta.parent.is_none(),
-                    "spare {id} without children still chained"
+                    meta.ref_count > 0 || meta.parent.is_none(),
+                    "spare {id} still chained"
                 );
-                if let (true, Some(parent)) = (meta.spare(), meta.parent) {
+                assert!(
+                    meta.cached_children <= 1,
+                    "duplicate {id} with {} cached children",
+                    meta.cached_children
+                );
+                let child = self.duplicate_children.get(&(id as BlockId)).copied();
+                assert_eq!(
+                    child.is_some(),
+                    meta.cached_children == 1,
+                    "duplicate {id}'s child record"
+                );
+                if let Some(child) = child {
+                    let child_meta = &self.blocks[child as usize];
                     assert!(
-                        self.holds_chain(parent),
-                        "spare {id} has a parent neither cached nor a duplicate"
+                        child_meta.cached && child_meta.parent == Some(id as BlockId),
+                        "duplicate {id}'s recorded child {child}"
                     );
                 }
                 assert!(
@@ -830,11 +808,10 @@ impl BlockPool {
         assert_eq!(in_use, self.num_in_use);
         assert_eq!(pinned, self.num_pinned);
         // Blocked counts: each block's count of blocked cached children, the total, and the
-        // obtainable blocks they imply against the planner's own walk.
+        // obtainable blocks they imply against what eviction reaches.
         let mut blocked_children = vec![0u32; self.blocks.len()];
         for meta in &self.blocks {
             if let (true, Some(parent)) = (meta.blocked(), meta.parent) {
-                debug_assert!(meta.cached || meta.spare());
                 blocked_children[parent as usize] += 1;
             }
         }
@@ -845,6 +822,12 @@ impl BlockPool {
                     "block {id} blocked children"
                 );
             }
+        }
+        for &parent in self.duplicate_children.keys() {
+            assert!(
+                self.blocks[parent as usize].duplicate_of.is_some(),
+                "child recorded for {parent}, not a duplicate"
+            );
         }
         for (&canonical, list) in &self.duplicates {
             assert!(!list.is_empty(), "empty duplicate list of {canonical}");

@@ -196,11 +196,11 @@ impl Model {
         hits
     }
 
-    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`)
-    /// without cached children.
+    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`), with
+    /// or without the cached child its holder chained on it.
     fn evictable(&self, b: usize, children: &[u32]) -> bool {
         let m = &self.blocks[b];
-        m.refs == 0 && children[b] == 0 && (m.cached && m.pins == 0 || m.duplicate_of.is_some())
+        m.refs == 0 && (m.cached && m.pins == 0 && children[b] == 0 || m.duplicate_of.is_some())
     }
 
     fn uncache(&mut self, b: BlockId) {
@@ -221,15 +221,9 @@ impl Model {
         }
     }
 
-    /// One child fewer for `p`; a spare left without children leaves the forest (`pool.rs`).
     fn drop_child(&mut self, p: BlockId) {
         let pm = &mut self.blocks[p as usize];
         pm.children = pm.children.saturating_sub(1);
-        if pm.children == 0 && pm.refs == 0 && !pm.cached && pm.duplicate_of.is_some() {
-            if let Some(grandparent) = pm.parent.take() {
-                self.drop_child(grandparent);
-            }
-        }
     }
 
     /// Every block eviction could take, in order: the smallest (priority, tick, id) evictable
@@ -266,7 +260,15 @@ impl Model {
             while self.free.len() < count {
                 let b = self.plan()[0];
                 if let Some(canonical) = self.blocks[b as usize].duplicate_of.take() {
-                    // A spare: its content is cached elsewhere.
+                    // A spare: its content is cached elsewhere, in the canonical copy, which
+                    // takes the spare's cached child if it has one.
+                    let child = (0..self.blocks.len())
+                        .find(|&c| self.blocks[c].cached && self.blocks[c].parent == Some(b));
+                    if let Some(c) = child {
+                        self.blocks[c].parent = Some(canonical);
+                        self.blocks[b as usize].children -= 1;
+                        self.blocks[canonical as usize].children += 1;
+                    }
                     self.forget_duplicate(canonical, b);
                     self.free.push(b);
                     continue;
@@ -307,15 +309,14 @@ impl Model {
         let evicted_parent = self.blocks[b as usize].parent;
         self.uncache(b);
         let m = &mut self.blocks[heir as usize];
-        // A spare with children is in the forest already, under its holder's previous block.
-        let in_forest = m.refs == 0 && m.children > 0;
-        if m.refs == 0 && !in_forest {
+        if m.refs == 0 {
+            // A spare takes the evicted block's place (its own child, if any, stays its child).
             m.parent = evicted_parent;
         }
         m.cached = true;
         m.duplicate_of = None;
         m.entry = Some(entry);
-        if let (false, Some(p)) = (in_forest, m.parent) {
+        if let Some(p) = m.parent {
             self.blocks[p as usize].children += 1;
         }
     }
@@ -326,12 +327,9 @@ impl Model {
         m.refs -= 1;
         if m.refs == 0 && !m.cached {
             if m.duplicate_of.is_some() {
-                // A spare now, in the eviction order. With cached children it stays in the
-                // forest under its holder's previous block (`pool.rs`).
-                match m.parent {
-                    Some(p) if m.children > 0 => self.blocks[p as usize].children += 1,
-                    _ => m.parent = None,
-                }
+                // A spare now, in the eviction order; it keeps its cached child, if any
+                // (`pool.rs`).
+                m.parent = None;
                 return;
             }
             self.free.push(b);
@@ -552,8 +550,7 @@ impl Model {
             .remove(&id)
             .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
-        // Duplicates (spares once released) one tick after the rest, and released first, tail
-        // first (`request/mod.rs`).
+        // Duplicates (spares once released) one tick after the rest (`request/mod.rs`).
         let mut spares = false;
         for &b in &req.table {
             let m = &mut self.blocks[b as usize];
@@ -564,16 +561,7 @@ impl Model {
                 m.priority = m.priority.max(req.priority);
                 spares = true;
             }
-        }
-        for &b in req.table.iter().rev() {
-            if self.blocks[b as usize].duplicate_of.is_some() {
-                self.release_one(b);
-            }
-        }
-        for &b in &req.table {
-            if self.blocks[b as usize].duplicate_of.is_none() {
-                self.release_one(b);
-            }
+            self.release_one(b);
         }
         if spares {
             self.tick += 1;

@@ -449,38 +449,27 @@ impl PrefixCache {
     fn release_table(&self, inner: &mut Inner, request: &Request) {
         let table = &request.block_table[request.released..];
         if self.config.sliding_window.is_some() {
-            // Positions before `released` went already, so a duplicate's parent may be gone:
-            // its cached successor goes to the canonical copy instead (`pool.rs`, `reparent`).
+            // Positions before `released` went already, so whoever holds a duplicate's successor
+            // may not hold a copy of the duplicate's content: the successor goes to the
+            // canonical copy instead (`pool.rs`, `reparent`). Full attention: a duplicate keeps
+            // it as a spare, so the canonical copy stays evictable in its own place, as vLLM
+            // evicts it first (`pool.rs`).
             hand_over_duplicate_children(inner, table);
         }
-        // Full attention: a duplicate keeps its cached children (at most its successor:
-        // `publish.rs`) as a spare, so its canonical copy stays evictable in its own place
-        // (`pool.rs`). Duplicates are released tail first and before the rest, so each one
-        // that keeps children still has its parent held then. They never go to the free
-        // list, so this order changes nothing else.
+        // Cached blocks join the LRU order now; duplicates (spares once released: `pool.rs`)
+        // one tick later, so they go after the request's other blocks: vLLM frees a request's
+        // blocks tail first, and a full hit's duplicate is its prompt's last block.
         let spare_tick = inner.tick + 1;
         let mut spares = false;
         for &block in table {
-            // Cached blocks join the LRU order now; duplicates (spares once released) one tick
-            // later, so they go after the request's other blocks: vLLM frees a request's blocks
-            // tail first, and a full hit's duplicate is its prompt's last block.
             if inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
             } else if inner.pool.duplicate_of(block).is_some() {
                 inner.pool.touch(block, spare_tick, request.priority);
                 spares = true;
             }
-        }
-        // The references the request took: only it drops them (see `cache/mod.rs`).
-        for &block in table.iter().rev() {
-            if inner.pool.duplicate_of(block).is_some() {
-                inner.pool.release(block);
-            }
-        }
-        for &block in table {
-            if inner.pool.duplicate_of(block).is_none() {
-                inner.pool.release(block);
-            }
+            // The reference the request took: only it drops it (see `cache/mod.rs`).
+            inner.pool.release(block);
         }
         if spares {
             inner.tick = spare_tick;
