@@ -8,7 +8,6 @@ token contents, so the model has no hash at all: it is what the verified table m
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 LOWEST = -(2**31)  # a freshly allocated block's priority, until a request touches it
@@ -135,7 +134,13 @@ class ReferenceCache:
             b = self._plan()[0]
             m = self.blocks[b]
             if m.duplicate_of is not None:
-                # A spare: its content is cached elsewhere.
+                # A spare: its content is cached elsewhere, in the canonical copy, which takes
+                # the spare's cached child if it kept one (rust/core/src/pool.rs).
+                for child in self.blocks:
+                    if child.cached and child.parent == b:
+                        child.parent = m.duplicate_of
+                        m.children -= 1
+                        self.blocks[m.duplicate_of].children += 1
                 self._forget_duplicate(m.duplicate_of, b)
                 m.duplicate_of = None
                 self.free.append(b)
@@ -168,7 +173,8 @@ class ReferenceCache:
         self._uncache(b)
         m = self.blocks[heir]
         if m.ref == 0:
-            m.parent = evicted_parent  # a spare takes the evicted block's place
+            # A spare takes the evicted block's place (its own child, if any, stays its child).
+            m.parent = evicted_parent
         m.cached, m.entry, m.duplicate_of = True, moved, None
         if m.parent is not None:
             self.blocks[m.parent].children += 1
@@ -179,8 +185,7 @@ class ReferenceCache:
         m.ref -= 1
         if m.ref == 0 and not m.cached:
             if m.duplicate_of is not None:
-                # A spare now, in the eviction order.
-                assert m.children == 0
+                # A spare now, in the eviction order; it keeps its cached child, if any.
                 m.parent = None
                 return
             self.free.append(b)
@@ -285,13 +290,6 @@ class ReferenceCache:
     def finish(self, rid: int) -> None:
         req = self.requests.pop(rid)
         self.tick += 1
-        # A duplicate's cached successor, if the duplicate parents it, goes to the canonical copy.
-        for dup, nxt in itertools.pairwise(req.table):
-            canonical = self.blocks[dup].duplicate_of
-            if canonical is not None and self.blocks[nxt].cached and self.blocks[nxt].parent == dup:
-                self.blocks[dup].children -= 1
-                self.blocks[canonical].children += 1
-                self.blocks[nxt].parent = canonical
         # Duplicates (spares once released) one tick after the rest (rust/core/src/request/mod.rs).
         spares = False
         for b in req.table:

@@ -24,14 +24,22 @@
 //!   Evicting a canonical copy that has duplicates *moves* its entry into the earliest one
 //!   recorded (vLLM's lookup returns the first block cached under a hash that is still there;
 //!   `allocate` reports the move), which becomes cached in its place: no content reachable
-//!   before is lost, and nothing referenced is freed. A duplicate released while it still parents cached
-//!   blocks hands them to its canonical copy first (`reparent`). Every cached block's parent is
-//!   cached or a held duplicate.
+//!   before is lost, and nothing referenced is freed. Every cached block's parent is cached or a
+//!   duplicate; a duplicate parents at most one cached block, its holder's next one (lookups
+//!   return canonical copies, so nobody else chains on it).
 //! - A duplicate nobody references any more is a *spare*, as vLLM keeps its copy cached and
 //!   free: not on the free list but in the eviction order, where it is taken like any evictable
 //!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
-//!   entry when that is evicted first. So eviction takes blocks in vLLM's order of release, and
-//!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
+//!   entry when that is evicted first. A spare keeps its cached child (a block its holder
+//!   decoded after a full hit), so the canonical copy stays a leaf and goes first in its own
+//!   place, as vLLM evicts it first (the hash stays cached in the copy, which keeps the child).
+//!   A spare is obtainable with or without a child, as vLLM counts its copy free: taking it
+//!   hands the child to the canonical copy (`take_spare`), which blocks nothing new, since
+//!   whoever holds or pins the child reached it through the canonical copy and holds or pins
+//!   that too. (Sliding-window caches release positions early, so a request there may hold the
+//!   child alone: their duplicates hand it over at release instead, `request/mod.rs`.) So
+//!   eviction takes blocks in vLLM's order of release, and a freed duplicate is not reused
+//!   ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
@@ -50,8 +58,8 @@
 //! can never reach while the pool stays as it is (referenced, pinned, or with a blocked cached
 //! child; everything else is obtainable, leaf by leaf). Each block counts its blocked cached
 //! children; a change of a block's state walks up its chain only while ancestors change state
-//! too, so a request pays once per block it held. `plan_eviction` still computes the same order
-//! without touching the pool, and the invariant check compares the count with it.
+//! too, so a request pays once per block it held. `plan_eviction` runs the same eviction on a copy
+//! of the pool, and the invariant check compares the count with the blocks it reaches.
 //!
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
