@@ -33,11 +33,15 @@
 //!   entry when that is evicted first. A spare keeps its cached child (a block its holder
 //!   decoded after a full hit), so the canonical copy stays a leaf and goes first in its own
 //!   place, as vLLM evicts it first (the hash stays cached in the copy, which keeps the child).
-//!   A spare is obtainable with or without a child, as vLLM counts its copy free: taking it
-//!   hands the child to the canonical copy (`take_spare`), which blocks nothing new, since
-//!   whoever holds or pins the child reached it through the canonical copy and holds or pins
-//!   that too. (Sliding-window caches release positions early, so a request there may hold the
-//!   child alone: their duplicates hand it over at release instead, `request/mod.rs`.) So
+//!   A spare's child is never blocked: once it is (whoever holds or pins it, or a block below
+//!   it, usually reached it through the canonical copy, but the low-level `commit_blocks`
+//!   chains on canonical blocks while its caller holds its own copies), it goes to the
+//!   canonical copy at once (`release`, `reblock`). So a spare is obtainable with or without a
+//!   child, as vLLM counts its copy free, and taking it hands the child to the canonical copy
+//!   (`take_spare`) without changing what is blocked: the obtainable count stays exact. (A
+//!   request releases its duplicates last, after their successors. Sliding-window caches
+//!   release positions early, so their duplicates hand the successor over at release instead,
+//!   `request/mod.rs`.) So
 //!   eviction takes blocks in vLLM's order of release, and a freed duplicate is not reused
 //!   ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
@@ -121,6 +125,11 @@ impl BlockMeta {
         self.ref_count == 0
             && (self.cached && self.pin_count == 0 && self.cached_children == 0
                 || self.duplicate_of.is_some())
+    }
+
+    /// Nobody references it and it is a duplicate (module docs).
+    fn spare(&self) -> bool {
+        self.ref_count == 0 && self.duplicate_of.is_some()
     }
 
     /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
@@ -298,11 +307,19 @@ impl BlockPool {
             false
         } else {
             if meta.duplicate_of.is_some() {
-                // A spare. It keeps its cached child, if any (module docs); its parent was the
-                // holder's block: stale from now on.
+                // A spare. It keeps its cached child, unless blocked (module docs); its parent
+                // was the holder's block: stale from now on.
                 meta.parent = None;
                 self.num_spares += 1;
                 self.refresh(block);
+                if let Some(&child) = self.duplicate_children.get(&block) {
+                    if self.blocks[child as usize].blocked() {
+                        let canonical = self.blocks[block as usize]
+                            .duplicate_of
+                            .expect("a spare is a duplicate");
+                        self.reparent(child, canonical);
+                    }
+                }
                 return false;
             }
             self.free.push(block);
@@ -478,11 +495,9 @@ impl BlockPool {
             .duplicate_of
             .expect("a spare is a duplicate");
         if let Some(&child) = self.duplicate_children.get(&block) {
-            // Whoever keeps the child from eviction holds or pins the canonical copy too (they
-            // reached the child through it), so the obtainable count does not change.
-            debug_assert!(
-                !self.blocks[child as usize].blocked() || self.blocks[canonical as usize].blocked()
-            );
+            // Not blocked (module docs), so the canonical copy's state does not change, nor
+            // does the obtainable count.
+            debug_assert!(!self.blocks[child as usize].blocked());
             self.reparent(child, canonical);
         }
         let meta = &mut self.blocks[block as usize];
@@ -696,9 +711,20 @@ impl BlockPool {
             } else {
                 self.num_blocked -= 1;
             }
-            let Some(parent) = meta.parent else {
+            let Some(mut parent) = meta.parent else {
                 return;
             };
+            if now && self.blocks[parent as usize].spare() {
+                // A spare's child is never blocked (module docs): it goes to the canonical copy,
+                // still counted unblocked where it was.
+                let canonical = self.blocks[parent as usize]
+                    .duplicate_of
+                    .expect("a spare is a duplicate");
+                self.detach_child(parent, false);
+                self.blocks[block as usize].parent = Some(canonical);
+                self.add_child(canonical, block);
+                parent = canonical;
+            }
             let parent_meta = &mut self.blocks[parent as usize];
             was_blocked = parent_meta.blocked();
             if now {
@@ -773,6 +799,10 @@ impl BlockPool {
                 assert!(
                     meta.ref_count > 0 || meta.parent.is_none(),
                     "spare {id} still chained"
+                );
+                assert!(
+                    meta.ref_count > 0 || meta.blocked_children == 0,
+                    "spare {id} above a blocked block"
                 );
                 assert!(
                     meta.cached_children <= 1,

@@ -246,7 +246,48 @@ impl Model {
         plan
     }
 
+    /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+    fn blocked(&self, b: usize) -> bool {
+        let m = &self.blocks[b];
+        m.cached
+            && (m.refs > 0
+                || m.pins > 0
+                || (0..self.blocks.len()).any(|c| {
+                    self.blocks[c].cached
+                        && self.blocks[c].parent == Some(b as BlockId)
+                        && self.blocked(c)
+                }))
+    }
+
+    /// A spare's cached child is never blocked (`pool.rs`): one that is goes to the spare's
+    /// canonical copy, which may in turn be a spare's child.
+    fn normalize(&mut self) {
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for s in 0..self.blocks.len() {
+                let m = &self.blocks[s];
+                let Some(canonical) = m.duplicate_of else {
+                    continue;
+                };
+                if m.refs > 0 {
+                    continue;
+                }
+                let child = (0..self.blocks.len()).find(|&c| {
+                    self.blocks[c].cached && self.blocks[c].parent == Some(s as BlockId)
+                });
+                if let Some(c) = child.filter(|&c| self.blocked(c)) {
+                    self.blocks[c].parent = Some(canonical);
+                    self.blocks[s].children -= 1;
+                    self.blocks[canonical as usize].children += 1;
+                    changed = true;
+                }
+            }
+        }
+    }
+
     fn allocate_blocks(&mut self, count: usize) -> Result<Vec<BlockId>, CacheError> {
+        self.normalize();
         if self.free.len() < count {
             let plan = self.plan();
             if self.free.len() + plan.len() < count {
@@ -327,9 +368,10 @@ impl Model {
         m.refs -= 1;
         if m.refs == 0 && !m.cached {
             if m.duplicate_of.is_some() {
-                // A spare now, in the eviction order; it keeps its cached child, if any
-                // (`pool.rs`).
+                // A spare now, in the eviction order; it keeps its cached child, if any, unless
+                // blocked (`pool.rs`).
                 m.parent = None;
+                self.normalize();
                 return;
             }
             self.free.push(b);
@@ -475,6 +517,7 @@ impl Model {
         for e in &hits {
             self.blocks[e.block as usize].refs += 1;
         }
+        self.normalize();
         let fresh = match self.allocate_blocks(tokens.len().div_ceil(self.bs) - hits.len()) {
             Ok(fresh) => fresh,
             Err(err) => {
@@ -538,6 +581,7 @@ impl Model {
             self.tick += 1;
             let target = req.computed / self.bs;
             self.extend(&mut req, target);
+            self.normalize();
         }
         let committed = req.anchors.len();
         self.requests.insert(id, req);
@@ -550,7 +594,8 @@ impl Model {
             .remove(&id)
             .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
-        // Duplicates (spares once released) one tick after the rest (`request/mod.rs`).
+        // Duplicates (spares once released) one tick after the rest, and released after them,
+        // so a duplicate's successor is no longer held by the request (`request/mod.rs`).
         let mut spares = false;
         for &b in &req.table {
             let m = &mut self.blocks[b as usize];
@@ -561,7 +606,13 @@ impl Model {
                 m.priority = m.priority.max(req.priority);
                 spares = true;
             }
-            self.release_one(b);
+        }
+        for duplicates in [false, true] {
+            for &b in &req.table {
+                if self.blocks[b as usize].duplicate_of.is_some() == duplicates {
+                    self.release_one(b);
+                }
+            }
         }
         if spares {
             self.tick += 1;
@@ -578,6 +629,7 @@ impl Model {
             self.external[b as usize] += 1;
             self.touch(b, priority);
         }
+        self.normalize();
         self.count_lookup(tokens.len(), result.1);
         result
     }
@@ -637,6 +689,7 @@ impl Model {
         };
         self.tick += 1;
         self.extend(&mut req, blocks.len());
+        self.normalize();
         Ok(req.anchors.iter().map(|a| a.block).collect())
     }
 
@@ -670,6 +723,7 @@ impl Model {
         for &b in &blocks {
             self.blocks[b as usize].pins += 1;
         }
+        self.normalize();
         let id = self.next_pin;
         self.next_pin += 1;
         let count = blocks.len();
@@ -1041,6 +1095,12 @@ impl Machine {
     }
 
     fn apply(&mut self, op: &Op) {
+        self.apply_op(op);
+        // Every change that may block a spare's child has normalized already; in case.
+        self.model.normalize();
+    }
+
+    fn apply_op(&mut self, op: &Op) {
         let extras = RequestExtras::default();
         let salt_of = |salt: bool| -> &'static [u8] {
             if salt {
@@ -1658,4 +1718,53 @@ proptest! {
     ) {
         run_sliding(num_blocks, block_size, window, reuse_last_block, &ops);
     }
+}
+
+/// Found by `make rust-stress` at 60000 cases on the change that lets a spare keep its cached
+/// child (`pool.rs`).
+#[test]
+fn a_spare_keeps_its_child_through_low_level_commits() {
+    let ops = [
+        Op::Begin {
+            tokens: vec![0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Begin {
+            tokens: vec![1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Begin {
+            tokens: vec![1, 2, 3, 0, 0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Finish { request: 12 },
+        Op::Commit {
+            request: 21,
+            percent: 40,
+        },
+        Op::Allocate { count: 3 },
+        Op::BeginTwins {
+            tokens: vec![1, 2, 3],
+            salt: true,
+            priority: 0,
+        },
+        Op::Commit {
+            request: 61,
+            percent: 37,
+        },
+        Op::CommitBlocks {
+            held: 0,
+            keep: 3,
+            tokens: vec![1, 2, 3, 4, 5, 1],
+            salt: false,
+            priority: 0,
+        },
+        Op::Finish { request: 1 },
+        Op::Finish { request: 5 },
+        Op::Finish { request: 1 },
+    ];
+    run(15, 2, 4, 12_597_561_123_941_762_363, false, &ops);
 }

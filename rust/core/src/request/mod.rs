@@ -468,8 +468,17 @@ impl PrefixCache {
                 inner.pool.touch(block, spare_tick, request.priority);
                 spares = true;
             }
-            // The reference the request took: only it drops it (see `cache/mod.rs`).
-            inner.pool.release(block);
+        }
+        // The references the request took: only it drops them (see `cache/mod.rs`). Duplicates
+        // last, so a duplicate's successor is no longer held by this request when it becomes a
+        // spare (a spare gives a blocked child to its canonical copy: `pool.rs`). They never go
+        // to the free list, so the free list's order is the table's either way.
+        for duplicates in [false, true] {
+            for &block in table {
+                if inner.pool.duplicate_of(block).is_some() == duplicates {
+                    inner.pool.release(block);
+                }
+            }
         }
         if spares {
             inner.tick = spare_tick;
