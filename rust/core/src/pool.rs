@@ -33,14 +33,16 @@
 //!   entry when that is evicted first. A spare keeps its cached child (a block its holder
 //!   decoded after a full hit), so the canonical copy stays a leaf and goes first in its own
 //!   place, as vLLM evicts it first (the hash stays cached in the copy, which keeps the child).
-//!   A spare's child is never blocked: once it is (whoever holds or pins it, or a block below
-//!   it, usually reached it through the canonical copy, but the low-level `commit_blocks`
-//!   chains on canonical blocks while its caller holds its own copies), it goes to the
-//!   canonical copy at once (`release`, `reblock`). So a spare is obtainable with or without a
-//!   child, as vLLM counts its copy free, and taking it hands the child to the canonical copy
-//!   (`take_spare`) without changing what is blocked: the obtainable count stays exact. (A
-//!   request releases its duplicates last, after their successors. Sliding-window caches
-//!   release positions early, so their duplicates hand the successor over at release instead,
+//!   A spare's child sits under it only while not blocked: while it is (whoever holds or pins
+//!   it, or a block below it, usually reached it through the canonical copy, but the low-level
+//!   `commit_blocks` chains on canonical blocks while its caller holds its own copies), it is
+//!   *lent* to the canonical copy (`lend`, from `release` and `reblock`), and it goes back
+//!   once unblocked, so taking and dropping a reference (a refused call's check) leaves the
+//!   pool as it was. So a spare is obtainable with or without a child, as vLLM counts its copy
+//!   free, and taking it hands its child to the canonical copy for good (`take_spare`)
+//!   without changing what is blocked: the obtainable count stays exact. (A request releases
+//!   its duplicates last, after their successors. Sliding-window caches release positions
+//!   early, so their duplicates hand the successor over at release instead,
 //!   `request/mod.rs`.) So
 //!   eviction takes blocks in vLLM's order of release, and a freed duplicate is not reused
 //!   ahead of older cached blocks (which vLLM would evict).
@@ -157,6 +159,8 @@ pub struct BlockPool {
     /// The cached child of each duplicate that has one (at most one: its holder's next block,
     /// module docs), so taking a spare hands it to the canonical copy without a scan.
     duplicate_children: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
+    /// Spares' children lent to the canonical copy while blocked (module docs): child → spare.
+    lent: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
 }
 
 /// A cached block `allocate` took back.
@@ -199,6 +203,7 @@ impl BlockPool {
             num_spares: 0,
             duplicates: HashMap::default(),
             duplicate_children: HashMap::default(),
+            lent: HashMap::default(),
         })
     }
 
@@ -314,10 +319,14 @@ impl BlockPool {
                 self.refresh(block);
                 if let Some(&child) = self.duplicate_children.get(&block) {
                     if self.blocks[child as usize].blocked() {
-                        let canonical = self.blocks[block as usize]
-                            .duplicate_of
-                            .expect("a spare is a duplicate");
-                        self.reparent(child, canonical);
+                        // Counted blocked here; from now on at the canonical copy.
+                        let spare = &mut self.blocks[block as usize];
+                        spare.blocked_children -= 1;
+                        let canonical = self.lend(child, block);
+                        let canonical_meta = &mut self.blocks[canonical as usize];
+                        let was_blocked = canonical_meta.blocked();
+                        canonical_meta.blocked_children += 1;
+                        self.reblock(canonical, was_blocked);
                     }
                 }
                 return false;
@@ -416,6 +425,20 @@ impl BlockPool {
         self.blocks.get(block as usize).and_then(|m| m.parent)
     }
 
+    /// Lends spare `spare`'s cached `child` to the spare's canonical copy, as a child not yet
+    /// counted blocked there (module docs). Returns the canonical copy.
+    fn lend(&mut self, child: BlockId, spare: BlockId) -> BlockId {
+        let spare_meta = &mut self.blocks[spare as usize];
+        let canonical = spare_meta.duplicate_of.expect("a spare is a duplicate");
+        spare_meta.cached_children -= 1;
+        self.refresh(spare);
+        self.blocks[child as usize].parent = Some(canonical);
+        self.blocks[canonical as usize].cached_children += 1;
+        self.refresh(canonical);
+        self.lent.insert(child, spare);
+        canonical
+    }
+
     /// Moves cached `child` under `parent` (cached, or a duplicate), carrying its blocked
     /// state from its old parent's counts to the new one's. Sliding-window caches use it before
     /// a request lets go of a duplicate (`request/mod.rs`); taking a spare uses it too.
@@ -468,8 +491,9 @@ impl BlockPool {
     /// Forgets every duplicate (`clear`, once every cached block is gone): they stay private.
     pub fn forget_duplicates(&mut self) {
         // Their children were cached blocks, all gone (`detach_child` forgot them).
-        debug_assert!(self.duplicate_children.is_empty());
+        debug_assert!(self.duplicate_children.is_empty() && self.lent.is_empty());
         self.duplicate_children.clear();
+        self.lent.clear();
         let mut spares = Vec::new();
         for (_, list) in std::mem::take(&mut self.duplicates) {
             for block in list {
@@ -495,10 +519,15 @@ impl BlockPool {
             .duplicate_of
             .expect("a spare is a duplicate");
         if let Some(&child) = self.duplicate_children.get(&block) {
-            // Not blocked (module docs), so the canonical copy's state does not change, nor
-            // does the obtainable count.
-            debug_assert!(!self.blocks[child as usize].blocked());
-            self.reparent(child, canonical);
+            if self.lent.remove(&child).is_some() {
+                // Under the canonical copy already: it stays there.
+                self.duplicate_children.remove(&block);
+            } else {
+                // Not blocked (module docs), so the canonical copy's state does not change, nor
+                // does the obtainable count.
+                debug_assert!(!self.blocks[child as usize].blocked());
+                self.reparent(child, canonical);
+            }
         }
         let meta = &mut self.blocks[block as usize];
         meta.duplicate_of = None;
@@ -555,6 +584,10 @@ impl BlockPool {
         meta.cached = false;
         if was_blocked {
             self.num_blocked -= 1;
+        }
+        if let Some(spare) = self.lent.remove(&block) {
+            // Only `clear` uncaches a blocked block: the spare's record of it goes too.
+            self.duplicate_children.remove(&spare);
         }
         let meta = &mut self.blocks[block as usize];
         let parent = meta.parent.take();
@@ -715,15 +748,24 @@ impl BlockPool {
                 return;
             };
             if now && self.blocks[parent as usize].spare() {
-                // A spare's child is never blocked (module docs): it goes to the canonical copy,
-                // still counted unblocked where it was.
-                let canonical = self.blocks[parent as usize]
-                    .duplicate_of
-                    .expect("a spare is a duplicate");
-                self.detach_child(parent, false);
-                self.blocks[block as usize].parent = Some(canonical);
-                self.add_child(canonical, block);
-                parent = canonical;
+                // A spare's child is never blocked under it (module docs): it is lent to the
+                // canonical copy, and counted blocked there.
+                parent = self.lend(block, parent);
+            } else if !now && self.lent.contains_key(&block) {
+                // Unblocked: a lent child goes back under its spare, where it is not counted
+                // blocked; the canonical copy counts one blocked child, and one child, fewer.
+                let spare = self.lent.remove(&block).expect("checked");
+                let canonical_meta = &mut self.blocks[parent as usize];
+                let canonical_was_blocked = canonical_meta.blocked();
+                canonical_meta.blocked_children -= 1;
+                canonical_meta.cached_children -= 1;
+                self.refresh(parent);
+                self.blocks[block as usize].parent = Some(spare);
+                self.blocks[spare as usize].cached_children += 1;
+                self.refresh(spare);
+                block = parent;
+                was_blocked = canonical_was_blocked;
+                continue;
             }
             let parent_meta = &mut self.blocks[parent as usize];
             was_blocked = parent_meta.blocked();
@@ -810,17 +852,33 @@ impl BlockPool {
                     meta.cached_children
                 );
                 let child = self.duplicate_children.get(&(id as BlockId)).copied();
+                let lent = child.filter(|child| self.lent.contains_key(child));
                 assert_eq!(
-                    child.is_some(),
+                    child.is_some() && lent.is_none(),
                     meta.cached_children == 1,
                     "duplicate {id}'s child record"
                 );
                 if let Some(child) = child {
                     let child_meta = &self.blocks[child as usize];
+                    let expected_parent = if lent.is_some() {
+                        canonical
+                    } else {
+                        id as BlockId
+                    };
                     assert!(
-                        child_meta.cached && child_meta.parent == Some(id as BlockId),
+                        child_meta.cached && child_meta.parent == Some(expected_parent),
                         "duplicate {id}'s recorded child {child}"
                     );
+                    // Under a spare exactly when not blocked (module docs).
+                    if meta.ref_count == 0 {
+                        assert_eq!(
+                            lent.is_some(),
+                            child_meta.blocked(),
+                            "spare {id}'s child {child} lent"
+                        );
+                    } else {
+                        assert!(lent.is_none(), "held duplicate {id}'s child {child} lent");
+                    }
                 }
                 assert!(
                     self.blocks[canonical as usize].cached,
@@ -860,6 +918,13 @@ impl BlockPool {
                     "block {id} blocked children"
                 );
             }
+        }
+        for (&child, &spare) in &self.lent {
+            assert_eq!(
+                self.duplicate_children.get(&spare),
+                Some(&child),
+                "lent child {child} of {spare}"
+            );
         }
         for &parent in self.duplicate_children.keys() {
             assert!(

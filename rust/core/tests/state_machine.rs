@@ -121,6 +121,8 @@ struct Model {
     duplicates: HashMap<BlockId, Vec<BlockId>>,
     /// Entries eviction moved into a duplicate (for the tests that must reach it).
     moves: u64,
+    /// Spares' children lent to the canonical copy while blocked (`pool.rs`): child → spare.
+    lent: HashMap<BlockId, BlockId>,
 }
 
 type Matched = (Vec<BlockId>, usize, bool);
@@ -153,6 +155,7 @@ impl Model {
             },
             duplicates: HashMap::new(),
             moves: 0,
+            lent: HashMap::new(),
         }
     }
 
@@ -204,6 +207,7 @@ impl Model {
     }
 
     fn uncache(&mut self, b: BlockId) {
+        self.lent.remove(&b);
         let m = &mut self.blocks[b as usize];
         m.cached = false;
         if let Some(entry) = m.entry.take() {
@@ -259,8 +263,9 @@ impl Model {
                 }))
     }
 
-    /// A spare's cached child is never blocked (`pool.rs`): one that is goes to the spare's
-    /// canonical copy, which may in turn be a spare's child.
+    /// A spare's cached child sits under it exactly while not blocked (`pool.rs`): a blocked
+    /// one is lent to the spare's canonical copy (which may in turn be a spare's child), and
+    /// goes back once unblocked.
     fn normalize(&mut self) {
         let mut changed = true;
         while changed {
@@ -280,6 +285,18 @@ impl Model {
                     self.blocks[c].parent = Some(canonical);
                     self.blocks[s].children -= 1;
                     self.blocks[canonical as usize].children += 1;
+                    self.lent.insert(c as BlockId, s as BlockId);
+                    changed = true;
+                }
+            }
+            let lent: Vec<(BlockId, BlockId)> = self.lent.iter().map(|(&c, &s)| (c, s)).collect();
+            for (c, s) in lent {
+                if !self.blocked(c as usize) {
+                    let canonical = self.blocks[c as usize].parent.expect("lent under it");
+                    self.blocks[c as usize].parent = Some(s);
+                    self.blocks[s as usize].children += 1;
+                    self.blocks[canonical as usize].children -= 1;
+                    self.lent.remove(&c);
                     changed = true;
                 }
             }
@@ -303,6 +320,11 @@ impl Model {
                 if let Some(canonical) = self.blocks[b as usize].duplicate_of.take() {
                     // A spare: its content is cached elsewhere, in the canonical copy, which
                     // takes the spare's cached child if it has one.
+                    let lent = self.lent.iter().find(|&(_, &s)| s == b).map(|(&c, _)| c);
+                    if let Some(c) = lent {
+                        // Lent to the canonical copy already: it stays there.
+                        self.lent.remove(&c);
+                    }
                     let child = (0..self.blocks.len())
                         .find(|&c| self.blocks[c].cached && self.blocks[c].parent == Some(b));
                     if let Some(c) = child {
@@ -371,11 +393,12 @@ impl Model {
                 // A spare now, in the eviction order; it keeps its cached child, if any, unless
                 // blocked (`pool.rs`).
                 m.parent = None;
-                self.normalize();
-                return;
+            } else {
+                self.free.push(b);
             }
-            self.free.push(b);
         }
+        // A release may unblock a lent child, or make a duplicate with a blocked child a spare.
+        self.normalize();
     }
 
     fn forget_duplicate(&mut self, canonical: BlockId, b: BlockId) {
@@ -744,6 +767,7 @@ impl Model {
             let m = &mut self.blocks[b as usize];
             m.pins = m.pins.saturating_sub(1);
         }
+        self.normalize();
         Ok(())
     }
 

@@ -412,3 +412,37 @@ fn a_finished_duplicates_spare_goes_in_its_release_place_while_its_successor_is_
     );
     c.check_invariants();
 }
+
+#[test]
+fn a_refused_request_leaves_a_spares_successor_where_it_was() {
+    // As in `a_canonical_copy_goes_before_a_finished_duplicates_successor`, r1's copy is a
+    // spare above its decoded block C. r2 hits P and C but cannot get its other blocks: the
+    // refused call must change nothing, so C, lent to the original while r2's check held it
+    // (`pool.rs`), is back under the copy, and the original still goes first.
+    let c = cache(8, 2);
+    let r0 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&r0.request_id, 4).unwrap();
+    c.finish(&r0.request_id).unwrap();
+    let r1 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    let copy = r1.block_table[1];
+    c.commit(&r1.request_id, 4).unwrap();
+    let successor = c.append(&r1.request_id, &[5, 6]).unwrap()[0];
+    c.commit(&r1.request_id, 6).unwrap();
+    c.finish(&r1.request_id).unwrap();
+    let mut long = vec![1, 2, 3, 4, 5, 6];
+    long.extend(10..22);
+    let refused = c.begin(None, long, b"", no_extras(), 0);
+    assert!(
+        matches!(refused, Err(CacheError::OutOfBlocks { .. })),
+        "{refused:?}"
+    );
+    c.check_invariants();
+    let taken = c.allocate(5).unwrap();
+    assert!(taken.contains(&r0.block_table[1]));
+    assert!(!taken.contains(&successor) && !taken.contains(&copy));
+    c.check_invariants();
+}
