@@ -62,6 +62,8 @@ class ReferenceCache:
         self.lookups = self.lookup_tokens = self.hit_tokens = self.evictions = 0
         #: Each canonical block's duplicates, in the order they were recorded.
         self.duplicates: dict[int, list[int]] = {}
+        #: Spares' children lent to the canonical copy while blocked (pool.rs): child -> spare.
+        self.lent: dict[int, int] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _key(self, root: tuple, tokens: list[int], n_blocks: int) -> tuple:
@@ -93,7 +95,45 @@ class ReferenceCache:
             (m.cached and m.pins == 0 and children == 0) or m.duplicate_of is not None
         )
 
+    def _blocked(self, b: int) -> bool:
+        # Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+        m = self.blocks[b]
+        return m.cached and (
+            m.ref > 0
+            or m.pins > 0
+            or any(
+                c.cached and c.parent == b and self._blocked(i) for i, c in enumerate(self.blocks)
+            )
+        )
+
+    def _normalize(self) -> None:
+        # A spare's cached child sits under it exactly while not blocked (rust/core/src/pool.rs):
+        # a blocked one is lent to the canonical copy, and goes back once unblocked.
+        changed = True
+        while changed:
+            changed = False
+            for s, m in enumerate(self.blocks):
+                if m.duplicate_of is None or m.ref > 0:
+                    continue
+                for c, cm in enumerate(self.blocks):
+                    if cm.cached and cm.parent == s and self._blocked(c):
+                        cm.parent = m.duplicate_of
+                        m.children -= 1
+                        self.blocks[m.duplicate_of].children += 1
+                        self.lent[c] = s
+                        changed = True
+            for c, s in list(self.lent.items()):
+                if not self._blocked(c):
+                    canonical = self.blocks[c].parent
+                    assert canonical is not None
+                    self.blocks[c].parent = s
+                    self.blocks[s].children += 1
+                    self.blocks[canonical].children -= 1
+                    del self.lent[c]
+                    changed = True
+
     def _uncache(self, b: int) -> None:
+        self.lent.pop(b, None)
         m = self.blocks[b]
         m.cached = False
         if m.entry is not None:
@@ -127,6 +167,7 @@ class ReferenceCache:
                 children[self.blocks[b].parent] -= 1
 
     def _allocate(self, count: int) -> list[int] | None:
+        self._normalize()
         if len(self.free) + len(self._plan()) < count:
             return None
         # One block at a time, planned afresh: a move into a spare changes which are leaves.
@@ -135,7 +176,10 @@ class ReferenceCache:
             m = self.blocks[b]
             if m.duplicate_of is not None:
                 # A spare: its content is cached elsewhere, in the canonical copy, which takes
-                # the spare's cached child if it kept one (rust/core/src/pool.rs).
+                # the spare's cached child for good, lent or not (rust/core/src/pool.rs).
+                for c, s in list(self.lent.items()):
+                    if s == b:
+                        del self.lent[c]
                 for child in self.blocks:
                     if child.cached and child.parent == b:
                         child.parent = m.duplicate_of
@@ -187,8 +231,10 @@ class ReferenceCache:
             if m.duplicate_of is not None:
                 # A spare now, in the eviction order; it keeps its cached child, if any.
                 m.parent = None
-                return
-            self.free.append(b)
+            else:
+                self.free.append(b)
+        # A release may unblock a lent child, or make a duplicate with a blocked child a spare.
+        self._normalize()
 
     def _forget_duplicate(self, canonical: int, b: int) -> None:
         self.duplicates[canonical].remove(b)
@@ -255,6 +301,7 @@ class ReferenceCache:
         if fresh is None:
             for e in hits:
                 self.blocks[e.block].ref -= 1
+            self._normalize()
             return None
         self.tick += 1
         for e in hits:
@@ -285,6 +332,7 @@ class ReferenceCache:
         if req.cacheable:
             self.tick += 1
             self._extend(req, req.computed // self.bs)
+            self._normalize()
         return len(req.anchors)
 
     def finish(self, rid: int) -> None:
@@ -299,7 +347,11 @@ class ReferenceCache:
             elif m.duplicate_of is not None:
                 m.tick, m.priority = self.tick + 1, max(m.priority, req.priority)
                 spares = True
-            self._release(b)
+        # Duplicates last, after their successors (rust/core/src/request/mod.rs).
+        for duplicates in (False, True):
+            for b in req.table:
+                if (self.blocks[b].duplicate_of is not None) == duplicates:
+                    self._release(b)
         if spares:
             self.tick += 1
 
@@ -317,6 +369,7 @@ class ReferenceCache:
         blocks = [e.block for e in self._match(tokens, self.root(salt))]
         for b in blocks:
             self.blocks[b].pins += 1
+        self._normalize()
         pid = self.next_pin
         self.next_pin += 1
         self.pins[pid] = blocks
@@ -326,6 +379,7 @@ class ReferenceCache:
         for b in self.pins.pop(pid):
             if self.blocks[b].pins > 0:
                 self.blocks[b].pins -= 1
+        self._normalize()
 
     def clear(self) -> None:
         for req in self.requests.values():
@@ -342,6 +396,7 @@ class ReferenceCache:
                 if self.blocks[d].ref == 0:
                     spares.append(d)
         self.duplicates.clear()
+        self.lent.clear()
         self.free.extend(sorted(spares))
 
     def set_context(self, context: int) -> None:
