@@ -751,7 +751,7 @@ impl BlockPool {
                 // A spare's child is never blocked under it (module docs): it is lent to the
                 // canonical copy, and counted blocked there.
                 parent = self.lend(block, parent);
-            } else if !now && self.lent.contains_key(&block) {
+            } else if !now && !self.lent.is_empty() && self.lent.contains_key(&block) {
                 // Unblocked: a lent child goes back under its spare, where it is not counted
                 // blocked; the canonical copy counts one blocked child, and one child, fewer.
                 let spare = self.lent.remove(&block).expect("checked");
