@@ -8,7 +8,6 @@ token contents, so the model has no hash at all: it is what the verified table m
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 LOWEST = -(2**31)  # a freshly allocated block's priority, until a request touches it
@@ -63,6 +62,8 @@ class ReferenceCache:
         self.lookups = self.lookup_tokens = self.hit_tokens = self.evictions = 0
         #: Each canonical block's duplicates, in the order they were recorded.
         self.duplicates: dict[int, list[int]] = {}
+        #: Spares' children lent to the canonical copy while blocked (pool.rs): child -> spare.
+        self.lent: dict[int, int] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _key(self, root: tuple, tokens: list[int], n_blocks: int) -> tuple:
@@ -94,7 +95,45 @@ class ReferenceCache:
             (m.cached and m.pins == 0 and children == 0) or m.duplicate_of is not None
         )
 
+    def _blocked(self, b: int) -> bool:
+        # Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+        m = self.blocks[b]
+        return m.cached and (
+            m.ref > 0
+            or m.pins > 0
+            or any(
+                c.cached and c.parent == b and self._blocked(i) for i, c in enumerate(self.blocks)
+            )
+        )
+
+    def _normalize(self) -> None:
+        # A spare's cached child sits under it exactly while not blocked (rust/core/src/pool.rs):
+        # a blocked one is lent to the canonical copy, and goes back once unblocked.
+        changed = True
+        while changed:
+            changed = False
+            for s, m in enumerate(self.blocks):
+                if m.duplicate_of is None or m.ref > 0:
+                    continue
+                for c, cm in enumerate(self.blocks):
+                    if cm.cached and cm.parent == s and self._blocked(c):
+                        cm.parent = m.duplicate_of
+                        m.children -= 1
+                        self.blocks[m.duplicate_of].children += 1
+                        self.lent[c] = s
+                        changed = True
+            for c, s in list(self.lent.items()):
+                if not self._blocked(c):
+                    canonical = self.blocks[c].parent
+                    assert canonical is not None
+                    self.blocks[c].parent = s
+                    self.blocks[s].children += 1
+                    self.blocks[canonical].children -= 1
+                    del self.lent[c]
+                    changed = True
+
     def _uncache(self, b: int) -> None:
+        self.lent.pop(b, None)
         m = self.blocks[b]
         m.cached = False
         if m.entry is not None:
@@ -128,6 +167,7 @@ class ReferenceCache:
                 children[self.blocks[b].parent] -= 1
 
     def _allocate(self, count: int) -> list[int] | None:
+        self._normalize()
         if len(self.free) + len(self._plan()) < count:
             return None
         # One block at a time, planned afresh: a move into a spare changes which are leaves.
@@ -135,7 +175,16 @@ class ReferenceCache:
             b = self._plan()[0]
             m = self.blocks[b]
             if m.duplicate_of is not None:
-                # A spare: its content is cached elsewhere.
+                # A spare: its content is cached elsewhere, in the canonical copy, which takes
+                # the spare's cached child for good, lent or not (rust/core/src/pool.rs).
+                for c, s in list(self.lent.items()):
+                    if s == b:
+                        del self.lent[c]
+                for child in self.blocks:
+                    if child.cached and child.parent == b:
+                        child.parent = m.duplicate_of
+                        m.children -= 1
+                        self.blocks[m.duplicate_of].children += 1
                 self._forget_duplicate(m.duplicate_of, b)
                 m.duplicate_of = None
                 self.free.append(b)
@@ -168,7 +217,8 @@ class ReferenceCache:
         self._uncache(b)
         m = self.blocks[heir]
         if m.ref == 0:
-            m.parent = evicted_parent  # a spare takes the evicted block's place
+            # A spare takes the evicted block's place (its own child, if any, stays its child).
+            m.parent = evicted_parent
         m.cached, m.entry, m.duplicate_of = True, moved, None
         if m.parent is not None:
             self.blocks[m.parent].children += 1
@@ -179,11 +229,12 @@ class ReferenceCache:
         m.ref -= 1
         if m.ref == 0 and not m.cached:
             if m.duplicate_of is not None:
-                # A spare now, in the eviction order.
-                assert m.children == 0
+                # A spare now, in the eviction order; it keeps its cached child, if any.
                 m.parent = None
-                return
-            self.free.append(b)
+            else:
+                self.free.append(b)
+        # A release may unblock a lent child, or make a duplicate with a blocked child a spare.
+        self._normalize()
 
     def _forget_duplicate(self, canonical: int, b: int) -> None:
         self.duplicates[canonical].remove(b)
@@ -250,6 +301,7 @@ class ReferenceCache:
         if fresh is None:
             for e in hits:
                 self.blocks[e.block].ref -= 1
+            self._normalize()
             return None
         self.tick += 1
         for e in hits:
@@ -280,18 +332,12 @@ class ReferenceCache:
         if req.cacheable:
             self.tick += 1
             self._extend(req, req.computed // self.bs)
+            self._normalize()
         return len(req.anchors)
 
     def finish(self, rid: int) -> None:
         req = self.requests.pop(rid)
         self.tick += 1
-        # A duplicate's cached successor, if the duplicate parents it, goes to the canonical copy.
-        for dup, nxt in itertools.pairwise(req.table):
-            canonical = self.blocks[dup].duplicate_of
-            if canonical is not None and self.blocks[nxt].cached and self.blocks[nxt].parent == dup:
-                self.blocks[dup].children -= 1
-                self.blocks[canonical].children += 1
-                self.blocks[nxt].parent = canonical
         # Duplicates (spares once released) one tick after the rest (rust/core/src/request/mod.rs).
         spares = False
         for b in req.table:
@@ -301,7 +347,11 @@ class ReferenceCache:
             elif m.duplicate_of is not None:
                 m.tick, m.priority = self.tick + 1, max(m.priority, req.priority)
                 spares = True
-            self._release(b)
+        # Duplicates last, after their successors (rust/core/src/request/mod.rs).
+        for duplicates in (False, True):
+            for b in req.table:
+                if (self.blocks[b].duplicate_of is not None) == duplicates:
+                    self._release(b)
         if spares:
             self.tick += 1
 
@@ -319,6 +369,7 @@ class ReferenceCache:
         blocks = [e.block for e in self._match(tokens, self.root(salt))]
         for b in blocks:
             self.blocks[b].pins += 1
+        self._normalize()
         pid = self.next_pin
         self.next_pin += 1
         self.pins[pid] = blocks
@@ -328,6 +379,7 @@ class ReferenceCache:
         for b in self.pins.pop(pid):
             if self.blocks[b].pins > 0:
                 self.blocks[b].pins -= 1
+        self._normalize()
 
     def clear(self) -> None:
         for req in self.requests.values():
@@ -344,6 +396,7 @@ class ReferenceCache:
                 if self.blocks[d].ref == 0:
                     spares.append(d)
         self.duplicates.clear()
+        self.lent.clear()
         self.free.extend(sorted(spares))
 
     def set_context(self, context: int) -> None:

@@ -256,22 +256,13 @@ def test_core_evicts_a_duplicated_canonical_copy_in_release_order() -> None:
     cache.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "rust/core: a finished duplicate's cached successor is handed to the canonical copy, "
-        "which then cannot be evicted before it; vLLM evicts the canonical copy first "
-        "(docs/vllm.md, 'Full hits and duplicate blocks')"
-    ),
-)
 def test_canonical_copy_evicted_before_a_finished_duplicates_successor(tiny_model: Path) -> None:
     """r1 is a full hit on r0's prompt P (two blocks): it recomputes P's second block B1 into
-    its own copy and decodes a third block C. At r1's finish the core hands C to r0's B1 (the
-    canonical copy), so B1 waits for C. r2 then needs two blocks more than the free ones: vLLM
-    takes r0's B1 (released first; the hash stays cached in r1's copy) and r1's partial block,
-    prefixkv the partial block and C, so r3 (P, C's tokens, one more) hits 12 tokens under vLLM
-    and 8 under prefixkv. Strict: passes, and so fails as an xfail, once the core evicts as
-    vLLM does."""
+    its own copy and decodes a third block C on it. r2 then needs two blocks more than the free
+    ones: vLLM takes r0's B1 (released first; the hash stays cached in r1's copy) and r1's
+    partial block, so r3 (P, C's tokens, one more) hits 12 tokens. prefixkv used to hand C to
+    B1 at r1's finish, so B1 waited for C, C went instead and r3 hit 8; now r1's copy keeps C
+    as a spare (rust/core/src/pool.rs) and B1 goes first."""
     prompt = (1, 2, 3, 4, 5, 6, 7, 8)
     decoded = tuple(model_token("r1", position) for position in range(8, 12))
     setup = SchedulerSetup(num_blocks=16, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
@@ -282,6 +273,40 @@ def test_canonical_copy_evicted_before_a_finished_duplicates_successor(tiny_mode
             RequestSpec("r2", tuple(40 + i % 20 for i in range(48)), 1, arrival_step=12),
             RequestSpec("r3", (*prompt, *decoded, 9), max_tokens=1, arrival_step=18),
         )
+    )
+    _compare(tiny_model, setup, workload)
+
+
+#: Found by the CI profile (seed 15133524906804359150) on the change that made a released
+#: duplicate keep its decoded successor: seven requests with one two-block prompt arrive
+#: together, so the later ones compute copies of the first one's blocks in the same step and
+#: decode on them. Once one of them finishes, its copy of the prompt's last block is free in
+#: vLLM (its hash stays cached in the original, which a running request holds), while prefixkv
+#: counted it blocked above its decoded successor, which that running request had reached
+#: through the original: at step 20 it preempted r6 where vLLM scheduled it.
+_TWIN_PROMPT = (0,) * 16
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "max_num_seqs", "max_tokens"),
+    [(13, 4, (22, 21, 1, 1, 1, 1, 18)), (12, 3, (18, 18, 1, 1, 1, 1, 13))],
+)
+def test_a_spare_copy_is_free_while_its_successor_is_held(
+    tiny_model: Path, num_blocks: int, max_num_seqs: int, max_tokens: tuple[int, ...]
+) -> None:
+    setup = SchedulerSetup(
+        num_blocks=num_blocks,
+        block_size=8,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=32,
+        num_speculative_tokens=1,
+        scheduler_reserve_full_isl=False,
+    )
+    workload = Workload(
+        requests=tuple(
+            RequestSpec(f"r{i}", _TWIN_PROMPT, max_tokens=n) for i, n in enumerate(max_tokens)
+        ),
+        draft_accuracy=0,
     )
     _compare(tiny_model, setup, workload)
 

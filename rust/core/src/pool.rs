@@ -24,14 +24,28 @@
 //!   Evicting a canonical copy that has duplicates *moves* its entry into the earliest one
 //!   recorded (vLLM's lookup returns the first block cached under a hash that is still there;
 //!   `allocate` reports the move), which becomes cached in its place: no content reachable
-//!   before is lost, and nothing referenced is freed. A duplicate released while it still parents cached
-//!   blocks hands them to its canonical copy first (`reparent`). Every cached block's parent is
-//!   cached or a held duplicate.
+//!   before is lost, and nothing referenced is freed. Every cached block's parent is cached or a
+//!   duplicate; a duplicate parents at most one cached block, its holder's next one (lookups
+//!   return canonical copies, so nobody else chains on it).
 //! - A duplicate nobody references any more is a *spare*, as vLLM keeps its copy cached and
 //!   free: not on the free list but in the eviction order, where it is taken like any evictable
 //!   block (nothing is lost: its content is cached elsewhere), or inherits its canonical copy's
-//!   entry when that is evicted first. So eviction takes blocks in vLLM's order of release, and
-//!   a freed duplicate is not reused ahead of older cached blocks (which vLLM would evict).
+//!   entry when that is evicted first. A spare keeps its cached child (a block its holder
+//!   decoded after a full hit), so the canonical copy stays a leaf and goes first in its own
+//!   place, as vLLM evicts it first (the hash stays cached in the copy, which keeps the child).
+//!   A spare's child sits under it only while not blocked: while it is (whoever holds or pins
+//!   it, or a block below it, usually reached it through the canonical copy, but the low-level
+//!   `commit_blocks` chains on canonical blocks while its caller holds its own copies), it is
+//!   *lent* to the canonical copy (`lend`, from `release` and `reblock`), and it goes back
+//!   once unblocked, so taking and dropping a reference (a refused call's check) leaves the
+//!   pool as it was. So a spare is obtainable with or without a child, as vLLM counts its copy
+//!   free, and taking it hands its child to the canonical copy for good (`take_spare`)
+//!   without changing what is blocked: the obtainable count stays exact. (A request releases
+//!   its duplicates last, after their successors. Sliding-window caches release positions
+//!   early, so their duplicates hand the successor over at release instead,
+//!   `request/mod.rs`.) So
+//!   eviction takes blocks in vLLM's order of release, and a freed duplicate is not reused
+//!   ahead of older cached blocks (which vLLM would evict).
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
@@ -50,14 +64,13 @@
 //! can never reach while the pool stays as it is (referenced, pinned, or with a blocked cached
 //! child; everything else is obtainable, leaf by leaf). Each block counts its blocked cached
 //! children; a change of a block's state walks up its chain only while ancestors change state
-//! too, so a request pays once per block it held. `plan_eviction` still computes the same order
-//! without touching the pool, and the invariant check compares the count with it.
+//! too, so a request pays once per block it held. `plan_eviction` runs the same eviction on a copy
+//! of the pool, and the invariant check compares the count with the blocks it reaches.
 //!
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
@@ -144,6 +157,11 @@ impl BlockMeta {
                 || self.duplicate_of.is_some())
     }
 
+    /// Nobody references it and it is a duplicate (module docs).
+    fn spare(&self) -> bool {
+        self.ref_count == 0 && self.duplicate_of.is_some()
+    }
+
     /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
     fn blocked(&self) -> bool {
         self.cached && (self.ref_count > 0 || self.pin_count > 0 || self.blocked_children > 0)
@@ -151,7 +169,7 @@ impl BlockMeta {
 }
 
 /// Refcounts, free list and LRU eviction order of a fixed number of blocks.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct BlockPool {
     blocks: Vec<BlockMeta>,
     /// Free blocks; popped from the end. Initialised so that low ids are handed out first.
@@ -166,6 +184,11 @@ pub struct BlockPool {
     num_spares: usize,
     /// The duplicates of each canonical block that has any (rare: keyed, not per block).
     duplicates: HashMap<BlockId, Vec<BlockId>, BuildHasherDefault<BlockIdHasher>>,
+    /// The cached child of each duplicate that has one (at most one: its holder's next block,
+    /// module docs), so taking a spare hands it to the canonical copy without a scan.
+    duplicate_children: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
+    /// Spares' children lent to the canonical copy while blocked (module docs): child → spare.
+    lent: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
 }
 
 /// A cached block `allocate` took back.
@@ -207,6 +230,8 @@ impl BlockPool {
             num_blocked: 0,
             num_spares: 0,
             duplicates: HashMap::default(),
+            duplicate_children: HashMap::default(),
+            lent: HashMap::default(),
         })
     }
 
@@ -315,15 +340,23 @@ impl BlockPool {
             false
         } else {
             if meta.duplicate_of.is_some() {
-                // Its holder handed its cached children over first (`reparent`). Its parent was
-                // the holder's block: stale from now on.
-                assert_eq!(
-                    meta.cached_children, 0,
-                    "duplicate {block} released while it parents cached blocks"
-                );
+                // A spare. It keeps its cached child, unless blocked (module docs); its parent
+                // was the holder's block: stale from now on.
                 meta.parent = None;
                 self.num_spares += 1;
                 self.refresh(block);
+                if let Some(&child) = self.duplicate_children.get(&block) {
+                    if self.blocks[child as usize].blocked() {
+                        // Counted blocked here; from now on at the canonical copy.
+                        let spare = &mut self.blocks[block as usize];
+                        spare.blocked_children -= 1;
+                        let canonical = self.lend(child, block);
+                        let canonical_meta = &mut self.blocks[canonical as usize];
+                        let was_blocked = canonical_meta.blocked();
+                        canonical_meta.blocked_children += 1;
+                        self.reblock(canonical, was_blocked);
+                    }
+                }
                 return false;
             }
             self.free.push(block);
@@ -350,19 +383,34 @@ impl BlockPool {
         meta.parent = parent;
         self.num_cached += 1;
         if let Some(parent) = parent {
-            debug_assert!(self.holds_chain(parent));
-            self.blocks[parent as usize].cached_children += 1;
-            self.refresh(parent);
+            self.add_child(parent, block);
         }
         // Referenced, so blocked from now on; before, uncached, it was not counted.
         self.reblock(block, false);
         self.refresh(block);
     }
 
-    /// Whether `block` may be the parent of a cached block: cached, or a held duplicate.
+    /// Whether `block` may be the parent of a cached block: cached, or a duplicate (held, or a
+    /// spare that kept its holder's next block).
     fn holds_chain(&self, block: BlockId) -> bool {
         let meta = &self.blocks[block as usize];
-        meta.cached || (meta.duplicate_of.is_some() && meta.ref_count > 0)
+        meta.cached || meta.duplicate_of.is_some()
+    }
+
+    /// Counts cached `child` (whose `parent` is already set) among `parent`'s children, and
+    /// remembers it as a duplicate's one child.
+    fn add_child(&mut self, parent: BlockId, child: BlockId) {
+        debug_assert!(self.holds_chain(parent));
+        let parent_meta = &mut self.blocks[parent as usize];
+        parent_meta.cached_children += 1;
+        if parent_meta.duplicate_of.is_some() {
+            let earlier = self.duplicate_children.insert(parent, child);
+            debug_assert!(
+                earlier.is_none(),
+                "duplicate {parent} with two cached children"
+            );
+        }
+        self.refresh(parent);
     }
 
     /// Records that held, uncached `block` holds the same content as cached `canonical`, and
@@ -405,8 +453,23 @@ impl BlockPool {
         self.blocks.get(block as usize).and_then(|m| m.parent)
     }
 
-    /// Moves cached `child` under `parent` (cached, or a held duplicate), carrying its blocked
-    /// state from its old parent's counts to the new one's.
+    /// Lends spare `spare`'s cached `child` to the spare's canonical copy, as a child not yet
+    /// counted blocked there (module docs). Returns the canonical copy.
+    fn lend(&mut self, child: BlockId, spare: BlockId) -> BlockId {
+        let spare_meta = &mut self.blocks[spare as usize];
+        let canonical = spare_meta.duplicate_of.expect("a spare is a duplicate");
+        spare_meta.cached_children -= 1;
+        self.refresh(spare);
+        self.blocks[child as usize].parent = Some(canonical);
+        self.blocks[canonical as usize].cached_children += 1;
+        self.refresh(canonical);
+        self.lent.insert(child, spare);
+        canonical
+    }
+
+    /// Moves cached `child` under `parent` (cached, or a duplicate), carrying its blocked
+    /// state from its old parent's counts to the new one's. Sliding-window caches use it before
+    /// a request lets go of a duplicate (`request/mod.rs`); taking a spare uses it too.
     pub fn reparent(&mut self, child: BlockId, parent: BlockId) {
         let meta = &self.blocks[child as usize];
         debug_assert!(meta.cached && self.holds_chain(parent));
@@ -415,14 +478,14 @@ impl BlockPool {
             self.detach_child(old, blocked);
         }
         self.blocks[child as usize].parent = Some(parent);
-        let parent_meta = &mut self.blocks[parent as usize];
-        let parent_was_blocked = parent_meta.blocked();
-        parent_meta.cached_children += 1;
+        self.add_child(parent, child);
         if blocked {
+            let parent_meta = &mut self.blocks[parent as usize];
+            let parent_was_blocked = parent_meta.blocked();
             parent_meta.blocked_children += 1;
             self.reblock(parent, parent_was_blocked);
+            self.refresh(parent);
         }
-        self.refresh(parent);
     }
 
     /// Takes one cached child, blocked or not, off `parent`'s counts.
@@ -437,6 +500,11 @@ impl BlockPool {
         // `clear` goes in id order and may uncache a parent before its children: an uncached
         // parent keeps counting them until they go too, and ends at 0 either way.
         parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
+        if parent_meta.duplicate_of.is_some() {
+            // Its one cached child (`add_child`).
+            self.duplicate_children.remove(&parent);
+        }
+        let parent_meta = &mut self.blocks[parent as usize];
         if child_blocked {
             let parent_was_blocked = parent_meta.blocked();
             parent_meta.blocked_children -= 1;
@@ -455,6 +523,10 @@ impl BlockPool {
 
     /// Forgets every duplicate (`clear`, once every cached block is gone): they stay private.
     pub fn forget_duplicates(&mut self) {
+        // Their children were cached blocks, all gone (`detach_child` forgot them).
+        debug_assert!(self.duplicate_children.is_empty() && self.lent.is_empty());
+        self.duplicate_children.clear();
+        self.lent.clear();
         let mut spares = Vec::new();
         for (_, list) in std::mem::take(&mut self.duplicates) {
             for block in list {
@@ -473,11 +545,26 @@ impl BlockPool {
         self.free.extend(spares);
     }
 
-    /// Hands out spare `block` (module docs): its content is cached elsewhere.
+    /// Hands out spare `block` (module docs): its content is cached elsewhere, in its canonical
+    /// copy, which takes its cached child if it kept one.
     fn take_spare(&mut self, block: BlockId) {
+        let canonical = self.blocks[block as usize]
+            .duplicate_of
+            .expect("a spare is a duplicate");
+        if let Some(&child) = self.duplicate_children.get(&block) {
+            if self.lent.remove(&child).is_some() {
+                // Under the canonical copy already: it stays there.
+                self.duplicate_children.remove(&block);
+            } else {
+                // Not blocked (module docs), so the canonical copy's state does not change, nor
+                // does the obtainable count.
+                debug_assert!(!self.blocks[child as usize].blocked());
+                self.reparent(child, canonical);
+            }
+        }
         let meta = &mut self.blocks[block as usize];
-        let canonical = meta.duplicate_of.take().expect("a spare is a duplicate");
-        debug_assert!(meta.ref_count == 0 && !meta.cached);
+        meta.duplicate_of = None;
+        debug_assert!(meta.ref_count == 0 && !meta.cached && meta.cached_children == 0);
         self.num_spares -= 1;
         self.forget_duplicate(canonical, block);
         self.refresh(block);
@@ -498,6 +585,8 @@ impl BlockPool {
         }
         let evicted_parent = self.blocks[block as usize].parent;
         self.uncache(block);
+        // No longer a duplicate: its cached child, if any, stays its child.
+        self.duplicate_children.remove(&heir);
         let meta = &mut self.blocks[heir as usize];
         debug_assert!(!meta.cached);
         if meta.ref_count == 0 {
@@ -510,11 +599,10 @@ impl BlockPool {
         meta.cached = true;
         self.num_cached += 1;
         if let Some(parent) = meta.parent {
-            debug_assert!(self.holds_chain(parent));
-            self.blocks[parent as usize].cached_children += 1;
-            self.refresh(parent);
+            self.add_child(parent, heir);
         }
-        // Blocked from now on if referenced (its cached children were counted all along).
+        // Blocked from now on if referenced or above a blocked child (its cached children were
+        // counted all along).
         self.reblock(heir, false);
         self.refresh(heir);
         Some(heir)
@@ -538,6 +626,10 @@ impl BlockPool {
         meta.cached = false;
         if was_blocked {
             self.num_blocked -= 1;
+        }
+        if let Some(spare) = self.lent.remove(&block) {
+            // Only `clear` uncaches a blocked block: the spare's record of it goes too.
+            self.duplicate_children.remove(&spare);
         }
         let meta = &mut self.blocks[block as usize];
         let parent = meta.parent.take();
@@ -676,44 +768,36 @@ impl BlockPool {
         None
     }
 
-    /// The blocks that eviction would take, in order, to free up to `want` blocks — without
-    /// changing anything. Leaves go first; a parent joins the order once all its cached children
-    /// are planned out.
+    /// The blocks that eviction would take, in order, to free up to `want` blocks, without
+    /// changing anything: `allocate`'s own eviction, run on a copy of the pool (invariant checks
+    /// and tests only: it costs a copy of the metadata).
     #[must_use]
     pub fn plan_eviction(&self, want: usize) -> Vec<BlockId> {
+        let mut copy = self.clone();
         let mut plan = Vec::with_capacity(want.min(self.blocks.len()));
-        // Parents met so far (at most one per planned block): sized once, no rehash mid-plan.
-        let mut children_left: HashMap<BlockId, u32, BuildHasherDefault<BlockIdHasher>> =
-            HashMap::with_capacity_and_hasher(
-                want.min(self.num_cached),
-                BuildHasherDefault::default(),
-            );
-        let mut exposed: BinaryHeap<Reverse<EvictionKey>> = BinaryHeap::new();
-        let mut leaves = self.evictable.iter().peekable();
         while plan.len() < want {
-            let from_exposed = match (leaves.peek(), exposed.peek()) {
-                (None, None) => break,
-                (Some(_), None) => false,
-                (None, Some(_)) => true,
-                (Some(leaf), Some(Reverse(parent))) => parent < *leaf,
+            let Some(&(_, _, block)) = copy.evictable.first() else {
+                break;
             };
-            let (_, _, block) = if from_exposed {
-                exposed.pop().map(|Reverse(k)| k)
-            } else {
-                leaves.next().copied()
-            }
-            .expect("peeked above");
+            copy.evict(block);
             plan.push(block);
-            if let Some(parent) = self.blocks[block as usize].parent {
-                let meta = &self.blocks[parent as usize];
-                let left = children_left.entry(parent).or_insert(meta.cached_children);
-                *left -= 1;
-                if *left == 0 && meta.ref_count == 0 && meta.pin_count == 0 && meta.cached {
-                    exposed.push(Reverse((meta.priority, meta.last_access, parent)));
-                }
-            }
         }
         plan
+    }
+
+    /// Takes evictable `block` back: a spare is handed out, a cached block's entry moves into a
+    /// duplicate or goes. Returns the eviction to report, `None` for a spare.
+    fn evict(&mut self, block: BlockId) -> Option<Evicted> {
+        if !self.blocks[block as usize].cached {
+            // A spare: nothing to drop but the block itself.
+            self.take_spare(block);
+            return None;
+        }
+        let moved_to = self.evict_into_duplicate(block);
+        if moved_to.is_none() {
+            self.uncache(block);
+        }
+        Some(Evicted { block, moved_to })
     }
 
     /// Every cached block, in id order: not parent order (a reused block can hold the parent
@@ -740,9 +824,29 @@ impl BlockPool {
             } else {
                 self.num_blocked -= 1;
             }
-            let Some(parent) = meta.parent else {
+            let Some(mut parent) = meta.parent else {
                 return;
             };
+            if now && self.blocks[parent as usize].spare() {
+                // A spare's child is never blocked under it (module docs): it is lent to the
+                // canonical copy, and counted blocked there.
+                parent = self.lend(block, parent);
+            } else if !now && !self.lent.is_empty() && self.lent.contains_key(&block) {
+                // Unblocked: a lent child goes back under its spare, where it is not counted
+                // blocked; the canonical copy counts one blocked child, and one child, fewer.
+                let spare = self.lent.remove(&block).expect("checked");
+                let canonical_meta = &mut self.blocks[parent as usize];
+                let canonical_was_blocked = canonical_meta.blocked();
+                canonical_meta.blocked_children -= 1;
+                canonical_meta.cached_children -= 1;
+                self.refresh(parent);
+                self.blocks[block as usize].parent = Some(spare);
+                self.blocks[spare as usize].cached_children += 1;
+                self.refresh(spare);
+                block = parent;
+                was_blocked = canonical_was_blocked;
+                continue;
+            }
             let parent_meta = &mut self.blocks[parent as usize];
             was_blocked = parent_meta.blocked();
             if now {
@@ -830,9 +934,47 @@ impl BlockPool {
             }
             if let Some(canonical) = meta.duplicate_of {
                 assert!(
-                    meta.ref_count > 0 || meta.cached_children == 0 && meta.parent.is_none(),
+                    meta.ref_count > 0 || meta.parent.is_none(),
                     "spare {id} still chained"
                 );
+                assert!(
+                    meta.ref_count > 0 || meta.blocked_children == 0,
+                    "spare {id} above a blocked block"
+                );
+                assert!(
+                    meta.cached_children <= 1,
+                    "duplicate {id} with {} cached children",
+                    meta.cached_children
+                );
+                let child = self.duplicate_children.get(&(id as BlockId)).copied();
+                let lent = child.filter(|child| self.lent.contains_key(child));
+                assert_eq!(
+                    child.is_some() && lent.is_none(),
+                    meta.cached_children == 1,
+                    "duplicate {id}'s child record"
+                );
+                if let Some(child) = child {
+                    let child_meta = &self.blocks[child as usize];
+                    let expected_parent = if lent.is_some() {
+                        canonical
+                    } else {
+                        id as BlockId
+                    };
+                    assert!(
+                        child_meta.cached && child_meta.parent == Some(expected_parent),
+                        "duplicate {id}'s recorded child {child}"
+                    );
+                    // Under a spare exactly when not blocked (module docs).
+                    if meta.ref_count == 0 {
+                        assert_eq!(
+                            lent.is_some(),
+                            child_meta.blocked(),
+                            "spare {id}'s child {child} lent"
+                        );
+                    } else {
+                        assert!(lent.is_none(), "held duplicate {id}'s child {child} lent");
+                    }
+                }
                 assert!(
                     self.blocks[canonical as usize].cached,
                     "duplicate {id} of an uncached block"
@@ -853,7 +995,7 @@ impl BlockPool {
         assert_eq!(in_use, self.num_in_use);
         assert_eq!(pinned, self.num_pinned);
         // Blocked counts: each block's count of blocked cached children, the total, and the
-        // obtainable blocks they imply against the planner's own walk.
+        // obtainable blocks they imply against what eviction reaches.
         let mut blocked_children = vec![0u32; self.blocks.len()];
         for meta in &self.blocks {
             if let (true, Some(parent)) = (meta.blocked(), meta.parent) {
@@ -867,6 +1009,19 @@ impl BlockPool {
                     "block {id} blocked children"
                 );
             }
+        }
+        for (&child, &spare) in &self.lent {
+            assert_eq!(
+                self.duplicate_children.get(&spare),
+                Some(&child),
+                "lent child {child} of {spare}"
+            );
+        }
+        for &parent in self.duplicate_children.keys() {
+            assert!(
+                self.blocks[parent as usize].duplicate_of.is_some(),
+                "child recorded for {parent}, not a duplicate"
+            );
         }
         for (&canonical, list) in &self.duplicates {
             assert!(!list.is_empty(), "empty duplicate list of {canonical}");

@@ -121,6 +121,8 @@ struct Model {
     duplicates: HashMap<BlockId, Vec<BlockId>>,
     /// Entries eviction moved into a duplicate (for the tests that must reach it).
     moves: u64,
+    /// Spares' children lent to the canonical copy while blocked (`pool.rs`): child → spare.
+    lent: HashMap<BlockId, BlockId>,
 }
 
 type Matched = (Vec<BlockId>, usize, bool);
@@ -153,6 +155,7 @@ impl Model {
             },
             duplicates: HashMap::new(),
             moves: 0,
+            lent: HashMap::new(),
         }
     }
 
@@ -196,13 +199,15 @@ impl Model {
         hits
     }
 
-    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`).
+    /// A cached leaf nobody holds or pins, or a spare (a released duplicate, `pool.rs`), with
+    /// or without the cached child its holder chained on it.
     fn evictable(&self, b: usize, children: &[u32]) -> bool {
         let m = &self.blocks[b];
         m.refs == 0 && (m.cached && m.pins == 0 && children[b] == 0 || m.duplicate_of.is_some())
     }
 
     fn uncache(&mut self, b: BlockId) {
+        self.lent.remove(&b);
         let m = &mut self.blocks[b as usize];
         m.cached = false;
         if let Some(entry) = m.entry.take() {
@@ -216,9 +221,13 @@ impl Model {
             self.free.push(b);
         }
         if let Some(p) = parent {
-            let pm = &mut self.blocks[p as usize];
-            pm.children = pm.children.saturating_sub(1);
+            self.drop_child(p);
         }
+    }
+
+    fn drop_child(&mut self, p: BlockId) {
+        let pm = &mut self.blocks[p as usize];
+        pm.children = pm.children.saturating_sub(1);
     }
 
     /// Every block eviction could take, in order: the smallest (priority, tick, id) evictable
@@ -241,7 +250,61 @@ impl Model {
         plan
     }
 
+    /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
+    fn blocked(&self, b: usize) -> bool {
+        let m = &self.blocks[b];
+        m.cached
+            && (m.refs > 0
+                || m.pins > 0
+                || (0..self.blocks.len()).any(|c| {
+                    self.blocks[c].cached
+                        && self.blocks[c].parent == Some(b as BlockId)
+                        && self.blocked(c)
+                }))
+    }
+
+    /// A spare's cached child sits under it exactly while not blocked (`pool.rs`): a blocked
+    /// one is lent to the spare's canonical copy (which may in turn be a spare's child), and
+    /// goes back once unblocked.
+    fn normalize(&mut self) {
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for s in 0..self.blocks.len() {
+                let m = &self.blocks[s];
+                let Some(canonical) = m.duplicate_of else {
+                    continue;
+                };
+                if m.refs > 0 {
+                    continue;
+                }
+                let child = (0..self.blocks.len()).find(|&c| {
+                    self.blocks[c].cached && self.blocks[c].parent == Some(s as BlockId)
+                });
+                if let Some(c) = child.filter(|&c| self.blocked(c)) {
+                    self.blocks[c].parent = Some(canonical);
+                    self.blocks[s].children -= 1;
+                    self.blocks[canonical as usize].children += 1;
+                    self.lent.insert(c as BlockId, s as BlockId);
+                    changed = true;
+                }
+            }
+            let lent: Vec<(BlockId, BlockId)> = self.lent.iter().map(|(&c, &s)| (c, s)).collect();
+            for (c, s) in lent {
+                if !self.blocked(c as usize) {
+                    let canonical = self.blocks[c as usize].parent.expect("lent under it");
+                    self.blocks[c as usize].parent = Some(s);
+                    self.blocks[s as usize].children += 1;
+                    self.blocks[canonical as usize].children -= 1;
+                    self.lent.remove(&c);
+                    changed = true;
+                }
+            }
+        }
+    }
+
     fn allocate_blocks(&mut self, count: usize) -> Result<Vec<BlockId>, CacheError> {
+        self.normalize();
         if self.free.len() < count {
             let plan = self.plan();
             if self.free.len() + plan.len() < count {
@@ -255,7 +318,20 @@ impl Model {
             while self.free.len() < count {
                 let b = self.plan()[0];
                 if let Some(canonical) = self.blocks[b as usize].duplicate_of.take() {
-                    // A spare: its content is cached elsewhere.
+                    // A spare: its content is cached elsewhere, in the canonical copy, which
+                    // takes the spare's cached child if it has one.
+                    let lent = self.lent.iter().find(|&(_, &s)| s == b).map(|(&c, _)| c);
+                    if let Some(c) = lent {
+                        // Lent to the canonical copy already: it stays there.
+                        self.lent.remove(&c);
+                    }
+                    let child = (0..self.blocks.len())
+                        .find(|&c| self.blocks[c].cached && self.blocks[c].parent == Some(b));
+                    if let Some(c) = child {
+                        self.blocks[c].parent = Some(canonical);
+                        self.blocks[b as usize].children -= 1;
+                        self.blocks[canonical as usize].children += 1;
+                    }
                     self.forget_duplicate(canonical, b);
                     self.free.push(b);
                     continue;
@@ -297,6 +373,7 @@ impl Model {
         self.uncache(b);
         let m = &mut self.blocks[heir as usize];
         if m.refs == 0 {
+            // A spare takes the evicted block's place (its own child, if any, stays its child).
             m.parent = evicted_parent;
         }
         m.cached = true;
@@ -313,16 +390,15 @@ impl Model {
         m.refs -= 1;
         if m.refs == 0 && !m.cached {
             if m.duplicate_of.is_some() {
-                // A spare now, in the eviction order.
-                assert_eq!(
-                    m.children, 0,
-                    "model: a released duplicate parents cached blocks"
-                );
+                // A spare now, in the eviction order; it keeps its cached child, if any, unless
+                // blocked (`pool.rs`).
                 m.parent = None;
-                return;
+            } else {
+                self.free.push(b);
             }
-            self.free.push(b);
         }
+        // A release may unblock a lent child, or make a duplicate with a blocked child a spare.
+        self.normalize();
     }
 
     fn forget_duplicate(&mut self, canonical: BlockId, b: BlockId) {
@@ -330,23 +406,6 @@ impl Model {
         list.retain(|&d| d != b);
         if list.is_empty() {
             self.duplicates.remove(&canonical);
-        }
-    }
-
-    /// Before a request lets go of its table: a duplicate's cached successor, if the duplicate
-    /// parents it, goes to the canonical copy.
-    fn hand_over_duplicate_children(&mut self, table: &[BlockId]) {
-        for pair in table.windows(2) {
-            let (dup, next) = (pair[0], pair[1]);
-            if let Some(canonical) = self.blocks[dup as usize].duplicate_of {
-                if self.blocks[next as usize].cached
-                    && self.blocks[next as usize].parent == Some(dup)
-                {
-                    self.blocks[dup as usize].children -= 1;
-                    self.blocks[canonical as usize].children += 1;
-                    self.blocks[next as usize].parent = Some(canonical);
-                }
-            }
         }
     }
 
@@ -481,6 +540,7 @@ impl Model {
         for e in &hits {
             self.blocks[e.block as usize].refs += 1;
         }
+        self.normalize();
         let fresh = match self.allocate_blocks(tokens.len().div_ceil(self.bs) - hits.len()) {
             Ok(fresh) => fresh,
             Err(err) => {
@@ -544,6 +604,7 @@ impl Model {
             self.tick += 1;
             let target = req.computed / self.bs;
             self.extend(&mut req, target);
+            self.normalize();
         }
         let committed = req.anchors.len();
         self.requests.insert(id, req);
@@ -556,8 +617,8 @@ impl Model {
             .remove(&id)
             .ok_or(CacheError::UnknownRequest(rid(id)))?;
         self.tick += 1;
-        self.hand_over_duplicate_children(&req.table);
-        // Duplicates (spares once released) one tick after the rest (`request/mod.rs`).
+        // Duplicates (spares once released) one tick after the rest, and released after them,
+        // so a duplicate's successor is no longer held by the request (`request/mod.rs`).
         let mut spares = false;
         for &b in &req.table {
             let m = &mut self.blocks[b as usize];
@@ -568,7 +629,13 @@ impl Model {
                 m.priority = m.priority.max(req.priority);
                 spares = true;
             }
-            self.release_one(b);
+        }
+        for duplicates in [false, true] {
+            for &b in &req.table {
+                if self.blocks[b as usize].duplicate_of.is_some() == duplicates {
+                    self.release_one(b);
+                }
+            }
         }
         if spares {
             self.tick += 1;
@@ -585,6 +652,7 @@ impl Model {
             self.external[b as usize] += 1;
             self.touch(b, priority);
         }
+        self.normalize();
         self.count_lookup(tokens.len(), result.1);
         result
     }
@@ -644,6 +712,7 @@ impl Model {
         };
         self.tick += 1;
         self.extend(&mut req, blocks.len());
+        self.normalize();
         Ok(req.anchors.iter().map(|a| a.block).collect())
     }
 
@@ -677,6 +746,7 @@ impl Model {
         for &b in &blocks {
             self.blocks[b as usize].pins += 1;
         }
+        self.normalize();
         let id = self.next_pin;
         self.next_pin += 1;
         let count = blocks.len();
@@ -697,6 +767,7 @@ impl Model {
             let m = &mut self.blocks[b as usize];
             m.pins = m.pins.saturating_sub(1);
         }
+        self.normalize();
         Ok(())
     }
 
@@ -1048,6 +1119,12 @@ impl Machine {
     }
 
     fn apply(&mut self, op: &Op) {
+        self.apply_op(op);
+        // Every change that may block a spare's child has normalized already; in case.
+        self.model.normalize();
+    }
+
+    fn apply_op(&mut self, op: &Op) {
         let extras = RequestExtras::default();
         let salt_of = |salt: bool| -> &'static [u8] {
             if salt {
@@ -1665,4 +1742,53 @@ proptest! {
     ) {
         run_sliding(num_blocks, block_size, window, reuse_last_block, &ops);
     }
+}
+
+/// Found by `make rust-stress` at 60000 cases on the change that lets a spare keep its cached
+/// child (`pool.rs`).
+#[test]
+fn a_spare_keeps_its_child_through_low_level_commits() {
+    let ops = [
+        Op::Begin {
+            tokens: vec![0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Begin {
+            tokens: vec![1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Begin {
+            tokens: vec![1, 2, 3, 0, 0],
+            salt: false,
+            priority: 0,
+        },
+        Op::Finish { request: 12 },
+        Op::Commit {
+            request: 21,
+            percent: 40,
+        },
+        Op::Allocate { count: 3 },
+        Op::BeginTwins {
+            tokens: vec![1, 2, 3],
+            salt: true,
+            priority: 0,
+        },
+        Op::Commit {
+            request: 61,
+            percent: 37,
+        },
+        Op::CommitBlocks {
+            held: 0,
+            keep: 3,
+            tokens: vec![1, 2, 3, 4, 5, 1],
+            salt: false,
+            priority: 0,
+        },
+        Op::Finish { request: 1 },
+        Op::Finish { request: 5 },
+        Op::Finish { request: 1 },
+    ];
+    run(15, 2, 4, 12_597_561_123_941_762_363, false, &ops);
 }

@@ -331,3 +331,118 @@ fn absurd_sizes_are_refused_by_figure_before_allocating() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_canonical_copy_goes_before_a_finished_duplicates_successor() {
+    // r1 is a full hit on r0's prompt: it recomputes the last block into its own copy and
+    // decodes a further block on it. vLLM frees r0's original first and evicts it first (its
+    // hash stays cached in r1's copy), so the successor stays reachable; the copy keeps it as
+    // a spare rather than handing it to the original, which would then outlive it.
+    let c = cache(8, 2);
+    let r0 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&r0.request_id, 4).unwrap();
+    c.finish(&r0.request_id).unwrap();
+    let r1 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    let copy = r1.block_table[1];
+    assert_ne!(
+        copy, r0.block_table[1],
+        "the full hit's last block is a copy"
+    );
+    c.commit(&r1.request_id, 4).unwrap();
+    let successor = c.append(&r1.request_id, &[5, 6]).unwrap();
+    c.commit(&r1.request_id, 6).unwrap();
+    c.append(&r1.request_id, &[7]).unwrap();
+    c.finish(&r1.request_id).unwrap();
+    c.check_invariants();
+    // Four free blocks (r1's partial one among them), then the oldest evictable block: the
+    // original, whose entry moves into r1's copy.
+    let taken = c.allocate(5).unwrap();
+    assert!(taken.contains(&r0.block_table[1]));
+    assert!(!taken.contains(&successor[0]) && !taken.contains(&copy));
+    let hit = c.lookup(&[1, 2, 3, 4, 5, 6, 7], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, [r0.block_table[0], copy, successor[0]]);
+    c.check_invariants();
+}
+
+#[test]
+fn a_finished_duplicates_spare_goes_in_its_release_place_while_its_successor_is_held() {
+    // As above, r1's copy of P's last block is a spare above r1's decoded block C. Then r2 hits
+    // P and C (through r0's original) and holds them. vLLM counts r1's copy free (nobody
+    // references it; its hash stays cached in the original) and takes it first; the copy must
+    // not wait for C, whose holder holds the original.
+    let c = cache(8, 2);
+    let r0 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&r0.request_id, 4).unwrap();
+    c.finish(&r0.request_id).unwrap();
+    let r1 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    let copy = r1.block_table[1];
+    c.commit(&r1.request_id, 4).unwrap();
+    let successor = c.append(&r1.request_id, &[5, 6]).unwrap()[0];
+    c.commit(&r1.request_id, 6).unwrap();
+    c.finish(&r1.request_id).unwrap();
+    let r2 = c
+        .begin(None, vec![1, 2, 3, 4, 5, 6, 8], b"", no_extras(), 0)
+        .unwrap();
+    assert_eq!(r2.num_cached_tokens, 6);
+    assert_eq!(
+        r2.block_table[..3],
+        [r0.block_table[0], r0.block_table[1], successor]
+    );
+    c.check_invariants();
+    // Held: r2's four blocks. Free: three; the copy is the one other block obtainable.
+    let stats = c.stats();
+    assert_eq!((stats.blocks_free, stats.blocks_obtainable), (3, 4));
+    let taken = c.allocate(4).unwrap();
+    assert!(taken.contains(&copy));
+    c.check_invariants();
+    c.release(&taken).unwrap();
+    c.finish(&r2.request_id).unwrap();
+    let hit = c.lookup(&[1, 2, 3, 4, 5, 6, 7], b"", &no_extras()).unwrap();
+    assert_eq!(
+        hit.blocks,
+        [r0.block_table[0], r0.block_table[1], successor]
+    );
+    c.check_invariants();
+}
+
+#[test]
+fn a_refused_request_leaves_a_spares_successor_where_it_was() {
+    // As in `a_canonical_copy_goes_before_a_finished_duplicates_successor`, r1's copy is a
+    // spare above its decoded block C. r2 hits P and C but cannot get its other blocks: the
+    // refused call must change nothing, so C, lent to the original while r2's check held it
+    // (`pool.rs`), is back under the copy, and the original still goes first.
+    let c = cache(8, 2);
+    let r0 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    c.commit(&r0.request_id, 4).unwrap();
+    c.finish(&r0.request_id).unwrap();
+    let r1 = c
+        .begin(None, vec![1, 2, 3, 4], b"", no_extras(), 0)
+        .unwrap();
+    let copy = r1.block_table[1];
+    c.commit(&r1.request_id, 4).unwrap();
+    let successor = c.append(&r1.request_id, &[5, 6]).unwrap()[0];
+    c.commit(&r1.request_id, 6).unwrap();
+    c.finish(&r1.request_id).unwrap();
+    let mut long = vec![1, 2, 3, 4, 5, 6];
+    long.extend(10..22);
+    let refused = c.begin(None, long, b"", no_extras(), 0);
+    assert!(
+        matches!(refused, Err(CacheError::OutOfBlocks { .. })),
+        "{refused:?}"
+    );
+    c.check_invariants();
+    let taken = c.allocate(5).unwrap();
+    assert!(taken.contains(&r0.block_table[1]));
+    assert!(!taken.contains(&successor) && !taken.contains(&copy));
+    c.check_invariants();
+}

@@ -463,6 +463,9 @@ impl PrefixCache {
             return;
         }
         inner.tick += 1;
+        // A released duplicate's cached successor goes to its canonical copy (`release_table`).
+        let next = (end + 1).min(request.block_table.len());
+        super::hand_over_duplicate_children(inner, &request.block_table[request.released..next]);
         let null = self.config.num_blocks;
         for position in request.released..end {
             let block = std::mem::replace(&mut request.block_table[position], null);

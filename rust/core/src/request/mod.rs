@@ -448,14 +448,13 @@ impl PrefixCache {
 
     fn release_table(&self, inner: &mut Inner, request: &Request) {
         let table = &request.block_table[request.released..];
-        // A duplicate's cached children (at most its successor: `publish.rs`) go to its
-        // canonical copy before the duplicate is freed.
-        for (&block, &next) in table.iter().zip(table.iter().skip(1)) {
-            if let Some(canonical) = inner.pool.duplicate_of(block) {
-                if inner.pool.is_cached(next) && inner.pool.parent_of(next) == Some(block) {
-                    inner.pool.reparent(next, canonical);
-                }
-            }
+        if self.config.sliding_window.is_some() {
+            // Positions before `released` went already, so whoever holds a duplicate's successor
+            // may not hold a copy of the duplicate's content: the successor goes to the
+            // canonical copy instead (`pool.rs`, `reparent`). Full attention: a duplicate keeps
+            // it as a spare, so the canonical copy stays evictable in its own place, as vLLM
+            // evicts it first (`pool.rs`).
+            hand_over_duplicate_children(inner, table);
         }
         // Cached blocks join the LRU order now; duplicates (spares once released: `pool.rs`)
         // one tick later, so they go after the request's other blocks: vLLM frees a request's
@@ -469,8 +468,17 @@ impl PrefixCache {
                 inner.pool.touch(block, spare_tick, request.priority);
                 spares = true;
             }
-            // The reference the request took: only it drops it (see `cache/mod.rs`).
-            inner.pool.release(block);
+        }
+        // The references the request took: only it drops them (see `cache/mod.rs`). Duplicates
+        // last, so a duplicate's successor is no longer held by this request when it becomes a
+        // spare (a spare gives a blocked child to its canonical copy: `pool.rs`). They never go
+        // to the free list, so the free list's order is the table's either way.
+        for duplicates in [false, true] {
+            for &block in table {
+                if inner.pool.duplicate_of(block).is_some() == duplicates {
+                    inner.pool.release(block);
+                }
+            }
         }
         if spares {
             inner.tick = spare_tick;
@@ -493,3 +501,15 @@ fn with_request<T>(
 
 #[cfg(test)]
 mod tests;
+
+/// Hands each duplicate's cached successor in `table`, if the duplicate parents it, to the
+/// duplicate's canonical copy (sliding-window caches: `release_table`).
+pub(super) fn hand_over_duplicate_children(inner: &mut Inner, table: &[BlockId]) {
+    for (&block, &next) in table.iter().zip(table.iter().skip(1)) {
+        if let Some(canonical) = inner.pool.duplicate_of(block) {
+            if inner.pool.is_cached(next) && inner.pool.parent_of(next) == Some(block) {
+                inner.pool.reparent(next, canonical);
+            }
+        }
+    }
+}

@@ -22,9 +22,10 @@
 //! chain is always the blocks it holds. So the canonical block is evictable once nobody
 //! references it, as vLLM counts it (a full hit's recomputed last block is the common case:
 //! `request/allocate.rs`), and evicting it moves its entry into a duplicate rather than dropping
-//! it, so the request's later entries, which name it as their parent, stay reachable. Before the
-//! request lets go of a duplicate (`finish`, `preempt`), its next block, if it parents it, is
-//! handed to the canonical copy (`request/mod.rs`). The low-level `commit_blocks`, whose caller
+//! it, so the request's later entries, which name it as their parent, stay reachable. A duplicate
+//! the request lets go of (`finish`, `preempt`) keeps its next block, if it parents it, as a
+//! spare (`pool.rs`), so the canonical copy still goes first, as in vLLM; taking the spare hands
+//! the block to the canonical copy. The low-level `commit_blocks`, whose caller
 //! releases blocks one by one in any order, keeps chaining on canonical blocks instead.
 //!
 //! An anchor names a block, and an entry can move, or go when nobody holds it: a dead anchor (its
