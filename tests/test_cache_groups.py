@@ -120,3 +120,43 @@ def test_a_request_id_with_a_lone_surrogate_is_invalid_input() -> None:
     with pytest.raises(InvalidInputError, match="request id must be valid Unicode"):
         cache.add_request("a\ud800", [1, 2])
     assert cache.stats().requests_live == 0
+
+
+def test_explicit_window_release_waits_for_the_call_in_every_sliding_group() -> None:
+    """Issue 22 (hybrid layouts in vLLM): with ``window_release="explicit"`` a commit publishes
+    and releases nothing; `release_out_of_window` releases what vLLM's `remove_skipped_blocks`
+    frees (blocks of 4, window 8: settled at 20, the three blocks before 13), and a processed
+    count above what the request computed is refused with every group unchanged."""
+    cache = GroupedPrefixCache(
+        (FULL, SLIDING), (16, 16), context=CacheContext(block_size=4), window_release="explicit"
+    )
+    assert [g.window_release for g in cache.groups] == ["on_commit", "explicit"]
+    cache.add_request("r", list(range(20)))
+    cache.allocate_slots("r", 20)
+    cache.commit("r", 20)
+    null = cache.null_blocks[1]
+    before = state(cache, ["r"])
+    assert null not in cache.block_tables("r")[1]
+    with pytest.raises(InvalidInputError, match="processed_tokens 21"):
+        cache.release_out_of_window("r", 21)
+    assert state(cache, ["r"]) == before
+    assert cache.release_out_of_window("r", 20) == 3
+    full, sliding = cache.block_tables("r")
+    assert sliding[:3] == [null] * 3 and null not in sliding[3:]
+    assert len(full) == 5 and null not in full
+    cache.finish("r")
+    cache.check_invariants()
+
+
+def test_window_release_is_refused_by_name() -> None:
+    from prefixkv import PrefixCache
+
+    with pytest.raises(InvalidInputError, match="window_release"):
+        PrefixCache(8, block_size=4, sliding_window=8, window_release="later")
+    with pytest.raises(InvalidInputError, match="window_release"):
+        PrefixCache(8, block_size=4, window_release="explicit")
+    on_commit = PrefixCache(8, block_size=4, sliding_window=8)
+    on_commit.add_request("r", list(range(12)))
+    on_commit.allocate_slots("r", 12)
+    with pytest.raises(InvalidInputError, match="releases on commit"):
+        on_commit.release_out_of_window("r", 0)

@@ -204,6 +204,25 @@ def test_vllm_sliding_window_frees_at_the_next_allocation(tiny_model: Path) -> N
     cache.commit("r", 20)  # what the manager does at step 0's allocation, to publish
     assert cache.block_table("r").count(cache.null_block) == 3
 
+    # With explicit release the core follows vLLM's schedule: step 0's commit publishes and
+    # frees nothing; step 1 releases with vLLM's processed count (20) before allocating.
+    explicit = PrefixCache(15, block_size=4, sliding_window=8, window_release="explicit")
+    explicit.add_request("r", list(prompt))
+    explicit.allocate_slots("r", 20)
+    explicit.commit("r", 20)
+    counts = [explicit.block_table("r").count(explicit.null_block)]
+    explicit.append_tokens("r", [20])
+    explicit.release_out_of_window("r", 20)
+    explicit.allocate_slots("r", 1)
+    explicit.commit("r", 21)
+    counts.append(explicit.block_table("r").count(explicit.null_block))
+    explicit.append_tokens("r", [21])
+    explicit.release_out_of_window("r", 21)
+    explicit.allocate_slots("r", 1)
+    counts.append(explicit.block_table("r").count(explicit.null_block))
+    assert counts == nulls
+    assert len(explicit.block_table("r")) == len(tables[-1][0])
+
 
 def test_vllm_hybrid_groups_share_one_pool(tiny_model: Path) -> None:
     """vLLM's KV cache groups take their blocks from one pool: one id space (a block id is

@@ -17,6 +17,17 @@
 //! of `s` intersects is ever null: that is the property `check_invariants` asserts and the model
 //! tests check, "a released block is never read".
 //!
+//! ## Explicit release
+//! An engine that publishes a step's blocks before the step writes them (vLLM caches them at
+//! allocation) cannot let a commit release: the positions a step is still writing would go
+//! back to the LRU order, where another request could evict and reuse them in the same step.
+//! With `WindowRelease::Explicit` the release points above do nothing, and the engine calls
+//! `release_out_of_window(request, processed_tokens)` where vLLM calls `remove_skipped_blocks`
+//! (before each allocation for the request). `processed_tokens` may not exceed the settled
+//! count, so the invariant below holds whatever the engine passes. Released positions are
+//! touched last first, one tick each, and so is a finished or preempted request's table: LRU
+//! then evicts them in the order of vLLM's free queue, which frees a table's tail first.
+//!
 //! The null block is the id one past the pool (`PrefixCache::null_block`). The pool never sees
 //! it, so it is never allocated, freed, cached, counted or referenced; the engine keeps one spare
 //! KV page for it so a block table can always be indexed, and no attention reads it.
@@ -271,7 +282,7 @@ mod tests {
     use crate::cache::tests::no_extras;
     use crate::error::CacheError;
     use crate::key::context_fingerprint;
-    use crate::{CacheConfig, FullHit, PrefixCache, RequestId};
+    use crate::{CacheConfig, FullHit, PrefixCache, RequestId, WindowRelease};
 
     fn sliding(
         num_blocks: u32,
@@ -300,6 +311,108 @@ mod tests {
         c.allocate_slots(&id, n, 0, 0).unwrap();
         c.commit(&id, n).unwrap();
         id
+    }
+
+    fn explicit(num_blocks: u32, block_size: usize, window: usize) -> PrefixCache {
+        let config = CacheConfig {
+            sliding_window: Some(window),
+            window_release: WindowRelease::Explicit,
+            ..CacheConfig::new(num_blocks, block_size)
+        };
+        PrefixCache::with_table_seed(config, context_fingerprint(b"unit"), 7).unwrap()
+    }
+
+    #[test]
+    fn explicit_release_needs_a_window_and_is_refused_when_releasing_on_commit() {
+        let config = CacheConfig {
+            window_release: WindowRelease::Explicit,
+            ..CacheConfig::new(8, 2)
+        };
+        let Err(err) = PrefixCache::new(config, context_fingerprint(b"unit")) else {
+            panic!("Explicit without a window was accepted");
+        };
+        assert!(err.to_string().contains("window_release"), "{err}");
+        let c = sliding(16, 2, 3, FullHit::default());
+        let a = &computed(&c, "a", prompt(10));
+        let err = c.release_out_of_window(a, 10).unwrap_err();
+        assert!(err.to_string().contains("releases on commit"), "{err}");
+        // Full attention: nothing leaves a window before the request ends.
+        let full = crate::cache::tests::cache(8, 2);
+        let f = &computed(&full, "f", prompt(10));
+        assert_eq!(full.release_out_of_window(f, 10), Ok(0));
+        assert_eq!(
+            full.release_out_of_window(&"nobody".into(), 0),
+            Err(CacheError::UnknownRequest("nobody".into()))
+        );
+    }
+
+    #[test]
+    fn explicit_release_publishes_at_commit_and_releases_only_when_called() {
+        // vLLM's schedule (`test_vllm_sliding_window_frees_at_the_next_allocation`): blocks of
+        // 4, window 8, a 20-token prompt in 5 blocks; nothing is freed at the step that
+        // schedules it, three blocks (those wholly before 20 + 1 - 8 = 13) at the next.
+        let c = explicit(16, 4, 8);
+        let null = c.null_block().unwrap();
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        assert!(!table.contains(&null), "a commit releases nothing");
+        assert!(table.iter().all(|&b| c.is_cached(b) == Ok(true)));
+        assert!(table.iter().all(|&b| c.ref_count(b) == Ok(1)));
+        let err = c.release_out_of_window(a, 21).unwrap_err();
+        assert!(err.to_string().contains("processed_tokens 21"), "{err}");
+        assert_eq!(
+            c.block_table(a).unwrap(),
+            table,
+            "a refusal changes nothing"
+        );
+        assert_eq!(c.release_out_of_window(a, 12), Ok(1));
+        assert_eq!(c.release_out_of_window(a, 20), Ok(2));
+        assert_eq!(c.release_out_of_window(a, 20), Ok(0));
+        let now = c.block_table(a).unwrap();
+        assert_eq!(&now[..3], &[null; 3]);
+        assert_eq!(&now[3..], &table[3..]);
+        assert_eq!(c.stats().blocks_released, 3);
+        assert!(table[..3].iter().all(|&b| c.ref_count(b) == Ok(0)));
+        c.check_invariants();
+        // Decoding covers itself without releasing (a decode step's fast path included).
+        for token in 21..=24 {
+            c.append_tokens(a, &[token], false).unwrap();
+            c.allocate_slots(a, 1, 0, 0).unwrap();
+            c.commit(a, token as usize).unwrap();
+        }
+        assert_eq!(c.block_table(a).unwrap()[3], table[3]);
+        assert_eq!(c.release_out_of_window(a, 24), Ok(1));
+        c.check_invariants();
+        // A waiting request holds nothing to release.
+        let b = &RequestId::from("b");
+        c.add_request(b.clone(), prompt(30), b"", no_extras(), 0)
+            .unwrap();
+        assert_eq!(c.release_out_of_window(b, 0), Ok(0));
+        c.finish(a).unwrap();
+        c.finish(b).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn explicit_release_and_finish_free_the_tail_first_as_vllms_free_queue() {
+        let c = explicit(6, 4, 8);
+        c.set_eviction_log(true);
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        c.release_out_of_window(a, 20).unwrap();
+        // One block is free; the next three come from the released ones, last position first.
+        let mut pressure = c.allocate(2).unwrap();
+        pressure.extend(c.allocate(2).unwrap());
+        assert_eq!(c.drain_evicted(), vec![table[2], table[1], table[0]]);
+        c.finish(a).unwrap();
+        pressure.extend(c.allocate(1).unwrap());
+        assert_eq!(
+            c.drain_evicted(),
+            vec![table[4]],
+            "a finished table leaves tail first"
+        );
+        c.release(&pressure).unwrap();
+        c.check_invariants();
     }
 
     #[test]

@@ -409,6 +409,9 @@ impl PrefixCache {
     /// false in a full-attention cache).
     #[inline]
     pub(super) fn window_moved(&self, request: &Request) -> bool {
+        if self.config.releases_explicitly() {
+            return false;
+        }
         self.config.sliding_window.is_some_and(|window| {
             let settled = request.num_computed.min(request.num_verified());
             positions_out_of_window(window, self.config.block_size, settled) > request.released
@@ -445,22 +448,42 @@ impl PrefixCache {
         })
     }
 
-    /// Releases every position the request's window has left (`sliding.rs`): its reference is
-    /// dropped (touched first if cached, so it joins the LRU order now) and the null block
-    /// takes its place.
-    pub(super) fn release_out_of_window(&self, inner: &mut Inner, request: &mut Request) {
+    /// Releases every position the request's window has left (`sliding.rs`), in a cache
+    /// that releases on commit (a no-op with `WindowRelease::Explicit`).
+    pub(super) fn release_passed_positions(&self, inner: &mut Inner, request: &mut Request) {
         let Some(window) = self.config.sliding_window else {
             return;
         };
-        let settled = request.num_computed.min(request.num_verified());
-        let end = positions_out_of_window(window, self.config.block_size, settled)
-            .min(request.block_table.len());
-        if end <= request.released {
+        if self.config.releases_explicitly() {
             return;
         }
-        inner.tick += 1;
+        let settled = request.num_computed.min(request.num_verified());
+        let end = positions_out_of_window(window, self.config.block_size, settled);
+        self.release_positions(inner, request, end);
+    }
+
+    /// Releases the request's positions from its first unreleased one up to `end` (capped at
+    /// its table): its reference is dropped (touched first if cached, so it joins the LRU
+    /// order now) and the null block takes its place. With `WindowRelease::Explicit` they are
+    /// touched last position first, one tick each, as vLLM's `_remove_blocks_in_range` frees
+    /// them into its free queue; otherwise on one tick. Returns how many it released.
+    pub(super) fn release_positions(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        end: usize,
+    ) -> usize {
+        let end = end.min(request.block_table.len());
+        if end <= request.released {
+            return 0;
+        }
+        let explicit = self.config.releases_explicitly();
         let null = self.config.num_blocks;
-        for position in request.released..end {
+        inner.tick += 1;
+        for position in (request.released..end).rev() {
+            if explicit && position + 1 < end {
+                inner.tick += 1;
+            }
             let block = std::mem::replace(&mut request.block_table[position], null);
             if inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
@@ -468,8 +491,10 @@ impl PrefixCache {
             // The request's own reference (see `cache/mod.rs`): only it drops it.
             inner.pool.release(block);
         }
-        inner.counters.blocks_released += (end - request.released) as u64;
+        let count = end - request.released;
+        inner.counters.blocks_released += count as u64;
         request.released = end;
+        count
     }
 
     /// Blocks the pool could hand out after referencing `hits`, capped at `want`.
@@ -525,7 +550,7 @@ impl PrefixCache {
         let mut block_ids = hits;
         block_ids.extend_from_slice(&fresh);
         request.block_table.extend_from_slice(&block_ids);
-        self.release_out_of_window(inner, request);
+        self.release_passed_positions(inner, request);
         Ok(Slots {
             block_ids,
             num_computed_tokens: plan.start,

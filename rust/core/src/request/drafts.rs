@@ -49,7 +49,7 @@ impl PrefixCache {
             self.truncate_locked(inner, request, keep);
             request.num_drafts = 0;
             self.publish_verified(inner, request);
-            self.release_out_of_window(inner, request);
+            self.release_passed_positions(inner, request);
             request.anchors.len()
         })
     }

@@ -378,6 +378,46 @@ impl PrefixCache {
         })
     }
 
+    /// In a cache built with `WindowRelease::Explicit`: releases the request's leading positions
+    /// that lie wholly before `processed_tokens + 1 - sliding_window` (capped at its block
+    /// table), last first, the null block taking their place; returns how many it released now.
+    /// vLLM's `remove_skipped_blocks`, which its manager calls before each allocation for the
+    /// request with the tokens whose KV is written and committed. A waiting request holds no
+    /// table (nothing to release); a full-attention cache releases nothing before `finish`.
+    /// Refused (nothing changed): a sliding cache that releases on commit, and
+    /// `processed_tokens` above the request's settled tokens (`min(computed, verified)`), whose
+    /// window could still read what it would release.
+    pub fn release_out_of_window(&self, id: &RequestId, processed_tokens: usize) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let Some(window) = self.config.sliding_window else {
+            inner.requests.get(id)?;
+            return Ok(0);
+        };
+        if !self.config.releases_explicitly() {
+            return Err(CacheError::InvalidInput(
+                "release_out_of_window: this sliding-window cache releases on commit (build it \
+                 with window_release Explicit to release on the engine's schedule)"
+                    .into(),
+            ));
+        }
+        let request = inner.requests.get(id)?;
+        let settled = request.num_computed.min(request.num_verified());
+        if processed_tokens > settled {
+            return Err(CacheError::InvalidInput(format!(
+                "processed_tokens {processed_tokens} exceeds the {settled} tokens request {id} \
+                 has computed and verified"
+            )));
+        }
+        if !request.scheduled {
+            return Ok(0);
+        }
+        let end = positions_out_of_window(window, self.config.block_size, processed_tokens);
+        with_request(inner, id, |inner, request| {
+            self.release_positions(inner, request, end)
+        })
+    }
+
     /// Drops every reference the request holds and its KV; its drafts are dropped too. The
     /// blocks it committed stay cached (evictable), so its next `allocate_slots` matches them
     /// again. Preempting a waiting request changes nothing.
@@ -448,6 +488,22 @@ impl PrefixCache {
 
     fn release_table(&self, inner: &mut Inner, request: &Request) {
         let table = &request.block_table[request.released..];
+        if self.config.releases_explicitly() {
+            // A sliding cache keeps no duplicates and no pool parents: every cached block is
+            // evictable on its own, so the ticks alone give the order, tail first as vLLM's
+            // `SingleTypeKVCacheManager.free` (`WindowRelease::Explicit`).
+            for (offset, &block) in table.iter().rev().enumerate() {
+                if offset > 0 {
+                    inner.tick += 1;
+                }
+                if inner.pool.is_cached(block) {
+                    inner.pool.touch(block, inner.tick, request.priority);
+                }
+                // The reference the request took: only it drops it (see `cache/mod.rs`).
+                inner.pool.release(block);
+            }
+            return;
+        }
         // A duplicate's cached children (at most its successor: `publish.rs`) go to its
         // canonical copy before the duplicate is freed.
         for (&block, &next) in table.iter().zip(table.iter().skip(1)) {

@@ -79,7 +79,7 @@ impl PrefixCache {
         with_request(inner, id, |inner, request| {
             request.num_computed = request.num_computed.max(num_computed_tokens);
             self.publish_verified(inner, request);
-            self.release_out_of_window(inner, request);
+            self.release_passed_positions(inner, request);
             request.anchors.len()
         })
     }
