@@ -416,6 +416,40 @@ mod tests {
     }
 
     #[test]
+    fn explicit_release_queues_uncached_blocks_behind_earlier_releases() {
+        // vLLM's free queue: never-used blocks first, then every released block, cached or
+        // not, in release order. A private block released later waits behind cached ones.
+        let c = explicit(8, 4, 8);
+        c.set_eviction_log(true);
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        c.release_out_of_window(a, 20).unwrap();
+        let b = &RequestId::from("b");
+        c.add_request(b.clone(), vec![90, 91, 92], b"", no_extras(), 0)
+            .unwrap();
+        let private = c.allocate_slots(b, 3, 0, 0).unwrap().block_ids[0];
+        c.finish(b).unwrap();
+        let stats = c.stats();
+        assert_eq!((stats.blocks_free, stats.blocks_in_use), (3, 2));
+        assert!(!c.is_cached(private).unwrap());
+        c.check_invariants();
+        // Two never-used blocks, then the oldest release: position 2 of `a`, not `private`.
+        let mut pressure = c.allocate(3).unwrap();
+        assert_eq!(c.drain_evicted(), vec![table[2]]);
+        assert!(!pressure.contains(&private));
+        pressure.extend(c.allocate(3).unwrap());
+        assert_eq!(c.drain_evicted(), vec![table[1], table[0]]);
+        assert!(
+            pressure.contains(&private),
+            "then the private block, released last"
+        );
+        c.release(&pressure).unwrap();
+        c.check_invariants();
+        c.finish(a).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
     fn a_zero_window_is_refused_and_full_attention_has_no_null_block() {
         let config = CacheConfig {
             sliding_window: Some(0),

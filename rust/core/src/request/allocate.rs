@@ -485,7 +485,9 @@ impl PrefixCache {
                 inner.tick += 1;
             }
             let block = std::mem::replace(&mut request.block_table[position], null);
-            if inner.pool.is_cached(block) {
+            // With explicit release the pool queues uncached blocks too (`pool.rs`, "Ordered
+            // free blocks"): each takes its place in the order now.
+            if explicit || inner.pool.is_cached(block) {
                 inner.pool.touch(block, inner.tick, request.priority);
             }
             // The request's own reference (see `cache/mod.rs`): only it drops it.

@@ -496,9 +496,9 @@ impl PrefixCache {
                 if offset > 0 {
                     inner.tick += 1;
                 }
-                if inner.pool.is_cached(block) {
-                    inner.pool.touch(block, inner.tick, request.priority);
-                }
+                // Cached or not: the pool queues both in this order (`pool.rs`, "Ordered free
+                // blocks"), as vLLM's free queue.
+                inner.pool.touch(block, inner.tick, request.priority);
                 // The reference the request took: only it drops it (see `cache/mod.rs`).
                 inner.pool.release(block);
             }
