@@ -102,8 +102,20 @@ def add_model_tensors(
     """`model`'s weights by GGUF name, matrices quantized to `qtype` (see `write_gguf`)."""
     config = model.config
     quant = getattr(gguf.GGMLQuantizationType, qtype)
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict()
+    for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if arch == "phi3" and name.endswith(_FUSED_INTO):
+            continue  # written inside its fused tensor
+        if arch == "phi3" and name.endswith(tuple(_FUSED_FIRST)):
+            # llama.cpp's phi3 keeps the checkpoint's fused attn_qkv / ffn_up (q, k, v rows;
+            # gate, then up rows).
+            first = next(key for key in _FUSED_FIRST if name.endswith(key))
+            parts = [state[name.replace(first, piece)] for piece in _FUSED_FIRST[first][1]]
+            values = torch.cat(parts).to(torch.float32).numpy()
+            fused = gguf_name(name).replace(*_FUSED_FIRST[first][0])
+            writer.add_tensor(fused, gguf.quants.quantize(values, quant), raw_dtype=quant)
             continue
         if raw_tensors and name in raw_tensors:
             blocks, raw_type = raw_tensors[name]
@@ -119,6 +131,20 @@ def add_model_tensors(
             writer.add_tensor(gguf_name(name), values)
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, quant), raw_dtype=quant)
+
+
+#: Phi-3's fused tensors: the first piece's name -> ((its GGUF name, the fused one), pieces).
+_FUSED_FIRST = {
+    "self_attn.q_proj.weight": (
+        ("attn_q.", "attn_qkv."),
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    "mlp.gate_proj.weight": (
+        ("ffn_gate.", "ffn_up."),
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ),
+}
+_FUSED_INTO = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
 
 
 def finish(writer: Any) -> None:
@@ -197,6 +223,7 @@ def gguf_name(hf_name: str) -> str:
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
+        "model.norm.bias": "output_norm.bias",
     }
     if hf_name in names:
         return names[hf_name]
@@ -212,6 +239,8 @@ def gguf_name(hf_name: str) -> str:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        "mlp.c_fc": "ffn_up",  # Starcoder2's plain MLP
+        "mlp.c_proj": "ffn_down",
     }
     _, _, layer, *rest = hf_name.split(".")
     module, kind = ".".join(rest[:-1]), rest[-1]

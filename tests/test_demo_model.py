@@ -18,6 +18,7 @@ from prefixkv.apps import cli
 from prefixkv.errors import InvalidInputError
 from prefixkv.models.checkpoint import load_checkpoint
 from prefixkv.models.decoder import LlamaModel, ModelConfig
+from tests.demo_support import run_demo_model
 from tests.gguf_files import CHATML, write_gguf
 from tests.gguf_files import tokenizer as tokenizer
 
@@ -40,15 +41,7 @@ def gguf_file(tmp_path: Path, tokenizer: Tokenizer) -> Path:
 def test_demo_model_serves_a_gguf_with_its_template(
     gguf_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["demo", "--model", str(gguf_file), "--json", "--quiet", "-n", "3"]
-    status = cli.main([*argv, "--max-new-tokens", "3", "--threads", "1"])
-    out = capsys.readouterr()
-    assert status == 0, out.err
-    data = json.loads(out.out)
-    stable, query = data["layouts"]["stable_first"], data["layouts"]["query_first"]
-    assert stable["hit_rate"] > 0.5 > query["hit_rate"]
-    assert stable["tokens_match"] and query["tokens_match"]
-    assert data["max_logit_diff"] < 1e-3
+    data = run_demo_model(gguf_file, capsys)
     assert data["model"]["name"] == "tiny test model (gguf: 5 F32, 16 Q8_0)"
     # chatml.jinja renders tools itself: they stay tools, not system-prompt text.
     assert data["workload"]["tools_in_system_prompt"] is False

@@ -34,6 +34,7 @@ from prefixkv.models import layers as layers_module
 from prefixkv.models.config import ModelConfig
 from prefixkv.models.decoder import DecodeRequest, LlamaModel, PrefillRequest
 from prefixkv.models.gemma import GemmaSettings
+from tests.demo_support import run_demo_model
 from tests.test_config_reading import WRONG_VALUES
 from tests.test_gguf import tokenizer as tokenizer
 from tests.test_model_hf import TOKENS, assert_close_to_scale, load_with_transformers
@@ -553,7 +554,6 @@ def test_prefixkv_demo_serves_a_gemma3_checkpoint(
     """`prefixkv demo --model` on a Gemma 3 directory transformers wrote (with a tokenizer and
     a chat template beside it): served on the KV groups, its greedy tokens those of a full
     recompute, the stable-first layout hitting the cache."""
-    from prefixkv.apps import cli
     from tests.test_engine_checkpoint import CHATML
 
     torch.manual_seed(0)
@@ -570,20 +570,9 @@ def test_prefixkv_demo_serves_a_gemma3_checkpoint(
     (tmp_path / "chat_template.jinja").write_text(CHATML)
     eos = tokenizer.token_to_id("<|im_end|>")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    argv = ["demo", "--model", str(tmp_path), "--json", "--quiet", "-n", "3"]
-    argv += ["--max-num-batched-tokens", "64"]  # chunked: the sliding layers let blocks go
-    threads = torch.get_num_threads()
-    try:
-        status = cli.main([*argv, "--max-new-tokens", "3", "--threads", "1"])
-    finally:
-        torch.set_num_threads(threads)  # the CLI sets it for the process
-    out = capsys.readouterr()
-    assert status == 0, out.err
-    data = json.loads(out.out)
-    stable, query = data["layouts"]["stable_first"], data["layouts"]["query_first"]
-    assert stable["hit_rate"] > 0.5 > query["hit_rate"]
-    assert stable["tokens_match"] and query["tokens_match"]
-    assert data["max_logit_diff"] < 1e-3
+    # Chunked: the sliding layers let blocks go.
+    data = run_demo_model(tmp_path, capsys, "--max-num-batched-tokens", "64")
+    stable = data["layouts"]["stable_first"]
     # The sliding layers let go of out-of-window blocks: the demo reports the KV the running
     # requests held against what every layer keeping every block would hold.
     assert stable["peak_kv_bytes_all_full"] > stable["peak_kv_bytes"] > 0

@@ -228,8 +228,8 @@ def test_refusals_name_the_problem(tmp_path: Path, tokenizer: Tokenizer) -> None
         load_gguf(
             write_gguf(tmp_path / "a.gguf", model, tokenizer, extra={"llama.expert_count": 8})
         )
-    with pytest.raises(InvalidInputError, match="'phi3'"):
-        load_gguf(write_gguf(tmp_path / "b.gguf", model, tokenizer, arch="phi3"))
+    with pytest.raises(InvalidInputError, match="'smollm3'"):
+        load_gguf(write_gguf(tmp_path / "b.gguf", model, tokenizer, arch="smollm3"))
     with pytest.raises(InvalidInputError, match="'mystery-bpe'"):
         load_gguf(write_gguf(tmp_path / "c.gguf", model, tokenizer, pre="mystery-bpe"))
 

@@ -6,6 +6,9 @@ answers into small typed objects. All state lives in the core, behind its own lo
 `PrefixCache` may be shared by threads: lookups never block, even while another thread begins,
 commits and finishes requests.
 
+size: one class, the engine-facing API of the core: each method is a thin typed wrapper with
+its argument checks and docstring, and splitting them would scatter one object's surface.
+
 A request's life, the simple way (the whole prompt at once)::
 
     request = cache.begin(prompt_ids)           # cached prefix referenced, rest allocated

@@ -1,13 +1,20 @@
 """GGUF files (llama.cpp's format) as a `LlamaModel`, a tokenizer, a chat template and stop
 tokens: `load_gguf`.
 
+size: one reader of one format; the per-architecture parts are small tables (metadata keys,
+tensor names, layout transforms) that only make sense beside the code that applies them.
+
 Read with the ``gguf`` package (`prefixkv[gguf]`), the reader llama.cpp maintains. Loading is
 as strict as `prefixkv.models.checkpoint`'s: every metadata key of the architecture and every tensor
 must be one this decoder implements, or the file is refused with an `InvalidInputError` naming
 it; a file the reader cannot parse is refused the same way. Never a guess:
 
-* **Architectures**: ``llama`` (Llama, Mistral, SmolLM...), ``qwen2`` (q/k/v biases) and
-  ``qwen3`` (dense: per-head q/k norms, ``attn_q_norm`` / ``attn_k_norm``).
+* **Architectures**: ``llama`` (Llama, Mistral, SmolLM...), ``qwen2`` (q/k/v biases),
+  ``qwen3`` (dense: per-head q/k norms, ``attn_q_norm`` / ``attn_k_norm``) and ``phi3``
+  (Phi-3-mini-4k: fused ``attn_qkv`` / ``ffn_up`` split as the HF loader splits them, the
+  window on every layer; LongRoPE's ``rope_factors_*`` tensors are refused by name) and
+  ``starcoder2`` (LayerNorms with biases, biased projections, the plain GELU-tanh MLP; no
+  window: llama.cpp writes and applies none).
 * **Weights** are dequantized to float32 by ``gguf.quants.dequantize`` for the types in
   `SUPPORTED_TYPES`: the float types, the 32-value block types the ``gguf`` package can also
   write (each tested against the same weights in a Hugging Face directory), and the K-quants
@@ -48,6 +55,7 @@ from prefixkv.errors import InvalidInputError, MissingDependencyError
 from prefixkv.models.checkpoint_record import Checkpoint
 from prefixkv.models.config import ModelConfig, RopeScaling, check_fits_in_memory
 from prefixkv.models.gguf_header import check_gguf_header
+from prefixkv.models.hf_weights import _split_fused_projections
 
 if TYPE_CHECKING:
     from prefixkv.text.chat import ChatTemplateSet, JinjaChatTemplate
@@ -62,7 +70,17 @@ SUPPORTED_TYPES = frozenset(
     | {"IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
 )
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "starcoder2")
+
+#: Metadata keys only some architectures have: llama.cpp's ``phi3`` applies its window
+#: (``attention.sliding_window``, Phi3Config's ``sliding_window``) on every layer;
+#: ``starcoder2``'s LayerNorms read ``attention.layer_norm_epsilon`` (``norm_epsilon``; an
+#: ``attention.layer_norm_rms_epsilon`` beside it, as Starcoder2-15B's, is ignored as
+#: transformers' Starcoder2 ignores ``rms_norm_eps``).
+_ARCH_ONLY_KEYS = {
+    "phi3": frozenset({"attention.sliding_window"}),
+    "starcoder2": frozenset({"attention.layer_norm_epsilon"}),
+}
 
 #: ``{arch}.<key>`` metadata this loader reads or knows to be inert; any other is refused.
 _KNOWN_ARCH_KEYS = frozenset(
@@ -82,6 +100,7 @@ _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # starcoder2's final LayerNorm
 }
 _LAYER_TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
@@ -96,6 +115,15 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Per architecture, layer tensors named otherwise: Phi-3's fused ``attn_qkv`` (rows:
+#: queries, keys, values) and ``ffn_up`` (rows: gate, then up), as its HF checkpoint stores
+#: them, split afterwards as the HF loader splits them (`_split_fused_projections`);
+#: Starcoder2's plain MLP (``ffn_up`` is ``c_fc``, ``ffn_down`` ``c_proj``).
+_ARCH_LAYER_TENSOR_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+}
+_FUSED_ARCHITECTURES = frozenset({"phi3"})
 
 # The splits llama.cpp applies before byte-level BPE, per ``tokenizer.ggml.pre`` (from its
 # llama-vocab.cpp), as `tokenizers` pre-tokenizers. GPT-2's is `ByteLevel(use_regex=True)`.
@@ -294,7 +322,8 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
     unknown = sorted(
         key
         for key in metadata
-        if key.startswith(prefix) and key[len(prefix) :] not in _KNOWN_ARCH_KEYS
+        if key.startswith(prefix)
+        and key[len(prefix) :] not in _KNOWN_ARCH_KEYS | _ARCH_ONLY_KEYS.get(arch, frozenset())
     )
     if unknown:
         raise InvalidInputError(
@@ -316,6 +345,7 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
             f"{metadata.path}: key/value/rotary dims {head_dim}/{value_dim}/{rotary} differ; "
             "only equal ones (full rotary) are implemented"
         )
+    starcoder2 = arch == "starcoder2"
     has_tokens = metadata.get("tokenizer.ggml.tokens") is not None
     tokens = metadata.strings("tokenizer.ggml.tokens") if has_tokens else []
     vocab = metadata.integer(prefix + "vocab_size", len(tokens))
@@ -331,11 +361,23 @@ def _config(metadata: _Metadata, arch: str, dtype: torch.dtype) -> ModelConfig:
         num_kv_heads=metadata.integer(prefix + "attention.head_count_kv", heads),
         head_dim=head_dim,
         intermediate_size=value("feed_forward_length"),
-        rms_norm_eps=metadata.number(prefix + "attention.layer_norm_rms_epsilon"),
+        rms_norm_eps=metadata.number(
+            prefix
+            + ("attention.layer_norm_epsilon" if starcoder2 else "attention.layer_norm_rms_epsilon")
+        ),
         rope_theta=metadata.number(prefix + "rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(metadata, prefix),
         max_position_embeddings=metadata.integer(prefix + "context_length", 2048),
-        attention_qkv_bias=arch == "qwen2",
+        # llama.cpp's phi3 slides every layer when the key is set (0 or absent: none).
+        sliding_window=metadata.integer(prefix + "attention.sliding_window", 0, minimum=0) or None,
+        # Starcoder2: biases on all six projections (every published one has them; llama.cpp
+        # writes no use_bias, so a file without them is refused as missing tensors), LayerNorms,
+        # the plain MLP with GELU-tanh (llama.cpp's GELU; Starcoder2Config's default).
+        attention_qkv_bias=arch == "qwen2" or starcoder2,
+        attention_output_bias=starcoder2,
+        mlp_bias=starcoder2,
+        layer_norm=starcoder2,
+        plain_mlp_activation="gelu_pytorch_tanh" if starcoder2 else None,
         qk_norm=arch == "qwen3",
         dtype=dtype,
     )
@@ -372,7 +414,7 @@ def _tensors(
     types: dict[str, int] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
-        name = _hf_name(tensor.name, config.num_layers)
+        name = _hf_name(tensor.name, config.num_layers, arch)
         if name is None:
             raise InvalidInputError(f"{path}: tensor {tensor.name!r} is not part of this decoder")
         if type_name not in SUPPORTED_TYPES:
@@ -401,19 +443,25 @@ def _tensors(
             values = _unpermute(values, heads)
         state[name] = torch.from_numpy(values.copy())
         types[type_name] = types.get(type_name, 0) + 1
+    if arch in _FUSED_ARCHITECTURES:
+        try:
+            _split_fused_projections(state, config)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{path}: {exc}") from exc
     return state, types
 
 
-def _hf_name(gguf_name: str, num_layers: int) -> str | None:
+def _hf_name(gguf_name: str, num_layers: int, arch: str = "llama") -> str | None:
     if gguf_name in _TENSOR_NAMES:
         return _TENSOR_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     layer, base, kind = int(parts[1]), parts[2], parts[3]
-    if layer >= num_layers or base not in _LAYER_TENSOR_NAMES or kind not in ("weight", "bias"):
+    names = _LAYER_TENSOR_NAMES | _ARCH_LAYER_TENSOR_NAMES.get(arch, {})
+    if layer >= num_layers or base not in names or kind not in ("weight", "bias"):
         return None
-    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[base]}.{kind}"
+    return f"model.layers.{layer}.{names[base]}.{kind}"
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -1,5 +1,9 @@
 //! The block pool: refcounts, pin counts, the free list and the eviction order.
 //!
+//! size: one data structure whose states (free, private, cached, duplicate, spare) must change
+//! together under one set of invariants; the state-changing methods and their checks stay in one
+//! file so each transition can be read against `check_invariants`.
+//!
 //! ## Invariants (checked by `check_invariants` in tests after every step)
 //! - A block is in exactly one of four states:
 //!   *free* (on the free list, refcount 0, not cached),

@@ -1,5 +1,8 @@
 //! The lookup table: block key → the cached block's entry, readable without locks.
 //!
+//! size: the lock-free reader and the single writer share one seqlock protocol per slot; keeping
+//! both sides (and the read-ahead hints) in one file keeps that protocol in one place.
+//!
 //! Readers (`lookup` on any thread) never block and never wait for the writer; only the cache's
 //! writer side, under its mutex, inserts and removes.
 //!
