@@ -447,7 +447,8 @@ class PrefixCache:
         called before each allocation for the request. A waiting request holds none; a
         full-attention cache releases nothing before `finish`. Refused (`InvalidInputError`,
         nothing changed): a sliding cache releasing on commit, and `processed_tokens` above
-        the tokens the request has computed and verified."""
+        the request's verified tokens (it may pass its commits: a position released before it
+        was published is never published)."""
         return self._core.release_out_of_window(request, processed_tokens)
 
     def accept_drafts(self, request: RequestRef, num_accepted: int) -> int:

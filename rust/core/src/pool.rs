@@ -53,17 +53,6 @@
 //! too, so a request pays once per block it held. `plan_eviction` still computes the same order
 //! without touching the pool, and the invariant check compares the count with it.
 //!
-//! ## Ordered free blocks (`set_ordered_free`)
-//! By default a released block nobody caches goes back to the free list, and the free list is
-//! used before any cached block is evicted. vLLM's pool has one queue instead: never-used
-//! blocks at its head, then every released block, cached or not, in order of release, and an
-//! allocation takes the head. With ordered free blocks the pool does the same: a released
-//! uncached block is *queued*, in the evictable set under its (priority, last use) key like a
-//! cached leaf, counted free (`num_free`) and obtainable, and taken in that order (taking it
-//! is no eviction: it holds nothing). The free list then holds only blocks never used (and
-//! blocks a reset or an eviction freed), which go first, as the head of vLLM's queue. The
-//! caller touches a block before releasing it to give it its place (`request/`).
-//!
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
 
@@ -117,9 +106,6 @@ struct BlockMeta {
     /// When this private block is a duplicate: the canonical copy of its content (module docs).
     /// Its `parent` is then its holder's previous block, cached or a duplicate itself.
     duplicate_of: Option<BlockId>,
-    /// Released, uncached, and in the evictable set rather than on the free list (module docs,
-    /// "Ordered free blocks").
-    queued: bool,
 }
 
 impl BlockMeta {
@@ -127,8 +113,7 @@ impl BlockMeta {
     fn evictable(&self) -> bool {
         self.ref_count == 0
             && (self.cached && self.pin_count == 0 && self.cached_children == 0
-                || self.duplicate_of.is_some()
-                || self.queued)
+                || self.duplicate_of.is_some())
     }
 
     /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
@@ -153,10 +138,6 @@ pub struct BlockPool {
     num_spares: usize,
     /// The duplicates of each canonical block that has any (rare: keyed, not per block).
     duplicates: HashMap<BlockId, Vec<BlockId>, BuildHasherDefault<BlockIdHasher>>,
-    /// Released uncached blocks go into the evictable set, not the free list (module docs).
-    ordered_free: bool,
-    /// Queued blocks (module docs, "Ordered free blocks"): free, in the evictable set.
-    num_queued: usize,
 }
 
 /// A cached block `allocate` took back.
@@ -198,15 +179,7 @@ impl BlockPool {
             num_blocked: 0,
             num_spares: 0,
             duplicates: HashMap::default(),
-            ordered_free: false,
-            num_queued: 0,
         })
-    }
-
-    /// From now on a released uncached block waits its turn in the eviction order instead of
-    /// going to the free list (module docs, "Ordered free blocks").
-    pub fn set_ordered_free(&mut self) {
-        self.ordered_free = true;
     }
 
     /// Total number of blocks.
@@ -214,10 +187,10 @@ impl BlockPool {
     pub fn num_blocks(&self) -> usize {
         self.blocks.len()
     }
-    /// Free blocks: on the free list, or queued (module docs, "Ordered free blocks").
+    /// Blocks on the free list.
     #[must_use]
     pub fn num_free(&self) -> usize {
-        self.free.len() + self.num_queued
+        self.free.len()
     }
     /// Blocks in the table (reachable by lookups).
     #[must_use]
@@ -242,8 +215,7 @@ impl BlockPool {
     /// Blocks that could be evicted right now (leaves of the cached forest, and spares).
     #[must_use]
     pub fn num_evictable_leaves(&self) -> usize {
-        // Queued blocks share the set but hold nothing to evict: they count as free.
-        self.evictable.len() - self.num_queued
+        self.evictable.len()
     }
 
     /// Refcount of a block (`None` when the id is out of range).
@@ -325,12 +297,6 @@ impl BlockPool {
                 self.num_spares += 1;
                 self.refresh(block);
                 return false;
-            }
-            if self.ordered_free {
-                meta.queued = true;
-                self.num_queued += 1;
-                self.refresh(block);
-                return true;
             }
             self.free.push(block);
             true
@@ -474,16 +440,6 @@ impl BlockPool {
         self.free.extend(spares);
     }
 
-    /// Hands out queued `block` (module docs, "Ordered free blocks"): it holds nothing.
-    fn take_queued(&mut self, block: BlockId) {
-        let meta = &mut self.blocks[block as usize];
-        debug_assert!(meta.queued && meta.ref_count == 0 && !meta.cached);
-        meta.queued = false;
-        self.num_queued -= 1;
-        self.refresh(block);
-        self.free.push(block);
-    }
-
     /// Hands out spare `block` (module docs): its content is cached elsewhere.
     fn take_spare(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
@@ -591,8 +547,7 @@ impl BlockPool {
     /// O(1): the free blocks plus the cached blocks that are not blocked (module docs).
     #[must_use]
     pub fn available(&self, want: usize) -> usize {
-        (self.free.len() + self.num_queued + self.num_cached - self.num_blocked + self.num_spares)
-            .min(want)
+        (self.free.len() + self.num_cached - self.num_blocked + self.num_spares).min(want)
     }
 
     /// Takes `count` blocks with refcount 1, evicting the least valuable cached blocks if the
@@ -607,7 +562,8 @@ impl BlockPool {
             });
         }
         let mut evicted = Vec::new();
-        if self.free.len() < count {
+        let num_listed = self.free.len();
+        if num_listed < count {
             let available = self.available(count);
             if available < count {
                 return Err(CacheError::OutOfBlocks {
@@ -625,10 +581,6 @@ impl BlockPool {
                     .evictable
                     .first()
                     .expect("the obtainable count promised a block");
-                if self.blocks[block as usize].queued {
-                    self.take_queued(block);
-                    continue;
-                }
                 if !self.blocks[block as usize].cached {
                     // A spare: nothing to drop but the block itself.
                     self.take_spare(block);
@@ -642,7 +594,10 @@ impl BlockPool {
             }
         }
         let start = self.free.len() - count;
-        let blocks: Vec<BlockId> = self.free.drain(start..).rev().collect();
+        let mut blocks: Vec<BlockId> = self.free.drain(start..).collect();
+        // vLLM's `popleft_n` order: the free list's blocks first, top of the stack first (the
+        // head of vLLM's free queue), then the ones eviction just freed, in eviction order.
+        blocks[..num_listed - start].reverse();
         for &block in &blocks {
             let meta = &mut self.blocks[block as usize];
             debug_assert!(meta.ref_count == 0 && !meta.cached);
@@ -772,18 +727,9 @@ impl BlockPool {
             let free = on_free[id];
             assert_eq!(
                 free,
-                meta.ref_count == 0 && !meta.cached && meta.duplicate_of.is_none() && !meta.queued,
+                meta.ref_count == 0 && !meta.cached && meta.duplicate_of.is_none(),
                 "block {id} free-list state"
             );
-            if meta.queued {
-                assert!(
-                    self.ordered_free
-                        && meta.ref_count == 0
-                        && !meta.cached
-                        && meta.duplicate_of.is_none(),
-                    "queued block {id} not free"
-                );
-            }
             if meta.cached || meta.duplicate_of.is_some() {
                 assert_eq!(meta.cached_children, children[id], "block {id} child count");
             }
@@ -862,10 +808,8 @@ impl BlockPool {
             .filter(|m| m.duplicate_of.is_some() && m.ref_count == 0)
             .count();
         assert_eq!(spares, self.num_spares, "spares");
-        let queued = self.blocks.iter().filter(|m| m.queued).count();
-        assert_eq!(queued, self.num_queued, "queued blocks");
         assert_eq!(
-            self.num_cached - self.num_blocked + self.num_spares + self.num_queued,
+            self.num_cached - self.num_blocked + self.num_spares,
             self.plan_eviction(self.blocks.len()).len(),
             "obtainable blocks vs. the planned eviction order"
         );

@@ -14,8 +14,9 @@
 //! reference (a published block stays cached, evictable in LRU order; a private one is freed)
 //! and the *null block* takes its place in the block table. The released positions are always
 //! the table's leading run (`Request::released` counts them exactly), and no position the window
-//! of `s` intersects is ever null: that is the property `check_invariants` asserts and the model
-//! tests check, "a released block is never read".
+//! of `s` intersects is ever null: that is the property the model tests check, "a released
+//! block is never read" (`check_invariants` asserts it on the verified count, the bound of an
+//! explicit release, below).
 //!
 //! ## Explicit release
 //! An engine that publishes a step's blocks before the step writes them (vLLM caches them at
@@ -23,10 +24,13 @@
 //! back to the LRU order, where another request could evict and reuse them in the same step.
 //! With `WindowRelease::Explicit` the release points above do nothing, and the engine calls
 //! `release_out_of_window(request, processed_tokens)` where vLLM calls `remove_skipped_blocks`
-//! (before each allocation for the request). `processed_tokens` may not exceed the settled
-//! count, so the invariant below holds whatever the engine passes. Released positions are
-//! touched last first, one tick each, and so is a finished or preempted request's table: LRU
-//! then evicts them in the order of vLLM's free queue, which frees a table's tail first.
+//! (before each allocation for the request). `processed_tokens` may not exceed the verified
+//! tokens; it may pass the commits (vLLM counts drafts it verified last step before it caches
+//! them), and a position released before it was published is never published (`publish.rs`),
+//! as vLLM's `cache_full_blocks` skips null blocks. Released positions, and a finished or
+//! preempted request's table, are released as vLLM's `free_blocks(reversed(blocks))` frees
+//! them (`release_tail_first`): cached blocks join the LRU order tail first, uncached ones go
+//! on the free list so that the tail is reused first.
 //!
 //! The null block is the id one past the pool (`PrefixCache::null_block`). The pool never sees
 //! it, so it is never allocated, freed, cached, counted or referenced; the engine keeps one spare
@@ -394,6 +398,38 @@ mod tests {
     }
 
     #[test]
+    fn positions_released_before_their_commit_are_skipped_and_later_ones_published() {
+        // vLLM's processed count may run ahead of what it cached (drafts verified last step):
+        // `remove_skipped_blocks` then frees blocks it never cached, and `cache_full_blocks`
+        // skips the null blocks and caches the positions after them.
+        let c = explicit(16, 4, 5);
+        let null = c.null_block().unwrap();
+        let a = &RequestId::from("a");
+        c.add_request(a.clone(), prompt(12), b"", no_extras(), 0)
+            .unwrap();
+        let table = c.allocate_slots(a, 12, 0, 0).unwrap().block_ids;
+        let err = c.release_out_of_window(a, 13).unwrap_err();
+        assert!(err.to_string().contains("processed_tokens 13"), "{err}");
+        // Positions wholly before 12 + 1 - 5 = 8: the first two, uncached, go back free.
+        assert_eq!(c.release_out_of_window(a, 12), Ok(2));
+        assert!(table[..2].iter().all(|&b| c.ref_count(b) == Ok(0)));
+        assert_eq!(c.stats().blocks_free, 16 - 1);
+        c.check_invariants();
+        assert_eq!(c.commit(a, 12), Ok(3), "the third position is published");
+        assert_eq!(c.block_table(a).unwrap(), vec![null, null, table[2]]);
+        assert_eq!(c.is_cached(table[2]), Ok(true));
+        assert!(table[..2].iter().all(|&b| c.is_cached(b) == Ok(false)));
+        c.check_invariants();
+        // A later prompt through the same tokens hits the third block (its window needs one).
+        let mut probe = prompt(12);
+        probe.push(99);
+        let hit = c.lookup(&probe, b"", &no_extras()).unwrap();
+        assert_eq!(hit.num_cached_tokens, 12);
+        c.finish(a).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
     fn explicit_release_and_finish_free_the_tail_first_as_vllms_free_queue() {
         let c = explicit(6, 4, 8);
         c.set_eviction_log(true);
@@ -416,34 +452,39 @@ mod tests {
     }
 
     #[test]
-    fn explicit_release_queues_uncached_blocks_behind_earlier_releases() {
-        // vLLM's free queue: never-used blocks first, then every released block, cached or
-        // not, in release order. A private block released later waits behind cached ones.
+    fn explicit_release_frees_in_the_order_of_vllms_free_queue() {
+        // vLLM 0.32's `BlockPool.free_blocks`: a released block without a hash is prepended to
+        // the free queue (reused first, the request's tail first), a cached one appended
+        // (evicted last, in release order); `popleft_n` takes the head first.
         let c = explicit(8, 4, 8);
         c.set_eviction_log(true);
         let a = &computed(&c, "a", prompt(20));
         let table = c.block_table(a).unwrap();
+        // Positions 0..3 leave the window: cached, they wait behind the never-used blocks.
         c.release_out_of_window(a, 20).unwrap();
         let b = &RequestId::from("b");
         c.add_request(b.clone(), vec![90, 91, 92], b"", no_extras(), 0)
             .unwrap();
-        let private = c.allocate_slots(b, 3, 0, 0).unwrap().block_ids[0];
+        // Two blocks, neither full: both go back uncached, to the head of the queue.
+        let private = c.allocate_slots(b, 3, 4, 0).unwrap().block_ids;
+        assert_eq!(private.len(), 2);
         c.finish(b).unwrap();
         let stats = c.stats();
         assert_eq!((stats.blocks_free, stats.blocks_in_use), (3, 2));
-        assert!(!c.is_cached(private).unwrap());
+        assert!(!c.is_cached(private[0]).unwrap() && !c.is_cached(private[1]).unwrap());
         c.check_invariants();
-        // Two never-used blocks, then the oldest release: position 2 of `a`, not `private`.
-        let mut pressure = c.allocate(3).unwrap();
+        // b's tail, then b's first block, then the never-used one, then a's released blocks
+        // from the last position: one allocation takes them in exactly that order.
+        let taken = c.allocate(4).unwrap();
+        assert_eq!(taken[..2], [private[1], private[0]]);
+        assert!(!table.contains(&taken[2]), "a never-used block");
+        assert_eq!(taken[3], table[2]);
         assert_eq!(c.drain_evicted(), vec![table[2]]);
-        assert!(!pressure.contains(&private));
-        pressure.extend(c.allocate(3).unwrap());
+        let rest = c.allocate(2).unwrap();
+        assert_eq!(rest, vec![table[1], table[0]]);
         assert_eq!(c.drain_evicted(), vec![table[1], table[0]]);
-        assert!(
-            pressure.contains(&private),
-            "then the private block, released last"
-        );
-        c.release(&pressure).unwrap();
+        c.release(&taken).unwrap();
+        c.release(&rest).unwrap();
         c.check_invariants();
         c.finish(a).unwrap();
         c.check_invariants();

@@ -453,11 +453,12 @@ class PrefixKVCacheManager:
     def _release_passed(self, request: Request, tracked: _Tracked) -> None:
         """vLLM's `remove_skipped_blocks` before an allocation for a running request: release
         the blocks wholly before the processed count's window (the in-flight steps' tokens
-        not counted), even if the allocation then fails. The core refuses a count above what
-        it committed; the manager commits verified drafts only after a successful allocation,
-        so with speculative decoding it releases up to its committed count (docs/vllm.md)."""
+        not counted), even if the allocation then fails. The count includes drafts verified
+        last step, which the manager commits only after a successful allocation (as vLLM
+        caches them): blocks released before then are never published, as vLLM never caches
+        them (the core skips them and publishes the positions after)."""
         processed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
-        processed = min(processed, tracked.committed, self.max_model_len)
+        processed = min(processed, tracked.known, self.max_model_len)
         if self._cache.release_out_of_window(request.request_id, processed):
             tracked.table = self._ids.to_vllm(self._cache.block_table(request.request_id))
 
@@ -548,11 +549,13 @@ class PrefixKVCacheManager:
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request in cached blocks (vLLM: the deepest hashed block's end)."""
         tracked = self._requests.get(request.request_id)
-        return (
-            0
-            if tracked is None or tracked.table is None
-            else tracked.cached_blocks * self.block_size
-        )
+        if tracked is None or tracked.table is None or not tracked.cached_blocks:
+            return 0
+        if tracked.table[tracked.cached_blocks - 1].is_null:
+            # A sliding window released the deepest cached block: vLLM counts only the blocks
+            # the request still holds, and the cached ones are a leading run (all released).
+            return 0
+        return tracked.cached_blocks * self.block_size
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks

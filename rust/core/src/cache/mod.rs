@@ -275,11 +275,7 @@ impl PrefixCache {
                 config.block_size
             ))
         };
-        let mut pool = BlockPool::new(config.num_blocks).map_err(|_| unallocated())?;
-        if config.releases_explicitly() {
-            // vLLM's free queue, where released blocks wait in order (`pool.rs`).
-            pool.set_ordered_free();
-        }
+        let pool = BlockPool::new(config.num_blocks).map_err(|_| unallocated())?;
         Ok(Self {
             // One entry slot per block, allocated now: the table never grows (`table/mod.rs`).
             table: SharedTable::new(num_blocks, config.block_size).ok_or_else(unallocated)?,

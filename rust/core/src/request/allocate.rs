@@ -13,7 +13,7 @@
 
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
-use super::{with_request, Request};
+use super::{release_tail_first, with_request, Request};
 use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
@@ -465,8 +465,8 @@ impl PrefixCache {
     /// Releases the request's positions from its first unreleased one up to `end` (capped at
     /// its table): its reference is dropped (touched first if cached, so it joins the LRU
     /// order now) and the null block takes its place. With `WindowRelease::Explicit` they are
-    /// touched last position first, one tick each, as vLLM's `_remove_blocks_in_range` frees
-    /// them into its free queue; otherwise on one tick. Returns how many it released.
+    /// released as vLLM frees them (`release_tail_first`); otherwise on one tick. Returns how
+    /// many it released.
     pub(super) fn release_positions(
         &self,
         inner: &mut Inner,
@@ -477,21 +477,23 @@ impl PrefixCache {
         if end <= request.released {
             return 0;
         }
-        let explicit = self.config.releases_explicitly();
         let null = self.config.num_blocks;
-        inner.tick += 1;
-        for position in (request.released..end).rev() {
-            if explicit && position + 1 < end {
-                inner.tick += 1;
+        let released: Vec<BlockId> = request.block_table[request.released..end]
+            .iter_mut()
+            .map(|slot| std::mem::replace(slot, null))
+            .collect();
+        if self.config.releases_explicitly() {
+            // As vLLM's `_remove_blocks_in_range` frees them into its free queue.
+            release_tail_first(inner, &released, request.priority, true);
+        } else {
+            inner.tick += 1;
+            for &block in &released {
+                if inner.pool.is_cached(block) {
+                    inner.pool.touch(block, inner.tick, request.priority);
+                }
+                // The request's own reference (see `cache/mod.rs`): only it drops it.
+                inner.pool.release(block);
             }
-            let block = std::mem::replace(&mut request.block_table[position], null);
-            // With explicit release the pool queues uncached blocks too (`pool.rs`, "Ordered
-            // free blocks"): each takes its place in the order now.
-            if explicit || inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, request.priority);
-            }
-            // The request's own reference (see `cache/mod.rs`): only it drops it.
-            inner.pool.release(block);
         }
         let count = end - request.released;
         inner.counters.blocks_released += count as u64;

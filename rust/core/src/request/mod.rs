@@ -294,10 +294,12 @@ impl Requests {
                 table[request.released..].iter().all(|&b| b < num_blocks),
                 "request {id}: the null block past the released positions"
             );
-            let settled = request.num_computed.min(request.num_verified());
+            // The engine's processed count may pass the commits (`release_out_of_window`),
+            // never the verified tokens.
+            let verified = request.num_verified();
             assert!(
-                request.released <= positions_out_of_window(window, block_size, settled),
-                "request {id}: released a block the window at {settled} still reads"
+                request.released <= positions_out_of_window(window, block_size, verified),
+                "request {id}: released a block the window at {verified} still reads"
             );
         }
     }
@@ -385,8 +387,8 @@ impl PrefixCache {
     /// request with the tokens whose KV is written and committed. A waiting request holds no
     /// table (nothing to release); a full-attention cache releases nothing before `finish`.
     /// Refused (nothing changed): a sliding cache that releases on commit, and
-    /// `processed_tokens` above the request's settled tokens (`min(computed, verified)`), whose
-    /// window could still read what it would release.
+    /// `processed_tokens` above the request's verified tokens (no KV can be written past
+    /// them). The count may pass its committed tokens: the engine vouches for its KV.
     pub fn release_out_of_window(&self, id: &RequestId, processed_tokens: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
@@ -402,11 +404,13 @@ impl PrefixCache {
             ));
         }
         let request = inner.requests.get(id)?;
-        let settled = request.num_computed.min(request.num_verified());
-        if processed_tokens > settled {
+        // Verified, not committed: vLLM counts the drafts it verified last step before its
+        // allocation caches them (positions released unpublished stay so: `publish.rs`).
+        let verified = request.num_verified();
+        if processed_tokens > verified {
             return Err(CacheError::InvalidInput(format!(
-                "processed_tokens {processed_tokens} exceeds the {settled} tokens request {id} \
-                 has computed and verified"
+                "processed_tokens {processed_tokens} exceeds the {verified} verified tokens of \
+                 request {id}"
             )));
         }
         if !request.scheduled {
@@ -489,19 +493,10 @@ impl PrefixCache {
     fn release_table(&self, inner: &mut Inner, request: &Request) {
         let table = &request.block_table[request.released..];
         if self.config.releases_explicitly() {
-            // A sliding cache keeps no duplicates and no pool parents: every cached block is
+            // A sliding cache has no pool parents: every cached block and every duplicate is
             // evictable on its own, so the ticks alone give the order, tail first as vLLM's
             // `SingleTypeKVCacheManager.free` (`WindowRelease::Explicit`).
-            for (offset, &block) in table.iter().rev().enumerate() {
-                if offset > 0 {
-                    inner.tick += 1;
-                }
-                // Cached or not: the pool queues both in this order (`pool.rs`, "Ordered free
-                // blocks"), as vLLM's free queue.
-                inner.pool.touch(block, inner.tick, request.priority);
-                // The reference the request took: only it drops it (see `cache/mod.rs`).
-                inner.pool.release(block);
-            }
+            release_tail_first(inner, table, request.priority, true);
             return;
         }
         // A duplicate's cached children (at most its successor: `publish.rs`) go to its
@@ -531,6 +526,35 @@ impl PrefixCache {
         if spares {
             inner.tick = spare_tick;
         }
+    }
+}
+
+/// Drops a request's references to `blocks` (a table, or a run of positions leaving the
+/// window) as vLLM's `BlockPool.free_blocks(reversed(blocks))` frees them: the cached ones join
+/// the LRU order last position first, one tick each (appended to vLLM's free queue, so the tail
+/// is evicted first), duplicates as spares alike, and the uncached ones go back to the free list so that the last position
+/// is on top (vLLM prepends them, in that order, to the head of its queue: reused first, tail
+/// first). `next_tick` says whether the first cached block needs a tick of its own.
+pub(super) fn release_tail_first(
+    inner: &mut Inner,
+    blocks: &[BlockId],
+    priority: i32,
+    mut next_tick: bool,
+) {
+    for &block in blocks.iter().rev() {
+        // A duplicate copy too: vLLM keeps every copy under its hash (`pool.rs`, spares).
+        if inner.pool.is_cached(block) || inner.pool.duplicate_of(block).is_some() {
+            if next_tick {
+                inner.tick += 1;
+            }
+            next_tick = true;
+            inner.pool.touch(block, inner.tick, priority);
+        }
+    }
+    // Released first to last position: the free list is a stack, its top handed out first.
+    for &block in blocks {
+        // The reference the request took: only it drops it (see `cache/mod.rs`).
+        inner.pool.release(block);
     }
 }
 

@@ -46,6 +46,7 @@ use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::request::RequestId;
+use crate::sliding::null_anchor;
 use crate::table::{Anchor, Entry, Parent};
 
 impl PrefixCache {
@@ -130,6 +131,14 @@ impl PrefixCache {
                 break;
             }
             request.anchors.pop();
+        }
+        // Positions released before they were published (an engine whose processed count ran
+        // ahead of its commits: vLLM releases verified drafts' blocks at its next allocation,
+        // before it caches them) are never published: the null block stands there, as vLLM's
+        // `cache_full_blocks` skips null blocks and caches the positions after them.
+        let null = self.config.num_blocks;
+        while request.anchors.len() < request.released.min(target) {
+            request.anchors.push(null_anchor(null));
         }
         if request.anchors.len() < request.released {
             return;
@@ -256,7 +265,7 @@ impl PrefixCache {
                         request.cacheable = false;
                         return;
                     }
-                    let duplicate = request.own_chain && !sliding;
+                    let duplicate = request.own_chain;
                     let new_duplicate = !duplicate
                         || inner
                             .pool
