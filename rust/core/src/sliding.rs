@@ -430,6 +430,37 @@ mod tests {
     }
 
     #[test]
+    fn a_second_copy_stays_cached_as_a_duplicate_as_in_vllm() {
+        // Two requests compute the same two blocks in one step: vLLM caches both copies under
+        // the hash and frees both into the tail of its queue; evicting the first copy leaves
+        // the content cached in the second.
+        let c = explicit(8, 4, 8);
+        let (a, b) = (&RequestId::from("a"), &RequestId::from("b"));
+        for id in [a, b] {
+            c.add_request(id.clone(), prompt(8), b"", no_extras(), 0)
+                .unwrap();
+            c.allocate_slots(id, 8, 0, 0).unwrap();
+        }
+        let (table_a, table_b) = (c.block_table(a).unwrap(), c.block_table(b).unwrap());
+        assert_eq!(c.commit(a, 8), Ok(2));
+        assert_eq!(c.commit(b, 8), Ok(2));
+        c.finish(a).unwrap();
+        c.finish(b).unwrap();
+        c.check_invariants();
+        assert_eq!(c.stats().blocks_free, 4, "b's copies are cached, not free");
+        // The four never-used blocks, then a's tail (released first): its entry moves into
+        // b's copy, so the content stays cached.
+        let taken = c.allocate(5).unwrap();
+        assert_eq!(taken[4], table_a[1]);
+        let probe = [prompt(8), vec![99]].concat();
+        let hit = c.lookup(&probe, b"", &no_extras()).unwrap();
+        assert_eq!(hit.num_cached_tokens, 8);
+        assert_eq!(hit.blocks, vec![table_a[0], table_b[1]]);
+        c.release(&taken).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
     fn explicit_release_and_finish_free_the_tail_first_as_vllms_free_queue() {
         let c = explicit(6, 4, 8);
         c.set_eviction_log(true);

@@ -488,7 +488,8 @@ impl PrefixCache {
         } else {
             inner.tick += 1;
             for &block in &released {
-                if inner.pool.is_cached(block) {
+                // A duplicate (a spare once released) joins the order with them.
+                if inner.pool.is_cached(block) || inner.pool.duplicate_of(block).is_some() {
                     inner.pool.touch(block, inner.tick, request.priority);
                 }
                 // The request's own reference (see `cache/mod.rs`): only it drops it.

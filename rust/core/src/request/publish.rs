@@ -24,7 +24,9 @@
 //! `request/allocate.rs`), and evicting it moves its entry into a duplicate rather than dropping
 //! it, so the request's later entries, which name it as their parent, stay reachable. Before the
 //! request lets go of a duplicate (`finish`, `preempt`), its next block, if it parents it, is
-//! handed to the canonical copy (`request/mod.rs`). The low-level `commit_blocks`, whose caller
+//! handed to the canonical copy (`request/mod.rs`). A sliding-window cache keeps duplicates the
+//! same way (vLLM keeps every copy under its hash), with no pool parents to hand over (`sliding.rs`).
+//! The low-level `commit_blocks`, whose caller
 //! releases blocks one by one in any order, keeps chaining on canonical blocks instead.
 //!
 //! An anchor names a block, and an entry can move, or go when nobody holds it: a dead anchor (its
