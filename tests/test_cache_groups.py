@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixkv import CacheContext
-from prefixkv.errors import InvalidInputError
+from prefixkv.errors import InvalidInputError, PrefixKVError
 from prefixkv.group_cache import GroupedPrefixCache
 from prefixkv.kv_groups import KVGroupSpec
 
@@ -160,3 +160,81 @@ def test_window_release_is_refused_by_name() -> None:
     on_commit.allocate_slots("r", 12)
     with pytest.raises(InvalidInputError, match="releases on commit"):
         on_commit.release_out_of_window("r", 0)
+
+
+# -- lanes: a request's own window in one explicit-release cache (issue 22, hybrid in vLLM) --
+@given(
+    window=st.integers(1, 40),
+    steps=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 9), st.integers(0, 3)),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_a_request_window_serves_as_a_cache_of_that_window(
+    window: int, steps: list[tuple[int, int, int]]
+) -> None:
+    """A request given its own window (`set_request_window`) in a cache built for another
+    window behaves, call for call, as the same request in a cache built for its window: the
+    same block tables, releases, commits, hits and counts, so one cache can hold one lane per
+    KV group of a hybrid model. Each step: request `i` releases its window `back` tokens behind
+    what it computed, then its next `n` tokens are allocated and committed; `n == 9` finishes it.
+    """
+    from prefixkv import PrefixCache
+
+    lanes = PrefixCache(24, block_size=4, sliding_window=8, window_release="explicit")
+    alone = PrefixCache(24, block_size=4, sliding_window=window, window_release="explicit")
+
+    def run(cache: PrefixCache, lane: bool) -> list[object]:
+        seen: list[object] = []
+        computed: dict[str, int] = {}
+        for i, n, back in steps:
+            rid = f"r{i}"
+            try:
+                if n == 9:
+                    if computed.pop(rid, None) is not None:
+                        cache.finish(rid)
+                    seen.append("finished")
+                    continue
+                if rid not in computed:
+                    cache.add_request(rid, [i % 2] * 30)
+                    if lane:
+                        cache.set_request_window(rid, window)
+                    computed[rid] = 0
+                else:
+                    seen.append(cache.release_out_of_window(rid, max(computed[rid] - back, 0)))
+                slots = cache.allocate_slots(rid, n)
+                computed[rid] = slots.num_computed_tokens + n
+                seen.append((slots.block_ids, slots.num_cached_tokens))
+                seen.append(cache.commit(rid, computed[rid]))
+                seen.append(cache.block_table(rid))
+            except PrefixKVError as error:
+                seen.append(type(error).__name__)
+            seen.append(cache.stats().blocks_in_use)
+            seen.append(cache.lookup_in_window([i % 2] * 30, window).num_cached_tokens)
+        cache.check_invariants()
+        return seen
+
+    assert run(lanes, lane=True) == run(alone, lane=False)
+
+
+def test_request_windows_refused_by_name_and_change_nothing() -> None:
+    from prefixkv import PrefixCache
+
+    cache = PrefixCache(16, block_size=4, sliding_window=8, window_release="explicit")
+    cache.add_request("r", list(range(12)))
+    with pytest.raises(InvalidInputError, match="at least 1 token"):
+        cache.set_request_window("r", 0)
+    with pytest.raises(InvalidInputError, match="window"):
+        cache.set_request_window("r", -1)
+    cache.allocate_slots("r", 12)
+    with pytest.raises(InvalidInputError, match="already scheduled"):
+        cache.set_request_window("r", 100)
+    assert cache.release_out_of_window("r", 12) == 1, "the cache's window, 8, still applies"
+    with pytest.raises(InvalidInputError, match="full-attention"):
+        PrefixCache(16, block_size=4).lookup_in_window([1, 2, 3], 8)
+    full = PrefixCache(16, block_size=4)
+    full.add_request("f", [1, 2, 3])
+    with pytest.raises(InvalidInputError, match="window_release Explicit"):
+        full.set_request_window("f", 8)
+    cache.check_invariants()

@@ -305,6 +305,22 @@ class PrefixCache:
         keys = _extras(salt, adapter, multimodal, extras)
         return self._core.lookup(as_token_ids(tokens), keys)
 
+    def lookup_in_window(
+        self,
+        tokens: TokenIds,
+        window: int,
+        *,
+        salt: str | bytes | None = None,
+        adapter: str | bytes | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
+        extras: KeyExtras | None = None,
+    ) -> PrefixMatch:
+        """`lookup` under a sliding window of `window` tokens in place of the cache's: what a
+        request given that window (`set_request_window`) would hit. Sliding-window caches
+        only (`InvalidInputError` otherwise, and for a window of 0)."""
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.lookup_in_window(as_token_ids(tokens), keys, window)
+
     def block_keys(
         self,
         tokens: TokenIds,
@@ -439,6 +455,15 @@ class PrefixCache:
         Returns how many leading blocks of the request are now cached.
         """
         return self._core.commit(request, num_computed_tokens)
+
+    def set_request_window(self, request: RequestRef, window: int) -> None:
+        """With ``window_release="explicit"``: give a request not yet scheduled its own sliding
+        window in place of the cache's, so that one cache (one pool, one eviction order, one
+        free count) serves every KV group of a hybrid model, one request per group with its
+        own salt; a window longer than any request is a full-attention group (docs/vllm.md,
+        "Hybrid and sliding-window layouts"). Refused (`InvalidInputError`, nothing changed):
+        another kind of cache, a window of 0, a request already scheduled."""
+        self._core.set_request_window(request, window)
 
     def release_out_of_window(self, request: RequestRef, processed_tokens: int) -> int:
         """With ``window_release="explicit"``: release the request's leading blocks that lie

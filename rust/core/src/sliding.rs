@@ -461,6 +461,56 @@ mod tests {
     }
 
     #[test]
+    fn requests_with_their_own_windows_are_lanes_of_one_pool() {
+        // A hybrid model's groups as lanes of one cache: the full-attention lane's window
+        // exceeds every request, the sliding lane keeps the cache's 8 tokens.
+        let c = explicit(16, 4, 8);
+        let null = c.null_block().unwrap();
+        let (full, window) = (&RequestId::from("full"), &RequestId::from("window"));
+        c.add_request(full.clone(), prompt(20), b"g0", no_extras(), 0)
+            .unwrap();
+        c.add_request(window.clone(), prompt(20), b"g1", no_extras(), 0)
+            .unwrap();
+        let err = c.set_request_window(full, 0).unwrap_err();
+        assert!(err.to_string().contains("at least 1 token"), "{err}");
+        c.set_request_window(full, 1000).unwrap();
+        for id in [full, window] {
+            c.allocate_slots(id, 20, 0, 0).unwrap();
+            assert_eq!(c.commit(id, 20), Ok(5));
+        }
+        assert_eq!(c.stats().blocks_in_use, 10, "one pool for both lanes");
+        let err = c.set_request_window(window, 1000).unwrap_err();
+        assert!(err.to_string().contains("already scheduled"), "{err}");
+        assert!(matches!(
+            c.set_request_window(&RequestId::from("nobody"), 8),
+            Err(CacheError::UnknownRequest(_))
+        ));
+        assert_eq!(c.release_out_of_window(full, 20), Ok(0));
+        assert_eq!(c.release_out_of_window(window, 20), Ok(3));
+        assert!(!c.block_table(full).unwrap().contains(&null));
+        assert_eq!(&c.block_table(window).unwrap()[..3], &[null; 3]);
+        c.check_invariants();
+        c.finish(full).unwrap();
+        c.finish(window).unwrap();
+        c.check_invariants();
+        // Each lane's lookup under its window and salt: the full lane's leading run, the
+        // sliding lane's window after released (still cached) blocks; salts keep them apart.
+        let probe = [prompt(20), vec![99]].concat();
+        let hit = |salt: &[u8], w| c.lookup_in_window(&probe, salt, &no_extras(), w).unwrap();
+        assert_eq!(hit(b"g0", 1000).num_cached_tokens, 20);
+        assert_eq!(hit(b"g1", 8).num_cached_tokens, 20);
+        assert_eq!(hit(b"g2", 8).num_cached_tokens, 0);
+        assert!(c.lookup_in_window(&probe, b"g0", &no_extras(), 0).is_err());
+        // Only an explicit-release sliding cache serves lanes.
+        let on_commit = sliding(8, 4, 8, FullHit::default());
+        let id = &RequestId::from("r");
+        on_commit
+            .add_request(id.clone(), prompt(4), b"", no_extras(), 0)
+            .unwrap();
+        assert!(on_commit.set_request_window(id, 1000).is_err());
+    }
+
+    #[test]
     fn explicit_release_and_finish_free_the_tail_first_as_vllms_free_queue() {
         let c = explicit(6, 4, 8);
         c.set_eviction_log(true);

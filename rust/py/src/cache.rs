@@ -119,6 +119,26 @@ impl CoreCache {
         Ok(m.into())
     }
 
+    fn lookup_in_window(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        window: &Bound<'_, PyAny>,
+    ) -> PyResult<PrefixMatch> {
+        let window = count(window, "window")?;
+        let view = tokens.view();
+        let m = py
+            .detach(|| {
+                view.into_vec().and_then(|t| {
+                    self.0
+                        .lookup_in_window(&t, &keys.salt, &keys.extras, window)
+                })
+            })
+            .map_err(to_py_err)?;
+        Ok(m.into())
+    }
+
     #[pyo3(signature = (tokens, keys, priority=None, request=None))]
     fn begin(
         &self,
@@ -268,6 +288,13 @@ impl CoreCache {
         let num = count(processed_tokens, "processed_tokens")?;
         self.0
             .release_out_of_window(&request.0, num)
+            .map_err(to_py_err)
+    }
+
+    fn set_request_window(&self, request: RequestRef, window: &Bound<'_, PyAny>) -> PyResult<()> {
+        let window = count(window, "window")?;
+        self.0
+            .set_request_window(&request.0, window)
             .map_err(to_py_err)
     }
 

@@ -275,7 +275,7 @@ impl PrefixCache {
         };
         let held = if request.scheduled {
             request.block_table.len()
-        } else if let Some(window) = self.config.sliding_window {
+        } else if let Some(window) = self.window_of(request) {
             let cap = match_cap(request, num_new)?;
             let (anchors, hit) = self.match_sliding(inner, request, window, cap);
             plan.anchors = anchors;

@@ -90,7 +90,7 @@ impl PrefixCache {
                  blocks, which are never rewritten"
             )));
         }
-        if let Some(window) = self.config.sliding_window {
+        if let Some(window) = self.window_of(request) {
             let first_read = positions_out_of_window(window, self.config.block_size, num_tokens);
             if request.released > 0 && first_read < request.released {
                 return Err(CacheError::InvalidInput(format!(

@@ -150,6 +150,9 @@ pub(crate) struct Request {
     /// Its later blocks chain, in the pool, on its own copy of a deduplicated block
     /// (`publish.rs`); false for `commit_blocks`, whose caller releases blocks one by one.
     pub(crate) own_chain: bool,
+    /// Its own sliding window, in place of the cache's (`set_request_window`: one lane of a
+    /// hybrid layout per request, docs/vllm.md); `None` keeps the cache's.
+    window: Option<usize>,
 }
 
 impl Request {
@@ -179,6 +182,7 @@ impl Request {
             released: 0,
             max_cached_tokens: None,
             own_chain: true,
+            window: None,
         }
     }
 
@@ -279,6 +283,7 @@ impl Requests {
     pub(crate) fn check_sliding(&self, window: usize, block_size: usize, num_blocks: u32) {
         let null = num_blocks;
         for (id, request) in &self.live {
+            let window = request.window.unwrap_or(window);
             let table = &request.block_table;
             assert!(
                 request.released <= table.len(),
@@ -392,8 +397,7 @@ impl PrefixCache {
     pub fn release_out_of_window(&self, id: &RequestId, processed_tokens: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let Some(window) = self.config.sliding_window else {
-            inner.requests.get(id)?;
+        let Some(window) = self.window_of(inner.requests.get(id)?) else {
             return Ok(0);
         };
         if !self.config.releases_explicitly() {
@@ -420,6 +424,41 @@ impl PrefixCache {
         with_request(inner, id, |inner, request| {
             self.release_positions(inner, request, end)
         })
+    }
+
+    /// In a cache built with `WindowRelease::Explicit`: gives request `id` its own sliding
+    /// window of `window` tokens in place of the cache's, so that one cache (one pool, one
+    /// eviction order, one free count) serves the KV groups of a hybrid model, one request per
+    /// group, as vLLM's groups share one block pool (docs/vllm.md, "Hybrid and sliding-window
+    /// layouts"). A window longer than any request never releases and hits the leading run of
+    /// cached blocks: a full-attention group. Its lookups pass the same window
+    /// (`lookup_in_window`); give each group's requests their own salt, so groups never share
+    /// entries. Refused (`InvalidInput`, nothing changed): another kind of cache, a window of
+    /// 0, and a request already scheduled or that has published (its table and entries were
+    /// laid out under the old window).
+    pub fn set_request_window(&self, id: &RequestId, window: usize) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let request = guard.requests.get_mut(id)?;
+        if !self.config.releases_explicitly() {
+            return Err(CacheError::InvalidInput(
+                "set_request_window: only a sliding-window cache with window_release Explicit \
+                 serves requests with their own windows"
+                    .into(),
+            ));
+        }
+        if window == 0 {
+            return Err(CacheError::InvalidInput(
+                "set_request_window: window must be at least 1 token".into(),
+            ));
+        }
+        if request.scheduled || !request.anchors.is_empty() {
+            return Err(CacheError::InvalidInput(format!(
+                "set_request_window: request {id} is already scheduled (its window is fixed \
+                 before its first allocation)"
+            )));
+        }
+        request.window = Some(window);
+        Ok(())
     }
 
     /// Drops every reference the request holds and its KV; its drafts are dropped too. The
@@ -488,6 +527,14 @@ impl PrefixCache {
             ));
         }
         Ok(())
+    }
+
+    /// The sliding window `request` lives under: its own (`set_request_window`) or the
+    /// cache's; `None` in a full-attention cache.
+    pub(super) fn window_of(&self, request: &Request) -> Option<usize> {
+        self.config
+            .sliding_window
+            .map(|window| request.window.unwrap_or(window))
     }
 
     fn release_table(&self, inner: &mut Inner, request: &Request) {
