@@ -26,7 +26,7 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
 
 Everything vLLM could ask that prefixkv does not do is refused by name
 (`UnsupportedFeatureError`): hybrid layouts (docs/vllm.md, "Hybrid and sliding-window layouts",
-says what the core lacks for them), a one-token sliding window, Mamba and
+says what is built for them and what remains), a one-token sliding window, Mamba and
 other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
 connector loads and deferred frees.
 `signatures.py` checks at import that every member and argument of the installed vLLM's
@@ -129,9 +129,10 @@ class PrefixKVCacheManager:
         if len(groups) != 1:
             kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
             # docs/vllm.md, "Hybrid and sliding-window layouts": vLLM's groups draw from one
-            # block pool (one id space, one free queue, one LRU order); prefixkv's
-            # GroupedPrefixCache keeps a pool per group, so free-block counts, admissions and
-            # evictions cannot agree, and per-group ids would collide in vLLM's shared tensors.
+            # block pool (one id space, one free queue, one LRU order); GroupedPrefixCache keeps
+            # a pool per group, so free-block counts, admissions and evictions cannot agree.
+            # The core's lanes (one request per group in one cache, `set_request_window`) are
+            # built; this manager does not drive them yet.
             raise UnsupportedFeatureError(
                 f"hybrid KV cache layouts ({len(groups)} KV cache groups: {kinds}) are not "
                 "supported by prefixkv's vLLM block manager: vLLM's groups share one block pool, "
