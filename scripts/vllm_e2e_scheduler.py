@@ -1,13 +1,16 @@
 """End to end: vLLM offline on SmolLM2 with prefixkv's scheduler gives vLLM's own results.
 
-Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp]
+Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp] [--prompt-repeats N]
 
 Runs the same prompts (one long shared system prompt, several questions, in two rounds so the
 second round hits what the first cached, plus a batch that shares prefixes within one step)
 through vLLM's `LLM` twice, in separate processes: once with the stock scheduler and once with
 ``scheduler_cls="prefixkv.integrations.vllm.Scheduler"``, like for like (same settings, same
 multiprocessing mode, greedy sampling), and requires identical token ids and identical
-``num_cached_tokens`` for every request. CPU backend: ``enforce_eager=True``, a small
+``num_cached_tokens`` for every request. ``--prompt-repeats`` lengthens every prompt's shared
+preamble N times, so that a sliding-window model's window slides (a tiny Mistral checkpoint with
+``sliding_window`` below the prompts, written by transformers' ``save_pretrained``: its blocks
+then leave the window and later prompts hit past them). CPU backend: ``enforce_eager=True``, a small
 ``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
 """
 
@@ -41,7 +44,7 @@ QUESTIONS = [
 ]
 
 
-def run_one(kind: str, model: str, out: Path) -> None:
+def run_one(kind: str, model: str, out: Path, repeats: int = 1) -> None:
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, object] = {
@@ -65,9 +68,9 @@ def run_one(kind: str, model: str, out: Path) -> None:
         "A different preamble about block tables and refcounts, long enough to fill blocks. " * 8
     )
     rounds = [
-        [SYSTEM + q for q in QUESTIONS[:3]],
-        [SYSTEM + q for q in QUESTIONS],
-        [fresh + q for q in QUESTIONS[:4]],
+        [SYSTEM * repeats + q for q in QUESTIONS[:3]],
+        [SYSTEM * repeats + q for q in QUESTIONS],
+        [fresh * repeats + q for q in QUESTIONS[:4]],
     ]
     results = []
     started = time.perf_counter()
@@ -92,6 +95,11 @@ def run_one(kind: str, model: str, out: Path) -> None:
                 "results": results,
                 "seconds": elapsed,
                 "manager": None if manager is None else type(manager).__name__,
+                # A sliding-window model served with a shorter window than its context gets a
+                # sliding core cache (docs/vllm.md); None for full attention.
+                "window": None
+                if manager is None or not hasattr(manager, "prefix_cache")
+                else manager.prefix_cache.sliding_window,
             }
         )
     )
@@ -111,11 +119,17 @@ def main() -> None:
         "by default both runs keep it in-process, which lets the script check which block "
         "manager ran",
     )
+    parser.add_argument(
+        "--prompt-repeats",
+        type=int,
+        default=1,
+        help="repeat each prompt's shared preamble this many times (longer prompts)",
+    )
     parser.add_argument("--kind", choices=["stock", "prefixkv"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kind is not None:
-        run_one(args.kind, args.model, args.out)
+        run_one(args.kind, args.model, args.out, args.prompt_repeats)
         return
 
     env = dict(os.environ)
@@ -129,7 +143,10 @@ def main() -> None:
     for kind in ("stock", "prefixkv"):
         out = Path(f"/tmp/vllm_e2e_{kind}_{os.getpid()}.json")
         subprocess.run(
-            [sys.executable, __file__, "--kind", kind, "--model", args.model, "--out", str(out)],
+            [
+                *(sys.executable, __file__, "--kind", kind, "--model", args.model),
+                *("--out", str(out), "--prompt-repeats", str(args.prompt_repeats)),
+            ],
             env=env,
             check=True,
         )
@@ -145,6 +162,9 @@ def main() -> None:
                 failures.append(f"request {i}: {field} stock={want[field]} prefixkv={got[field]}")
     hits = [r["num_cached_tokens"] for r in ours]
     print(f"requests: {len(ours)}; num_cached_tokens: {hits}")
+    print(f"prompt tokens: {[r['prompt_tokens'] for r in ours]}")
+    if runs["prefixkv"].get("window") is not None:
+        print(f"served with prefixkv's sliding-window cache, window {runs['prefixkv']['window']}")
     print(
         f"seconds: stock {runs['stock']['seconds']:.1f}, prefixkv {runs['prefixkv']['seconds']:.1f}"
         f" (multiprocessing: {'on' if args.mp else 'off'})"

@@ -168,6 +168,7 @@ class ReferenceCache:
 
     def _allocate(self, count: int) -> list[int] | None:
         self._normalize()
+        num_listed = len(self.free)
         if len(self.free) + len(self._plan()) < count:
             return None
         # One block at a time, planned afresh: a move into a spare changes which are leaves.
@@ -193,8 +194,11 @@ class ReferenceCache:
             else:
                 self._uncache(b)
                 self.evictions += 1
-        taken = self.free[len(self.free) - count :][::-1]
-        del self.free[len(self.free) - count :]
+        # vLLM's free queue order: the free list's top first, then the evicted blocks in order.
+        start = len(self.free) - count
+        listed = self.free[start:num_listed]
+        taken = listed[::-1] + self.free[max(start, num_listed) :]
+        del self.free[start:]
         for b in taken:
             self.blocks[b].ref = 1
             self.blocks[b].priority = LOWEST

@@ -67,6 +67,8 @@ TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is 
 RequestRef = Request | int | str
 #: How a prompt whose every block is cached is served (see `PrefixCache`).
 FULL_HIT_MODES = ("recompute_last_block", "reuse_last_block")
+#: When a sliding-window cache releases what a request's window passed (`PrefixCache`).
+WINDOW_RELEASE_MODES = ("on_commit", "explicit")
 #: A multimodal item: (first placeholder position, number of placeholders, content hash).
 MultimodalItem = tuple[int, int, "bytes | str"]
 
@@ -188,6 +190,13 @@ class PrefixCache:
             `commit_blocks` and `pin` are refused in this mode (use the request API);
             `match_and_acquire` references only the non-null blocks. ``docs/design.md``,
             "Sliding-window groups", has the rules.
+        window_release: when a sliding-window cache releases those blocks. ``"on_commit"``
+            (the default): as the request advances (`commit`, `allocate_slots`,
+            `accept_drafts`). ``"explicit"``: only at `release_out_of_window`, for an engine
+            that publishes a step's blocks before the step writes them and releases on its own
+            schedule, as vLLM does (``docs/vllm.md``, "Hybrid and sliding-window layouts");
+            released positions, and a finished request's table, then leave last first.
+            Refused without a `sliding_window`.
 
     Every request-keyed call takes the `Request` that `begin` returned, or the request's id:
     the engine's own (an int or a str, given to `add_request` or `begin`), or the int `begin`
@@ -205,10 +214,15 @@ class PrefixCache:
         vocab_size: int | None = None,
         full_hit: str = "recompute_last_block",
         sliding_window: int | None = None,
+        window_release: str = "on_commit",
         _key_bits: int = 128,
     ) -> None:
         if full_hit not in FULL_HIT_MODES:
             raise InvalidInputError(f"full_hit must be one of {FULL_HIT_MODES}, got {full_hit!r}")
+        if window_release not in WINDOW_RELEASE_MODES:
+            raise InvalidInputError(
+                f"window_release must be one of {WINDOW_RELEASE_MODES}, got {window_release!r}"
+            )
         if sliding_window is not None and (
             isinstance(sliding_window, bool)
             or not isinstance(sliding_window, int)
@@ -243,6 +257,7 @@ class PrefixCache:
             _key_bits,
             full_hit == "reuse_last_block",
             sliding_window,
+            window_release,
         )
 
     # -- properties ----------------------------------------------------------------------
@@ -258,6 +273,11 @@ class PrefixCache:
     def sliding_window(self) -> int | None:
         """The window in tokens of a sliding-window cache; None for full attention."""
         return self._core.sliding_window
+
+    @property
+    def window_release(self) -> str:
+        """``"on_commit"`` or ``"explicit"`` (see the class docs)."""
+        return self._core.window_release
 
     @property
     def null_block(self) -> int | None:
@@ -284,6 +304,22 @@ class PrefixCache:
         """The cached prefix of `tokens`, without taking references (lock-free probe)."""
         keys = _extras(salt, adapter, multimodal, extras)
         return self._core.lookup(as_token_ids(tokens), keys)
+
+    def lookup_in_window(
+        self,
+        tokens: TokenIds,
+        window: int,
+        *,
+        salt: str | bytes | None = None,
+        adapter: str | bytes | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
+        extras: KeyExtras | None = None,
+    ) -> PrefixMatch:
+        """`lookup` under a sliding window of `window` tokens in place of the cache's: what a
+        request given that window (`set_request_window`) would hit. Sliding-window caches
+        only (`InvalidInputError` otherwise, and for a window of 0)."""
+        keys = _extras(salt, adapter, multimodal, extras)
+        return self._core.lookup_in_window(as_token_ids(tokens), keys, window)
 
     def block_keys(
         self,
@@ -419,6 +455,26 @@ class PrefixCache:
         Returns how many leading blocks of the request are now cached.
         """
         return self._core.commit(request, num_computed_tokens)
+
+    def set_request_window(self, request: RequestRef, window: int) -> None:
+        """With ``window_release="explicit"``: give a request not yet scheduled its own sliding
+        window in place of the cache's, so that one cache (one pool, one eviction order, one
+        free count) serves every KV group of a hybrid model, one request per group with its
+        own salt; a window longer than any request is a full-attention group (docs/vllm.md,
+        "Hybrid and sliding-window layouts"). Refused (`InvalidInputError`, nothing changed):
+        another kind of cache, a window of 0, a request already scheduled."""
+        self._core.set_request_window(request, window)
+
+    def release_out_of_window(self, request: RequestRef, processed_tokens: int) -> int:
+        """With ``window_release="explicit"``: release the request's leading blocks that lie
+        wholly before ``processed_tokens + 1 - sliding_window`` (last first; `null_block` takes
+        their place) and return how many this call released. vLLM's ``remove_skipped_blocks``,
+        called before each allocation for the request. A waiting request holds none; a
+        full-attention cache releases nothing before `finish`. Refused (`InvalidInputError`,
+        nothing changed): a sliding cache releasing on commit, and `processed_tokens` above
+        the request's verified tokens (it may pass its commits: a position released before it
+        was published is never published)."""
+        return self._core.release_out_of_window(request, processed_tokens)
 
     def accept_drafts(self, request: RequestRef, num_accepted: int) -> int:
         """Keep the first `num_accepted` draft tokens as verified, drop the rest (their KV

@@ -153,6 +153,9 @@ class GroupedPrefixCache:
         vocab_size: when given, token ids at or above it are refused.
         block_sizes: tokens per block of each group (default: `context.block_size` for all);
             hit lengths are then multiples of their least common multiple.
+        window_release: when the sliding groups release what a request's window passed
+            (`PrefixCache`'s setting; full groups release nothing before `finish`). With
+            ``"explicit"``, the engine calls `release_out_of_window`.
 
     Request-keyed calls take the engine's request id, as `PrefixCache`'s do.
     """
@@ -165,6 +168,7 @@ class GroupedPrefixCache:
         context: CacheContext,
         vocab_size: int | None = None,
         block_sizes: Sequence[int] | None = None,
+        window_release: str = "on_commit",
     ) -> None:
         specs = _specs(specs)
         num_blocks = _per_group(num_blocks, "num_blocks", len(specs))
@@ -180,6 +184,7 @@ class GroupedPrefixCache:
                 context=group_context(context, spec, size),
                 vocab_size=vocab_size,
                 sliding_window=spec.sliding_window,
+                window_release="on_commit" if spec.sliding_window is None else window_release,
             )
             for spec, count, size in zip(specs, num_blocks, block_sizes, strict=True)
         )
@@ -267,6 +272,12 @@ class GroupedPrefixCache:
         """Record written KV in every group (a sliding group then releases what its window
         passed); returns the committed positions of the group with fewest."""
         return self._core.commit(request, num_computed_tokens)
+
+    def release_out_of_window(self, request: RequestRef, processed_tokens: int) -> int:
+        """`PrefixCache.release_out_of_window` in every sliding group (built with
+        ``window_release="explicit"``); returns the blocks released, all groups together.
+        Refused before any group changes."""
+        return self._core.release_out_of_window(request, processed_tokens)
 
     def accept_drafts(self, request: RequestRef, num_accepted: int) -> int:
         return self._core.accept_drafts(request, num_accepted)

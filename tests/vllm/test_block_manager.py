@@ -130,12 +130,18 @@ def test_unsupported_settings_refused_by_name(overrides: dict[str, object], name
         _manager(**overrides)
 
 
-def test_sliding_window_refused_by_name(tiny_model: Path) -> None:
-    # A window shorter than max_model_len: prefixkv's sliding cache would release blocks at
-    # the publishing commit, vLLM at the next allocation (docs/vllm.md).
-    setup = SchedulerSetup(num_blocks=16, block_size=4, sliding_window=8)
-    with pytest.raises(UnsupportedFeatureError, match="sliding_window=8 below max_model_len"):
-        make_scheduler(tiny_model, setup, "prefixkv")
+def test_sliding_window_extra_retained_tokens_refused_by_name() -> None:
+    # Multi-module MTP keeps tokens below the window alive: not what the core releases.
+    spec = SlidingWindowSpec(
+        block_size=4,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        sliding_window=8,
+        extra_retained_tokens=2,
+    )
+    with pytest.raises(UnsupportedFeatureError, match="extra_retained_tokens=2"):
+        _manager(kv_cache_config=_config(spec))
 
 
 def test_hybrid_scheduler_refused_by_name(tiny_model: Path) -> None:
@@ -162,10 +168,14 @@ def test_window_covering_the_context_served(tiny_model: Path) -> None:
     assert isinstance(manager, PrefixKVCacheManager)
     assert type(manager.coordinator.single_type_managers[0].kv_cache_spec) is SlidingWindowSpec
     assert manager.kv_cache_event_metadata == (("sliding_window", 64),)
-    # One token short of the context is refused.
-    short = dataclasses.replace(setup, sliding_window=63)
-    with pytest.raises(UnsupportedFeatureError, match="sliding_window=63 below max_model_len=64"):
-        make_scheduler(tiny_model, short, "prefixkv")
+    assert manager.prefix_cache.sliding_window is None, "served as full attention"
+    # A shorter window is served by a sliding-window cache that releases when told.
+    short = make_scheduler(tiny_model, dataclasses.replace(setup, sliding_window=63), "prefixkv")
+    cache = short.kv_cache_manager.prefix_cache
+    assert (cache.sliding_window, cache.window_release) == (63, "explicit")
+    # vLLM caches no block of a one-token window: refused by name.
+    with pytest.raises(UnsupportedFeatureError, match="sliding_window=1"):
+        make_scheduler(tiny_model, dataclasses.replace(setup, sliding_window=1), "prefixkv")
 
 
 # -- what vLLM does with windows and hybrid layouts (the reasons for the refusals above) ------------
@@ -203,6 +213,25 @@ def test_vllm_sliding_window_frees_at_the_next_allocation(tiny_model: Path) -> N
     cache.allocate_slots("r", 20)
     cache.commit("r", 20)  # what the manager does at step 0's allocation, to publish
     assert cache.block_table("r").count(cache.null_block) == 3
+
+    # With explicit release the core follows vLLM's schedule: step 0's commit publishes and
+    # frees nothing; step 1 releases with vLLM's processed count (20) before allocating.
+    explicit = PrefixCache(15, block_size=4, sliding_window=8, window_release="explicit")
+    explicit.add_request("r", list(prompt))
+    explicit.allocate_slots("r", 20)
+    explicit.commit("r", 20)
+    counts = [explicit.block_table("r").count(explicit.null_block)]
+    explicit.append_tokens("r", [20])
+    explicit.release_out_of_window("r", 20)
+    explicit.allocate_slots("r", 1)
+    explicit.commit("r", 21)
+    counts.append(explicit.block_table("r").count(explicit.null_block))
+    explicit.append_tokens("r", [21])
+    explicit.release_out_of_window("r", 21)
+    explicit.allocate_slots("r", 1)
+    counts.append(explicit.block_table("r").count(explicit.null_block))
+    assert counts == nulls
+    assert len(explicit.block_table("r")) == len(tables[-1][0])
 
 
 def test_vllm_hybrid_groups_share_one_pool(tiny_model: Path) -> None:

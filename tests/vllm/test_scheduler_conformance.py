@@ -36,6 +36,7 @@ def setups(
     spec_decode: bool | None = None,
     async_scheduling: bool | None = False,
     covering_window: bool = False,
+    short_window: bool = False,
 ) -> SchedulerSetup:
     block_size = draw(st.sampled_from([4, 8, 16]))
     if spec_decode is None:
@@ -53,7 +54,14 @@ def setups(
         scheduler_reserve_full_isl=draw(st.booleans()),
         async_scheduling=async_scheduling,
         # A sliding-window group whose window covers max_model_len (the only one served).
-        sliding_window=draw(st.sampled_from([512, 513, 1000])) if covering_window else None,
+        sliding_window=(
+            draw(st.sampled_from([512, 513, 1000]))
+            if covering_window
+            # A window shorter than the context: blocks leave it as requests advance.
+            else draw(st.sampled_from([2, 5, 8, 17, 32, 64]))
+            if short_window
+            else None
+        ),
     )
 
 
@@ -169,6 +177,94 @@ def test_window_covering_the_context_matches_stock(tiny_model: Path, data: st.Da
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_short_window_matches_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """A `SlidingWindowSpec` group whose window is shorter than the context (issue 22): the
+    core publishes at allocation and releases out-of-window blocks only where vLLM's
+    `remove_skipped_blocks` frees them (`window_release="explicit"`), so both managers agree
+    on every step, synchronous or async, with and without drafts."""
+    setup = data.draw(setups(spec_decode=None, async_scheduling=None, short_window=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+def test_short_window_preempted_request_rehits_its_blocks(tiny_model: Path) -> None:
+    """Found by hypothesis (ci profile, seed 1): r4 is preempted at step 9 holding its two
+    cached blocks and a partial one. vLLM 0.32 puts the partial block (no hash) at the head of
+    its free queue and the cached ones at the tail, so r2, r3 and r0 then take the partial
+    block and older blocks, and r4 re-hits 8 tokens. prefixkv queued uncached blocks behind
+    cached ones, r0 took r4's second block, and r4 re-hit 4 (step 12's prefix stats)."""
+    setup = SchedulerSetup(
+        num_blocks=15, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+        max_model_len=512, async_scheduling=True, scheduler_reserve_full_isl=False,
+        sliding_window=17,
+    )  # fmt: skip
+    tokens = {"r0": 14, "r1": 1, "r2": 12, "r3": 12, "r4": 8}
+    requests = tuple(
+        RequestSpec(rid, (0, 0, 0, 0), max_tokens=n, cache_salt=f"own-{rid}")
+        for rid, n in tokens.items()
+    )
+    ours = _compare(tiny_model, setup, Workload(requests=requests, draft_accuracy=0))
+    assert any("r4" in s.preempted for s in ours), "the case needs r4 preempted"
+
+
+def test_short_window_cached_tokens_count_held_blocks_only(tiny_model: Path) -> None:
+    """Found by hypothesis (ci profile, seed 3): r1's last prefill chunk starts at 33, so the
+    allocation for it releases both of its full blocks (window 2) before the prefill ends.
+    vLLM's `estimate_cached_tokens` reads the hashes of the blocks the request still holds
+    (none: null blocks and a partial one) and reports no cache-creation tokens; prefixkv's
+    manager reported its 32 published tokens."""
+    setup = SchedulerSetup(
+        num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+        max_model_len=512, scheduler_reserve_full_isl=False, sliding_window=2,
+    )  # fmt: skip
+    workload = Workload(
+        requests=(
+            RequestSpec("r0", tuple(range(30)), max_tokens=4),
+            RequestSpec("r1", tuple(range(100, 139)), max_tokens=2),
+        )
+    )
+    ours = _compare(tiny_model, setup, workload)
+    created = {rid: c for s in ours for rid, (_, c) in s.num_cached_tokens.items()}
+    assert created["r1"] == 0
+
+
+def test_short_window_releases_verified_drafts_before_caching_them(tiny_model: Path) -> None:
+    """Found by hypothesis (window 3, one draft per step): vLLM's processed count at an
+    allocation includes the drafts it verified last step, which it caches only at the end of
+    that allocation, so `remove_skipped_blocks` frees blocks of them it never caches. The
+    manager capped the count at what it had committed and released a block later than vLLM,
+    which then counted one free block more (step 5)."""
+    setup = SchedulerSetup(
+        num_blocks=17, block_size=4, max_num_seqs=1, max_num_batched_tokens=32,
+        max_model_len=512, num_speculative_tokens=1, scheduler_reserve_full_isl=False,
+        sliding_window=3,
+    )  # fmt: skip
+    workload = Workload(requests=(RequestSpec("r0", (0,) * 8, max_tokens=8),), draft_accuracy=500)
+    ours = _compare(tiny_model, setup, workload)
+    assert any(s.spec_tokens for s in ours)
+
+
+def test_short_window_keeps_duplicate_copies_cached(tiny_model: Path) -> None:
+    """Found by hypothesis (seed 1, ci profile): six requests of one whole-block prompt each
+    compute their own copy of its block; vLLM keeps every copy cached under the hash, and
+    prefixkv's sliding cache freed all but the canonical one at release. Once that one was
+    evicted, the preempted r0 hit 4 tokens in vLLM and none here (step 14). Sliding caches now
+    keep a request's own copy as a duplicate (`request/publish.rs`), as full attention does."""
+    setup = SchedulerSetup(
+        num_blocks=15, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+        max_model_len=512, scheduler_reserve_full_isl=False, sliding_window=17,
+    )  # fmt: skip
+    prompt = (0, 0, 0, 0)
+    tokens = {"r0": 6, "r1": 1, "r2": 12, "r3": 12, "r4": 1, "r5": 11}
+    requests = tuple(
+        RequestSpec(rid, prompt, max_tokens=n, arrival_step=5 if rid == "r0" else 0)
+        for rid, n in tokens.items()
+    )
+    _compare(tiny_model, setup, Workload(requests=requests, draft_accuracy=0))
 
 
 def _duplicate_setup(sliding_window: int | None) -> SchedulerSetup:

@@ -35,7 +35,9 @@ pub mod stats;
 mod sync;
 pub mod table;
 
-pub use cache::{BeginResult, CacheConfig, FullHit, PrefixCache, PrefixMatch, RequestId, Slots};
+pub use cache::{
+    BeginResult, CacheConfig, FullHit, PrefixCache, PrefixMatch, RequestId, Slots, WindowRelease,
+};
 pub use error::{CacheError, Result};
 pub use events::{
     encode_events, EventConfig, EventCounters, EventDrain, HashForm, KvEvent, TokenIds,

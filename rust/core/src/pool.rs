@@ -693,7 +693,8 @@ impl BlockPool {
             });
         }
         let mut evicted = Vec::new();
-        if self.free.len() < count {
+        let num_listed = self.free.len();
+        if num_listed < count {
             let available = self.available(count);
             if available < count {
                 return Err(CacheError::OutOfBlocks {
@@ -741,7 +742,10 @@ impl BlockPool {
             }
         }
         let start = self.free.len() - count;
-        let blocks: Vec<BlockId> = self.free.drain(start..).rev().collect();
+        let mut blocks: Vec<BlockId> = self.free.drain(start..).collect();
+        // vLLM's `popleft_n` order: the free list's blocks first, top of the stack first (the
+        // head of vLLM's free queue), then the ones eviction just freed, in eviction order.
+        blocks[..num_listed - start].reverse();
         for &block in &blocks {
             let meta = &mut self.blocks[block as usize];
             debug_assert!(meta.ref_count == 0 && !meta.cached);

@@ -14,8 +14,23 @@
 //! reference (a published block stays cached, evictable in LRU order; a private one is freed)
 //! and the *null block* takes its place in the block table. The released positions are always
 //! the table's leading run (`Request::released` counts them exactly), and no position the window
-//! of `s` intersects is ever null: that is the property `check_invariants` asserts and the model
-//! tests check, "a released block is never read".
+//! of `s` intersects is ever null: that is the property the model tests check, "a released
+//! block is never read" (`check_invariants` asserts it on the verified count, the bound of an
+//! explicit release, below).
+//!
+//! ## Explicit release
+//! An engine that publishes a step's blocks before the step writes them (vLLM caches them at
+//! allocation) cannot let a commit release: the positions a step is still writing would go
+//! back to the LRU order, where another request could evict and reuse them in the same step.
+//! With `WindowRelease::Explicit` the release points above do nothing, and the engine calls
+//! `release_out_of_window(request, processed_tokens)` where vLLM calls `remove_skipped_blocks`
+//! (before each allocation for the request). `processed_tokens` may not exceed the verified
+//! tokens; it may pass the commits (vLLM counts drafts it verified last step before it caches
+//! them), and a position released before it was published is never published (`publish.rs`),
+//! as vLLM's `cache_full_blocks` skips null blocks. Released positions, and a finished or
+//! preempted request's table, are released as vLLM's `free_blocks(reversed(blocks))` frees
+//! them (`release_tail_first`): cached blocks join the LRU order tail first, uncached ones go
+//! on the free list so that the tail is reused first.
 //!
 //! The null block is the id one past the pool (`PrefixCache::null_block`). The pool never sees
 //! it, so it is never allocated, freed, cached, counted or referenced; the engine keeps one spare
@@ -271,7 +286,7 @@ mod tests {
     use crate::cache::tests::no_extras;
     use crate::error::CacheError;
     use crate::key::context_fingerprint;
-    use crate::{CacheConfig, FullHit, PrefixCache, RequestId};
+    use crate::{CacheConfig, FullHit, PrefixCache, RequestId, WindowRelease};
 
     fn sliding(
         num_blocks: u32,
@@ -300,6 +315,260 @@ mod tests {
         c.allocate_slots(&id, n, 0, 0).unwrap();
         c.commit(&id, n).unwrap();
         id
+    }
+
+    fn explicit(num_blocks: u32, block_size: usize, window: usize) -> PrefixCache {
+        let config = CacheConfig {
+            sliding_window: Some(window),
+            window_release: WindowRelease::Explicit,
+            ..CacheConfig::new(num_blocks, block_size)
+        };
+        PrefixCache::with_table_seed(config, context_fingerprint(b"unit"), 7).unwrap()
+    }
+
+    #[test]
+    fn explicit_release_needs_a_window_and_is_refused_when_releasing_on_commit() {
+        let config = CacheConfig {
+            window_release: WindowRelease::Explicit,
+            ..CacheConfig::new(8, 2)
+        };
+        let Err(err) = PrefixCache::new(config, context_fingerprint(b"unit")) else {
+            panic!("Explicit without a window was accepted");
+        };
+        assert!(err.to_string().contains("window_release"), "{err}");
+        let c = sliding(16, 2, 3, FullHit::default());
+        let a = &computed(&c, "a", prompt(10));
+        let err = c.release_out_of_window(a, 10).unwrap_err();
+        assert!(err.to_string().contains("releases on commit"), "{err}");
+        // Full attention: nothing leaves a window before the request ends.
+        let full = crate::cache::tests::cache(8, 2);
+        let f = &computed(&full, "f", prompt(10));
+        assert_eq!(full.release_out_of_window(f, 10), Ok(0));
+        assert_eq!(
+            full.release_out_of_window(&"nobody".into(), 0),
+            Err(CacheError::UnknownRequest("nobody".into()))
+        );
+    }
+
+    #[test]
+    fn explicit_release_publishes_at_commit_and_releases_only_when_called() {
+        // vLLM's schedule (`test_vllm_sliding_window_frees_at_the_next_allocation`): blocks of
+        // 4, window 8, a 20-token prompt in 5 blocks; nothing is freed at the step that
+        // schedules it, three blocks (those wholly before 20 + 1 - 8 = 13) at the next.
+        let c = explicit(16, 4, 8);
+        let null = c.null_block().unwrap();
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        assert!(!table.contains(&null), "a commit releases nothing");
+        assert!(table.iter().all(|&b| c.is_cached(b) == Ok(true)));
+        assert!(table.iter().all(|&b| c.ref_count(b) == Ok(1)));
+        let err = c.release_out_of_window(a, 21).unwrap_err();
+        assert!(err.to_string().contains("processed_tokens 21"), "{err}");
+        assert_eq!(
+            c.block_table(a).unwrap(),
+            table,
+            "a refusal changes nothing"
+        );
+        assert_eq!(c.release_out_of_window(a, 12), Ok(1));
+        assert_eq!(c.release_out_of_window(a, 20), Ok(2));
+        assert_eq!(c.release_out_of_window(a, 20), Ok(0));
+        let now = c.block_table(a).unwrap();
+        assert_eq!(&now[..3], &[null; 3]);
+        assert_eq!(&now[3..], &table[3..]);
+        assert_eq!(c.stats().blocks_released, 3);
+        assert!(table[..3].iter().all(|&b| c.ref_count(b) == Ok(0)));
+        c.check_invariants();
+        // Decoding covers itself without releasing (a decode step's fast path included).
+        for token in 21..=24 {
+            c.append_tokens(a, &[token], false).unwrap();
+            c.allocate_slots(a, 1, 0, 0).unwrap();
+            c.commit(a, token as usize).unwrap();
+        }
+        assert_eq!(c.block_table(a).unwrap()[3], table[3]);
+        assert_eq!(c.release_out_of_window(a, 24), Ok(1));
+        c.check_invariants();
+        // A waiting request holds nothing to release.
+        let b = &RequestId::from("b");
+        c.add_request(b.clone(), prompt(30), b"", no_extras(), 0)
+            .unwrap();
+        assert_eq!(c.release_out_of_window(b, 0), Ok(0));
+        c.finish(a).unwrap();
+        c.finish(b).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn positions_released_before_their_commit_are_skipped_and_later_ones_published() {
+        // vLLM's processed count may run ahead of what it cached (drafts verified last step):
+        // `remove_skipped_blocks` then frees blocks it never cached, and `cache_full_blocks`
+        // skips the null blocks and caches the positions after them.
+        let c = explicit(16, 4, 5);
+        let null = c.null_block().unwrap();
+        let a = &RequestId::from("a");
+        c.add_request(a.clone(), prompt(12), b"", no_extras(), 0)
+            .unwrap();
+        let table = c.allocate_slots(a, 12, 0, 0).unwrap().block_ids;
+        let err = c.release_out_of_window(a, 13).unwrap_err();
+        assert!(err.to_string().contains("processed_tokens 13"), "{err}");
+        // Positions wholly before 12 + 1 - 5 = 8: the first two, uncached, go back free.
+        assert_eq!(c.release_out_of_window(a, 12), Ok(2));
+        assert!(table[..2].iter().all(|&b| c.ref_count(b) == Ok(0)));
+        assert_eq!(c.stats().blocks_free, 16 - 1);
+        c.check_invariants();
+        assert_eq!(c.commit(a, 12), Ok(3), "the third position is published");
+        assert_eq!(c.block_table(a).unwrap(), vec![null, null, table[2]]);
+        assert_eq!(c.is_cached(table[2]), Ok(true));
+        assert!(table[..2].iter().all(|&b| c.is_cached(b) == Ok(false)));
+        c.check_invariants();
+        // A later prompt through the same tokens hits the third block (its window needs one).
+        let mut probe = prompt(12);
+        probe.push(99);
+        let hit = c.lookup(&probe, b"", &no_extras()).unwrap();
+        assert_eq!(hit.num_cached_tokens, 12);
+        c.finish(a).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn a_second_copy_stays_cached_as_a_duplicate_as_in_vllm() {
+        // Two requests compute the same two blocks in one step: vLLM caches both copies under
+        // the hash and frees both into the tail of its queue; evicting the first copy leaves
+        // the content cached in the second.
+        let c = explicit(8, 4, 8);
+        let (a, b) = (&RequestId::from("a"), &RequestId::from("b"));
+        for id in [a, b] {
+            c.add_request(id.clone(), prompt(8), b"", no_extras(), 0)
+                .unwrap();
+            c.allocate_slots(id, 8, 0, 0).unwrap();
+        }
+        let (table_a, table_b) = (c.block_table(a).unwrap(), c.block_table(b).unwrap());
+        assert_eq!(c.commit(a, 8), Ok(2));
+        assert_eq!(c.commit(b, 8), Ok(2));
+        c.finish(a).unwrap();
+        c.finish(b).unwrap();
+        c.check_invariants();
+        assert_eq!(c.stats().blocks_free, 4, "b's copies are cached, not free");
+        // The four never-used blocks, then a's tail (released first): its entry moves into
+        // b's copy, so the content stays cached.
+        let taken = c.allocate(5).unwrap();
+        assert_eq!(taken[4], table_a[1]);
+        let probe = [prompt(8), vec![99]].concat();
+        let hit = c.lookup(&probe, b"", &no_extras()).unwrap();
+        assert_eq!(hit.num_cached_tokens, 8);
+        assert_eq!(hit.blocks, vec![table_a[0], table_b[1]]);
+        c.release(&taken).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn requests_with_their_own_windows_are_lanes_of_one_pool() {
+        // A hybrid model's groups as lanes of one cache: the full-attention lane's window
+        // exceeds every request, the sliding lane keeps the cache's 8 tokens.
+        let c = explicit(16, 4, 8);
+        let null = c.null_block().unwrap();
+        let (full, window) = (&RequestId::from("full"), &RequestId::from("window"));
+        c.add_request(full.clone(), prompt(20), b"g0", no_extras(), 0)
+            .unwrap();
+        c.add_request(window.clone(), prompt(20), b"g1", no_extras(), 0)
+            .unwrap();
+        let err = c.set_request_window(full, 0).unwrap_err();
+        assert!(err.to_string().contains("at least 1 token"), "{err}");
+        c.set_request_window(full, 1000).unwrap();
+        for id in [full, window] {
+            c.allocate_slots(id, 20, 0, 0).unwrap();
+            assert_eq!(c.commit(id, 20), Ok(5));
+        }
+        assert_eq!(c.stats().blocks_in_use, 10, "one pool for both lanes");
+        let err = c.set_request_window(window, 1000).unwrap_err();
+        assert!(err.to_string().contains("already scheduled"), "{err}");
+        assert!(matches!(
+            c.set_request_window(&RequestId::from("nobody"), 8),
+            Err(CacheError::UnknownRequest(_))
+        ));
+        assert_eq!(c.release_out_of_window(full, 20), Ok(0));
+        assert_eq!(c.release_out_of_window(window, 20), Ok(3));
+        assert!(!c.block_table(full).unwrap().contains(&null));
+        assert_eq!(&c.block_table(window).unwrap()[..3], &[null; 3]);
+        c.check_invariants();
+        c.finish(full).unwrap();
+        c.finish(window).unwrap();
+        c.check_invariants();
+        // Each lane's lookup under its window and salt: the full lane's leading run, the
+        // sliding lane's window after released (still cached) blocks; salts keep them apart.
+        let probe = [prompt(20), vec![99]].concat();
+        let hit = |salt: &[u8], w| c.lookup_in_window(&probe, salt, &no_extras(), w).unwrap();
+        assert_eq!(hit(b"g0", 1000).num_cached_tokens, 20);
+        assert_eq!(hit(b"g1", 8).num_cached_tokens, 20);
+        assert_eq!(hit(b"g2", 8).num_cached_tokens, 0);
+        assert!(c.lookup_in_window(&probe, b"g0", &no_extras(), 0).is_err());
+        // Only an explicit-release sliding cache serves lanes.
+        let on_commit = sliding(8, 4, 8, FullHit::default());
+        let id = &RequestId::from("r");
+        on_commit
+            .add_request(id.clone(), prompt(4), b"", no_extras(), 0)
+            .unwrap();
+        assert!(on_commit.set_request_window(id, 1000).is_err());
+    }
+
+    #[test]
+    fn explicit_release_and_finish_free_the_tail_first_as_vllms_free_queue() {
+        let c = explicit(6, 4, 8);
+        c.set_eviction_log(true);
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        c.release_out_of_window(a, 20).unwrap();
+        // One block is free; the next three come from the released ones, last position first.
+        let mut pressure = c.allocate(2).unwrap();
+        pressure.extend(c.allocate(2).unwrap());
+        assert_eq!(c.drain_evicted(), vec![table[2], table[1], table[0]]);
+        c.finish(a).unwrap();
+        pressure.extend(c.allocate(1).unwrap());
+        assert_eq!(
+            c.drain_evicted(),
+            vec![table[4]],
+            "a finished table leaves tail first"
+        );
+        c.release(&pressure).unwrap();
+        c.check_invariants();
+    }
+
+    #[test]
+    fn explicit_release_frees_in_the_order_of_vllms_free_queue() {
+        // vLLM 0.32's `BlockPool.free_blocks`: a released block without a hash is prepended to
+        // the free queue (reused first, the request's tail first), a cached one appended
+        // (evicted last, in release order); `popleft_n` takes the head first.
+        let c = explicit(8, 4, 8);
+        c.set_eviction_log(true);
+        let a = &computed(&c, "a", prompt(20));
+        let table = c.block_table(a).unwrap();
+        // Positions 0..3 leave the window: cached, they wait behind the never-used blocks.
+        c.release_out_of_window(a, 20).unwrap();
+        let b = &RequestId::from("b");
+        c.add_request(b.clone(), vec![90, 91, 92], b"", no_extras(), 0)
+            .unwrap();
+        // Two blocks, neither full: both go back uncached, to the head of the queue.
+        let private = c.allocate_slots(b, 3, 4, 0).unwrap().block_ids;
+        assert_eq!(private.len(), 2);
+        c.finish(b).unwrap();
+        let stats = c.stats();
+        assert_eq!((stats.blocks_free, stats.blocks_in_use), (3, 2));
+        assert!(!c.is_cached(private[0]).unwrap() && !c.is_cached(private[1]).unwrap());
+        c.check_invariants();
+        // b's tail, then b's first block, then the never-used one, then a's released blocks
+        // from the last position: one allocation takes them in exactly that order.
+        let taken = c.allocate(4).unwrap();
+        assert_eq!(taken[..2], [private[1], private[0]]);
+        assert!(!table.contains(&taken[2]), "a never-used block");
+        assert_eq!(taken[3], table[2]);
+        assert_eq!(c.drain_evicted(), vec![table[2]]);
+        let rest = c.allocate(2).unwrap();
+        assert_eq!(rest, vec![table[1], table[0]]);
+        assert_eq!(c.drain_evicted(), vec![table[1], table[0]]);
+        c.release(&taken).unwrap();
+        c.release(&rest).unwrap();
+        c.check_invariants();
+        c.finish(a).unwrap();
+        c.check_invariants();
     }
 
     #[test]

@@ -305,7 +305,8 @@ impl Model {
 
     fn allocate_blocks(&mut self, count: usize) -> Result<Vec<BlockId>, CacheError> {
         self.normalize();
-        if self.free.len() < count {
+        let num_listed = self.free.len();
+        if num_listed < count {
             let plan = self.plan();
             if self.free.len() + plan.len() < count {
                 return Err(CacheError::OutOfBlocks {
@@ -346,7 +347,9 @@ impl Model {
             }
         }
         let start = self.free.len() - count;
-        let taken: Vec<BlockId> = self.free.drain(start..).rev().collect();
+        // vLLM's free queue: the free list's top first, then the evicted blocks in order.
+        let mut taken: Vec<BlockId> = self.free.drain(start..).collect();
+        taken[..num_listed - start].reverse();
         for &b in &taken {
             self.blocks[b as usize].refs = 1;
             self.blocks[b as usize].priority = LOWEST;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache};
+use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache, WindowRelease};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -35,7 +35,8 @@ pub struct CoreCache(pub(crate) Arc<PrefixCache>);
 #[pymethods]
 impl CoreCache {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None, reuse_last_block=false, sliding_window=None))]
+    #[allow(clippy::too_many_arguments)] // one per keyword of `prefixkv.PrefixCache`'s constructor
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, key_bits=None, reuse_last_block=false, sliding_window=None, window_release="on_commit"))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
@@ -44,6 +45,7 @@ impl CoreCache {
         key_bits: Option<&Bound<'_, PyAny>>,
         reuse_last_block: bool,
         sliding_window: Option<&Bound<'_, PyAny>>,
+        window_release: &str,
     ) -> PyResult<Self> {
         let positive = |v: i128| v > 0;
         let config = CacheConfig {
@@ -66,6 +68,15 @@ impl CoreCache {
                 .map(|w| int_in::<u32>(w, "sliding_window", U32_RANGE, positive))
                 .transpose()?
                 .map(|w| w as usize),
+            window_release: match window_release {
+                "on_commit" => WindowRelease::OnCommit,
+                "explicit" => WindowRelease::Explicit,
+                other => {
+                    return Err(invalid(format!(
+                        "window_release must be 'on_commit' or 'explicit', got {other:?}"
+                    )))
+                }
+            },
         };
         PrefixCache::new(config, fingerprint(context_fingerprint)?)
             .map(|cache| Self(Arc::new(cache)))
@@ -103,6 +114,26 @@ impl CoreCache {
             .detach(|| {
                 view.into_vec()
                     .and_then(|t| self.0.lookup(&t, &keys.salt, &keys.extras))
+            })
+            .map_err(to_py_err)?;
+        Ok(m.into())
+    }
+
+    fn lookup_in_window(
+        &self,
+        py: Python<'_>,
+        tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        window: &Bound<'_, PyAny>,
+    ) -> PyResult<PrefixMatch> {
+        let window = count(window, "window")?;
+        let view = tokens.view();
+        let m = py
+            .detach(|| {
+                view.into_vec().and_then(|t| {
+                    self.0
+                        .lookup_in_window(&t, &keys.salt, &keys.extras, window)
+                })
             })
             .map_err(to_py_err)?;
         Ok(m.into())
@@ -247,6 +278,32 @@ impl CoreCache {
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
         self.0.commit(&request.0, num).map_err(to_py_err)
+    }
+
+    fn release_out_of_window(
+        &self,
+        request: RequestRef,
+        processed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(processed_tokens, "processed_tokens")?;
+        self.0
+            .release_out_of_window(&request.0, num)
+            .map_err(to_py_err)
+    }
+
+    fn set_request_window(&self, request: RequestRef, window: &Bound<'_, PyAny>) -> PyResult<()> {
+        let window = count(window, "window")?;
+        self.0
+            .set_request_window(&request.0, window)
+            .map_err(to_py_err)
+    }
+
+    #[getter]
+    fn window_release(&self) -> &'static str {
+        match self.0.config().window_release {
+            WindowRelease::OnCommit => "on_commit",
+            WindowRelease::Explicit => "explicit",
+        }
     }
 
     fn accept_drafts(

@@ -164,6 +164,17 @@ impl CoreGroups {
         self.0.commit(&request.0, num).map_err(to_py_err)
     }
 
+    fn release_out_of_window(
+        &self,
+        request: RequestRef,
+        processed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(processed_tokens, "processed_tokens")?;
+        self.0
+            .release_out_of_window(&request.0, num)
+            .map_err(to_py_err)
+    }
+
     fn accept_drafts(
         &self,
         request: RequestRef,

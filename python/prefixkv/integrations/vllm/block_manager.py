@@ -25,8 +25,8 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
   from the keys it kept.
 
 Everything vLLM could ask that prefixkv does not do is refused by name
-(`UnsupportedFeatureError`): hybrid layouts and sliding windows shorter than the context
-(docs/vllm.md, "Hybrid and sliding-window layouts", says what the core lacks for them), Mamba and
+(`UnsupportedFeatureError`): hybrid layouts (docs/vllm.md, "Hybrid and sliding-window layouts",
+says what is built for them and what remains), a one-token sliding window, Mamba and
 other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
 connector loads and deferred frees.
 `signatures.py` checks at import that every member and argument of the installed vLLM's
@@ -60,8 +60,10 @@ from prefixkv.integrations.vllm.pool_view import BlockIds, BlockPoolView, Coordi
 __all__ = ["PrefixKVCacheManager"]
 
 #: KV cache specs served, by exact type: a subclass (sink tokens, RSWA, hidden-state caches)
-#: changes what a block holds and is refused until it is tested. A `SlidingWindowSpec` is served
-#: only when its window covers the context (`_window_covering_context`).
+#: changes what a block holds and is refused until it is tested. A `SlidingWindowSpec` whose
+#: window covers the context is served as full attention (vLLM's `SlidingWindowManager` then
+#: never frees, skips or masks a block); a shorter one with a sliding-window core cache that
+#: releases where vLLM does (`window_release="explicit"`, docs/vllm.md).
 SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 #: Blocks the core may queue between two `take_events` (one per engine step).
@@ -98,33 +100,6 @@ def _request_extras(request: Request) -> KeyExtras:
     return key_extras(request.cache_salt, adapter, multimodal or None)
 
 
-def _window_covering_context(spec: SlidingWindowSpec, max_model_len: int) -> SlidingWindowSpec:
-    """`spec`, if its window covers every position vLLM can compute; refused by name otherwise.
-
-    vLLM's `SlidingWindowManager` then behaves exactly as full attention (vLLM 0.32,
-    `single_type_kv_cache_manager.py`): it frees a leading block only once the processed count
-    reaches ``W - 1 + block_size`` (`get_num_skipped_tokens`), which a request capped at
-    ``max_model_len`` tokens never reaches while it still computes; a hit other than the
-    leading run of cached blocks needs ``cdiv(W - 1, block_size)`` cached blocks after a gap,
-    so ends at ``W - 1 + block_size`` tokens or later, past any hit (at most ``num_tokens - 1``);
-    it caches every block (`reachable_block_mask` is dense at block alignment); and its
-    admission cap (`max_admission_blocks_per_request`) is above ``cdiv(max_model_len,
-    block_size)``. A smaller window is refused (docs/vllm.md, "Hybrid and sliding-window
-    layouts")."""
-    if spec.sliding_window < max_model_len:
-        # prefixkv's sliding-window cache releases out-of-window blocks when it commits, and the
-        # manager commits at allocation (to publish when vLLM does): it would release blocks the
-        # step it schedules still writes. vLLM releases them at the request's next allocation,
-        # on the processed count. The core has no commit that publishes without releasing.
-        raise UnsupportedFeatureError(
-            f"SlidingWindowSpec with sliding_window={spec.sliding_window} below "
-            f"max_model_len={max_model_len} is not supported by prefixkv's vLLM block manager: "
-            "it releases out-of-window blocks when it publishes (at allocation), vLLM at the "
-            "request's next allocation"
-        )
-    return spec
-
-
 class PrefixKVCacheManager:
     """A drop-in for vLLM's `KVCacheManager` (same constructor and members) backed by
     prefixkv's Rust block manager. `context` names the model the keys are made under
@@ -154,9 +129,10 @@ class PrefixKVCacheManager:
         if len(groups) != 1:
             kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
             # docs/vllm.md, "Hybrid and sliding-window layouts": vLLM's groups draw from one
-            # block pool (one id space, one free queue, one LRU order); prefixkv's
-            # GroupedPrefixCache keeps a pool per group, so free-block counts, admissions and
-            # evictions cannot agree, and per-group ids would collide in vLLM's shared tensors.
+            # block pool (one id space, one free queue, one LRU order); GroupedPrefixCache keeps
+            # a pool per group, so free-block counts, admissions and evictions cannot agree.
+            # The core's lanes (one request per group in one cache, `set_request_window`) are
+            # built; this manager does not drive them yet.
             raise UnsupportedFeatureError(
                 f"hybrid KV cache layouts ({len(groups)} KV cache groups: {kinds}) are not "
                 "supported by prefixkv's vLLM block manager: vLLM's groups share one block pool, "
@@ -164,8 +140,27 @@ class PrefixKVCacheManager:
                 "or disable_hybrid_kv_cache_manager=True where vLLM allows it"
             )
         spec = groups[0].kv_cache_spec
-        if type(spec) is SlidingWindowSpec:
-            spec = _window_covering_context(spec, max_model_len)
+        #: A sliding window shorter than the context: the core releases out-of-window blocks
+        #: only when told, where vLLM's `remove_skipped_blocks` frees them (`_release_passed`).
+        self._window: int | None = None
+        #: vLLM's admission cap for such a window (`_fits_whole_sequence`).
+        self._admission_cap = 0
+        if type(spec) is SlidingWindowSpec and spec.sliding_window < max_model_len:
+            if spec.sliding_window < 2:
+                # A hit then needs no block (`_contiguous_blocks_for_hit` is 0), and vLLM's
+                # `reachable_block_mask` caches none; prefixkv caches every full block.
+                raise UnsupportedFeatureError(
+                    "SlidingWindowSpec with sliding_window=1 (vLLM caches no block of it) is not "
+                    "supported by prefixkv's block manager"
+                )
+            if spec.extra_retained_tokens:
+                raise UnsupportedFeatureError(
+                    f"SlidingWindowSpec with extra_retained_tokens={spec.extra_retained_tokens} "
+                    "(multi-module MTP) is not supported by prefixkv's block manager"
+                )
+            self._window = spec.sliding_window
+            in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+            self._admission_cap = spec.max_admission_blocks_per_request(in_flight, max_model_len)
         if type(spec) not in SUPPORTED_SPECS:
             raise UnsupportedFeatureError(
                 f"KV cache spec {type(spec).__name__} is not supported by prefixkv's vLLM block "
@@ -215,7 +210,12 @@ class PrefixKVCacheManager:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
         self._ids = BlockIds(kv_cache_config.num_blocks)
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
-        self._cache = PrefixCache(kv_cache_config.num_blocks - 1, context=context)
+        self._cache = PrefixCache(
+            kv_cache_config.num_blocks - 1,
+            context=context,
+            sliding_window=self._window,
+            window_release="on_commit" if self._window is None else "explicit",
+        )
         if enable_kv_cache_events:
             _core.enable_events(self._cache._core, EVENT_CAPACITY, "all")
         self._requests: dict[str, _Tracked] = {}
@@ -385,9 +385,15 @@ class PrefixKVCacheManager:
         ):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
-            full = min(num_tokens, self.max_model_len) - start
-            if not self._cache.can_allocate_slots(rid, full, watermark_blocks=watermark):
-                return None
+            if self._window is not None:
+                if not self._fits_whole_sequence(request, start, new_computed_blocks, watermark):
+                    return None
+            else:
+                full = min(num_tokens, self.max_model_len) - start
+                if not self._cache.can_allocate_slots(rid, full, watermark_blocks=watermark):
+                    return None
+        if not waiting and self._window is not None:
+            self._release_passed(request, tracked)
         try:
             slots = self._cache.allocate_slots(
                 rid,
@@ -417,6 +423,45 @@ class PrefixKVCacheManager:
         if not new_ids:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks((self._ids.to_vllm(new_ids),))
+
+    def _fits_whole_sequence(
+        self,
+        request: Request,
+        num_hit: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        watermark: int,
+    ) -> bool:
+        """vLLM's `full_sequence_must_fit` gate for a waiting request in a sliding-window group
+        (`SlidingWindowManager.get_num_blocks_to_allocate` with the admission cap): the blocks
+        of the whole sequence, capped at `max_admission_blocks_per_request`, less the hit's
+        positions (or the positions the window skips, if more), plus the hit blocks no request
+        references (touching them takes them from the free count)."""
+        assert self._window is not None
+        bs = self.block_size
+        full = min(request.num_tokens, self.max_model_len)
+        required = min(-(-full // bs), self._admission_cap)
+        hit = [] if new_computed_blocks is None else list(new_computed_blocks.blocks[0])
+        skipped = max(0, num_hit - self._window + 1) // bs
+        needed = max(required - max(skipped, len(hit)), 0)
+        evictable = sum(
+            1 for block in hit[skipped:] if not block.is_null and self._ref_count(block) == 0
+        )
+        return needed + evictable + watermark <= self.block_pool.get_num_free_blocks()
+
+    def _ref_count(self, block: KVCacheBlock) -> int:
+        return self._cache.ref_count(block.block_id - 1)
+
+    def _release_passed(self, request: Request, tracked: _Tracked) -> None:
+        """vLLM's `remove_skipped_blocks` before an allocation for a running request: release
+        the blocks wholly before the processed count's window (the in-flight steps' tokens
+        not counted), even if the allocation then fails. The count includes drafts verified
+        last step, which the manager commits only after a successful allocation (as vLLM
+        caches them): blocks released before then are never published, as vLLM never caches
+        them (the core skips them and publishes the positions after)."""
+        processed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        processed = min(processed, tracked.known, self.max_model_len)
+        if self._cache.release_out_of_window(request.request_id, processed):
+            tracked.table = self._ids.to_vllm(self._cache.block_table(request.request_id))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the full blocks of the request's verified tokens below `num_computed_tokens`
@@ -459,8 +504,8 @@ class PrefixKVCacheManager:
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        # Full attention skips nothing, nor does a window covering max_model_len (the only one
-        # served, `_window_covering_context`).
+        # vLLM calls this only on a KV connector's path (refused): the manager releases a short
+        # window's blocks itself at each allocation (`_release_passed`).
         return None
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -505,11 +550,13 @@ class PrefixKVCacheManager:
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request in cached blocks (vLLM: the deepest hashed block's end)."""
         tracked = self._requests.get(request.request_id)
-        return (
-            0
-            if tracked is None or tracked.table is None
-            else tracked.cached_blocks * self.block_size
-        )
+        if tracked is None or tracked.table is None or not tracked.cached_blocks:
+            return 0
+        if tracked.table[tracked.cached_blocks - 1].is_null:
+            # A sliding window released the deepest cached block: vLLM counts only the blocks
+            # the request still holds, and the cached ones are a leading run (all released).
+            return 0
+        return tracked.cached_blocks * self.block_size
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::{block_extras, PrefixCache, PrefixMatch, LOOKAHEAD};
-use crate::error::Result;
+use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableKey};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Parent};
@@ -26,6 +26,32 @@ impl PrefixCache {
         }
         let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
         Ok(self.prefix_match(blocks, tokens.len()))
+    }
+
+    /// `lookup` under a sliding window of `window` tokens in place of the cache's: what a
+    /// request with that window (`set_request_window`) would hit. Refused (`InvalidInput`) in
+    /// a full-attention cache and for a window of 0.
+    pub fn lookup_in_window(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+        window: usize,
+    ) -> Result<PrefixMatch> {
+        self.check_tokens(tokens)?;
+        if self.config.sliding_window.is_none() || window == 0 {
+            return Err(CacheError::InvalidInput(format!(
+                "lookup_in_window: window {window} in a {} cache (a sliding-window cache and a \
+                 window of at least 1 token are needed)",
+                if self.config.sliding_window.is_none() {
+                    "full-attention"
+                } else {
+                    "sliding-window"
+                }
+            )));
+        }
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        Ok(self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras))
     }
 
     /// SHA-256 block keys of every full block of `tokens` under the current context: the keys

@@ -81,6 +81,25 @@ pub struct CacheConfig {
     /// KV group, where the query at position `i` reads keys `i - w < j <= i` only; blocks that
     /// fell out of every live request's window are released (`sliding.rs`).
     pub sliding_window: Option<usize>,
+    /// When a sliding-window cache releases the blocks a request's window passed
+    /// (`sliding.rs`, "Blocks that left the window are released"). Only `OnCommit` without a
+    /// window.
+    pub window_release: WindowRelease,
+}
+
+/// When a sliding-window cache releases the positions a request's window passed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WindowRelease {
+    /// Whenever the request's settled count grows: at `commit`, `allocate_slots` and
+    /// `accept_drafts`. Blocks leave as early as they can.
+    #[default]
+    OnCommit,
+    /// Only at `release_out_of_window(request, processed_tokens)`, for an engine that publishes
+    /// a step's blocks before the step writes them and releases on its own schedule (vLLM
+    /// calls `remove_skipped_blocks` at the request's next allocation). Released positions
+    /// then leave the table last first, one LRU tick each, and so do a finished or preempted
+    /// request's blocks: the order of vLLM's free queue (`sliding.rs`, "Explicit release").
+    Explicit,
 }
 
 /// How a full hit (every block of the prompt cached) is handed to the engine. Some token must
@@ -109,7 +128,13 @@ impl CacheConfig {
             key_bits: TableHasher::BITS,
             full_hit: FullHit::default(),
             sliding_window: None,
+            window_release: WindowRelease::OnCommit,
         }
+    }
+
+    /// A sliding-window cache releasing only at `release_out_of_window` (`WindowRelease`).
+    pub(crate) fn releases_explicitly(&self) -> bool {
+        self.sliding_window.is_some() && self.window_release == WindowRelease::Explicit
     }
 }
 
@@ -216,6 +241,13 @@ impl PrefixCache {
         if config.sliding_window == Some(0) {
             return Err(CacheError::InvalidInput(
                 "sliding_window must be at least 1 token (None for full attention)".into(),
+            ));
+        }
+        if config.sliding_window.is_none() && config.window_release != WindowRelease::OnCommit {
+            return Err(CacheError::InvalidInput(
+                "window_release Explicit needs a sliding_window: full attention releases \
+                 nothing before a request ends"
+                    .into(),
             ));
         }
         if config.sliding_window.is_some() && config.num_blocks == u32::MAX {

@@ -54,7 +54,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::cache::{FullHit, PrefixCache};
+use crate::cache::{FullHit, PrefixCache, WindowRelease};
 use crate::error::{CacheError, Result};
 use crate::key::RequestExtras;
 use crate::pool::BlockId;
@@ -316,6 +316,33 @@ impl KvGroups {
             committed = committed.min(cache.accept_drafts(id, num_accepted)?);
         }
         Ok(committed)
+    }
+
+    /// `PrefixCache::release_out_of_window` in every group (a full group releases nothing);
+    /// returns the positions released, all groups together. Refused before any group changes:
+    /// a sliding group that releases on commit, and `processed_tokens` above the request's
+    /// settled tokens (the same in every group, so the first sliding group judges for all).
+    pub fn release_out_of_window(&self, id: &RequestId, processed_tokens: usize) -> Result<usize> {
+        let _serialised = self.scheduled.lock();
+        for (index, cache) in self.groups.iter().enumerate() {
+            let config = cache.config();
+            if config.sliding_window.is_some() && config.window_release != WindowRelease::Explicit {
+                return Err(CacheError::InKvGroup {
+                    group: index,
+                    error: Box::new(CacheError::InvalidInput(
+                        "release_out_of_window: this sliding-window group releases on commit"
+                            .into(),
+                    )),
+                });
+            }
+        }
+        let mut released = 0;
+        for (index, cache) in self.groups.iter().enumerate() {
+            released += cache
+                .release_out_of_window(id, processed_tokens)
+                .map_err(|error| in_group(index, error))?;
+        }
+        Ok(released)
     }
 
     /// `PrefixCache::truncate` in every group, or in none: a refusal is

@@ -1,5 +1,5 @@
 use super::*;
-use crate::cache::CacheConfig;
+use crate::cache::{CacheConfig, WindowRelease};
 use crate::key::{context_fingerprint, BlockKey};
 
 const FULL: usize = 0;
@@ -398,4 +398,47 @@ fn with_one_block_size_a_refused_commit_changes_no_group() {
     let after: Vec<_> = groups.groups().iter().map(|c| c.stats()).collect();
     assert_eq!(after, before);
     assert_eq!(groups.commit(&id("a"), 4).unwrap(), 1);
+}
+
+#[test]
+fn release_out_of_window_reaches_the_explicit_sliding_groups_or_none() {
+    let explicit = |num_blocks, window| {
+        let config = CacheConfig {
+            sliding_window: window,
+            window_release: if window.is_some() {
+                WindowRelease::Explicit
+            } else {
+                WindowRelease::OnCommit
+            },
+            ..CacheConfig::new(num_blocks, 4)
+        };
+        Arc::new(PrefixCache::new(config, context_fingerprint(&[0])).expect("a valid config"))
+    };
+    let groups = KvGroups::new(vec![explicit(16, None), explicit(16, Some(8))]).unwrap();
+    let r = id("r");
+    groups
+        .add_request(r.clone(), prompt(20), b"", RequestExtras::default(), 0)
+        .unwrap();
+    groups.allocate_slots(&r, 20, 0, 0).unwrap();
+    groups.commit(&r, 20).unwrap();
+    let null = groups.groups()[SLIDING].null_block().unwrap();
+    assert!(!groups.block_tables(&r).unwrap()[SLIDING].contains(&null));
+    assert_eq!(groups.release_out_of_window(&r, 20), Ok(3));
+    let tables = groups.block_tables(&r).unwrap();
+    assert!(!tables[FULL].is_empty() && tables[FULL].len() == 5);
+    assert_eq!(&tables[SLIDING][..3], &[null; 3]);
+    groups.finish(&r).unwrap();
+    for cache in groups.groups() {
+        cache.check_invariants();
+    }
+    // A sliding group that releases on commit: refused before any group changes.
+    let mixed = pair((16, 16), (4, 4), 8);
+    mixed
+        .add_request(r.clone(), prompt(20), b"", RequestExtras::default(), 0)
+        .unwrap();
+    let err = mixed.release_out_of_window(&r, 0).unwrap_err();
+    assert!(
+        matches!(err, CacheError::InKvGroup { group: SLIDING, .. }),
+        "{err}"
+    );
 }

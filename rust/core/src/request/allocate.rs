@@ -13,7 +13,7 @@
 
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
-use super::{with_request, Request};
+use super::{release_tail_first, with_request, Request};
 use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
@@ -279,7 +279,7 @@ impl PrefixCache {
         };
         let held = if request.scheduled {
             request.block_table.len()
-        } else if let Some(window) = self.config.sliding_window {
+        } else if let Some(window) = self.window_of(request) {
             let cap = match_cap(request, num_new)?;
             let (anchors, hit) = self.match_sliding(inner, request, window, cap);
             plan.anchors = anchors;
@@ -413,6 +413,9 @@ impl PrefixCache {
     /// false in a full-attention cache).
     #[inline]
     pub(super) fn window_moved(&self, request: &Request) -> bool {
+        if self.config.releases_explicitly() {
+            return false;
+        }
         self.config.sliding_window.is_some_and(|window| {
             let settled = request.num_computed.min(request.num_verified());
             positions_out_of_window(window, self.config.block_size, settled) > request.released
@@ -449,34 +452,58 @@ impl PrefixCache {
         })
     }
 
-    /// Releases every position the request's window has left (`sliding.rs`): its reference is
-    /// dropped (touched first if cached, so it joins the LRU order now) and the null block
-    /// takes its place.
-    pub(super) fn release_out_of_window(&self, inner: &mut Inner, request: &mut Request) {
+    /// Releases every position the request's window has left (`sliding.rs`), in a cache
+    /// that releases on commit (a no-op with `WindowRelease::Explicit`).
+    pub(super) fn release_passed_positions(&self, inner: &mut Inner, request: &mut Request) {
         let Some(window) = self.config.sliding_window else {
             return;
         };
-        let settled = request.num_computed.min(request.num_verified());
-        let end = positions_out_of_window(window, self.config.block_size, settled)
-            .min(request.block_table.len());
-        if end <= request.released {
+        if self.config.releases_explicitly() {
             return;
         }
-        inner.tick += 1;
-        // A released duplicate's cached successor goes to its canonical copy (`release_table`).
-        let next = (end + 1).min(request.block_table.len());
-        super::hand_over_duplicate_children(inner, &request.block_table[request.released..next]);
-        let null = self.config.num_blocks;
-        for position in request.released..end {
-            let block = std::mem::replace(&mut request.block_table[position], null);
-            if inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, request.priority);
-            }
-            // The request's own reference (see `cache/mod.rs`): only it drops it.
-            inner.pool.release(block);
+        let settled = request.num_computed.min(request.num_verified());
+        let end = positions_out_of_window(window, self.config.block_size, settled);
+        self.release_positions(inner, request, end);
+    }
+
+    /// Releases the request's positions from its first unreleased one up to `end` (capped at
+    /// its table): its reference is dropped (touched first if cached, so it joins the LRU
+    /// order now) and the null block takes its place. With `WindowRelease::Explicit` they are
+    /// released as vLLM frees them (`release_tail_first`); otherwise on one tick. Returns how
+    /// many it released.
+    pub(super) fn release_positions(
+        &self,
+        inner: &mut Inner,
+        request: &mut Request,
+        end: usize,
+    ) -> usize {
+        let end = end.min(request.block_table.len());
+        if end <= request.released {
+            return 0;
         }
-        inner.counters.blocks_released += (end - request.released) as u64;
+        let null = self.config.num_blocks;
+        let released: Vec<BlockId> = request.block_table[request.released..end]
+            .iter_mut()
+            .map(|slot| std::mem::replace(slot, null))
+            .collect();
+        if self.config.releases_explicitly() {
+            // As vLLM's `_remove_blocks_in_range` frees them into its free queue.
+            release_tail_first(inner, &released, request.priority, true);
+        } else {
+            inner.tick += 1;
+            for &block in &released {
+                // A duplicate (a spare once released) joins the order with them.
+                if inner.pool.is_cached(block) || inner.pool.duplicate_of(block).is_some() {
+                    inner.pool.touch(block, inner.tick, request.priority);
+                }
+                // The request's own reference (see `cache/mod.rs`): only it drops it.
+                inner.pool.release(block);
+            }
+        }
+        let count = end - request.released;
+        inner.counters.blocks_released += count as u64;
         request.released = end;
+        count
     }
 
     /// Blocks the pool could hand out after referencing `hits`, capped at `want`.
@@ -532,7 +559,7 @@ impl PrefixCache {
         let mut block_ids = hits;
         block_ids.extend_from_slice(&fresh);
         request.block_table.extend_from_slice(&block_ids);
-        self.release_out_of_window(inner, request);
+        self.release_passed_positions(inner, request);
         Ok(Slots {
             block_ids,
             num_computed_tokens: plan.start,

@@ -49,7 +49,7 @@ impl PrefixCache {
             self.truncate_locked(inner, request, keep);
             request.num_drafts = 0;
             self.publish_verified(inner, request);
-            self.release_out_of_window(inner, request);
+            self.release_passed_positions(inner, request);
             request.anchors.len()
         })
     }
@@ -90,7 +90,7 @@ impl PrefixCache {
                  blocks, which are never rewritten"
             )));
         }
-        if let Some(window) = self.config.sliding_window {
+        if let Some(window) = self.window_of(request) {
             let first_read = positions_out_of_window(window, self.config.block_size, num_tokens);
             if request.released > 0 && first_read < request.released {
                 return Err(CacheError::InvalidInput(format!(

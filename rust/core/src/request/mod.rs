@@ -150,6 +150,9 @@ pub(crate) struct Request {
     /// Its later blocks chain, in the pool, on its own copy of a deduplicated block
     /// (`publish.rs`); false for `commit_blocks`, whose caller releases blocks one by one.
     pub(crate) own_chain: bool,
+    /// Its own sliding window, in place of the cache's (`set_request_window`: one lane of a
+    /// hybrid layout per request, docs/vllm.md); `None` keeps the cache's.
+    window: Option<usize>,
 }
 
 impl Request {
@@ -179,6 +182,7 @@ impl Request {
             released: 0,
             max_cached_tokens: None,
             own_chain: true,
+            window: None,
         }
     }
 
@@ -279,6 +283,7 @@ impl Requests {
     pub(crate) fn check_sliding(&self, window: usize, block_size: usize, num_blocks: u32) {
         let null = num_blocks;
         for (id, request) in &self.live {
+            let window = request.window.unwrap_or(window);
             let table = &request.block_table;
             assert!(
                 request.released <= table.len(),
@@ -294,10 +299,12 @@ impl Requests {
                 table[request.released..].iter().all(|&b| b < num_blocks),
                 "request {id}: the null block past the released positions"
             );
-            let settled = request.num_computed.min(request.num_verified());
+            // The engine's processed count may pass the commits (`release_out_of_window`),
+            // never the verified tokens.
+            let verified = request.num_verified();
             assert!(
-                request.released <= positions_out_of_window(window, block_size, settled),
-                "request {id}: released a block the window at {settled} still reads"
+                request.released <= positions_out_of_window(window, block_size, verified),
+                "request {id}: released a block the window at {verified} still reads"
             );
         }
     }
@@ -378,6 +385,82 @@ impl PrefixCache {
         })
     }
 
+    /// In a cache built with `WindowRelease::Explicit`: releases the request's leading positions
+    /// that lie wholly before `processed_tokens + 1 - sliding_window` (capped at its block
+    /// table), last first, the null block taking their place; returns how many it released now.
+    /// vLLM's `remove_skipped_blocks`, which its manager calls before each allocation for the
+    /// request with the tokens whose KV is written and committed. A waiting request holds no
+    /// table (nothing to release); a full-attention cache releases nothing before `finish`.
+    /// Refused (nothing changed): a sliding cache that releases on commit, and
+    /// `processed_tokens` above the request's verified tokens (no KV can be written past
+    /// them). The count may pass its committed tokens: the engine vouches for its KV.
+    pub fn release_out_of_window(&self, id: &RequestId, processed_tokens: usize) -> Result<usize> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let Some(window) = self.window_of(inner.requests.get(id)?) else {
+            return Ok(0);
+        };
+        if !self.config.releases_explicitly() {
+            return Err(CacheError::InvalidInput(
+                "release_out_of_window: this sliding-window cache releases on commit (build it \
+                 with window_release Explicit to release on the engine's schedule)"
+                    .into(),
+            ));
+        }
+        let request = inner.requests.get(id)?;
+        // Verified, not committed: vLLM counts the drafts it verified last step before its
+        // allocation caches them (positions released unpublished stay so: `publish.rs`).
+        let verified = request.num_verified();
+        if processed_tokens > verified {
+            return Err(CacheError::InvalidInput(format!(
+                "processed_tokens {processed_tokens} exceeds the {verified} verified tokens of \
+                 request {id}"
+            )));
+        }
+        if !request.scheduled {
+            return Ok(0);
+        }
+        let end = positions_out_of_window(window, self.config.block_size, processed_tokens);
+        with_request(inner, id, |inner, request| {
+            self.release_positions(inner, request, end)
+        })
+    }
+
+    /// In a cache built with `WindowRelease::Explicit`: gives request `id` its own sliding
+    /// window of `window` tokens in place of the cache's, so that one cache (one pool, one
+    /// eviction order, one free count) serves the KV groups of a hybrid model, one request per
+    /// group, as vLLM's groups share one block pool (docs/vllm.md, "Hybrid and sliding-window
+    /// layouts"). A window longer than any request never releases and hits the leading run of
+    /// cached blocks: a full-attention group. Its lookups pass the same window
+    /// (`lookup_in_window`); give each group's requests their own salt, so groups never share
+    /// entries. Refused (`InvalidInput`, nothing changed): another kind of cache, a window of
+    /// 0, and a request already scheduled or that has published (its table and entries were
+    /// laid out under the old window).
+    pub fn set_request_window(&self, id: &RequestId, window: usize) -> Result<()> {
+        let mut guard = self.inner.lock();
+        let request = guard.requests.get_mut(id)?;
+        if !self.config.releases_explicitly() {
+            return Err(CacheError::InvalidInput(
+                "set_request_window: only a sliding-window cache with window_release Explicit \
+                 serves requests with their own windows"
+                    .into(),
+            ));
+        }
+        if window == 0 {
+            return Err(CacheError::InvalidInput(
+                "set_request_window: window must be at least 1 token".into(),
+            ));
+        }
+        if request.scheduled || !request.anchors.is_empty() {
+            return Err(CacheError::InvalidInput(format!(
+                "set_request_window: request {id} is already scheduled (its window is fixed \
+                 before its first allocation)"
+            )));
+        }
+        request.window = Some(window);
+        Ok(())
+    }
+
     /// Drops every reference the request holds and its KV; its drafts are dropped too. The
     /// blocks it committed stay cached (evictable), so its next `allocate_slots` matches them
     /// again. Preempting a waiting request changes nothing.
@@ -446,8 +529,23 @@ impl PrefixCache {
         Ok(())
     }
 
+    /// The sliding window `request` lives under: its own (`set_request_window`) or the
+    /// cache's; `None` in a full-attention cache.
+    pub(super) fn window_of(&self, request: &Request) -> Option<usize> {
+        self.config
+            .sliding_window
+            .map(|window| request.window.unwrap_or(window))
+    }
+
     fn release_table(&self, inner: &mut Inner, request: &Request) {
         let table = &request.block_table[request.released..];
+        if self.config.releases_explicitly() {
+            // A sliding cache has no pool parents: every cached block and every duplicate is
+            // evictable on its own, so the ticks alone give the order, tail first as vLLM's
+            // `SingleTypeKVCacheManager.free` (`WindowRelease::Explicit`).
+            release_tail_first(inner, table, request.priority, true);
+            return;
+        }
         if self.config.sliding_window.is_some() {
             // Positions before `released` went already, so whoever holds a duplicate's successor
             // may not hold a copy of the duplicate's content: the successor goes to the
@@ -483,6 +581,35 @@ impl PrefixCache {
         if spares {
             inner.tick = spare_tick;
         }
+    }
+}
+
+/// Drops a request's references to `blocks` (a table, or a run of positions leaving the
+/// window) as vLLM's `BlockPool.free_blocks(reversed(blocks))` frees them: the cached ones join
+/// the LRU order last position first, one tick each (appended to vLLM's free queue, so the tail
+/// is evicted first), duplicates as spares alike, and the uncached ones go back to the free list so that the last position
+/// is on top (vLLM prepends them, in that order, to the head of its queue: reused first, tail
+/// first). `next_tick` says whether the first cached block needs a tick of its own.
+pub(super) fn release_tail_first(
+    inner: &mut Inner,
+    blocks: &[BlockId],
+    priority: i32,
+    mut next_tick: bool,
+) {
+    for &block in blocks.iter().rev() {
+        // A duplicate copy too: vLLM keeps every copy under its hash (`pool.rs`, spares).
+        if inner.pool.is_cached(block) || inner.pool.duplicate_of(block).is_some() {
+            if next_tick {
+                inner.tick += 1;
+            }
+            next_tick = true;
+            inner.pool.touch(block, inner.tick, priority);
+        }
+    }
+    // Released first to last position: the free list is a stack, its top handed out first.
+    for &block in blocks {
+        // The reference the request took: only it drops it (see `cache/mod.rs`).
+        inner.pool.release(block);
     }
 }
 

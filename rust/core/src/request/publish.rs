@@ -25,7 +25,9 @@
 //! it, so the request's later entries, which name it as their parent, stay reachable. A duplicate
 //! the request lets go of (`finish`, `preempt`) keeps its next block, if it parents it, as a
 //! spare (`pool.rs`), so the canonical copy still goes first, as in vLLM; taking the spare hands
-//! the block to the canonical copy. The low-level `commit_blocks`, whose caller
+//! the block to the canonical copy. A sliding-window cache keeps duplicates the same way (vLLM
+//! keeps every copy under its hash), with no pool parents to hand over (`sliding.rs`). The
+//! low-level `commit_blocks`, whose caller
 //! releases blocks one by one in any order, keeps chaining on canonical blocks instead.
 //!
 //! An anchor names a block, and an entry can move, or go when nobody holds it: a dead anchor (its
@@ -47,6 +49,7 @@ use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::request::RequestId;
+use crate::sliding::null_anchor;
 use crate::table::{Anchor, Insertion, NewEntry, Parent};
 
 impl PrefixCache {
@@ -80,7 +83,7 @@ impl PrefixCache {
         with_request(inner, id, |inner, request| {
             request.num_computed = request.num_computed.max(num_computed_tokens);
             self.publish_verified(inner, request);
-            self.release_out_of_window(inner, request);
+            self.release_passed_positions(inner, request);
             request.anchors.len()
         })
     }
@@ -131,6 +134,14 @@ impl PrefixCache {
                 break;
             }
             request.anchors.pop();
+        }
+        // Positions released before they were published (an engine whose processed count ran
+        // ahead of its commits: vLLM releases verified drafts' blocks at its next allocation,
+        // before it caches them) are never published: the null block stands there, as vLLM's
+        // `cache_full_blocks` skips null blocks and caches the positions after them.
+        let null = self.config.num_blocks;
+        while request.anchors.len() < request.released.min(target) {
+            request.anchors.push(null_anchor(null));
         }
         if request.anchors.len() < request.released {
             return;
@@ -256,7 +267,7 @@ impl PrefixCache {
                     return;
                 }
                 Insertion::Present(existing) => {
-                    let duplicate = request.own_chain && !sliding;
+                    let duplicate = request.own_chain;
                     let new_duplicate = !duplicate
                         || inner
                             .pool
