@@ -379,8 +379,14 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
-    print(markdown(run(args.quick)))
+    result = run(args.quick)
+    if args.json:
+        from common import write_json
+
+        write_json(args.json, result)
+    print(markdown(result))
 
 
 if __name__ == "__main__":
