@@ -226,6 +226,32 @@ def _gil_held_shares(work: Workload) -> dict[str, dict[str, float]]:
     return out
 
 
+def _decode_step_ns() -> dict[str, float]:
+    """What keeping the GIL protects: one decode step's calls on one thread (CPU time), which
+    stay attached (`gil.rs`); `commit` asks the core how far the request had computed first."""
+    from common import median_ns
+
+    cache = PrefixCache(2048, block_size=BLOCK_SIZE)
+    tokens = np.arange(4096, dtype=np.int64)
+    cache.add_request("decode", tokens)
+    cache.allocate_slots("decode", len(tokens))
+    cache.commit("decode", len(tokens))
+    position = [len(tokens)]
+
+    def step() -> None:
+        cache.append_tokens("decode", [position[0] % 1000])
+        cache.allocate_slots("decode", 1)
+        position[0] += 1
+        cache.commit("decode", position[0])
+
+    out = {
+        "step_ns": median_ns(step, repeats=15, number=200),
+        "commit_ns": median_ns(lambda: cache.commit("decode", position[0]), repeats=15, number=500),
+    }
+    cache.finish("decode")
+    return out
+
+
 def _holds_the_gil() -> int:
     x = 0
     for i in range(5000):
@@ -287,6 +313,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         summary = ", ".join(f"{row['pairs'][name]['speedup']:.2f}×" for name in pairs)
         print(f"  threads round {r + 1}/{rounds} (load {load:.1f}): {summary}", flush=True)
     held = _gil_held_shares(work)
+    decode = _decode_step_ns()
     work.close()
     free = "control: two threads releasing the GIL (hashlib, 256 KiB)"
     configs: dict[str, Any] = {}
@@ -324,6 +351,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "scheduler_out_of_blocks": work.out_of_blocks,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gil_held": held,
+        "decode_step": decode,
         "configs": configs,
     }
 
@@ -357,6 +385,13 @@ def markdown(result: dict[str, Any]) -> str:
         note += (
             f"\nGIL held by one {name}, single thread, thread CPU time: {g['held_us']:.1f} of "
             f"{g['total_us']:.1f} µs ({g['share']:.0%}, an upper bound)."
+        )
+    if "decode_step" in result:
+        d = result["decode_step"]
+        note += (
+            f"\nOne decode step (append_tokens + allocate_slots + commit of one token, GIL kept): "
+            f"{d['step_ns']:,.0f} ns; a commit that publishes nothing: {d['commit_ns']:,.0f} ns "
+            "(thread CPU time)."
         )
     note += "\n"
     return (
