@@ -109,6 +109,18 @@ def _prefill_allocate_slots(cache: PrefixCache, seed: int) -> Watched:
     return lambda: cache.allocate_slots(f"r{seed}", PROMPT), lambda: cache.finish(f"r{seed}")
 
 
+def _full_hit_allocate_slots(cache: PrefixCache, seed: int) -> Watched:
+    # A waiting request whose whole prompt is cached asks for its last block only, yet its first
+    # allocate_slots matches all 4,096 blocks.
+    tokens = _prompt(0)
+    if seed == 0:
+        warm = cache.begin(tokens)
+        cache.commit(warm, PROMPT)
+        cache.finish(warm)
+    cache.add_request(f"r{seed}", tokens)
+    return lambda: cache.allocate_slots(f"r{seed}", BS), lambda: cache.finish(f"r{seed}")
+
+
 def _can_allocate_slots(cache: PrefixCache, seed: int) -> Watched:
     cache.add_request(f"r{seed}", _prompt(seed))
     return (
@@ -167,6 +179,7 @@ RELEASED = {
     "commit of a prefill": _prefill_commit,
     "allocate_slots of a prefill": _prefill_allocate_slots,
     "can_allocate_slots of a prefill": _can_allocate_slots,
+    "allocate_slots of a full hit (one block asked)": _full_hit_allocate_slots,
     "preempt": _preempt,
     "request_block_keys": _request_block_keys,
     "append_tokens of many tokens": _append_tokens,

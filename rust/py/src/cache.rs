@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache};
+use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache, RequestId};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -38,6 +38,15 @@ impl CoreCache {
     /// Whether work over `tokens` tokens is enough to release the GIL for (`gil.rs`).
     fn many(&self, tokens: usize) -> bool {
         many(tokens, self.0.config().block_size)
+    }
+
+    /// Whether allocating `tokens` slots is work enough to release the GIL for: many tokens,
+    /// or a waiting request's first allocation, which matches its whole prompt however few
+    /// tokens it asks for (a full hit asks for one block or one token).
+    fn allocation_is_large(&self, id: &RequestId, tokens: usize) -> bool {
+        self.many(tokens)
+            || (matches!(self.0.num_computed_tokens(id), Ok(0))
+                && self.0.num_tokens(id).is_ok_and(|n| self.many(n)))
     }
 }
 
@@ -181,7 +190,15 @@ impl CoreCache {
     ) -> PyResult<Slots> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        let large = self.many(new.saturating_add(lookahead));
+        // Most decode steps: the slots already cover the tokens, and this is the answer.
+        let covered = self
+            .0
+            .covered_slots(&request.0, new, lookahead, watermark)
+            .map_err(to_py_err)?;
+        if let Some(slots) = covered {
+            return Ok(slots.into());
+        }
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
         detach_if(py, large, || {
             self.0.allocate_slots(&request.0, new, lookahead, watermark)
         })
@@ -199,7 +216,7 @@ impl CoreCache {
     ) -> PyResult<bool> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        let large = self.many(new.saturating_add(lookahead));
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
         detach_if(py, large, || {
             self.0
                 .can_allocate_slots(&request.0, new, lookahead, watermark)
@@ -275,9 +292,7 @@ impl CoreCache {
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        // What the commit may publish is what it adds to the computed tokens; asking costs one
-        // uncontended lock. Only a guess (another thread may commit in between): it decides
-        // where the work runs, never what it does.
+        // What the commit may publish is what it adds to the computed tokens (`gil.rs`).
         let large = self
             .0
             .num_computed_tokens(&request.0)

@@ -13,10 +13,14 @@
 //!   request: `finish`, `preempt`; `request_block_keys`' SHA-256; bulk pool calls). These run once
 //!   per request or per probe, never per decode step.
 //! - **released when large** ([`detach_if`] with [`many`]): the per-step calls whose cost
-//!   follows the tokens they cover. `allocate_slots` and `can_allocate_slots` for a prefill
-//!   chunk (which also matches a waiting request's prefix) or for one decode token; `commit` of a
-//!   prefill chunk (publishing its blocks) or of one decode token (usually publishing nothing);
-//!   `append_tokens` and `append` of many tokens or of one. The cut is [`MANY_BLOCKS`] blocks.
+//!   follows the tokens they cover: `allocate_slots` and `can_allocate_slots` of a prefill chunk,
+//!   or of a waiting request whose first allocation matches a long prompt, against one decode
+//!   token; `commit` of a prefill chunk (publishing its blocks) against one decode token
+//!   (usually publishing nothing); `append_tokens` and `append` of many tokens against one. The
+//!   cut is [`MANY_BLOCKS`] blocks. Where the arguments alone do not tell (how far a request
+//!   had computed, whether it waits), the binding asks the core first: one more uncontended
+//!   lock, and a guess only (another thread may change the request in between) that decides
+//!   where the work runs, never what it does.
 //! - **never released**: constant-time observers and small adjustments (`start_position`,
 //!   `num_computed_tokens`, `stats`, `ref_count`, `accept_drafts`, `truncate`...), and calls whose
 //!   result must be built as Python objects block by block anyway (`block_table`).

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use prefixkv_core::KvGroups;
+use prefixkv_core::{KvGroups, RequestId};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -87,6 +87,16 @@ impl CoreGroups {
         let block_size = self.0.groups().iter().map(|g| g.config().block_size).min();
         many(tokens, block_size.unwrap_or(1))
     }
+
+    /// As `CoreCache::allocation_is_large`: many tokens, or a waiting request's first
+    /// allocation (asked of the first group: every group holds the request alike).
+    fn allocation_is_large(&self, id: &RequestId, tokens: usize) -> bool {
+        self.many(tokens)
+            || self.0.groups().first().is_some_and(|group| {
+                matches!(group.num_computed_tokens(id), Ok(0))
+                    && group.num_tokens(id).is_ok_and(|n| self.many(n))
+            })
+    }
 }
 
 #[pymethods]
@@ -139,7 +149,7 @@ impl CoreGroups {
     ) -> PyResult<GroupSlots> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        let large = self.many(new.saturating_add(lookahead));
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
         detach_if(py, large, || {
             self.0.allocate_slots(&request.0, new, lookahead, watermark)
         })
@@ -157,7 +167,7 @@ impl CoreGroups {
     ) -> PyResult<bool> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        let large = self.many(new.saturating_add(lookahead));
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
         detach_if(py, large, || {
             self.0
                 .can_allocate_slots(&request.0, new, lookahead, watermark)
@@ -188,7 +198,7 @@ impl CoreGroups {
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        // As `CoreCache.commit`: a guess at what the commit publishes decides where it runs.
+        // What the commit may publish is what it adds to the computed tokens (`gil.rs`).
         let large = self
             .0
             .num_computed_tokens(&request.0)
