@@ -22,7 +22,9 @@ from collections import Counter
 
 import pytest
 
-from prefixkv import InvalidInputError, OutOfBlocksError, PrefixCache
+from prefixkv import CacheContext, InvalidInputError, OutOfBlocksError, PrefixCache
+from prefixkv.group_cache import GroupedPrefixCache
+from prefixkv.kv_groups import KVGroupSpec
 
 BS = 4
 #: Prompts up to 240 tokens (60 blocks): past the 16 blocks from which calls release the GIL.
@@ -201,3 +203,63 @@ def test_two_threads_on_the_request_api_never_share_a_block_wrongly(seed: int) -
     cache.check_invariants()
     assert cache.stats().blocks_pinned == 0
     assert not +books.holders, books.holders
+
+
+def test_two_threads_on_grouped_caches_keep_every_group_consistent() -> None:
+    """The hybrid-model path (`CoreGroups`): a full-attention and a sliding-window group driven
+    as one from two threads. No error but running out of blocks, every group's invariants
+    hold, and nothing is left in use."""
+    specs = (KVGroupSpec(0, None, (0,)), KVGroupSpec(1, 8 * BS, (1,)))
+    cache = GroupedPrefixCache(specs, (300, 300), context=CacheContext(block_size=BS))
+    master = random.Random(7)
+    stems = [[master.randrange(1000) for _ in range(MAX_PROMPT)] for _ in range(STEMS)]
+    errors: list[BaseException] = []
+    served = Counter[str]()
+
+    def worker(name: str, thread_seed: int) -> None:
+        rng = random.Random(thread_seed)
+        try:
+            for i in range(400):
+                rid = f"{name}{i}"
+                tokens = _prompt(rng, stems)
+                cache.add_request(rid, tokens)
+                try:
+                    done = cache.start_position(rid)
+                    while done < len(tokens):
+                        ask = min(
+                            rng.choice([len(tokens), rng.randrange(1, 80)]), len(tokens) - done
+                        )
+                        try:
+                            slots = cache.allocate_slots(rid, ask)
+                        except InvalidInputError:  # the hit grew since start_position
+                            slots = cache.allocate_slots(rid, 1)
+                            ask = 1
+                        done = slots.num_computed_tokens + ask
+                        cache.commit(rid, done)
+                    for step in range(rng.randrange(0, 2 * BS)):
+                        cache.append_tokens(rid, [step])
+                        cache.allocate_slots(rid, 1)
+                        done += 1
+                        cache.commit(rid, done)
+                    if rng.random() < 0.2:
+                        cache.preempt(rid)
+                    served[name] += 1
+                except OutOfBlocksError:
+                    served["out of blocks"] += 1
+                finally:
+                    cache.finish(rid)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n, k)) for k, n in enumerate("ab")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert served["a"] + served["b"] > 600, served
+    cache.check_invariants()
+    stats = cache.stats()
+    assert stats.requests_live == 0
+    assert stats.blocks_in_use == 0
+    assert stats.hit_rate > 0
