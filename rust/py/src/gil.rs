@@ -28,8 +28,12 @@
 //! Released work only reads data the call owns or borrows from immutable Python objects it keeps
 //! alive (`bytes` token buffers, frozen `KeyExtras`); the core synchronises itself (a lock-free
 //! table, one mutex around everything else: `prefixkv_core::cache`), so any call may run on any
-//! thread at any time. The core never calls back into Python, so a thread holding the core's
-//! mutex never waits for the GIL, and no lock order between the two can deadlock.
+//! thread at any time. The core never calls back into Python and a released call takes and
+//! drops the core's mutex inside its release, so a thread holding that mutex never waits for
+//! the GIL, and no lock order between the two can deadlock.
+//!
+//! `tests/test_threads_gil.py` checks, without timing, which calls let another thread run;
+//! `benches/bench_threads.py` measures what it buys.
 
 use pyo3::prelude::*;
 
