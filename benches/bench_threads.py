@@ -208,10 +208,16 @@ def _gil_held_shares(work: Workload) -> dict[str, dict[str, float]]:
     def request_python() -> None:
         as_token_ids(work._request_tokens())
 
+    probe_list = probe.tolist()
     parts = {
         "router lookup (16k tokens, half cached)": (
             [lambda: as_token_ids(probe), lambda: cache.lookup(one_block)],
             lambda: cache.lookup(probe),
+        ),
+        # vLLM keeps token ids in lists: reading each int object needs the GIL.
+        "router lookup of the same prompt as a list": (
+            [lambda: as_token_ids(probe_list), lambda: cache.lookup(one_block)],
+            lambda: cache.lookup(probe_list),
         ),
         "scheduler begin/commit/finish (4k-16k tokens)": (
             [request_python, small_cycle],
