@@ -316,11 +316,16 @@ def obstacles(results: dict[str, Any]) -> list[str]:
             if name.startswith("control")
         )
         loads = t["load_average_per_round"]
+        cores = " and ".join(
+            f"{c['cores_together']:.2f}"
+            for name, c in t["configs"].items()
+            if name.startswith("router")
+        )
         lines.append(
             f"- **Threads**: the GIL-held share of each task (one thread, CPU time, upper "
-            f"bounds): {shares}. The machine's load decides the rest: load average "
-            f"{min(loads):.1f}–{max(loads):.1f} on {t['cpus']} CPUs over the rounds, and in the "
-            f"same rounds the controls reached {controls}."
+            f"bounds): {shares}. Load average {min(loads):.1f}–{max(loads):.1f} on "
+            f"{t['cpus']} CPUs over the rounds; in the same rounds the controls reached "
+            f"{controls}, and with both threads running the process got {cores} cores."
         )
     c = results.get("copies")
     if c and "diagnosis_ms" in c:
