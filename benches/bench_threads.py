@@ -1,187 +1,363 @@
-"""Section 2: lookup throughput from 1 and 2 Python threads, with and without a writer thread.
+"""Section 2: a router thread probing while a scheduler thread allocates, on 1 and 2 threads.
 
-`PrefixCache.lookup` converts the token ids with the GIL held (a numpy cast and one buffer
-copy), then releases the GIL for the hashing and the lock-free table walk. Two reader threads
-therefore overlap almost entirely, if two cores are free for them.
+The scenario (issue 24): in one process, a *router* thread probes prompts (`lookup`, lock-free)
+while a *scheduler* thread runs requests through the cache (allocating, publishing, evicting,
+under the core's mutex). Both tasks are first timed alone on one thread, then together on two;
+the figure is the total throughput of the pair in units of each task's solo rate:
 
-The machine has 2 cores, so a writer thread competing for CPU would cap any two-reader figure
-below 2 by construction. The design keeps that honest:
+    speedup = router probes/s together ÷ router alone + scheduler requests/s together ÷ alone
 
-- *no writer*: readers alone, 1 then 2 threads: the GIL-release question on its own;
-- *writer at a fixed modest rate*: another thread begins, commits and finishes 4k-token
-  requests at `WRITER_RATE` per second (a few % of one core), sleeping between them, so the
-  readers see a live, changing table (inserts and evictions) without the writer eating a core;
-- *control*: the same harness on a call that holds the GIL throughout (the plain-Python
-  baseline's hash loop: hashlib keeps the GIL for inputs under 2 KiB), whose ratio should be
-  ~1.0. It shows the harness can tell released from held.
+1.0 means the second thread added nothing (the GIL, or the core's locks, serialised them); 2.0
+means both ran at full speed side by side. The router probes fixed 4k-16k-token prompts,
+fully or half cached; the scheduler runs 4k-16k-token requests sharing a 2k-token system prompt
+with a fresh suffix each (a partial hit, then the suffix's blocks published, evicting old ones).
+Two scheduler shapes: `begin` / `commit` / `finish` of the whole prompt, and vLLM's step calls
+(`add_request`, `allocate_slots` and `commit` in 2,048-token chunks, then 16 decode steps of
+`append_tokens` / `allocate_slots` / `commit`, `finish`), whose decode steps keep the GIL
+(`rust/py/src/gil.rs`).
 
-Each configuration runs for a fixed wall time; lookups are counted per thread. The load average
-of the machine is recorded, because other processes take cores from the readers too.
+The machine has 2 cores shared with other processes, so "two threads on two idle cores" is
+not something a run here can promise. Two controls run in the same rounds, through the same
+harness, on the same pair of threads:
+
+- *releases the GIL*: two threads each hashing 256 KiB buffers with `hashlib` (which releases
+  the GIL for inputs over 2 KiB) and sharing nothing: what the machine's load lets two threads
+  of this process reach. The cache's speedup divided by this one is reported beside it.
+- *holds the GIL*: two threads running a plain-Python loop: ~1.0, showing the harness tells a
+  call that releases the GIL from one that does not.
+
+Also recorded per phase: the CPU time the process got per wall second (how many cores it ran
+on), and the 1-minute load average per round. The rounds alternate the phases, so load that
+drifts over the run touches every figure alike; medians over rounds are reported with the range.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import md_table
-from python_baseline import PyPrefixCache
 
-from prefixkv import PrefixCache
-from prefixkv.cache import key_extras
+from prefixkv import OutOfBlocksError, PrefixCache
 
-#: The key extras of a request with no salt, adapter or multimodal items (low-level calls).
-NO_EXTRAS = key_extras()
-
-PROMPT_TOKENS = 8192
-WRITER_RATE = 100.0  # requests per second
 BLOCK_SIZE = 16
+SYSTEM_TOKENS = 2048
+CHUNK_TOKENS = 2048
+DECODE_STEPS = 16
+PROBE_LENGTHS = (4096, 8192, 12288, 16384)
+REQUEST_LENGTHS = (4096, 8192, 12288, 16384)
+
+#: A unit of work: called repeatedly by one thread; returns how many units it did.
+Task = Callable[[], int]
 
 
-def _throughput(
-    call: Any, prompts: list[np.ndarray], threads: int, seconds: float, writer: Any | None
-) -> dict[str, float]:
+def _phase(tasks: list[Task], seconds: float) -> dict[str, Any]:
+    """Runs each task on its own thread for `seconds` of wall time, all at once."""
     stop = threading.Event()
-    counts = [0] * threads
-    barrier = threading.Barrier(threads + 1 + (writer is not None))
+    counts = [0] * len(tasks)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(tasks) + 1)
 
-    def reader(index: int) -> None:
-        prompt = prompts[index % len(prompts)]
+    def loop(index: int) -> None:
+        task = tasks[index]
         barrier.wait()
         n = 0
-        while not stop.is_set():
-            call(prompt)
-            n += 1
+        try:
+            while not stop.is_set():
+                n += task()
+        except BaseException as exc:  # surfaced below: a benchmark never hides a failure
+            errors.append(exc)
         counts[index] = n
 
-    written = [0]
-
-    def write_loop() -> None:
-        barrier.wait()
-        period = 1.0 / WRITER_RATE
-        next_at = time.perf_counter()
-        while not stop.is_set():
-            writer()
-            written[0] += 1
-            next_at += period
-            delay = next_at - time.perf_counter()
-            if delay > 0:
-                stop.wait(delay)
-
-    workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
-    if writer is not None:
-        workers.append(threading.Thread(target=write_loop))
-    for w in workers:
-        w.start()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(tasks))]
+    for t in threads:
+        t.start()
     barrier.wait()
-    start = time.perf_counter()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     time.sleep(seconds)
     stop.set()
-    for w in workers:
-        w.join()
-    elapsed = time.perf_counter() - start
-    return {"per_second": sum(counts) / elapsed, "writer_per_second": written[0] / elapsed}
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    if errors:
+        raise errors[0]
+    return {"rates": [c / wall for c in counts], "cores": cpu / wall}
 
 
-def _gil_held_share(
-    cache: PrefixCache, prompt: np.ndarray, rng: np.random.Generator
-) -> dict[str, float]:
-    """The part of one single-thread lookup that holds the GIL, and the 2-thread bound it implies.
+class Workload:
+    """The cache, the router's probes and the scheduler's requests."""
 
-    Independent of the machine's load: every term is the calling thread's CPU time, one thread
-    running. If every held section had to wait for the other thread's, two threads would reach
-    2 / (1 + share) of one thread's rate: the bound reported.
+    def __init__(self, seed: int = 3) -> None:
+        rng = np.random.default_rng(seed)
+        # Room for the pinned probes, a few live requests and a history that keeps evicting.
+        self.cache = PrefixCache(12_000, block_size=BLOCK_SIZE)
+        self.system = rng.integers(0, 128_000, SYSTEM_TOKENS, dtype=np.int64)
+        # Suffixes are windows of one pool at random offsets: fresh content per request without
+        # drawing random numbers in the timed loop.
+        self.pool = rng.integers(0, 128_000, 1 << 20, dtype=np.int64)
+        self.rng = np.random.default_rng(seed + 1)
+        self.probes: list[np.ndarray] = []
+        self.pins = []
+        for i, n in enumerate(PROBE_LENGTHS * 2):
+            tokens = rng.integers(0, 128_000, n, dtype=np.int64)
+            if i % 2 == 0:  # fully cached and pinned
+                self._serve(tokens)
+                self.pins.append(self.cache.pin(tokens))
+                self.probes.append(tokens)
+            else:  # its first half cached (pinned), the rest never seen
+                self._serve(tokens[: n // 2])
+                self.pins.append(self.cache.pin(tokens[: n // 2]))
+                self.probes.append(tokens)
+        self.next_probe = 0
+        self.next_request = 0
+        self.requests_done = 0
+        self.out_of_blocks = 0
 
-    Held: the array's metadata checks and its one `tobytes` copy (`as_token_ids`; the values
-    are checked and narrowed later, with the GIL released); the call itself (argument
-    parsing, detach/attach, the result tuple), timed as a `_core.lookup` of a one-block prompt
-    that misses, whose released part is one block's unpack and hash (the call also builds the
-    `PrefixMatch`, which keeps the block ids as a Rust vector: no per-block work held).
-    Released: the rest of the lookup (checking and narrowing the token buffer, every table key, the table
-    walk and verification, packing the block ids) = the whole lookup minus the held terms.
-    An upper bound on the held share: numpy drops the GIL inside some of its own loops.
-    """
+    def _serve(self, tokens: np.ndarray) -> None:
+        request = self.cache.begin(tokens)
+        self.cache.commit(request, len(tokens))
+        self.cache.finish(request)
+
+    def close(self) -> None:
+        for pin in self.pins:
+            self.cache.unpin(pin)
+
+    def _request_tokens(self) -> np.ndarray:
+        n = REQUEST_LENGTHS[self.next_request % len(REQUEST_LENGTHS)]
+        self.next_request += 1
+        start = int(self.rng.integers(0, len(self.pool) - n))
+        return np.concatenate([self.system, self.pool[start : start + n - SYSTEM_TOKENS]])
+
+    def probe(self) -> int:
+        tokens = self.probes[self.next_probe % len(self.probes)]
+        self.next_probe += 1
+        self.cache.lookup(tokens)
+        return 1
+
+    def begin_commit_finish(self) -> int:
+        tokens = self._request_tokens()
+        try:
+            request = self.cache.begin(tokens)
+        except OutOfBlocksError:
+            self.out_of_blocks += 1
+            return 0
+        self.cache.commit(request, len(tokens))
+        self.cache.finish(request)
+        self.requests_done += 1
+        return 1
+
+    def step_calls(self) -> int:
+        cache = self.cache
+        tokens = self._request_tokens()
+        rid = f"s{self.next_request}"
+        cache.add_request(rid, tokens)
+        try:
+            done = 0
+            while done < len(tokens):
+                chunk = min(CHUNK_TOKENS, len(tokens) - done)
+                slots = cache.allocate_slots(rid, chunk)
+                done = slots.num_computed_tokens + chunk
+                cache.commit(rid, done)
+            for step in range(DECODE_STEPS):
+                cache.append_tokens(rid, [step])
+                cache.allocate_slots(rid, 1)
+                cache.commit(rid, done + step + 1)
+        except OutOfBlocksError:
+            self.out_of_blocks += 1
+            return 0
+        finally:
+            cache.finish(rid)
+        self.requests_done += 1
+        return 1
+
+
+def _gil_held_shares(work: Workload) -> dict[str, dict[str, float]]:
+    """The part of each task that holds the GIL, on one thread's CPU clock (the machine's load
+    does not enter). Held: the Python around the calls, the conversion of the token ids
+    (`as_token_ids`: one `tobytes` copy) and each call's entry and exit, timed as the same calls
+    on a one-block prompt, whose released work is one block's. Released: the rest of the task.
+    An upper bound on the held share (the one-block calls' own work counts as held)."""
     from common import median_ns
 
     from prefixkv.cache import as_token_ids
 
-    one_block = as_token_ids(rng.integers(0, 128_000, BLOCK_SIZE, dtype=np.int64))
-    conversion = median_ns(lambda: as_token_ids(prompt), repeats=21, number=10)
-    call = median_ns(lambda: cache._core.lookup(one_block, NO_EXTRAS), repeats=21, number=20)
-    total = median_ns(lambda: cache.lookup(prompt), repeats=21, number=3)
-    held = conversion + call
-    share = held / total
-    return {
-        "held_us": held / 1000,
-        "held_parts_us": {
-            "as_token_ids": conversion / 1000,
-            "call": call / 1000,
-        },
-        "released_us": (total - held) / 1000,
-        "lookup_us": total / 1000,
-        "share": share,
-        "two_thread_bound": 2.0 / (1.0 + share),
+    cache = work.cache
+    one_block = work.pool[:BLOCK_SIZE]
+    probe = work.probes[-1]  # half cached: a 16k-token prompt
+
+    def small_cycle() -> None:
+        request = cache.begin(one_block)
+        cache.commit(request, BLOCK_SIZE)
+        cache.finish(request)
+
+    def request_python() -> None:
+        as_token_ids(work._request_tokens())
+
+    probe_list = probe.tolist()
+    parts = {
+        "router lookup (16k tokens, half cached)": (
+            [lambda: as_token_ids(probe), lambda: cache.lookup(one_block)],
+            lambda: cache.lookup(probe),
+        ),
+        # vLLM keeps token ids in lists: reading each int object needs the GIL.
+        "router lookup of the same prompt as a list": (
+            [lambda: as_token_ids(probe_list), lambda: cache.lookup(one_block)],
+            lambda: cache.lookup(probe_list),
+        ),
+        "scheduler begin/commit/finish (4k-16k tokens)": (
+            [request_python, small_cycle],
+            work.begin_commit_finish,
+        ),
     }
+    out = {}
+    for name, (held_parts, whole) in parts.items():
+        held = sum(median_ns(part, repeats=15, number=5) for part in held_parts)
+        total = median_ns(whole, repeats=15, number=3)
+        out[name] = {"held_us": held / 1000, "total_us": total / 1000, "share": held / total}
+    return out
+
+
+def _decode_step_ns() -> dict[str, float]:
+    """What keeping the GIL protects: one decode step's calls on one thread (CPU time), which
+    stay attached (`gil.rs`); `commit` asks the core how far the request had computed first."""
+    from common import median_ns
+
+    cache = PrefixCache(2048, block_size=BLOCK_SIZE)
+    tokens = np.arange(4096, dtype=np.int64)
+    cache.add_request("decode", tokens)
+    cache.allocate_slots("decode", len(tokens))
+    cache.commit("decode", len(tokens))
+    position = [len(tokens)]
+
+    def step() -> None:
+        cache.append_tokens("decode", [position[0] % 1000])
+        cache.allocate_slots("decode", 1)
+        position[0] += 1
+        cache.commit("decode", position[0])
+
+    out = {
+        "step_ns": median_ns(step, repeats=15, number=200),
+        "commit_ns": median_ns(lambda: cache.commit("decode", position[0]), repeats=15, number=500),
+    }
+    cache.finish("decode")
+    return out
+
+
+def _holds_the_gil() -> int:
+    x = 0
+    for i in range(5000):
+        x += i
+    return 1
+
+
+_BUFFER = bytes(256 * 1024)
+
+
+def _releases_the_gil() -> int:
+    hashlib.sha256(_BUFFER).digest()
+    return 1
+
+
+def _pair_speedup(
+    first: Task, second: Task, seconds: float
+) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """(speedup, solo phases, together phase) of two tasks: each alone on one thread, then
+    both at once; speedup = sum over the tasks of rate together ÷ rate alone."""
+    alone = [_phase([task], seconds) for task in (first, second)]
+    together = _phase([first, second], seconds)
+    speedup = sum(
+        both / solo["rates"][0] for both, solo in zip(together["rates"], alone, strict=True)
+    )
+    return speedup, {"first": alone[0], "second": alone[1]}, together
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    seconds = 0.8 if quick else 3.0
-    rng = np.random.default_rng(3)
-    num_blocks = 40_000
-    cache = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
-    # Readers probe prompts that are fully cached: the longest walk a lookup does.
-    prompts = [rng.integers(0, 128_000, PROMPT_TOKENS, dtype=np.int64) for _ in range(2)]
-    for prompt in prompts:
-        request = cache.begin(prompt)
-        cache.commit(request, len(prompt))
-        cache.finish(request)
-    pin = cache.pin(prompts[0]), cache.pin(prompts[1])  # the writer's evictions must not take them
-    shared = rng.integers(0, 128_000, 3800, dtype=np.int64)
-
-    def writer() -> None:
-        tokens = np.concatenate([shared, rng.integers(0, 128_000, 296, dtype=np.int64)])
-        request = cache.begin(tokens)
-        cache.commit(request, len(tokens))
-        cache.finish(request)
-
-    baseline = PyPrefixCache(16, BLOCK_SIZE)
-    load_before = os.getloadavg()[0]
+    # Short phases, many rounds: the two solo phases and the together phase of a pair run back
+    # to back, so load that changes over seconds touches all three alike.
+    seconds = 0.3 if quick else 0.4
+    rounds = 4 if quick else 15
+    work = Workload()
+    pairs: dict[str, tuple[Task, Task]] = {
+        "router lookup + scheduler begin/commit/finish": (work.probe, work.begin_commit_finish),
+        "router lookup + scheduler step calls (vLLM-shaped)": (work.probe, work.step_calls),
+        "control: two threads releasing the GIL (hashlib, 256 KiB)": (
+            _releases_the_gil,
+            _releases_the_gil,
+        ),
+        "control: two threads holding the GIL (Python loop)": (_holds_the_gil, _holds_the_gil),
+    }
+    # Warm up: first-touch of the pool's pages and the table's growth are not throughput.
+    for first, second in pairs.values():
+        _phase([first, second], seconds / 2)
+    per_round: list[dict[str, Any]] = []
+    for r in range(rounds):
+        load = os.getloadavg()[0]
+        names = list(pairs)
+        # Alternate the order so a load change within a round does not always hit the same pair.
+        if r % 2:
+            names.reverse()
+        row: dict[str, Any] = {"load_average": load, "pairs": {}}
+        for name in names:
+            speedup, alone, together = _pair_speedup(*pairs[name], seconds)
+            row["pairs"][name] = {"speedup": speedup, "alone": alone, "together": together}
+        per_round.append(row)
+        summary = ", ".join(f"{row['pairs'][name]['speedup']:.2f}×" for name in pairs)
+        print(f"  threads round {r + 1}/{rounds} (load {load:.1f}): {summary}", flush=True)
+    held = _gil_held_shares(work)
+    decode = _decode_step_ns()
+    work.close()
+    free = "control: two threads releasing the GIL (hashlib, 256 KiB)"
     configs: dict[str, Any] = {}
-    for name, call, with_writer in [
-        ("lookup, no writer", cache.lookup, False),
-        ("lookup, writer at 100 req/s", cache.lookup, True),
-        ("control: plain-Python hash loop (holds the GIL)", baseline.block_keys, False),
-    ]:
-        one = _throughput(call, prompts, 1, seconds, writer if with_writer else None)
-        two = _throughput(call, prompts, 2, seconds, writer if with_writer else None)
+    for name in pairs:
+        ratios = [row["pairs"][name]["speedup"] for row in per_round]
+        normalised = [
+            row["pairs"][name]["speedup"] / row["pairs"][free]["speedup"] for row in per_round
+        ]
+        together = [row["pairs"][name]["together"] for row in per_round]
+        alone = [row["pairs"][name]["alone"] for row in per_round]
         configs[name] = {
-            "one_thread_per_second": one["per_second"],
-            "two_threads_per_second": two["per_second"],
-            "ratio": two["per_second"] / one["per_second"],
-            "writer_per_second": (one["writer_per_second"] + two["writer_per_second"]) / 2
-            if with_writer
-            else None,
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ratio_per_round": ratios,
+            "ratio_over_free_control": statistics.median(normalised),
+            "cores_alone": statistics.median(
+                (a["first"]["cores"] + a["second"]["cores"]) / 2 for a in alone
+            ),
+            "cores_together": statistics.median(t["cores"] for t in together),
+            "first_alone_per_second": statistics.median(a["first"]["rates"][0] for a in alone),
+            "second_alone_per_second": statistics.median(a["second"]["rates"][0] for a in alone),
+            "first_together_per_second": statistics.median(t["rates"][0] for t in together),
+            "second_together_per_second": statistics.median(t["rates"][1] for t in together),
         }
-        print(f"  threads {name}: {configs[name]['ratio']:.2f}×", flush=True)
-    gil = _gil_held_share(cache, prompts[0], rng)
-    for p in pin:
-        cache.unpin(p)
+    loads = [row["load_average"] for row in per_round]
     return {
-        "gil_held": gil,
-        "prompt_tokens": PROMPT_TOKENS,
-        "seconds_per_config": seconds,
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
         "cpus": len(os.sched_getaffinity(0)),
-        "load_average_before": load_before,
+        "load_average_per_round": loads,
+        "load_average_before": loads[0],
         "load_average_after": os.getloadavg()[0],
+        "scheduler_requests": work.requests_done,
+        "scheduler_out_of_blocks": work.out_of_blocks,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "gil_held": held,
+        "decode_step": decode,
         "configs": configs,
     }
 
@@ -192,50 +368,66 @@ def markdown(result: dict[str, Any]) -> str:
         rows.append(
             [
                 name,
-                f"{c['one_thread_per_second']:,.0f}",
-                f"{c['two_threads_per_second']:,.0f}",
-                f"{c['ratio']:.2f}×",
-                "–" if c["writer_per_second"] is None else f"{c['writer_per_second']:.0f}",
+                f"{c['first_alone_per_second']:,.0f} / {c['second_alone_per_second']:,.0f}",
+                f"{c['first_together_per_second']:,.0f} / {c['second_together_per_second']:,.0f}",
+                f"{c['ratio']:.2f}× ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})",
+                f"{c['ratio_over_free_control']:.2f}",
+                f"{c['cores_alone']:.2f} → {c['cores_together']:.2f}",
             ]
         )
+    loads = result["load_average_per_round"]
     note = (
-        f"{result['prompt_tokens']:,}-token numpy prompts, fully cached; {result['seconds_per_config']} s per "
-        f"measurement; {result['cpus']} CPUs; load average {result['load_average_before']:.1f} before, "
-        f"{result['load_average_after']:.1f} after (other processes compete for the same 2 cores).\n"
+        f"{result['rounds']} rounds × {result['seconds_per_phase']} s per phase, alternating; "
+        f"{result['cpus']} CPUs shared with other processes; 1-minute load average "
+        f"{min(loads):.1f}–{max(loads):.1f} over the rounds (median {statistics.median(loads):.1f}); "
+        f"OMP_NUM_THREADS={result['omp_num_threads']}. *speedup*: rate together ÷ rate alone, "
+        "summed over the two threads (2.0: both at full speed; median over rounds, range in "
+        "brackets). *÷ control*: the speedup divided by the GIL-releasing control's in the same "
+        "round (what the machine's load let two threads reach), median over rounds. *cores*: "
+        "CPU seconds the process got per wall second, one thread alone (mean of the two) → both "
+        "threads together; with two idle cores it would go from 1 to 2.\n"
     )
-    if result["load_average_before"] >= result["cpus"]:
+    for name, g in result["gil_held"].items():
         note += (
-            f"\nThe machine was loaded (load average {result['load_average_before']:.1f} on "
-            f"{result['cpus']} CPUs): a second reader thread competes with other processes for a "
-            "core, so the 2 ÷ 1 ratios below are capped by the load, not only by the cache. The "
-            "GIL-held share next is measured on one thread's CPU clock and does not depend on it.\n"
+            f"\nGIL held by one {name}, single thread, thread CPU time: {g['held_us']:.1f} of "
+            f"{g['total_us']:.1f} µs ({g['share']:.0%}, an upper bound)."
         )
-    gil = result["gil_held"]
-    parts = gil.get("held_parts_us", {})
-    detail = (
-        f" (as_token_ids {parts['as_token_ids']:.1f}, call and result {parts['call']:.1f})"
-        if parts
-        else ""
-    )
-    note += (
-        f"\nSingle-thread GIL-held share of one lookup (thread CPU time): held "
-        f"{gil['held_us']:.1f} µs{detail}, released {gil.get('released_us', 0):.1f} µs, of "
-        f"{gil['lookup_us']:.1f} µs = {gil['share']:.1%} held (an upper bound: numpy drops the GIL "
-        f"inside some of its loops), so two threads reach about {gil['two_thread_bound']:.2f}× "
-        "or more when two cores are free.\n"
-    )
+    if "decode_step" in result:
+        d = result["decode_step"]
+        note += (
+            f"\nOne decode step (append_tokens + allocate_slots + commit of one token, GIL kept): "
+            f"{d['step_ns']:,.0f} ns; a commit that publishes nothing: {d['commit_ns']:,.0f} ns "
+            "(thread CPU time)."
+        )
+    note += "\n"
     return (
         note
         + "\n"
-        + md_table(["calls", "1 thread /s", "2 threads /s", "2 ÷ 1", "writer req/s"], rows)
+        + md_table(
+            [
+                "thread pair",
+                "alone /s (each)",
+                "together /s (each)",
+                "speedup",
+                "÷ control",
+                "cores alone → together",
+            ],
+            rows,
+        )
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
-    print(markdown(run(args.quick)))
+    result = run(args.quick)
+    if args.json:
+        from common import write_json
+
+        write_json(args.json, result)
+    print(markdown(result))
 
 
 if __name__ == "__main__":

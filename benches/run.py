@@ -94,10 +94,10 @@ def plot_threads(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 2.8), dpi=80)
     names = list(result["configs"])
     ratios = [result["configs"][n]["ratio"] for n in names]
-    ax.barh(range(len(names)), ratios, color=["C0", "C1", "C7"][: len(names)])
-    ax.set_yticks(range(len(names)), [n.replace(" (holds the GIL)", "") for n in names], fontsize=7)
-    ax.axvline(1.6, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("2-thread ÷ 1-thread lookups/s")
+    ax.barh(range(len(names)), ratios, color=["C0", "C1", "C7", "C7"][: len(names)])
+    ax.set_yticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=7)
+    ax.axvline(1.8, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("2-thread ÷ 1-thread throughput (median over rounds)")
     ax.set_xlim(0, 2)
     fig.tight_layout()
     path = out_dir / "threads.png"
@@ -206,11 +206,11 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     if "threads" in results:
         t = results["threads"]["configs"]
         for name, c in t.items():
-            if name.startswith("lookup"):
+            if name.startswith("router"):
                 add(
-                    f"2-thread ÷ 1-thread lookups ≥1.6 ({name})",
-                    f"{c['ratio']:.2f}×",
-                    c["ratio"] >= 1.6,
+                    f"two threads ≥1.8× one ({name}; ÷ the GIL-releasing control in brackets)",
+                    f"{c['ratio']:.2f}× ({c['ratio_over_free_control']:.2f})",
+                    c["ratio"] >= 1.8,
                 )
     if "compute" in results:
         rows_c = [r for r in results["compute"]["rows"] if 0 < r["fraction_cached"] <= 0.9]
@@ -309,14 +309,23 @@ def obstacles(results: dict[str, Any]) -> list[str]:
         )
     t = results.get("threads")
     if t:
-        gil = t["gil_held"]
+        shares = ", ".join(f"{name} {g['share']:.0%}" for name, g in t["gil_held"].items())
+        controls = ", ".join(
+            f"{name.removeprefix('control: ')} {c['ratio']:.2f}×"
+            for name, c in t["configs"].items()
+            if name.startswith("control")
+        )
+        loads = t["load_average_per_round"]
+        cores = " and ".join(
+            f"{c['cores_together']:.2f}"
+            for name, c in t["configs"].items()
+            if name.startswith("router")
+        )
         lines.append(
-            f"- **Threads**: one lookup holds the GIL {gil['held_us']:.1f} of "
-            f"{gil['lookup_us']:.1f} µs ({gil['share']:.0%}, an upper bound), so the GIL alone "
-            f"allows at least ≈{gil['two_thread_bound']:.2f}× with two free cores; the load average was "
-            f"{t['load_average_before']:.1f} before and {t['load_average_after']:.1f} after on "
-            f"{t['cpus']} CPUs, and the GIL-holding control reached "
-            f"{t['configs']['control: plain-Python hash loop (holds the GIL)']['ratio']:.2f}×."
+            f"- **Threads**: the GIL-held share of each task (one thread, CPU time, upper "
+            f"bounds): {shares}. Load average {min(loads):.1f}–{max(loads):.1f} on "
+            f"{t['cpus']} CPUs over the rounds; in the same rounds the controls reached "
+            f"{controls}, and with both threads running the process got {cores} cores."
         )
     c = results.get("copies")
     if c and "diagnosis_ms" in c:
@@ -388,7 +397,12 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
             bench_production.markdown,
             None,
         ),
-        ("threads", "2. Lookup throughput from threads", bench_threads.markdown, "threads.png"),
+        (
+            "threads",
+            "2. A router and a scheduler on two threads",
+            bench_threads.markdown,
+            "threads.png",
+        ),
         ("compute", "3. Prefill compute saved", bench_compute.markdown, "compute.png"),
         ("copies", "4. Page copies", bench_copies.markdown, "copies.png"),
         ("memory", "5. Metadata memory", bench_memory.markdown, None),

@@ -1,10 +1,11 @@
 //! `CoreCache`: the block manager's methods, each a few lines. Arguments arrive converted
-//! (`convert.rs`), results leave as named objects (`results.rs`), and calls that hash or walk a
-//! whole prompt release the GIL. `prefixkv.PrefixCache` (Python) is the documented API on top.
+//! (`convert.rs`), results leave as named objects (`results.rs`), and calls release the GIL by
+//! the work they do (`gil.rs` has the rule and why). `prefixkv.PrefixCache` (Python) is the
+//! documented API on top.
 
 use std::sync::Arc;
 
-use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache, WindowRelease};
+use prefixkv_core::{BlockKey, CacheConfig, FullHit, PrefixCache, RequestId, WindowRelease};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -12,6 +13,7 @@ use crate::convert::{
     self, block_id, count, int_in, slot_counts, BlockIds, KeyExtras, RequestRef, Tokens,
 };
 use crate::errors::{invalid, to_py_err};
+use crate::gil::{detach_if, many};
 use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
 
@@ -31,6 +33,22 @@ fn fingerprint(bytes: &[u8]) -> PyResult<BlockKey> {
 /// Shared (`Arc`) so that a `CoreGroups` can drive it while Python keeps using it directly.
 #[pyclass(frozen, module = "prefixkv._core")]
 pub struct CoreCache(pub(crate) Arc<PrefixCache>);
+
+impl CoreCache {
+    /// Whether work over `tokens` tokens is enough to release the GIL for (`gil.rs`).
+    fn many(&self, tokens: usize) -> bool {
+        many(tokens, self.0.config().block_size)
+    }
+
+    /// Whether allocating `tokens` slots is work enough to release the GIL for: many tokens,
+    /// or a waiting request's first allocation, which matches its whole prompt however few
+    /// tokens it asks for (a full hit asks for one block or one token).
+    fn allocation_is_large(&self, id: &RequestId, tokens: usize) -> bool {
+        self.many(tokens)
+            || (matches!(self.0.num_computed_tokens(id), Ok(0))
+                && self.0.num_tokens(id).is_ok_and(|n| self.many(n)))
+    }
+}
 
 #[pymethods]
 impl CoreCache {
@@ -190,10 +208,12 @@ impl CoreCache {
         .map_err(to_py_err)
     }
 
-    // The per-step calls below take a few hundred nanoseconds: they keep the GIL (STYLE.md).
+    // The per-step calls below release the GIL only for a prefill-sized amount of work: a
+    // decode step takes a few hundred nanoseconds and keeps it (`gil.rs`).
 
     fn allocate_slots(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: &Bound<'_, PyAny>,
@@ -201,14 +221,25 @@ impl CoreCache {
     ) -> PyResult<Slots> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        self.0
-            .allocate_slots(&request.0, new, lookahead, watermark)
-            .map(Slots::from)
-            .map_err(to_py_err)
+        // Most decode steps: the slots already cover the tokens, and this is the answer.
+        let covered = self
+            .0
+            .covered_slots(&request.0, new, lookahead, watermark)
+            .map_err(to_py_err)?;
+        if let Some(slots) = covered {
+            return Ok(slots.into());
+        }
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0.allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map(Slots::from)
+        .map_err(to_py_err)
     }
 
     fn can_allocate_slots(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: &Bound<'_, PyAny>,
@@ -216,9 +247,12 @@ impl CoreCache {
     ) -> PyResult<bool> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        self.0
-            .can_allocate_slots(&request.0, new, lookahead, watermark)
-            .map_err(to_py_err)
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0
+                .can_allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map_err(to_py_err)
     }
 
     fn blocks_needed(
@@ -252,12 +286,20 @@ impl CoreCache {
             .map_err(to_py_err)
     }
 
-    fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {
-        tokens
-            .view()
-            .into_vec()
-            .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
-            .map_err(to_py_err)
+    fn append_tokens(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        tokens: Tokens<'_>,
+        draft: bool,
+    ) -> PyResult<()> {
+        let large = self.many(tokens.len());
+        let view = tokens.view();
+        detach_if(py, large, || {
+            view.into_vec()
+                .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
+        })
+        .map_err(to_py_err)
     }
 
     fn append(
@@ -266,18 +308,27 @@ impl CoreCache {
         request: RequestRef,
         tokens: Tokens<'_>,
     ) -> PyResult<Vec<u32>> {
+        let large = self.many(tokens.len());
         let view = tokens.view();
-        py.detach(|| view.into_vec().and_then(|t| self.0.append(&request.0, &t)))
-            .map_err(to_py_err)
+        detach_if(py, large, || {
+            view.into_vec().and_then(|t| self.0.append(&request.0, &t))
+        })
+        .map_err(to_py_err)
     }
 
     fn commit(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        self.0.commit(&request.0, num).map_err(to_py_err)
+        // What the commit may publish is what it adds to the computed tokens (`gil.rs`).
+        let large = self
+            .0
+            .num_computed_tokens(&request.0)
+            .is_ok_and(|done| self.many(num.saturating_sub(done)));
+        detach_if(py, large, || self.0.commit(&request.0, num)).map_err(to_py_err)
     }
 
     fn release_out_of_window(
@@ -320,8 +371,8 @@ impl CoreCache {
         self.0.truncate(&request.0, num).map_err(to_py_err)
     }
 
-    fn preempt(&self, request: RequestRef) -> PyResult<()> {
-        self.0.preempt(&request.0).map_err(to_py_err)
+    fn preempt(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.preempt(&request.0)).map_err(to_py_err)
     }
 
     fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
@@ -345,7 +396,9 @@ impl CoreCache {
         py: Python<'py>,
         request: RequestRef,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let keys = self.0.request_block_keys(&request.0).map_err(to_py_err)?;
+        let keys = py
+            .detach(|| self.0.request_block_keys(&request.0))
+            .map_err(to_py_err)?;
         Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
     }
 
@@ -415,12 +468,12 @@ impl CoreCache {
         Ok(Pin { id, num_blocks })
     }
 
-    fn unpin(&self, pin: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn unpin(&self, py: Python<'_>, pin: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = match pin.cast::<Pin>() {
             Ok(pin) => pin.get().id,
             Err(_) => int_in(pin, "pin", "0 ..= 2**64-1", |_| true)?,
         };
-        self.0.unpin(id).map_err(to_py_err)
+        py.detach(|| self.0.unpin(id)).map_err(to_py_err)
     }
 
     fn clear(&self, py: Python<'_>) {

@@ -4,13 +4,14 @@
 
 use std::sync::Arc;
 
-use prefixkv_core::KvGroups;
+use prefixkv_core::{KvGroups, RequestId};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::cache::CoreCache;
 use crate::convert::{count, priority, slot_counts, KeyExtras, RequestRef, Tokens};
 use crate::errors::to_py_err;
+use crate::gil::{detach_if, many};
 
 /// What `GroupedPrefixCache.allocate_slots` hands the engine (as `Slots`, per group).
 #[pyclass(frozen, eq, hash, module = "prefixkv._core")]
@@ -79,6 +80,25 @@ fn per_group<'py>(py: Python<'py>, blocks: &[Vec<u32>]) -> PyResult<Bound<'py, P
 #[pyclass(frozen, module = "prefixkv._core")]
 pub struct CoreGroups(KvGroups);
 
+impl CoreGroups {
+    /// Whether work over `tokens` tokens is enough to release the GIL for (`gil.rs`), counted
+    /// in blocks of the group with the smallest blocks (the most blocks to touch).
+    fn many(&self, tokens: usize) -> bool {
+        let block_size = self.0.groups().iter().map(|g| g.config().block_size).min();
+        many(tokens, block_size.unwrap_or(1))
+    }
+
+    /// As `CoreCache::allocation_is_large`: many tokens, or a waiting request's first
+    /// allocation (asked of the first group: every group holds the request alike).
+    fn allocation_is_large(&self, id: &RequestId, tokens: usize) -> bool {
+        self.many(tokens)
+            || self.0.groups().first().is_some_and(|group| {
+                matches!(group.num_computed_tokens(id), Ok(0))
+                    && group.num_tokens(id).is_ok_and(|n| self.many(n))
+            })
+    }
+}
+
 #[pymethods]
 impl CoreGroups {
     #[new]
@@ -112,7 +132,8 @@ impl CoreGroups {
         .map_err(to_py_err)
     }
 
-    // The per-step calls below take a few hundred nanoseconds: they keep the GIL (STYLE.md).
+    // The per-step calls below release the GIL only for a prefill-sized amount of work: a
+    // decode step takes a few hundred nanoseconds and keeps it (`gil.rs`).
 
     fn start_position(&self, request: RequestRef) -> PyResult<usize> {
         self.0.start_position(&request.0).map_err(to_py_err)
@@ -120,6 +141,7 @@ impl CoreGroups {
 
     fn allocate_slots(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: &Bound<'_, PyAny>,
@@ -127,14 +149,17 @@ impl CoreGroups {
     ) -> PyResult<GroupSlots> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        self.0
-            .allocate_slots(&request.0, new, lookahead, watermark)
-            .map(GroupSlots::from)
-            .map_err(to_py_err)
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0.allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map(GroupSlots::from)
+        .map_err(to_py_err)
     }
 
     fn can_allocate_slots(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: &Bound<'_, PyAny>,
@@ -142,26 +167,43 @@ impl CoreGroups {
     ) -> PyResult<bool> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        self.0
-            .can_allocate_slots(&request.0, new, lookahead, watermark)
-            .map_err(to_py_err)
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0
+                .can_allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map_err(to_py_err)
     }
 
-    fn append_tokens(&self, request: RequestRef, tokens: Tokens<'_>, draft: bool) -> PyResult<()> {
-        tokens
-            .view()
-            .into_vec()
-            .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
-            .map_err(to_py_err)
+    fn append_tokens(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        tokens: Tokens<'_>,
+        draft: bool,
+    ) -> PyResult<()> {
+        let large = self.many(tokens.len());
+        let view = tokens.view();
+        detach_if(py, large, || {
+            view.into_vec()
+                .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
+        })
+        .map_err(to_py_err)
     }
 
     fn commit(
         &self,
+        py: Python<'_>,
         request: RequestRef,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        self.0.commit(&request.0, num).map_err(to_py_err)
+        // What the commit may publish is what it adds to the computed tokens (`gil.rs`).
+        let large = self
+            .0
+            .num_computed_tokens(&request.0)
+            .is_ok_and(|done| self.many(num.saturating_sub(done)));
+        detach_if(py, large, || self.0.commit(&request.0, num)).map_err(to_py_err)
     }
 
     fn release_out_of_window(
@@ -189,8 +231,8 @@ impl CoreGroups {
         self.0.truncate(&request.0, num).map_err(to_py_err)
     }
 
-    fn preempt(&self, request: RequestRef) -> PyResult<()> {
-        self.0.preempt(&request.0).map_err(to_py_err)
+    fn preempt(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.preempt(&request.0)).map_err(to_py_err)
     }
 
     fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {

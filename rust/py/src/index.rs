@@ -31,29 +31,44 @@ impl PrefixIndex {
         self.0.num_instances()
     }
 
-    fn store(&self, instance_id: &Bound<'_, PyAny>, hashes: Vec<u64>) -> PyResult<()> {
-        self.0
-            .store(instance(instance_id)?, &hashes)
+    // A router scores and stores whole prompts' hashes: every call but `__len__` walks many
+    // blocks, so each releases the GIL once its arguments are converted (`gil.rs`).
+
+    fn store(
+        &self,
+        py: Python<'_>,
+        instance_id: &Bound<'_, PyAny>,
+        hashes: Vec<u64>,
+    ) -> PyResult<()> {
+        let instance = instance(instance_id)?;
+        py.detach(|| self.0.store(instance, &hashes))
             .map_err(to_py_err)
     }
 
-    fn remove(&self, instance_id: &Bound<'_, PyAny>, hashes: Vec<u64>) -> PyResult<()> {
-        self.0
-            .remove(instance(instance_id)?, &hashes)
+    fn remove(
+        &self,
+        py: Python<'_>,
+        instance_id: &Bound<'_, PyAny>,
+        hashes: Vec<u64>,
+    ) -> PyResult<()> {
+        let instance = instance(instance_id)?;
+        py.detach(|| self.0.remove(instance, &hashes))
             .map_err(to_py_err)
     }
 
-    fn clear(&self, instance_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.0.clear(instance(instance_id)?).map_err(to_py_err)
+    fn clear(&self, py: Python<'_>, instance_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let instance = instance(instance_id)?;
+        py.detach(|| self.0.clear(instance)).map_err(to_py_err)
     }
 
     /// Per instance, the number of leading `hashes` it holds.
-    fn score(&self, hashes: Vec<u64>) -> Vec<u32> {
-        self.0.score(&hashes)
+    fn score(&self, py: Python<'_>, hashes: Vec<u64>) -> Vec<u32> {
+        py.detach(|| self.0.score(&hashes))
     }
 
-    fn blocks_of(&self, instance_id: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-        self.0.blocks_of(instance(instance_id)?).map_err(to_py_err)
+    fn blocks_of(&self, py: Python<'_>, instance_id: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let instance = instance(instance_id)?;
+        py.detach(|| self.0.blocks_of(instance)).map_err(to_py_err)
     }
 
     fn __len__(&self) -> usize {

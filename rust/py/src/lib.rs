@@ -4,6 +4,7 @@
 //! - `results`: named frozen results out (`PrefixMatch`, `Request`, `Pin`);
 //! - `stats`: `CacheStats`;
 //! - `errors`: the one mapping of core errors onto `prefixkv.errors`;
+//! - `gil`: which calls release the GIL, and why not all of them;
 //! - `cache`: `CoreCache`, a list of thin methods.
 //! - `groups`: `CoreGroups`, a hybrid model's KV groups driven as one over shared `CoreCache`s;
 //! - `events`: KV event recording on a `CoreCache`, drained as `CoreEvent`s;
@@ -13,6 +14,7 @@ mod cache;
 mod convert;
 mod errors;
 mod events;
+mod gil;
 mod groups;
 mod index;
 mod results;
