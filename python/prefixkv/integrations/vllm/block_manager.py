@@ -25,10 +25,11 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
   from the keys it kept.
 
 Everything vLLM could ask that prefixkv does not do is refused by name
-(`UnsupportedFeatureError`): hybrid layouts (docs/vllm.md, "Hybrid and sliding-window layouts",
-says what is built for them and what remains), a one-token sliding window, Mamba and
+(`UnsupportedFeatureError`): a one-token sliding window, Mamba and
 other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
 connector loads and deferred frees.
+Layouts of several KV cache groups (hybrid) are served by `hybrid.py`'s subclass, which this
+class's constructor builds for them (docs/vllm.md, "Hybrid and sliding-window layouts").
 `signatures.py` checks at import that every member and argument of the installed vLLM's
 `KVCacheManager` exists here, so a vLLM upgrade fails loudly, not silently.
 """
