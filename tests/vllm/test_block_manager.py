@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 
 from prefixkv.cache import PrefixCache
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
-from prefixkv.integrations.vllm import PrefixKVCacheManager
+from prefixkv.integrations.vllm import PrefixKVCacheManager, hybrid
 from prefixkv.integrations.vllm._versions import check_vllm_version
 from prefixkv.integrations.vllm.context import vllm_cache_context
 from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
@@ -381,3 +381,42 @@ def test_events_in_vllms_types(tiny_model: Path) -> None:
     assert scheduler.kv_cache_manager.take_events() == []
     assert scheduler.reset_prefix_cache()
     assert any(isinstance(e, AllBlocksCleared) for e in scheduler.kv_cache_manager.take_events())
+
+
+def test_hybrid_hit_is_the_fixed_point_over_groups() -> None:
+    """vLLM's `find_longest_cache_hit` across groups: the cap falls to each group's answer until
+    a whole pass keeps it. Here the full group caches blocks 0-3, the 8-token window (two
+    blocks for a hit) blocks 2-3 and the 5-token window (one block) blocks 0-2. One pass gives
+    16, 16, then 12; at 12 the 8-token window needs blocks 1-2 (block 1 is missing) and its
+    leading run is empty, so the hit is 0. A single pass answered 12."""
+    config = _config(_full(), _window(8), _window(5), num_blocks=32)
+    manager = _manager(kv_cache_config=config)
+    assert isinstance(manager, HybridPrefixKVCacheManager)
+    cache = manager.prefix_cache
+    request = make_request(RequestSpec("probe", tuple(range(17)), max_tokens=1), 4)
+    tokens = list(range(17))
+
+    def publish(group: int, window: int, processed: int, upto: int) -> None:
+        # A lane request publishing blocks below `upto`, less the ones a window of `window`
+        # released once `processed` tokens were computed (released before their commit).
+        seed = f"seed\x1f{group}"
+        cache.add_request(seed, tokens, extras=hybrid._lane_extras(request, group))
+        cache.set_request_window(seed, window)
+        cache.allocate_slots(seed, 16)
+        cache.release_out_of_window(seed, processed)
+        cache.commit(seed, upto)
+        cache.finish(seed)
+
+    publish(0, 257, 0, 16)  # full: blocks 0-3
+    publish(1, 2, 9, 16)  # 8-token window: blocks 2-3
+    publish(2, 257, 0, 12)  # 5-token window: blocks 0-2
+    window_8 = manager._lanes[1].window
+    assert (
+        cache.lookup_in_window(
+            tokens, window_8, extras=hybrid._lane_extras(request, 1)
+        ).num_cached_tokens
+        == 16
+    )
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    assert hit == 0
+    assert blocks.blocks == ((), (), ())
