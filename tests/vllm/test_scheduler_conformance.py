@@ -6,7 +6,7 @@ and without cache salts), runs it through vLLM's real `Scheduler` twice, once wi
 `KVCacheManager` and once with `PrefixKVCacheManager`, with the same fake model runner
 (`harness.py`), and requires the two runs to agree on every step: the requests scheduled and
 their token counts, new versus running, preemptions, draft tokens, each request's computed and
-cached tokens and block-table length, free blocks, usage and vLLM's prefix-cache stats.
+cached tokens and block ids per group, free blocks, usage and vLLM's prefix-cache stats.
 """
 
 from __future__ import annotations
