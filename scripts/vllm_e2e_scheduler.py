@@ -96,9 +96,12 @@ def run_one(kind: str, model: str, out: Path, repeats: int = 1) -> None:
                 "seconds": elapsed,
                 "manager": None if manager is None else type(manager).__name__,
                 # A sliding-window model served with a shorter window than its context gets a
-                # sliding core cache (docs/vllm.md); None for full attention.
+                # sliding core cache (docs/vllm.md); None for full attention and hybrid layouts
+                # (whose lanes carry their own windows).
                 "window": None
-                if manager is None or not hasattr(manager, "prefix_cache")
+                if manager is None
+                or not hasattr(manager, "prefix_cache")
+                or type(manager).__name__ == "HybridPrefixKVCacheManager"
                 else manager.prefix_cache.sliding_window,
             }
         )
@@ -153,7 +156,9 @@ def main() -> None:
         runs[kind] = json.loads(out.read_text())
         out.unlink()
     stock, ours = runs["stock"]["results"], runs["prefixkv"]["results"]
-    if not args.mp and runs["prefixkv"]["manager"] != "PrefixKVCacheManager":
+    # A layout of several KV cache groups (Gemma 3: full + sliding) gets the hybrid subclass.
+    managers = ("PrefixKVCacheManager", "HybridPrefixKVCacheManager")
+    if not args.mp and runs["prefixkv"]["manager"] not in managers:
         raise SystemExit(f"the prefixkv run used {runs['prefixkv']['manager']}, not prefixkv's")
     failures = []
     for i, (want, got) in enumerate(zip(stock, ours, strict=True)):
@@ -163,6 +168,8 @@ def main() -> None:
     hits = [r["num_cached_tokens"] for r in ours]
     print(f"requests: {len(ours)}; num_cached_tokens: {hits}")
     print(f"prompt tokens: {[r['prompt_tokens'] for r in ours]}")
+    if runs["prefixkv"]["manager"] == "HybridPrefixKVCacheManager":
+        print("served with prefixkv's hybrid manager (one lane per KV cache group)")
     if runs["prefixkv"].get("window") is not None:
         print(f"served with prefixkv's sliding-window cache, window {runs['prefixkv']['window']}")
     print(

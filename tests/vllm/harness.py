@@ -214,8 +214,9 @@ class StepRecord:
     preempted: list[str]
     spec_tokens: dict[str, list[int]]
     num_computed: dict[str, int]
-    #: Block-table length per KV cache group.
-    table_lengths: dict[str, list[int]]
+    #: Block ids per KV cache group (vLLM's ids: prefixkv hands out the very blocks vLLM
+    #: does, so which block an allocation takes and which one eviction reaches are compared).
+    block_ids: dict[str, list[list[int]]]
     free_blocks: int
     usage: float
     #: vLLM's tokens in flight per scheduled request after this step was scheduled (this
@@ -304,8 +305,8 @@ def _record_schedule(scheduler: Any, out: Any) -> StepRecord:
         preempted=sorted(out.preempted_req_ids or ()),
         spec_tokens={k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()},
         num_computed={rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens},
-        table_lengths={
-            rid: [len(ids) for ids in manager.get_block_ids(rid)]
+        block_ids={
+            rid: [list(ids) for ids in manager.get_block_ids(rid)]
             for rid in out.num_scheduled_tokens
         },
         free_blocks=manager.block_pool.get_num_free_blocks(),

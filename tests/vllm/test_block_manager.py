@@ -20,9 +20,10 @@ from vllm.v1.kv_cache_interface import (
 
 from prefixkv.cache import PrefixCache
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
-from prefixkv.integrations.vllm import PrefixKVCacheManager
+from prefixkv.integrations.vllm import PrefixKVCacheManager, hybrid
 from prefixkv.integrations.vllm._versions import check_vllm_version
 from prefixkv.integrations.vllm.context import vllm_cache_context
+from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
 from prefixkv.integrations.vllm.pool_view import BlockIds
 from prefixkv.integrations.vllm.signatures import interface_differences, missing_attributes
 from tests.vllm.harness import (
@@ -107,12 +108,40 @@ def test_a_new_argument_in_vllm_is_reported() -> None:
 
 
 # -- refusals ---------------------------------------------------------------------------------
-def test_hybrid_layouts_refused_by_name() -> None:
-    window = SlidingWindowSpec(
-        block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
+def _window(window: int = 8, block_size: int = 4) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        sliding_window=window,
     )
-    with pytest.raises(UnsupportedFeatureError, match=r"hybrid KV cache layouts.*one block pool"):
-        _manager(kv_cache_config=_config(_full(), window))
+
+
+def test_hybrid_layouts_served_by_lanes() -> None:
+    """Several groups make a `HybridPrefixKVCacheManager`: one lane per group in one cache."""
+    manager = _manager(kv_cache_config=_config(_full(), _window(), _window()))
+    assert isinstance(manager, HybridPrefixKVCacheManager)
+    assert len(manager.coordinator.single_type_managers) == 3
+    assert manager.empty_kv_cache_blocks.blocks == ((), (), ())
+    cache = manager.prefix_cache
+    assert cache.window_release == "explicit" and cache.num_blocks == 15
+
+
+@pytest.mark.parametrize(
+    ("specs", "overrides", "name"),
+    [
+        ((_full(), _window(block_size=8)), {}, r"block sizes \[4, 8\]"),
+        ((_full(), _window(window=1)), {}, "sliding_window=1"),
+        ((_full(), _window()), {"enable_kv_cache_events": True}, "enable_kv_cache_events"),
+        ((_full(), _window()), {"use_eagle": True}, "use_eagle"),
+    ],
+)
+def test_hybrid_layouts_refused_by_name(
+    specs: tuple[object, ...], overrides: dict[str, object], name: str
+) -> None:
+    with pytest.raises(UnsupportedFeatureError, match=name):
+        _manager(kv_cache_config=_config(*specs), **overrides)
 
 
 @pytest.mark.parametrize(
@@ -144,13 +173,13 @@ def test_sliding_window_extra_retained_tokens_refused_by_name() -> None:
         _manager(kv_cache_config=_config(spec))
 
 
-def test_hybrid_scheduler_refused_by_name(tiny_model: Path) -> None:
+def test_hybrid_scheduler_served(tiny_model: Path) -> None:
     # gpt-oss's layout (full attention + one sliding group) and Gemma 3's (+ several).
     for windows in ((8,), (8, 8, 8)):
         setup = SchedulerSetup(num_blocks=16, block_size=4, hybrid_windows=windows)
-        make_scheduler(tiny_model, setup, "stock")  # vLLM itself runs it
-        with pytest.raises(UnsupportedFeatureError, match=f"{1 + len(windows)} KV cache groups"):
-            make_scheduler(tiny_model, setup, "prefixkv")
+        manager = make_scheduler(tiny_model, setup, "prefixkv").kv_cache_manager
+        assert isinstance(manager, HybridPrefixKVCacheManager)
+        assert manager.num_kv_cache_groups == 1 + len(windows)
 
 
 def test_window_covering_the_context_served(tiny_model: Path) -> None:
@@ -352,3 +381,42 @@ def test_events_in_vllms_types(tiny_model: Path) -> None:
     assert scheduler.kv_cache_manager.take_events() == []
     assert scheduler.reset_prefix_cache()
     assert any(isinstance(e, AllBlocksCleared) for e in scheduler.kv_cache_manager.take_events())
+
+
+def test_hybrid_hit_is_the_fixed_point_over_groups() -> None:
+    """vLLM's `find_longest_cache_hit` across groups: the cap falls to each group's answer until
+    a whole pass keeps it. Here the full group caches blocks 0-3, the 8-token window (two
+    blocks for a hit) blocks 2-3 and the 5-token window (one block) blocks 0-2. One pass gives
+    16, 16, then 12; at 12 the 8-token window needs blocks 1-2 (block 1 is missing) and its
+    leading run is empty, so the hit is 0. A single pass answered 12."""
+    config = _config(_full(), _window(8), _window(5), num_blocks=32)
+    manager = _manager(kv_cache_config=config)
+    assert isinstance(manager, HybridPrefixKVCacheManager)
+    cache = manager.prefix_cache
+    request = make_request(RequestSpec("probe", tuple(range(17)), max_tokens=1), 4)
+    tokens = list(range(17))
+
+    def publish(group: int, window: int, processed: int, upto: int) -> None:
+        # A lane request publishing blocks below `upto`, less the ones a window of `window`
+        # released once `processed` tokens were computed (released before their commit).
+        seed = f"seed\x1f{group}"
+        cache.add_request(seed, tokens, extras=hybrid._lane_extras(request, group))
+        cache.set_request_window(seed, window)
+        cache.allocate_slots(seed, 16)
+        cache.release_out_of_window(seed, processed)
+        cache.commit(seed, upto)
+        cache.finish(seed)
+
+    publish(0, 257, 0, 16)  # full: blocks 0-3
+    publish(1, 2, 9, 16)  # 8-token window: blocks 2-3
+    publish(2, 257, 0, 12)  # 5-token window: blocks 0-2
+    window_8 = manager._lanes[1].window
+    assert (
+        cache.lookup_in_window(
+            tokens, window_8, extras=hybrid._lane_extras(request, 1)
+        ).num_cached_tokens
+        == 16
+    )
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    assert hit == 0
+    assert blocks.blocks == ((), (), ())

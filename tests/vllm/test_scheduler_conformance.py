@@ -6,7 +6,7 @@ and without cache salts), runs it through vLLM's real `Scheduler` twice, once wi
 `KVCacheManager` and once with `PrefixKVCacheManager`, with the same fake model runner
 (`harness.py`), and requires the two runs to agree on every step: the requests scheduled and
 their token counts, new versus running, preemptions, draft tokens, each request's computed and
-cached tokens and block-table length, free blocks, usage and vLLM's prefix-cache stats.
+cached tokens and block ids per group, free blocks, usage and vLLM's prefix-cache stats.
 """
 
 from __future__ import annotations
@@ -37,14 +37,30 @@ def setups(
     async_scheduling: bool | None = False,
     covering_window: bool = False,
     short_window: bool = False,
+    hybrid: bool = False,
 ) -> SchedulerSetup:
     block_size = draw(st.sampled_from([4, 8, 16]))
+    # A hybrid layout (issue 22): besides the first group, sliding groups of one window
+    # (gpt-oss: one; Gemma 3: several) or of two, short or covering the context.
+    windows = st.sampled_from([2, 5, 8, 17, 32, 64, 512, 1000])
+    hybrid_windows: tuple[int, ...] = ()
+    if hybrid:
+        shape = draw(st.sampled_from(["one", "same", "two"]))
+        first = draw(windows)
+        hybrid_windows = {
+            "one": (first,),
+            "same": (first,) * draw(st.integers(2, 3)),
+            "two": (first, draw(windows)),
+        }[shape]
+    # Each group takes its own blocks of the one pool: scale it so requests fit.
+    groups = 1 + len(hybrid_windows)
     if spec_decode is None:
         spec_decode = draw(st.booleans())
     if async_scheduling is None:
         async_scheduling = draw(st.booleans())
     return SchedulerSetup(
-        num_blocks=draw(st.integers(10, 40)),
+        # Hybrid pools start smaller: evictions across groups need pressure.
+        num_blocks=draw(st.integers(6 if hybrid else 10, 40)) * groups,
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.sampled_from([32, 64, 128, 512])),
@@ -59,9 +75,10 @@ def setups(
             if covering_window
             # A window shorter than the context: blocks leave it as requests advance.
             else draw(st.sampled_from([2, 5, 8, 17, 32, 64]))
-            if short_window
+            if short_window or (hybrid and draw(st.integers(0, 3)) == 0)
             else None
         ),
+        hybrid_windows=hybrid_windows,
     )
 
 
@@ -79,7 +96,7 @@ def workloads(draw: st.DrawFn, setup: SchedulerSetup) -> Workload:
     )
     # Keep each request within half the pool, so every one can run (vLLM would hold a request
     # that can never fit in the queue forever, in both runs alike).
-    budget = (setup.num_blocks - 1) * setup.block_size // 2
+    budget = (setup.num_blocks - 1) // (1 + len(setup.hybrid_windows)) * setup.block_size // 2
     specs = []
     for i in range(draw(st.integers(2, 8))):
         prefix = draw(st.sampled_from(prefixes))
@@ -189,6 +206,47 @@ def test_short_window_matches_stock(tiny_model: Path, data: st.DataObject) -> No
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_hybrid_layout_matches_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """A hybrid layout (issue 22): a full-attention group (or a short window) beside sliding
+    groups of one or two windows, all in one block pool, against vLLM's
+    `HybridKVCacheCoordinator`: one lane per group in one prefixkv cache agrees on every step,
+    synchronous or async, with and without drafts, salts and preemption under small pools."""
+    setup = data.draw(setups(spec_decode=None, async_scheduling=None, hybrid=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+def test_hybrid_hits_referenced_before_any_group_allocates(tiny_model: Path) -> None:
+    """A request whose hit is cached in both groups and whose new blocks must come from
+    eviction: vLLM touches every group's hit blocks before allocating any group's new ones, so
+    the full group's new blocks evict the next cached blocks, not the sliding group's hit. Here
+    "a" leaves its prompt's blocks in both groups at the head of the eviction order (full
+    group's first, as vLLM frees group by group), "d" fills the rest of the pool with cached
+    blocks, and "b" hits "a"'s prompt. Allocating group by group, the full group's new block
+    evicted the sliding group's hit, and "b"'s sliding lane then matched less than vLLM's hit
+    (an `InvalidInputError` at its commit)."""
+    setup = SchedulerSetup(
+        num_blocks=17, block_size=4, max_num_seqs=1, max_model_len=512, hybrid_windows=(8,)
+    )
+    prompt = tuple(range(8))
+    other = tuple(range(20, 44))
+    workload = Workload(
+        requests=(
+            RequestSpec("a", prompt, max_tokens=1),
+            RequestSpec("d", other, max_tokens=1, arrival_step=2),
+            RequestSpec("b", (*prompt, 50, 51, 52, 53), max_tokens=1, arrival_step=4),
+            RequestSpec("e", (*other, 60), max_tokens=1, arrival_step=6),
+        )
+    )
+    ours = _compare(tiny_model, setup, workload)
+    cached = {rid: n for s in ours for rid, (n, _) in s.num_cached_tokens.items()}
+    assert cached["b"] == 8, "b hit a's prompt in both groups"
+    # b's two new blocks evicted d's last two full-group blocks: e re-hits 4 of d's 6.
+    assert cached["e"] == 16
 
 
 def test_short_window_preempted_request_rehits_its_blocks(tiny_model: Path) -> None:

@@ -25,15 +25,18 @@ How vLLM's view maps onto prefixkv's request life (`docs/scheduling.md`):
   from the keys it kept.
 
 Everything vLLM could ask that prefixkv does not do is refused by name
-(`UnsupportedFeatureError`): hybrid layouts (docs/vllm.md, "Hybrid and sliding-window layouts",
-says what is built for them and what remains), a one-token sliding window, Mamba and
+(`UnsupportedFeatureError`): a one-token sliding window, Mamba and
 other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
 connector loads and deferred frees.
+Layouts of several KV cache groups (hybrid) are served by `hybrid.py`'s subclass, which this
+class's constructor builds for them (docs/vllm.md, "Hybrid and sliding-window layouts").
 `signatures.py` checks at import that every member and argument of the installed vLLM's
 `KVCacheManager` exists here, so a vLLM upgrade fails loudly, not silently.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,6 +73,39 @@ SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 EVENT_CAPACITY = 1 << 16
 
 
+def refuse_unsupported_settings(
+    kv_cache_config: KVCacheConfig,
+    block_size: int,
+    *,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    enable_caching: bool,
+    use_eagle: bool,
+    num_prefill_lookahead: int,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    metrics_collector: KVCacheMetricsCollector | None,
+    enable_mamba_shared_prefix_checkpoint: bool,
+) -> None:
+    """Refuse by name every manager setting prefixkv does not serve (any layout)."""
+    refused = {
+        "enable_caching=False (prefixkv's block manager is a prefix cache)": not enable_caching,
+        "use_eagle (EAGLE's dropped last hit block)": use_eagle,
+        "num_prefill_lookahead (multi-token-prediction re-prefill)": num_prefill_lookahead,
+        "dcp_world_size > 1 (decode context parallelism)": dcp_world_size != 1,
+        "pcp_world_size > 1 (prefill context parallelism)": pcp_world_size != 1,
+        "metrics_collector (KV block residency metrics)": metrics_collector is not None,
+        "enable_mamba_shared_prefix_checkpoint (Mamba)": enable_mamba_shared_prefix_checkpoint,
+        "hash_block_size != block size (partial-block hits)": (
+            hash_block_size != block_size or scheduler_block_size != block_size
+        ),
+        "needs_kv_cache_zeroing (new-block zeroing)": kv_cache_config.needs_kv_cache_zeroing,
+    }
+    for name, is_set in refused.items():
+        if is_set:
+            raise UnsupportedFeatureError(f"{name} is not supported by prefixkv's block manager")
+
+
 class _Tracked:
     """What the manager remembers of one vLLM request between calls."""
 
@@ -103,7 +139,17 @@ def _request_extras(request: Request) -> KeyExtras:
 class PrefixKVCacheManager:
     """A drop-in for vLLM's `KVCacheManager` (same constructor and members) backed by
     prefixkv's Rust block manager. `context` names the model the keys are made under
-    (`context.vllm_cache_context`); the scheduler subclass passes it."""
+    (`context.vllm_cache_context`); the scheduler subclass passes it.
+
+    A layout of several KV cache groups (full attention beside sliding windows: Gemma 2/3,
+    gpt-oss) makes a `HybridPrefixKVCacheManager` (`hybrid.py`), one lane per group."""
+
+    def __new__(cls, kv_cache_config: KVCacheConfig, *args: Any, **kwargs: Any) -> Any:
+        if cls is PrefixKVCacheManager and len(kv_cache_config.kv_cache_groups) > 1:
+            from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
+
+            return super().__new__(HybridPrefixKVCacheManager)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -127,17 +173,11 @@ class PrefixKVCacheManager:
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
-            # docs/vllm.md, "Hybrid and sliding-window layouts": vLLM's groups draw from one
-            # block pool (one id space, one free queue, one LRU order); GroupedPrefixCache keeps
-            # a pool per group, so free-block counts, admissions and evictions cannot agree.
-            # The core's lanes (one request per group in one cache, `set_request_window`) are
-            # built; this manager does not drive them yet.
+            # `__new__` hands layouts of several groups to `HybridPrefixKVCacheManager`; a
+            # direct call with none is refused here.
             raise UnsupportedFeatureError(
-                f"hybrid KV cache layouts ({len(groups)} KV cache groups: {kinds}) are not "
-                "supported by prefixkv's vLLM block manager: vLLM's groups share one block pool, "
-                "prefixkv's GroupedPrefixCache has one pool per group; run the stock scheduler, "
-                "or disable_hybrid_kv_cache_manager=True where vLLM allows it"
+                f"a KV cache config with {len(groups)} KV cache groups is not supported by "
+                "prefixkv's vLLM block manager"
             )
         spec = groups[0].kv_cache_spec
         #: A sliding window shorter than the context: the core releases out-of-window blocks
@@ -167,24 +207,19 @@ class PrefixKVCacheManager:
                 f"manager (supported: {', '.join(t.__name__ for t in SUPPORTED_SPECS)}, and "
                 "SlidingWindowSpec whose window covers max_model_len)"
             )
-        refused = {
-            "enable_caching=False (prefixkv's block manager is a prefix cache)": not enable_caching,
-            "use_eagle (EAGLE's dropped last hit block)": use_eagle,
-            "num_prefill_lookahead (multi-token-prediction re-prefill)": num_prefill_lookahead,
-            "dcp_world_size > 1 (decode context parallelism)": dcp_world_size != 1,
-            "pcp_world_size > 1 (prefill context parallelism)": pcp_world_size != 1,
-            "metrics_collector (KV block residency metrics)": metrics_collector is not None,
-            "enable_mamba_shared_prefix_checkpoint (Mamba)": enable_mamba_shared_prefix_checkpoint,
-            "hash_block_size != block size (partial-block hits)": (
-                hash_block_size != spec.block_size or scheduler_block_size != spec.block_size
-            ),
-            "needs_kv_cache_zeroing (new-block zeroing)": kv_cache_config.needs_kv_cache_zeroing,
-        }
-        for name, is_set in refused.items():
-            if is_set:
-                raise UnsupportedFeatureError(
-                    f"{name} is not supported by prefixkv's block manager"
-                )
+        refuse_unsupported_settings(
+            kv_cache_config,
+            spec.block_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            metrics_collector=metrics_collector,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+        )
 
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -200,7 +235,7 @@ class PrefixKVCacheManager:
         if watermark < 0.0:
             raise UnsupportedFeatureError(f"watermark must be non-negative, got {watermark}")
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.kv_cache_event_metadata = (
+        self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = (
             (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)),
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
@@ -220,7 +255,7 @@ class PrefixKVCacheManager:
             _core.enable_events(self._cache._core, EVENT_CAPACITY, "all")
         self._requests: dict[str, _Tracked] = {}
         self.block_pool = BlockPoolView(self._cache, self._ids, self)
-        self.coordinator = CoordinatorView(self, spec, self.block_size, self.block_pool)
+        self.coordinator = CoordinatorView(self, (spec,), self.block_size, self.block_pool)
 
     # -- what the views and tests read ---------------------------------------------------
     @property
@@ -231,6 +266,12 @@ class PrefixKVCacheManager:
     def table(self, request_id: str) -> list[KVCacheBlock]:
         tracked = self._requests.get(request_id)
         return [] if tracked is None or tracked.table is None else tracked.table
+
+    def blocks_to_allocate(self, request_id: str, num_tokens: int, admission_cap: bool) -> int:
+        """Blocks a scheduled request would still take to hold `num_tokens` slots (what the
+        scheduler asks of `coordinator.get_num_blocks_to_allocate`)."""
+        held = len(self.table(request_id))
+        return max(-(-num_tokens // self.block_size) - held, 0)
 
     # -- stats -----------------------------------------------------------------------------
     @property

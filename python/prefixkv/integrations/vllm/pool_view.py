@@ -96,10 +96,12 @@ class BlockPoolView:
 class SingleTypeManagerView:
     """What is read of vLLM's per-group manager: its group, block size and spec."""
 
-    def __init__(self, kv_cache_spec: Any, block_size: int, block_pool: BlockPoolView) -> None:
+    def __init__(
+        self, kv_cache_spec: Any, block_size: int, block_pool: BlockPoolView, group_id: int = 0
+    ) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = block_size
-        self.kv_cache_group_id = 0
+        self.kv_cache_group_id = group_id
         self.block_pool = block_pool
         self.retains_longer_hit = False
         self.records_new_block_ids = False
@@ -108,10 +110,15 @@ class SingleTypeManagerView:
 class CoordinatorView:
     """The members of vLLM's `KVCacheCoordinator` read outside the manager."""
 
-    def __init__(self, manager: Any, spec: Any, block_size: int, pool: BlockPoolView) -> None:
+    def __init__(
+        self, manager: Any, specs: tuple[Any, ...], block_size: int, pool: BlockPoolView
+    ) -> None:
         self._manager = manager
         self.block_pool = pool
-        self.single_type_managers = (SingleTypeManagerView(spec, block_size, pool),)
+        self.single_type_managers = tuple(
+            SingleTypeManagerView(spec, block_size, pool, group_id)
+            for group_id, spec in enumerate(specs)
+        )
         self.block_size = block_size
         # prefixkv serves whole blocks only: no partial-block hits, no eagle groups, no
         # multi-token-prediction re-prefill.
@@ -138,8 +145,7 @@ class CoordinatorView:
                 "coordinator.get_num_blocks_to_allocate with new computed blocks or encoder "
                 "tokens is not supported by prefixkv's block manager"
             )
-        held = len(self._manager.table(request_id))
-        return max(-(-num_tokens // self.block_size) - held, 0)
+        return int(self._manager.blocks_to_allocate(request_id, num_tokens, apply_admission_cap))
 
     def new_step_starts(self) -> None:
         return None
