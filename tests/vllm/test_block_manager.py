@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 
 from prefixkv.cache import PrefixCache
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
-from prefixkv.integrations.vllm import PrefixKVCacheManager, hybrid
+from prefixkv.integrations.vllm import PrefixKVCacheManager, hybrid, make_block_manager
 from prefixkv.integrations.vllm._versions import check_vllm_version
 from prefixkv.integrations.vllm.context import vllm_cache_context
 from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
@@ -59,7 +59,7 @@ def _manager(**overrides: object) -> PrefixKVCacheManager:
         "hash_block_size": 4,
     }
     args.update(overrides)
-    return PrefixKVCacheManager(**args)  # type: ignore[arg-type]
+    return make_block_manager(**args)
 
 
 # -- versions and interface ----------------------------------------------------------------------
@@ -116,6 +116,14 @@ def _window(window: int = 8, block_size: int = 4) -> SlidingWindowSpec:
         dtype=torch.float32,
         sliding_window=window,
     )
+
+
+def test_one_group_manager_refuses_several_groups_by_name() -> None:
+    """`PrefixKVCacheManager` serves one group; a hybrid config built with it directly is
+    refused, naming the factory that serves it."""
+    config = _config(_full(), _window())
+    with pytest.raises(UnsupportedFeatureError, match=r"2 KV cache groups.*make_block_manager"):
+        PrefixKVCacheManager(config, 256, 4, 4)
 
 
 def test_hybrid_layouts_served_by_lanes() -> None:

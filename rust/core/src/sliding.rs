@@ -6,6 +6,9 @@
 //! three ways, all following from one fact: the query at position `i` reads keys
 //! `i - W < j <= i` only.
 //!
+//! size: one concept (what a window changes: release, keys by SHA-256 parent, explicit release
+//! on vLLM's schedule and per-request windows for lanes), with its tests below the code.
+//!
 //! ## Blocks that left the window are released
 //! A scheduled request whose *settled* count is `s = min(num_computed, num_verified)` (drafts
 //! never count) computes its next token at `s`, and no later query reads further back, so every

@@ -23,28 +23,34 @@ VLLM_VERSION = check_vllm_version()
 if TYPE_CHECKING:
     from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
     from prefixkv.integrations.vllm.connector import PrefixKVConnector
+    from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
     from prefixkv.integrations.vllm.scheduler import (
         AsyncScheduler,
         Scheduler,
         install_block_manager,
+        make_block_manager,
     )
 
 __all__ = [
     "SUPPORTED_SERIES",
     "VLLM_VERSION",
     "AsyncScheduler",
+    "HybridPrefixKVCacheManager",
     "PrefixKVCacheManager",
     "PrefixKVConnector",
     "Scheduler",
     "install_block_manager",
+    "make_block_manager",
 ]
 
 _LAZY = {
+    "HybridPrefixKVCacheManager": "prefixkv.integrations.vllm.hybrid",
     "PrefixKVCacheManager": "prefixkv.integrations.vllm.block_manager",
     "PrefixKVConnector": "prefixkv.integrations.vllm.connector",
     "Scheduler": "prefixkv.integrations.vllm.scheduler",
     "AsyncScheduler": "prefixkv.integrations.vllm.scheduler",
     "install_block_manager": "prefixkv.integrations.vllm.scheduler",
+    "make_block_manager": "prefixkv.integrations.vllm.scheduler",
 }
 
 

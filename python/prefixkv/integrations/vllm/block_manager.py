@@ -1,5 +1,9 @@
 """`PrefixKVCacheManager`: vLLM's `KVCacheManager` interface over prefixkv's `PrefixCache`.
 
+size: one class, vLLM's `KVCacheManager` interface member for member (about 30 members, each a
+short translation onto the core, plus the refusals that keep a vLLM upgrade loud); the hybrid
+layouts' lanes live in `hybrid.py`.
+
 vLLM's scheduler asks its block manager three things per request and step: what prefix is
 cached (`get_computed_blocks`), room for the tokens it schedules (`allocate_slots`, which also
 publishes the blocks those tokens fill) and, at the end, to let the blocks go (`free`, for a
@@ -28,15 +32,15 @@ Everything vLLM could ask that prefixkv does not do is refused by name
 (`UnsupportedFeatureError`): a one-token sliding window, Mamba and
 other non-attention specs, partial-block hits, EAGLE's dropped last block, copy-on-write, KV
 connector loads and deferred frees.
-Layouts of several KV cache groups (hybrid) are served by `hybrid.py`'s subclass, which this
-class's constructor builds for them (docs/vllm.md, "Hybrid and sliding-window layouts").
+Layouts of several KV cache groups (hybrid) are served by `hybrid.py`'s subclass, which
+`scheduler.make_block_manager` builds for them (docs/vllm.md, "Hybrid and sliding-window
+layouts").
 `signatures.py` checks at import that every member and argument of the installed vLLM's
 `KVCacheManager` exists here, so a vLLM upgrade fails loudly, not silently.
+
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -142,14 +146,8 @@ class PrefixKVCacheManager:
     (`context.vllm_cache_context`); the scheduler subclass passes it.
 
     A layout of several KV cache groups (full attention beside sliding windows: Gemma 2/3,
-    gpt-oss) makes a `HybridPrefixKVCacheManager` (`hybrid.py`), one lane per group."""
-
-    def __new__(cls, kv_cache_config: KVCacheConfig, *args: Any, **kwargs: Any) -> Any:
-        if cls is PrefixKVCacheManager and len(kv_cache_config.kv_cache_groups) > 1:
-            from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
-
-            return super().__new__(HybridPrefixKVCacheManager)
-        return super().__new__(cls)
+    gpt-oss) takes `HybridPrefixKVCacheManager` (`hybrid.py`), one lane per group;
+    `make_block_manager` (`scheduler.py`) picks the class for a config."""
 
     def __init__(
         self,
@@ -173,11 +171,11 @@ class PrefixKVCacheManager:
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            # `__new__` hands layouts of several groups to `HybridPrefixKVCacheManager`; a
-            # direct call with none is refused here.
+            # Several groups are `HybridPrefixKVCacheManager`'s (`make_block_manager` picks it).
             raise UnsupportedFeatureError(
                 f"a KV cache config with {len(groups)} KV cache groups is not supported by "
-                "prefixkv's vLLM block manager"
+                "PrefixKVCacheManager: build it with make_block_manager, which serves several "
+                "groups with HybridPrefixKVCacheManager"
             )
         spec = groups[0].kv_cache_spec
         #: A sliding window shorter than the context: the core releases out-of-window blocks

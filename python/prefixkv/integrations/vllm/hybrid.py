@@ -112,7 +112,7 @@ def _lane_extras(request: Request, group_id: int) -> KeyExtras:
 
 class HybridPrefixKVCacheManager(PrefixKVCacheManager):
     """`PrefixKVCacheManager` for several KV cache groups: one lane per group in one cache.
-    Built by `PrefixKVCacheManager(...)` when the config has more than one group."""
+    `make_block_manager` (`scheduler.py`) builds it when the config has more than one group."""
 
     def __init__(
         self,

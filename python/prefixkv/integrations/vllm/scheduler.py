@@ -2,8 +2,9 @@
 
 ``scheduler_cls="prefixkv.integrations.vllm.Scheduler"`` (offline ``LLM(...)``) or
 ``vllm serve --scheduler-cls prefixkv.integrations.vllm.Scheduler``: vLLM builds its scheduler
-as usual, then the block manager it made is replaced by a `PrefixKVCacheManager` over the same
-`KVCacheConfig` and settings, before any request arrives. Scheduling policy, chunked prefill,
+as usual, then the block manager it made is replaced by prefixkv's over the same
+`KVCacheConfig` and settings (`make_block_manager`: a `PrefixKVCacheManager` for one KV cache
+group, a `HybridPrefixKVCacheManager` for several), before any request arrives. Scheduling policy, chunked prefill,
 preemption and output processing stay vLLM's code.
 
 Async scheduling (vLLM's default where the platform supports it) needs vLLM's `AsyncScheduler`;
@@ -23,9 +24,20 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
 from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
 from prefixkv.integrations.vllm.context import vllm_cache_context
+from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
 from prefixkv.integrations.vllm.signatures import missing_attributes
 
-__all__ = ["AsyncScheduler", "Scheduler", "install_block_manager"]
+__all__ = ["AsyncScheduler", "Scheduler", "install_block_manager", "make_block_manager"]
+
+
+def make_block_manager(kv_cache_config: Any, *args: Any, **kwargs: Any) -> PrefixKVCacheManager:
+    """prefixkv's block manager for `kv_cache_config`, with `KVCacheManager`'s constructor
+    arguments: `HybridPrefixKVCacheManager` (one lane per group in one cache) when the config
+    has several KV cache groups (full attention beside sliding windows), else
+    `PrefixKVCacheManager`."""
+    several = len(kv_cache_config.kv_cache_groups) > 1
+    cls = HybridPrefixKVCacheManager if several else PrefixKVCacheManager
+    return cls(kv_cache_config, *args, **kwargs)
 
 
 def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
@@ -42,7 +54,7 @@ def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
             "drives vLLM's block pool directly; use the stock scheduler with it"
         )
     context = vllm_cache_context(scheduler.vllm_config, scheduler.block_size)
-    manager = PrefixKVCacheManager(
+    manager = make_block_manager(
         kv_cache_config=scheduler.kv_cache_config,
         max_model_len=scheduler.max_model_len,
         scheduler_block_size=scheduler.block_size,
