@@ -1,6 +1,7 @@
 """End to end: vLLM offline on SmolLM2 with prefixkv's scheduler gives vLLM's own results.
 
 Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp] [--prompt-repeats N]
+                                            [--expect {full,sliding,hybrid}]
 
 Runs the same prompts (one long shared system prompt, several questions, in two rounds so the
 second round hits what the first cached, plus a batch that shares prefixes within one step)
@@ -10,7 +11,9 @@ multiprocessing mode, greedy sampling), and requires identical token ids and ide
 ``num_cached_tokens`` for every request. ``--prompt-repeats`` lengthens every prompt's shared
 preamble N times, so that a sliding-window model's window slides (a tiny Mistral checkpoint with
 ``sliding_window`` below the prompts, written by transformers' ``save_pretrained``: its blocks
-then leave the window and later prompts hit past them). CPU backend: ``enforce_eager=True``, a small
+then leave the window and later prompts hit past them; ``scripts/prepare_tiny_windowed.py``
+writes one, and a hybrid Gemma 3 one). ``--expect`` fails the run unless prefixkv served the
+model with that layout (full attention, a sliding-window cache, the hybrid manager). CPU backend: ``enforce_eager=True``, a small
 ``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
 """
 
@@ -128,6 +131,11 @@ def main() -> None:
         default=1,
         help="repeat each prompt's shared preamble this many times (longer prompts)",
     )
+    parser.add_argument(
+        "--expect",
+        choices=["full", "sliding", "hybrid"],
+        help="fail unless prefixkv served the model with this layout (in-process runs only)",
+    )
     parser.add_argument("--kind", choices=["stock", "prefixkv"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,6 +169,19 @@ def main() -> None:
     if not args.mp and runs["prefixkv"]["manager"] not in managers:
         raise SystemExit(f"the prefixkv run used {runs['prefixkv']['manager']}, not prefixkv's")
     failures = []
+    if args.expect is not None:
+        if args.mp:
+            raise SystemExit("--expect needs the engine core in-process (no --mp)")
+        served = runs["prefixkv"]
+        layout = (
+            "hybrid"
+            if served["manager"] == "HybridPrefixKVCacheManager"
+            else "sliding"
+            if served.get("window") is not None
+            else "full"
+        )
+        if layout != args.expect:
+            failures.append(f"prefixkv served a {layout} layout, not {args.expect}")
     for i, (want, got) in enumerate(zip(stock, ours, strict=True)):
         for field in ("token_ids", "num_cached_tokens"):
             if want[field] != got[field]:
