@@ -49,6 +49,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     get_kv_cache_spec_kind,
@@ -108,6 +109,23 @@ def refuse_unsupported_settings(
     for name, is_set in refused.items():
         if is_set:
             raise UnsupportedFeatureError(f"{name} is not supported by prefixkv's block manager")
+
+
+def refuse_unsupported_window(spec: SlidingWindowSpec) -> None:
+    """Refuses, by name, a sliding window vLLM treats in ways prefixkv does not: a one-token
+    window (a hit then needs no block, `_contiguous_blocks_for_hit` is 0, and vLLM's
+    `reachable_block_mask` caches none; prefixkv caches every full block) and retained tokens
+    beyond the window (multi-module MTP)."""
+    if spec.sliding_window < 2:
+        raise UnsupportedFeatureError(
+            "SlidingWindowSpec with sliding_window=1 (vLLM caches no block of it) is not "
+            "supported by prefixkv's block manager"
+        )
+    if spec.extra_retained_tokens:
+        raise UnsupportedFeatureError(
+            f"SlidingWindowSpec with extra_retained_tokens={spec.extra_retained_tokens} "
+            "(multi-module MTP) is not supported by prefixkv's block manager"
+        )
 
 
 class _Tracked:
@@ -184,18 +202,7 @@ class PrefixKVCacheManager:
         #: vLLM's admission cap for such a window (`_fits_whole_sequence`).
         self._admission_cap = 0
         if type(spec) is SlidingWindowSpec and spec.sliding_window < max_model_len:
-            if spec.sliding_window < 2:
-                # A hit then needs no block (`_contiguous_blocks_for_hit` is 0), and vLLM's
-                # `reachable_block_mask` caches none; prefixkv caches every full block.
-                raise UnsupportedFeatureError(
-                    "SlidingWindowSpec with sliding_window=1 (vLLM caches no block of it) is not "
-                    "supported by prefixkv's block manager"
-                )
-            if spec.extra_retained_tokens:
-                raise UnsupportedFeatureError(
-                    f"SlidingWindowSpec with extra_retained_tokens={spec.extra_retained_tokens} "
-                    "(multi-module MTP) is not supported by prefixkv's block manager"
-                )
+            refuse_unsupported_window(spec)
             self._window = spec.sliding_window
             in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
             self._admission_cap = spec.max_admission_blocks_per_request(in_flight, max_model_len)
@@ -219,29 +226,19 @@ class PrefixKVCacheManager:
             enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
         )
 
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
-        self.use_eagle = use_eagle
-        self.log_stats = log_stats
-        self.metrics_collector = metrics_collector
-        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.mamba_shared_prefix_checkpoint = False
-        self.num_kv_cache_groups = 1
-        self.retained_hit_group_ids: tuple[int, ...] = ()
-        self.kv_cache_config = kv_cache_config
-        if watermark < 0.0:
-            raise UnsupportedFeatureError(f"watermark must be non-negative, got {watermark}")
-        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = (
-            (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)),
+        self._set_vllm_members(
+            kv_cache_config,
+            (spec,),
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            use_eagle=use_eagle,
+            log_stats=log_stats,
+            metrics_collector=metrics_collector,
+            watermark=watermark,
         )
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
-
-        self.block_size = spec.block_size
         if context is None:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
-        self._ids = BlockIds(kv_cache_config.num_blocks)
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
         self._cache = PrefixCache(
             kv_cache_config.num_blocks - 1,
@@ -254,6 +251,42 @@ class PrefixKVCacheManager:
         self._requests: dict[str, _Tracked] = {}
         self.block_pool = BlockPoolView(self._cache, self._ids, self)
         self.coordinator = CoordinatorView(self, (spec,), self.block_size, self.block_pool)
+
+    def _set_vllm_members(
+        self,
+        kv_cache_config: KVCacheConfig,
+        specs: tuple[KVCacheSpec, ...],
+        *,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        use_eagle: bool,
+        log_stats: bool,
+        metrics_collector: KVCacheMetricsCollector | None,
+        watermark: float,
+    ) -> None:
+        """The members vLLM's scheduler and `EngineCore` read off a `KVCacheManager`, alike for
+        one KV cache group or several (`hybrid.py`); refuses a negative watermark."""
+        if watermark < 0.0:
+            raise UnsupportedFeatureError(f"watermark must be non-negative, got {watermark}")
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.mamba_shared_prefix_checkpoint = False
+        self.num_kv_cache_groups = len(specs)
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.kv_cache_config = kv_cache_config
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = tuple(
+            (get_kv_cache_spec_kind(s).value, get_kv_cache_spec_sliding_window(s)) for s in specs
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
+        self.block_size = specs[0].block_size
+        self._ids = BlockIds(kv_cache_config.num_blocks)
 
     # -- what the views and tests read ---------------------------------------------------
     @property

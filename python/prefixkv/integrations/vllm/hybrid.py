@@ -37,10 +37,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     SlidingWindowSpec,
-    get_kv_cache_spec_kind,
-    get_kv_cache_spec_sliding_window,
 )
-from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from prefixkv.cache import KeyExtras, PrefixCache, key_extras
@@ -49,8 +46,9 @@ from prefixkv.errors import BlockStateError, OutOfBlocksError, UnsupportedFeatur
 from prefixkv.integrations.vllm.block_manager import (
     PrefixKVCacheManager,
     refuse_unsupported_settings,
+    refuse_unsupported_window,
 )
-from prefixkv.integrations.vllm.pool_view import BlockIds, BlockPoolView, CoordinatorView
+from prefixkv.integrations.vllm.pool_view import BlockPoolView, CoordinatorView
 
 __all__ = ["HybridPrefixKVCacheManager"]
 
@@ -174,17 +172,7 @@ class HybridPrefixKVCacheManager(PrefixKVCacheManager):
         self._lanes: list[_Lane] = []
         for group_id, spec in enumerate(specs):
             if type(spec) is SlidingWindowSpec:
-                if spec.sliding_window < 2:
-                    raise UnsupportedFeatureError(
-                        "SlidingWindowSpec with sliding_window=1 (vLLM caches no block of it) "
-                        "is not supported by prefixkv's block manager"
-                    )
-                if spec.extra_retained_tokens:
-                    raise UnsupportedFeatureError(
-                        f"SlidingWindowSpec with extra_retained_tokens="
-                        f"{spec.extra_retained_tokens} (multi-module MTP) is not supported by "
-                        "prefixkv's block manager"
-                    )
+                refuse_unsupported_window(spec)
                 covering = spec.sliding_window >= max_model_len
                 cap = spec.max_admission_blocks_per_request(in_flight, max_model_len)
                 window = full_window if covering else spec.sliding_window
@@ -192,28 +180,19 @@ class HybridPrefixKVCacheManager(PrefixKVCacheManager):
             else:
                 self._lanes.append(_Lane(group_id, full_window, True, None))
 
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
-        self.use_eagle = use_eagle
-        self.log_stats = log_stats
-        self.metrics_collector = metrics_collector
-        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.mamba_shared_prefix_checkpoint = False
-        self.num_kv_cache_groups = len(groups)
-        self.retained_hit_group_ids: tuple[int, ...] = ()
-        self.kv_cache_config = kv_cache_config
-        if watermark < 0.0:
-            raise UnsupportedFeatureError(f"watermark must be non-negative, got {watermark}")
-        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.kv_cache_event_metadata = tuple(
-            (get_kv_cache_spec_kind(s).value, get_kv_cache_spec_sliding_window(s)) for s in specs
+        self._set_vllm_members(
+            kv_cache_config,
+            specs,
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            use_eagle=use_eagle,
+            log_stats=log_stats,
+            metrics_collector=metrics_collector,
+            watermark=watermark,
         )
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
-        self.block_size = block_size
         if context is None:
             context = CacheContext(block_size=block_size, extra={"engine": "vllm"})
-        self._ids = BlockIds(kv_cache_config.num_blocks)
         self._window = None
         self._admission_cap = 0
         # One pool for every group; each lane sets its own window.
