@@ -18,6 +18,12 @@ otherwise): under this pressure that also checks that they evict the same blocks
 different victim changes a later hit. Figures are per request: mean, p50 and p99 of each
 variant's CPU time (common.py's clock), the ratios prefixkv ÷ floor and Python ÷ prefixkv, and the
 same by prompt length.
+
+Peers, each replaying the same seeded trace in its own Python environment (a separate process):
+``--vllm-python`` (`peer_vllm.py`: vLLM's `KVCacheManager`, which must cache the same tokens on
+every request, or the run fails) and ``--sglang-python`` (`peer_sglang.py`: SGLang's
+`UnifiedRadixCache` on its compiled tree core, which evicts whole radix nodes, so its hits are
+reported beside prefixkv's with the share of requests that agree, never required equal).
 """
 
 from __future__ import annotations
@@ -273,9 +279,60 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
     }
 
 
-def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> dict[str, Any]:
-    """`vllm_python`: a Python with vLLM for the peer replay (default: $PREFIXKV_VLLM_PYTHON,
-    else none)."""
+def sglang_peer(
+    sglang_python: str, quick: bool, seed: int, raw: dict[str, Any], trace: ProductionTrace
+) -> dict[str, Any]:
+    """Replays the same trace through SGLang's radix cache in `sglang_python` (peer_sglang.py,
+    a separate process) and compares its hits with prefixkv's: SGLang evicts whole radix nodes
+    where prefixkv evicts blocks, so the hits may differ; reported, not required equal."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [sglang_python, str(Path(__file__).with_name("peer_sglang.py"))]
+        command += ["--seed", str(seed)] + ["--quick"] * quick + ["--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            data = {key: peer[key] for key in peer.files}
+    ours = raw["every_hit"]
+    theirs = data["cached"]
+    if len(theirs) != len(ours):
+        raise HitMismatch(f"SGLang replayed {len(theirs)} requests, prefixkv {len(ours)}")
+    warmup = raw["warmup"]
+    lengths = trace.prompt_lengths()
+    phases = {name: data[f"{name}_ns"][warmup:] for name in ("match", "alloc", "insert", "release")}
+    total = phases["match"] + phases["alloc"] + phases["insert"] + phases["release"]
+    ours_us = _stats_us(raw["ns"]["prefixkv"])
+    total_us = _stats_us(total)
+    timed_lengths = lengths[warmup:]
+
+    def hit_rates(cached: np.ndarray) -> dict[str, float]:
+        return {
+            "timed": float(cached[warmup:].sum() / timed_lengths.sum()),
+            "all_requests": float(cached.sum() / lengths.sum()),
+            "per_request_mean": float((cached[warmup:] / timed_lengths).mean()),
+        }
+
+    return {
+        "version": str(data["version"]),
+        "backend": str(data["backend"]),
+        "torch": str(data["torch"]),
+        "hit_rate": hit_rates(theirs),
+        "prefixkv_hit_rate": hit_rates(ours),
+        "requests_equal": float((theirs == ours).mean()),
+        "requests_equal_timed": float((theirs[warmup:] == ours[warmup:]).mean()),
+        "evicted_pages_per_request": float(data["evicted_tokens"][warmup:].mean()) / BLOCK_SIZE,
+        "us": {"total": total_us, **{name: _stats_us(v) for name, v in phases.items()}},
+        "sglang_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+    }
+
+
+def run(
+    quick: bool = False,
+    seed: int = 0,
+    vllm_python: str | None = None,
+    sglang_python: str | None = None,
+) -> dict[str, Any]:
+    """`vllm_python` / `sglang_python`: a Python with vLLM / SGLang for the peer replays
+    (default: $PREFIXKV_VLLM_PYTHON / $PREFIXKV_SGLANG_PYTHON, else none)."""
     params = TraceParams().scaled(0.2) if quick else TraceParams()
     trace = production_trace(params, seed=seed)
     load = os.getloadavg()[0]
@@ -284,6 +341,9 @@ def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> d
     vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
     if vllm_python:
         result["vllm"] = vllm_peer(vllm_python, quick, seed, raw)
+    sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
+    if sglang_python:
+        result["sglang"] = sglang_peer(sglang_python, quick, seed, raw, trace)
     result["quick"] = quick
     result["load_average_before"] = load
     result["load_average_after"] = os.getloadavg()[0]
@@ -340,6 +400,26 @@ def markdown(result: dict[str, Any]) -> str:
                 *(fmt_ratio(peer["vllm_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
             ]
         )
+    sglang = result.get("sglang")
+    if sglang:
+        for key, label in [
+            (
+                "total",
+                f"SGLang {sglang['version']} UnifiedRadixCache ({sglang['backend']}), whole request",
+            ),
+            ("match", "… of which match_prefix + lock"),
+            ("alloc", "… of which evict + alloc"),
+            ("insert", "… of which insert + relock"),
+            ("release", "… of which free tail + unlock"),
+        ]:
+            s = sglang["us"][key]
+            rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+        rows.append(
+            [
+                "SGLang ÷ prefixkv",
+                *(fmt_ratio(sglang["sglang_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
+            ]
+        )
     phases = result["prefixkv_phases_us"]
     for phase in ("begin", "commit", "finish"):
         s = phases[phase]
@@ -347,6 +427,17 @@ def markdown(result: dict[str, Any]) -> str:
             [f"prefixkv {phase}", f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"]
         )
     out.append(md_table(["per request", "mean µs", "p50 µs", "p99 µs"], rows))
+    if sglang:
+        ours, theirs = sglang["prefixkv_hit_rate"], sglang["hit_rate"]
+        out.append(
+            f"\nSGLang's hits (its own: it evicts whole radix nodes, prefixkv single blocks): "
+            f"hit rate {theirs['timed']:.1%} timed, {theirs['all_requests']:.1%} all requests, "
+            f"mean per request {theirs['per_request_mean']:.1%} (prefixkv {ours['timed']:.1%}, "
+            f"{ours['all_requests']:.1%}, {ours['per_request_mean']:.1%}); the same cached "
+            f"tokens on {sglang['requests_equal']:.1%} of requests ({sglang['requests_equal_timed']:.1%} "
+            f"of the timed ones); {sglang['evicted_pages_per_request']:,.0f} pages "
+            f"evicted per timed request (prefixkv {result['evictions_per_request']:,.0f} blocks); torch {sglang['torch']}.\n"
+        )
     out.append("\nBy prompt length (means):\n")
     rows = []
     for band in result["bands"]:
@@ -392,9 +483,14 @@ def main() -> None:
         help="a Python with vLLM: replay the trace through vLLM's KVCacheManager too "
         "(default $PREFIXKV_VLLM_PYTHON)",
     )
+    parser.add_argument(
+        "--sglang-python",
+        help="a Python with SGLang: replay the trace through SGLang's radix cache too "
+        "(peer_sglang.py; default $PREFIXKV_SGLANG_PYTHON)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
-    result = run(args.quick, args.seed, args.vllm_python)
+    result = run(args.quick, args.seed, args.vllm_python, args.sglang_python)
     if args.json:
         write_json(args.json, {"machine": machine(), "result": result})
     print(markdown(result))

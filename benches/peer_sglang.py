@@ -1,0 +1,194 @@
+"""SGLang's radix cache on the production-shaped trace: a peer of `bench_production.py`.
+
+Runs in a Python environment with SGLang (it does not import prefixkv), replays the same seeded
+trace (`production_workload.py`) through SGLang's default prefix cache, `UnifiedRadixCache` with
+its compiled Rust tree core (`RustUnifiedTreeCore`, SGLang's default backend), over SGLang's own
+paged KV-slot allocator (`PagedTokenToKVPoolAllocator`, page size 16 = prefixkv's block size, as
+many pages as prefixkv has blocks), and writes, per request, its CPU time (by phase) and cached
+tokens to an `.npz` file, which `bench_production.py --sglang-python PATH` reads.
+
+Per request, as SGLang's scheduler does it for a prompt prefilled whole and then finished
+(`schedule_batch.init_next_round_input` → `schedule_policy` admission → `allocation` →
+`UnifiedRadixCache.checkpoint_into_tree` → `common.release_kv_cache`), with the prompt held as
+SGLang holds it (an ``array('q')``, built outside the timed calls):
+
+- ``match``: ``match_prefix`` on the prompt capped at ``len - 1`` tokens (SGLang, like vLLM and
+  prefixkv, always computes the last token) + ``lock`` of the matched node;
+- ``alloc``: ``allocator.evict_to_free_tokens`` (evicts LRU leaves, leaf-first, node by node,
+  through the tree core's stepped ``evict_device_*`` walk, until the pages fit) + ``alloc`` of the
+  pages for the uncached tokens (the hit is page-aligned, so these are whole new pages: what
+  ``alloc_extend`` hands out too, without its torch-native per-token index arithmetic, which on
+  a GPU is one Triton kernel);
+- ``insert``: ``insert`` of the page-aligned prompt with the request's KV indices (the matched
+  path's indices, read off the tree, then the new ones), ``prev_prefix_len`` = the hit; the
+  tree-side ``path_device_indices`` of the new last node and the lock moved onto it;
+- ``release``: the pages past the page-aligned prompt (the partial last page) freed, the lock
+  released.
+
+What is not SGLang's code here: the request row (``req_to_token_pool``) is a plain tensor held by
+this script, since no ``Req`` object is built; no model, no KV bytes (``kvcache=None``: the
+allocator only hands out indices).
+
+Hits are SGLang's own: it evicts whole radix nodes (leaf-first LRU, a node being a run of pages)
+where prefixkv evicts block by block, so a request's hit may differ; `bench_production.py`
+reports the agreement and never fails on it.
+
+Environment (not a prefixkv dependency; an opt-in peer like vLLM). SGLang 0.5.23's wheel pins
+torch 2.14.1 and its Rust tree core refuses any other torch, so the venv gets torch 2.14.1 over
+the system's packages, and only what ``import`` needs (the full install pulls CUDA kernels):
+
+    python3 -m venv --system-site-packages /work/venvs/sglang
+    /work/venvs/sglang/bin/pip install --no-deps sglang==0.5.23 torch==2.14.1 \\
+        torchvision==0.29.2 "nvidia-curand>=10.4,<11" apache-tvm-ffi==0.1.11
+    /work/venvs/sglang/bin/pip install --no-deps psutil pybase64 starlette dill \\
+        sentencepiece compressed-tensors loguru openai partial-json-parser
+    /work/venvs/sglang/bin/pip install aiohttp
+
+    /work/venvs/sglang/bin/python benches/peer_sglang.py [--quick] [--seed 0] --out peer.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import time
+import warnings
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    import torch
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.version import __version__ as SGLANG_VERSION
+
+PHASES = ("match", "alloc", "insert", "release")
+
+
+class PeerError(RuntimeError):
+    """SGLang's cache did something this replay does not allow (an allocation failing, pages
+    leaking): the figures would not be of a working cache."""
+
+
+def make_cache(num_blocks: int) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAllocator]:
+    """SGLang's default prefix cache for a full-attention model, as its registry builds it
+    (`create_unified_radix_cache`: one FULL component, LRU eviction, the default tree core
+    backend), over `num_blocks` pages of `BLOCK_SIZE` tokens."""
+    allocator = PagedTokenToKVPoolAllocator(
+        size=num_blocks * BLOCK_SIZE,
+        page_size=BLOCK_SIZE,
+        dtype=torch.float16,
+        device="cpu",
+        kvcache=None,
+        need_sort=False,  # SGLang's value outside prefill/decode disaggregation
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=allocator,
+        page_size=BLOCK_SIZE,
+        tree_components=(ComponentType.FULL,),
+    )
+    cache = UnifiedRadixCache(params)
+    return cache, allocator
+
+
+def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
+    """Every request of `trace` through a fresh cache: per-request times by phase, and hits."""
+    num_blocks = trace.num_blocks()
+    cache, allocator = make_cache(num_blocks)
+    backend = type(cache.tree_core).__name__
+    clock = time.thread_time_ns
+    page = BLOCK_SIZE
+    ns = {phase: [] for phase in PHASES}
+    cached: list[int] = []
+    evicted: list[int] = []  # slots freed by eviction, per request
+    gc.collect()
+    gc.disable()
+    try:
+        for index, request in enumerate(trace.requests()):
+            tokens = array("q", request.tokens.tobytes())  # SGLang's form for a prompt
+            length = len(tokens)
+            t0 = clock()
+            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=length - 1)))
+            hit = match.device_prefix_len
+            lock = cache.lock(match.last_device_node)
+            t1 = clock()
+            need = -(-(length - hit) // page) * page
+            before = allocator.available_size()
+            allocator.evict_to_free_tokens(cache, need)
+            evicted.append(allocator.available_size() - before)
+            new_slots = allocator.alloc(need)
+            if new_slots is None:
+                raise PeerError(f"request {index}: SGLang's pool cannot fit {length} tokens")
+            t2 = clock()
+            # The request's KV row: the matched path's slots, then the new ones.
+            row = torch.cat((cache.path_device_indices(match.last_device_node)[:hit], new_slots))
+            key = RadixKey(tokens).page_aligned(page)
+            aligned = len(key)
+            values = row[:aligned].to(dtype=torch.int64, copy=True)
+            result = cache.insert(
+                InsertParams(key=key, value=values, prev_prefix_len=hit, priority=0)
+            )
+            new_last = result.last_device_node
+            new_indices = cache.path_device_indices(new_last)
+            row[hit : len(new_indices)] = new_indices[hit:]
+            cache.unlock(lock)
+            lock = cache.lock(new_last)
+            t3 = clock()
+            # release_kv_cache: the slots past the tree's page-aligned copy go back, the lock too.
+            if aligned < len(row):
+                allocator.free_segment(row[aligned:], start_pos=aligned)
+            cache.unlock(lock)
+            t4 = clock()
+            for phase, start, end in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                ns[phase].append(end - start)
+            cached.append(hit)
+    finally:
+        gc.enable()
+    # Every page is either free or held by the tree, and nothing is locked: no leak, no lock left.
+    held = cache.full_evictable_size() + cache.full_protected_size()
+    if cache.full_protected_size() != 0 or allocator.available_size() + held != num_blocks * page:
+        raise PeerError(
+            f"pages leaked or locked: {allocator.available_size()} free + {held} in the tree "
+            f"({cache.full_protected_size()} locked) != {num_blocks * page}"
+        )
+    return {
+        **{f"{phase}_ns": np.array(v, dtype=np.int64) for phase, v in ns.items()},
+        "cached": np.array(cached, dtype=np.int64),
+        "evicted_tokens": np.array(evicted, dtype=np.int64),
+        "version": np.array(SGLANG_VERSION),
+        "backend": np.array(backend),
+        "torch": np.array(torch.__version__),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    params = TraceParams().scaled(0.2) if args.quick else TraceParams()
+    np.savez(args.out, **replay(production_trace(params, seed=args.seed)))
+
+
+if __name__ == "__main__":
+    main()
