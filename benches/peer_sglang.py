@@ -108,9 +108,10 @@ def make_cache(num_blocks: int) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAl
     return cache, allocator
 
 
-def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
-    """Every request of `trace` through a fresh cache: per-request times by phase, and hits."""
-    num_blocks = trace.num_blocks()
+def replay(trace: ProductionTrace, num_blocks: int | None = None) -> dict[str, np.ndarray]:
+    """Every request of `trace` through a fresh cache of `num_blocks` pages (default: the trace's
+    cache size, as prefixkv's): per-request times by phase, hits and evicted slots."""
+    num_blocks = num_blocks or trace.num_blocks()
     cache, allocator = make_cache(num_blocks)
     backend = type(cache.tree_core).__name__
     clock = time.thread_time_ns
@@ -156,7 +157,7 @@ def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
                 allocator.free_segment(row[aligned:], start_pos=aligned)
             cache.unlock(lock)
             t4 = clock()
-            for phase, start, end in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+            for phase, start, end in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
                 ns[phase].append(end - start)
             cached.append(hit)
     finally:
