@@ -279,29 +279,42 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
     }
 
 
+def _sglang_replay(sglang_python: str, quick: bool, seed: int, *extra: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [sglang_python, str(Path(__file__).with_name("peer_sglang.py"))]
+        command += ["--seed", str(seed)] + ["--quick"] * quick + ["--out", str(out), *extra]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            return {key: peer[key] for key in peer.files}
+
+
 def sglang_peer(
     sglang_python: str, quick: bool, seed: int, raw: dict[str, Any], trace: ProductionTrace
 ) -> dict[str, Any]:
     """Replays the same trace through SGLang's radix cache in `sglang_python` (peer_sglang.py,
     a separate process) and compares its hits with prefixkv's: SGLang evicts whole radix nodes
-    where prefixkv evicts blocks, so the hits may differ; reported, not required equal."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.npz"
-        command = [sglang_python, str(Path(__file__).with_name("peer_sglang.py"))]
-        command += ["--seed", str(seed)] + ["--quick"] * quick + ["--out", str(out)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        with np.load(out) as peer:
-            data = {key: peer[key] for key in peer.files}
+    where prefixkv evicts blocks, so the hits may differ; reported, not required equal.
+
+    A second replay (`--core-split`) times the compiled tree core's calls alone; its wrapper
+    costs a Python call per core call, so that pass gives the core's time, not the totals."""
+    data = _sglang_replay(sglang_python, quick, seed)
+    split = _sglang_replay(sglang_python, quick, seed, "--core-split")
     ours = raw["every_hit"]
     theirs = data["cached"]
     if len(theirs) != len(ours):
         raise HitMismatch(f"SGLang replayed {len(theirs)} requests, prefixkv {len(ours)}")
+    if not np.array_equal(split["cached"], theirs):
+        raise HitMismatch("SGLang's two replays of one trace cached different tokens")
     warmup = raw["warmup"]
     lengths = trace.prompt_lengths()
     phases = {name: data[f"{name}_ns"][warmup:] for name in ("match", "alloc", "insert", "release")}
     total = phases["match"] + phases["alloc"] + phases["insert"] + phases["release"]
-    ours_us = _stats_us(raw["ns"]["prefixkv"])
+    core = split["core_ns"][warmup:]
+    ours_ns = raw["ns"]["prefixkv"]
+    ours_us = _stats_us(ours_ns)
     total_us = _stats_us(total)
+    core_us = _stats_us(core)
     timed_lengths = lengths[warmup:]
 
     def hit_rates(cached: np.ndarray) -> dict[str, float]:
@@ -311,6 +324,25 @@ def sglang_peer(
             "per_request_mean": float((cached[warmup:] / timed_lengths).mean()),
         }
 
+    bands = []
+    low = 0
+    for high in BANDS:
+        mask = (timed_lengths > low) & (timed_lengths <= high)
+        if mask.any():
+            bands.append(
+                {
+                    "tokens": [low, high],
+                    "requests": int(mask.sum()),
+                    "hit_rate": float(theirs[warmup:][mask].sum() / timed_lengths[mask].sum()),
+                    "prefixkv_hit_rate": float(
+                        ours[warmup:][mask].sum() / timed_lengths[mask].sum()
+                    ),
+                    "us_mean": float(total[mask].mean()) / 1e3,
+                    "core_us_mean": float(core[mask].mean()) / 1e3,
+                    "prefixkv_us_mean": float(ours_ns[mask].mean()) / 1e3,
+                }
+            )
+        low = high
     return {
         "version": str(data["version"]),
         "backend": str(data["backend"]),
@@ -320,8 +352,14 @@ def sglang_peer(
         "requests_equal": float((theirs == ours).mean()),
         "requests_equal_timed": float((theirs[warmup:] == ours[warmup:]).mean()),
         "evicted_pages_per_request": float(data["evicted_tokens"][warmup:].mean()) / BLOCK_SIZE,
-        "us": {"total": total_us, **{name: _stats_us(v) for name, v in phases.items()}},
+        "us": {
+            "total": total_us,
+            **{name: _stats_us(v) for name, v in phases.items()},
+            "core": core_us,
+        },
         "sglang_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+        "core_vs_prefixkv": {stat: core_us[stat] / ours_us[stat] for stat in ours_us},
+        "bands": bands,
     }
 
 
@@ -411,15 +449,15 @@ def markdown(result: dict[str, Any]) -> str:
             ("alloc", "… of which evict + alloc"),
             ("insert", "… of which insert + relock"),
             ("release", "… of which free tail + unlock"),
+            ("core", "SGLang's compiled tree core alone (its calls, second pass)"),
         ]:
             s = sglang["us"][key]
             rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
-        rows.append(
-            [
-                "SGLang ÷ prefixkv",
-                *(fmt_ratio(sglang["sglang_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
-            ]
-        )
+        for key, label in [
+            ("sglang_vs_prefixkv", "SGLang ÷ prefixkv"),
+            ("core_vs_prefixkv", "SGLang's core alone ÷ prefixkv"),
+        ]:
+            rows.append([label, *(fmt_ratio(sglang[key][stat]) for stat in ("mean", "p50", "p99"))])
     phases = result["prefixkv_phases_us"]
     for phase in ("begin", "commit", "finish"):
         s = phases[phase]
@@ -437,6 +475,36 @@ def markdown(result: dict[str, Any]) -> str:
             f"tokens on {sglang['requests_equal']:.1%} of requests ({sglang['requests_equal_timed']:.1%} "
             f"of the timed ones); {sglang['evicted_pages_per_request']:,.0f} pages "
             f"evicted per timed request (prefixkv {result['evictions_per_request']:,.0f} blocks); torch {sglang['torch']}.\n"
+        )
+        rows = [
+            [
+                f"{band['tokens'][0] // 1024}k–{band['tokens'][1] // 1024}k",
+                band["requests"],
+                f"{band['hit_rate']:.1%}",
+                f"{band['prefixkv_hit_rate']:.1%}",
+                f"{band['us_mean']:,.1f}",
+                f"{band['core_us_mean']:,.1f}",
+                f"{band['prefixkv_us_mean']:,.1f}",
+                fmt_ratio(band["us_mean"] / band["prefixkv_us_mean"]),
+                fmt_ratio(band["core_us_mean"] / band["prefixkv_us_mean"]),
+            ]
+            for band in sglang["bands"]
+        ]
+        out.append(
+            md_table(
+                [
+                    "prompt tokens",
+                    "requests",
+                    "SGLang hit",
+                    "prefixkv hit",
+                    "SGLang µs",
+                    "its core µs",
+                    "prefixkv µs",
+                    "SGLang ÷ prefixkv",
+                    "core ÷ prefixkv",
+                ],
+                rows,
+            )
         )
     out.append("\nBy prompt length (means):\n")
     rows = []

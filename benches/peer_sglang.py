@@ -108,11 +108,44 @@ def make_cache(num_blocks: int) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAl
     return cache, allocator
 
 
-def replay(trace: ProductionTrace, num_blocks: int | None = None) -> dict[str, np.ndarray]:
+class TimedBinding:
+    """Stands in for the tree core's compiled binding and adds up the CPU time spent in its
+    calls (argument and result conversion included): how much of a request is the compiled
+    core and how much SGLang's Python around it. Costs a Python call per binding call, so a
+    replay measuring it is not the one whose totals are reported."""
+
+    def __init__(self, binding: object) -> None:
+        self._binding = binding
+        self.ns = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._binding, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.thread_time_ns()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.ns += time.thread_time_ns() - start
+
+        return timed
+
+
+def replay(
+    trace: ProductionTrace, num_blocks: int | None = None, core_split: bool = False
+) -> dict[str, np.ndarray]:
     """Every request of `trace` through a fresh cache of `num_blocks` pages (default: the trace's
-    cache size, as prefixkv's): per-request times by phase, hits and evicted slots."""
+    cache size, as prefixkv's): per-request times by phase, hits and evicted slots; with
+    `core_split`, also the time inside the compiled tree core per request (`TimedBinding`)."""
     num_blocks = num_blocks or trace.num_blocks()
     cache, allocator = make_cache(num_blocks)
+    timed_binding = None
+    if core_split:
+        timed_binding = TimedBinding(cache.tree_core._binding)
+        cache.tree_core._binding = timed_binding
+    core: list[int] = []
     backend = type(cache.tree_core).__name__
     clock = time.thread_time_ns
     page = BLOCK_SIZE
@@ -125,6 +158,7 @@ def replay(trace: ProductionTrace, num_blocks: int | None = None) -> dict[str, n
         for index, request in enumerate(trace.requests()):
             tokens = array("q", request.tokens.tobytes())  # SGLang's form for a prompt
             length = len(tokens)
+            core_before = timed_binding.ns if timed_binding else 0
             t0 = clock()
             match = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=length - 1)))
             hit = match.device_prefix_len
@@ -160,6 +194,8 @@ def replay(trace: ProductionTrace, num_blocks: int | None = None) -> dict[str, n
             for phase, start, end in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
                 ns[phase].append(end - start)
             cached.append(hit)
+            if timed_binding:
+                core.append(timed_binding.ns - core_before)
     finally:
         gc.enable()
     # Every page is either free or held by the tree, and nothing is locked: no leak, no lock left.
@@ -169,7 +205,9 @@ def replay(trace: ProductionTrace, num_blocks: int | None = None) -> dict[str, n
             f"pages leaked or locked: {allocator.available_size()} free + {held} in the tree "
             f"({cache.full_protected_size()} locked) != {num_blocks * page}"
         )
+    extra = {"core_ns": np.array(core, dtype=np.int64)} if core_split else {}
     return {
+        **extra,
         **{f"{phase}_ns": np.array(v, dtype=np.int64) for phase, v in ns.items()},
         "cached": np.array(cached, dtype=np.int64),
         "evicted_tokens": np.array(evicted, dtype=np.int64),
@@ -184,11 +222,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--core-split",
+        action="store_true",
+        help="also time the compiled tree core's calls (adds a Python call per binding call)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()
-    np.savez(args.out, **replay(production_trace(params, seed=args.seed)))
+    trace = production_trace(params, seed=args.seed)
+    np.savez(args.out, **replay(trace, core_split=args.core_split))
 
 
 if __name__ == "__main__":
