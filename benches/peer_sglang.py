@@ -14,8 +14,9 @@ SGLang holds it (an ``array('q')``, built outside the timed calls):
 
 - ``match``: ``match_prefix`` on the prompt capped at ``len - 1`` tokens (SGLang, like vLLM and
   prefixkv, always computes the last token) + ``lock`` of the matched node;
-- ``alloc``: ``allocator.evict_to_free_tokens`` (evicts LRU leaves, leaf-first, node by node,
-  through the tree core's stepped ``evict_device_*`` walk, until the pages fit) + ``alloc`` of the
+- ``alloc``: ``allocator.evict_to_free_tokens`` for ``alloc_paged_token_slots_extend``'s demand
+  (the uncached tokens + one page; evicts LRU leaves, leaf-first, node by node, through the tree
+  core's stepped ``evict_device_*`` walk, until that many slots are free) + ``alloc`` of the
   pages for the uncached tokens (the hit is page-aligned, so these are whole new pages: what
   ``alloc_extend`` hands out too, without its torch-native per-token index arithmetic, which on
   a GPU is one Triton kernel);
@@ -44,7 +45,10 @@ the system's packages, and only what ``import`` needs (the full install pulls CU
         sentencepiece compressed-tensors loguru openai partial-json-parser
     /work/venvs/sglang/bin/pip install aiohttp
 
-    /work/venvs/sglang/bin/python benches/peer_sglang.py [--quick] [--seed 0] --out peer.npz
+    /work/venvs/sglang/bin/python benches/peer_sglang.py [--quick] [--seed 0] [--core-split] \
+        --out peer.npz
+
+``--core-split`` also times the compiled tree core's calls alone (`TimedBinding`).
 """
 
 from __future__ import annotations
@@ -164,9 +168,11 @@ def replay(
             hit = match.device_prefix_len
             lock = cache.lock(match.last_device_node)
             t1 = clock()
-            need = -(-(length - hit) // page) * page
+            # alloc_paged_token_slots_extend's demand: the extend tokens plus a page per request
+            # (its conservative bound, which may evict one page more than the allocation needs).
             before = allocator.available_size()
-            allocator.evict_to_free_tokens(cache, need)
+            allocator.evict_to_free_tokens(cache, length - hit + page)
+            need = -(-(length - hit) // page) * page
             evicted.append(allocator.available_size() - before)
             new_slots = allocator.alloc(need)
             if new_slots is None:
