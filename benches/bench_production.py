@@ -297,9 +297,11 @@ def sglang_peer(
     where prefixkv evicts blocks, so the hits may differ; reported, not required equal.
 
     A second replay (`--core-split`) times the compiled tree core's calls alone; its wrapper
-    costs a Python call per core call, so that pass gives the core's time, not the totals."""
+    costs a Python call per core call, so that pass gives the core's time, not the totals. A
+    third runs SGLang's pure-Python tree core (`--tree-core python`) for comparison."""
     data = _sglang_replay(sglang_python, quick, seed)
     split = _sglang_replay(sglang_python, quick, seed, "--core-split")
+    python_core = _sglang_replay(sglang_python, quick, seed, "--tree-core", "python")
     ours = raw["every_hit"]
     theirs = data["cached"]
     if len(theirs) != len(ours):
@@ -311,10 +313,12 @@ def sglang_peer(
     phases = {name: data[f"{name}_ns"][warmup:] for name in ("match", "alloc", "insert", "release")}
     total = phases["match"] + phases["alloc"] + phases["insert"] + phases["release"]
     core = split["core_ns"][warmup:]
+    python_total = sum(python_core[f"{name}_ns"][warmup:] for name in phases)
     ours_ns = raw["ns"]["prefixkv"]
     ours_us = _stats_us(ours_ns)
     total_us = _stats_us(total)
     core_us = _stats_us(core)
+    python_us = _stats_us(python_total)
     timed_lengths = lengths[warmup:]
 
     def hit_rates(cached: np.ndarray) -> dict[str, float]:
@@ -356,9 +360,13 @@ def sglang_peer(
             "total": total_us,
             **{name: _stats_us(v) for name, v in phases.items()},
             "core": core_us,
+            "python_core": python_us,
         },
+        "python_core_backend": str(python_core["backend"]),
+        "python_core_same_hits": float((python_core["cached"] == theirs).mean()),
         "sglang_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
         "core_vs_prefixkv": {stat: core_us[stat] / ours_us[stat] for stat in ours_us},
+        "python_core_vs_prefixkv": {stat: python_us[stat] / ours_us[stat] for stat in ours_us},
         "bands": bands,
     }
 
@@ -450,12 +458,17 @@ def markdown(result: dict[str, Any]) -> str:
             ("insert", "… of which insert + relock"),
             ("release", "… of which free tail + unlock"),
             ("core", "SGLang's compiled tree core alone (its calls, second pass)"),
+            (
+                "python_core",
+                f"SGLang on its Python tree core ({sglang['python_core_backend']}), whole request",
+            ),
         ]:
             s = sglang["us"][key]
             rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
         for key, label in [
             ("sglang_vs_prefixkv", "SGLang ÷ prefixkv"),
             ("core_vs_prefixkv", "SGLang's core alone ÷ prefixkv"),
+            ("python_core_vs_prefixkv", "SGLang on its Python tree core ÷ prefixkv"),
         ]:
             rows.append([label, *(fmt_ratio(sglang[key][stat]) for stat in ("mean", "p50", "p99"))])
     phases = result["prefixkv_phases_us"]
@@ -474,7 +487,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{ours['all_requests']:.1%}, {ours['per_request_mean']:.1%}); the same cached "
             f"tokens on {sglang['requests_equal']:.1%} of requests ({sglang['requests_equal_timed']:.1%} "
             f"of the timed ones); {sglang['evicted_pages_per_request']:,.0f} pages "
-            f"evicted per timed request (prefixkv {result['evictions_per_request']:,.0f} blocks); torch {sglang['torch']}.\n"
+            f"evicted per timed request (prefixkv {result['evictions_per_request']:,.0f} blocks); its Python tree "
+            f"core cached the same tokens as the compiled one on {sglang['python_core_same_hits']:.1%} "
+            f"of requests; torch {sglang['torch']}.\n"
         )
         rows = [
             [

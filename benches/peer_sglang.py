@@ -46,9 +46,11 @@ the system's packages, and only what ``import`` needs (the full install pulls CU
     /work/venvs/sglang/bin/pip install aiohttp
 
     /work/venvs/sglang/bin/python benches/peer_sglang.py [--quick] [--seed 0] [--core-split] \
-        --out peer.npz
+        [--tree-core rust|python] --out peer.npz
 
-``--core-split`` also times the compiled tree core's calls alone (`TimedBinding`).
+``--core-split`` also times the compiled tree core's calls alone (`TimedBinding`);
+``--tree-core python`` runs SGLang's pure-Python tree core instead (the same tree: it cached the
+same tokens on every request in our runs).
 """
 
 from __future__ import annotations
@@ -89,10 +91,17 @@ class PeerError(RuntimeError):
     leaking): the figures would not be of a working cache."""
 
 
-def make_cache(num_blocks: int) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAllocator]:
+#: SGLang's tree core backends: the compiled one (its default) and the pure-Python one.
+TREE_CORES = {"rust": "RustUnifiedTreeCore", "python": "UnifiedTreeCore"}
+
+
+def make_cache(
+    num_blocks: int, tree_core: str = "rust"
+) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAllocator]:
     """SGLang's default prefix cache for a full-attention model, as its registry builds it
-    (`create_unified_radix_cache`: one FULL component, LRU eviction, the default tree core
-    backend), over `num_blocks` pages of `BLOCK_SIZE` tokens."""
+    (`create_unified_radix_cache`: one FULL component, LRU eviction), on the `tree_core`
+    backend, over `num_blocks` pages of `BLOCK_SIZE` tokens. SGLang quietly falls back to the
+    Python core where the compiled one cannot load (another torch, say): refused here."""
     allocator = PagedTokenToKVPoolAllocator(
         size=num_blocks * BLOCK_SIZE,
         page_size=BLOCK_SIZE,
@@ -107,8 +116,12 @@ def make_cache(num_blocks: int) -> tuple[UnifiedRadixCache, PagedTokenToKVPoolAl
         token_to_kv_pool_allocator=allocator,
         page_size=BLOCK_SIZE,
         tree_components=(ComponentType.FULL,),
+        tree_core_backend=tree_core,
     )
     cache = UnifiedRadixCache(params)
+    built = type(cache.tree_core).__name__
+    if built != TREE_CORES[tree_core]:
+        raise PeerError(f"asked SGLang for its {tree_core} tree core, it built {built}")
     return cache, allocator
 
 
@@ -138,13 +151,16 @@ class TimedBinding:
 
 
 def replay(
-    trace: ProductionTrace, num_blocks: int | None = None, core_split: bool = False
+    trace: ProductionTrace,
+    num_blocks: int | None = None,
+    core_split: bool = False,
+    tree_core: str = "rust",
 ) -> dict[str, np.ndarray]:
     """Every request of `trace` through a fresh cache of `num_blocks` pages (default: the trace's
     cache size, as prefixkv's): per-request times by phase, hits and evicted slots; with
     `core_split`, also the time inside the compiled tree core per request (`TimedBinding`)."""
     num_blocks = num_blocks or trace.num_blocks()
-    cache, allocator = make_cache(num_blocks)
+    cache, allocator = make_cache(num_blocks, tree_core)
     timed_binding = None
     if core_split:
         timed_binding = TimedBinding(cache.tree_core._binding)
@@ -233,12 +249,20 @@ def main() -> None:
         action="store_true",
         help="also time the compiled tree core's calls (adds a Python call per binding call)",
     )
+    parser.add_argument(
+        "--tree-core",
+        choices=sorted(TREE_CORES),
+        default="rust",
+        help="SGLang's tree core backend (default: rust, SGLang's own default)",
+    )
     args = parser.parse_args()
+    if args.core_split and args.tree_core != "rust":
+        parser.error("--core-split times the compiled core's binding: --tree-core rust only")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()
     trace = production_trace(params, seed=args.seed)
-    np.savez(args.out, **replay(trace, core_split=args.core_split))
+    np.savez(args.out, **replay(trace, core_split=args.core_split, tree_core=args.tree_core))
 
 
 if __name__ == "__main__":

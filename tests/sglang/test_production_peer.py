@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 
@@ -32,10 +33,12 @@ def prefixkv_hits(trace, num_blocks: int) -> np.ndarray:  # type: ignore[no-unty
     return np.array(hits)
 
 
-def test_without_eviction_sglang_caches_what_prefixkv_caches() -> None:
+@pytest.mark.parametrize("tree_core", sorted(peer_sglang.TREE_CORES))
+def test_without_eviction_sglang_caches_what_prefixkv_caches(tree_core: str) -> None:
     trace = production_trace(TRACE, seed=1)
     roomy = trace.working_set_blocks() + 2 * trace.num_blocks()
-    theirs = peer_sglang.replay(trace, num_blocks=roomy)
+    theirs = peer_sglang.replay(trace, num_blocks=roomy, tree_core=tree_core)
+    assert str(theirs["backend"]) == peer_sglang.TREE_CORES[tree_core]
     assert theirs["evicted_tokens"].sum() == 0
     ours = prefixkv_hits(trace, roomy)
     assert np.array_equal(theirs["cached"], ours)
