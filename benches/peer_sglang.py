@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import sys
 import time
 import warnings
@@ -258,8 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.core_split and args.tree_core != "rust":
         parser.error("--core-split times the compiled core's binding: --tree-core rust only")
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # one thread, as prefixkv; run with OMP_NUM_THREADS=1 too
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()
     trace = production_trace(params, seed=args.seed)
     np.savez(args.out, **replay(trace, core_split=args.core_split, tree_core=args.tree_core))
