@@ -18,6 +18,12 @@ otherwise): under this pressure that also checks that they evict the same blocks
 different victim changes a later hit. Figures are per request: mean, p50 and p99 of each
 variant's CPU time (common.py's clock), the ratios prefixkv ÷ floor and Python ÷ prefixkv, and the
 same by prompt length.
+
+Peers, each replaying the same seeded trace in its own Python environment (a separate process):
+``--vllm-python`` (`peer_vllm.py`: vLLM's `KVCacheManager`, which must cache the same tokens on
+every request, or the run fails) and ``--sglang-python`` (`peer_sglang.py`: SGLang's
+`UnifiedRadixCache` on its compiled tree core, which evicts whole radix nodes, so its hits are
+reported beside prefixkv's with the share of requests that agree, never required equal).
 """
 
 from __future__ import annotations
@@ -273,9 +279,106 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
     }
 
 
-def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> dict[str, Any]:
-    """`vllm_python`: a Python with vLLM for the peer replay (default: $PREFIXKV_VLLM_PYTHON,
-    else none)."""
+def _sglang_replay(sglang_python: str, quick: bool, seed: int, *extra: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [sglang_python, str(Path(__file__).with_name("peer_sglang.py"))]
+        command += ["--seed", str(seed)] + ["--quick"] * quick + ["--out", str(out), *extra]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            return {key: peer[key] for key in peer.files}
+
+
+def sglang_peer(
+    sglang_python: str, quick: bool, seed: int, raw: dict[str, Any], trace: ProductionTrace
+) -> dict[str, Any]:
+    """Replays the same trace through SGLang's radix cache in `sglang_python` (peer_sglang.py,
+    a separate process) and compares its hits with prefixkv's: SGLang evicts whole radix nodes
+    where prefixkv evicts blocks, so the hits may differ; reported, not required equal.
+
+    A second replay (`--core-split`) times the compiled tree core's calls alone; its wrapper
+    costs a Python call per core call, so that pass gives the core's time, not the totals. A
+    third runs SGLang's pure-Python tree core (`--tree-core python`) for comparison."""
+    data = _sglang_replay(sglang_python, quick, seed)
+    split = _sglang_replay(sglang_python, quick, seed, "--core-split")
+    python_core = _sglang_replay(sglang_python, quick, seed, "--tree-core", "python")
+    ours = raw["every_hit"]
+    theirs = data["cached"]
+    if len(theirs) != len(ours):
+        raise HitMismatch(f"SGLang replayed {len(theirs)} requests, prefixkv {len(ours)}")
+    if not np.array_equal(split["cached"], theirs):
+        raise HitMismatch("SGLang's two replays of one trace cached different tokens")
+    warmup = raw["warmup"]
+    lengths = trace.prompt_lengths()
+    phases = {name: data[f"{name}_ns"][warmup:] for name in ("match", "alloc", "insert", "release")}
+    total = phases["match"] + phases["alloc"] + phases["insert"] + phases["release"]
+    core = split["core_ns"][warmup:]
+    python_total = sum(python_core[f"{name}_ns"][warmup:] for name in phases)
+    ours_ns = raw["ns"]["prefixkv"]
+    ours_us = _stats_us(ours_ns)
+    total_us = _stats_us(total)
+    core_us = _stats_us(core)
+    python_us = _stats_us(python_total)
+    timed_lengths = lengths[warmup:]
+
+    def hit_rates(cached: np.ndarray) -> dict[str, float]:
+        return {
+            "timed": float(cached[warmup:].sum() / timed_lengths.sum()),
+            "all_requests": float(cached.sum() / lengths.sum()),
+            "per_request_mean": float((cached[warmup:] / timed_lengths).mean()),
+        }
+
+    bands = []
+    low = 0
+    for high in BANDS:
+        mask = (timed_lengths > low) & (timed_lengths <= high)
+        if mask.any():
+            bands.append(
+                {
+                    "tokens": [low, high],
+                    "requests": int(mask.sum()),
+                    "hit_rate": float(theirs[warmup:][mask].sum() / timed_lengths[mask].sum()),
+                    "prefixkv_hit_rate": float(
+                        ours[warmup:][mask].sum() / timed_lengths[mask].sum()
+                    ),
+                    "us_mean": float(total[mask].mean()) / 1e3,
+                    "core_us_mean": float(core[mask].mean()) / 1e3,
+                    "prefixkv_us_mean": float(ours_ns[mask].mean()) / 1e3,
+                }
+            )
+        low = high
+    return {
+        "version": str(data["version"]),
+        "backend": str(data["backend"]),
+        "torch": str(data["torch"]),
+        "hit_rate": hit_rates(theirs),
+        "prefixkv_hit_rate": hit_rates(ours),
+        "requests_equal": float((theirs == ours).mean()),
+        "requests_equal_timed": float((theirs[warmup:] == ours[warmup:]).mean()),
+        "evicted_pages_per_request": float(data["evicted_tokens"][warmup:].mean()) / BLOCK_SIZE,
+        "us": {
+            "total": total_us,
+            **{name: _stats_us(v) for name, v in phases.items()},
+            "core": core_us,
+            "python_core": python_us,
+        },
+        "python_core_backend": str(python_core["backend"]),
+        "python_core_same_hits": float((python_core["cached"] == theirs).mean()),
+        "sglang_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+        "core_vs_prefixkv": {stat: core_us[stat] / ours_us[stat] for stat in ours_us},
+        "python_core_vs_prefixkv": {stat: python_us[stat] / ours_us[stat] for stat in ours_us},
+        "bands": bands,
+    }
+
+
+def run(
+    quick: bool = False,
+    seed: int = 0,
+    vllm_python: str | None = None,
+    sglang_python: str | None = None,
+) -> dict[str, Any]:
+    """`vllm_python` / `sglang_python`: a Python with vLLM / SGLang for the peer replays
+    (default: $PREFIXKV_VLLM_PYTHON / $PREFIXKV_SGLANG_PYTHON, else none)."""
     params = TraceParams().scaled(0.2) if quick else TraceParams()
     trace = production_trace(params, seed=seed)
     load = os.getloadavg()[0]
@@ -284,6 +387,9 @@ def run(quick: bool = False, seed: int = 0, vllm_python: str | None = None) -> d
     vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
     if vllm_python:
         result["vllm"] = vllm_peer(vllm_python, quick, seed, raw)
+    sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
+    if sglang_python:
+        result["sglang"] = sglang_peer(sglang_python, quick, seed, raw, trace)
     result["quick"] = quick
     result["load_average_before"] = load
     result["load_average_after"] = os.getloadavg()[0]
@@ -340,6 +446,31 @@ def markdown(result: dict[str, Any]) -> str:
                 *(fmt_ratio(peer["vllm_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
             ]
         )
+    sglang = result.get("sglang")
+    if sglang:
+        for key, label in [
+            (
+                "total",
+                f"SGLang {sglang['version']} UnifiedRadixCache ({sglang['backend']}), whole request",
+            ),
+            ("match", "… of which match_prefix + lock"),
+            ("alloc", "… of which evict + alloc"),
+            ("insert", "… of which insert + relock"),
+            ("release", "… of which free tail + unlock"),
+            ("core", "SGLang's compiled tree core alone (its calls, second pass)"),
+            (
+                "python_core",
+                f"SGLang on its Python tree core ({sglang['python_core_backend']}), whole request",
+            ),
+        ]:
+            s = sglang["us"][key]
+            rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+        for key, label in [
+            ("sglang_vs_prefixkv", "SGLang ÷ prefixkv"),
+            ("core_vs_prefixkv", "SGLang's core alone ÷ prefixkv"),
+            ("python_core_vs_prefixkv", "SGLang on its Python tree core ÷ prefixkv"),
+        ]:
+            rows.append([label, *(fmt_ratio(sglang[key][stat]) for stat in ("mean", "p50", "p99"))])
     phases = result["prefixkv_phases_us"]
     for phase in ("begin", "commit", "finish"):
         s = phases[phase]
@@ -347,6 +478,49 @@ def markdown(result: dict[str, Any]) -> str:
             [f"prefixkv {phase}", f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"]
         )
     out.append(md_table(["per request", "mean µs", "p50 µs", "p99 µs"], rows))
+    if sglang:
+        ours, theirs = sglang["prefixkv_hit_rate"], sglang["hit_rate"]
+        out.append(
+            f"\nSGLang's hits (its own: it evicts whole radix nodes, prefixkv single blocks): "
+            f"hit rate {theirs['timed']:.1%} timed, {theirs['all_requests']:.1%} all requests, "
+            f"mean per request {theirs['per_request_mean']:.1%} (prefixkv {ours['timed']:.1%}, "
+            f"{ours['all_requests']:.1%}, {ours['per_request_mean']:.1%}); the same cached "
+            f"tokens on {sglang['requests_equal']:.1%} of requests ({sglang['requests_equal_timed']:.1%} "
+            f"of the timed ones); {sglang['evicted_pages_per_request']:,.0f} pages "
+            f"evicted per timed request (prefixkv {result['evictions_per_request']:,.0f} blocks); its Python tree "
+            f"core cached the same tokens as the compiled one on {sglang['python_core_same_hits']:.1%} "
+            f"of requests; torch {sglang['torch']}.\n"
+        )
+        rows = [
+            [
+                f"{band['tokens'][0] // 1024}k–{band['tokens'][1] // 1024}k",
+                band["requests"],
+                f"{band['hit_rate']:.1%}",
+                f"{band['prefixkv_hit_rate']:.1%}",
+                f"{band['us_mean']:,.1f}",
+                f"{band['core_us_mean']:,.1f}",
+                f"{band['prefixkv_us_mean']:,.1f}",
+                fmt_ratio(band["us_mean"] / band["prefixkv_us_mean"]),
+                fmt_ratio(band["core_us_mean"] / band["prefixkv_us_mean"]),
+            ]
+            for band in sglang["bands"]
+        ]
+        out.append(
+            md_table(
+                [
+                    "prompt tokens",
+                    "requests",
+                    "SGLang hit",
+                    "prefixkv hit",
+                    "SGLang µs",
+                    "its core µs",
+                    "prefixkv µs",
+                    "SGLang ÷ prefixkv",
+                    "core ÷ prefixkv",
+                ],
+                rows,
+            )
+        )
     out.append("\nBy prompt length (means):\n")
     rows = []
     for band in result["bands"]:
@@ -392,9 +566,14 @@ def main() -> None:
         help="a Python with vLLM: replay the trace through vLLM's KVCacheManager too "
         "(default $PREFIXKV_VLLM_PYTHON)",
     )
+    parser.add_argument(
+        "--sglang-python",
+        help="a Python with SGLang: replay the trace through SGLang's radix cache too "
+        "(peer_sglang.py; default $PREFIXKV_SGLANG_PYTHON)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
-    result = run(args.quick, args.seed, args.vllm_python)
+    result = run(args.quick, args.seed, args.vllm_python, args.sglang_python)
     if args.json:
         write_json(args.json, {"machine": machine(), "result": result})
     print(markdown(result))

@@ -1,0 +1,57 @@
+"""The production-shaped benchmark's SGLang peer (benches/peer_sglang.py): SGLang's
+UnifiedRadixCache on its Rust tree core, driven as SGLang's scheduler drives it. With a pool that
+never evicts it must cache exactly what prefixkv caches on every request (both are exact prefix
+caches; only eviction policy may set them apart), so the driver matches, inserts and locks what
+it should; under the trace's pressure it must evict, leak no page and leave no lock."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+
+import peer_sglang
+from production_workload import BLOCK_SIZE, TraceParams, production_trace
+
+from prefixkv import PrefixCache
+
+TRACE = TraceParams().scaled(0.02)
+
+
+def prefixkv_hits(trace, num_blocks: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    cache = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    hits = []
+    for request in trace.requests():
+        held = cache.begin(request.tokens)
+        cache.commit(held, held.num_prompt_tokens)
+        cache.finish(held)
+        hits.append(held.num_cached_tokens)
+    return np.array(hits)
+
+
+@pytest.mark.parametrize("tree_core", sorted(peer_sglang.TREE_CORES))
+def test_without_eviction_sglang_caches_what_prefixkv_caches(tree_core: str) -> None:
+    trace = production_trace(TRACE, seed=1)
+    roomy = trace.working_set_blocks() + 2 * trace.num_blocks()
+    theirs = peer_sglang.replay(trace, num_blocks=roomy, tree_core=tree_core)
+    assert str(theirs["backend"]) == peer_sglang.TREE_CORES[tree_core]
+    assert theirs["evicted_tokens"].sum() == 0
+    ours = prefixkv_hits(trace, roomy)
+    assert np.array_equal(theirs["cached"], ours)
+    assert 0 < ours.sum() < trace.prompt_lengths().sum()  # hits and misses both happen
+
+
+def test_under_pressure_it_evicts_without_leaking_pages() -> None:
+    trace = production_trace(TRACE, seed=1)
+    # replay() raises PeerError if a page leaked or a lock was left when the trace ends.
+    theirs = peer_sglang.replay(trace)
+    assert theirs["evicted_tokens"].sum() > 0
+    lengths = trace.prompt_lengths()
+    assert (theirs["cached"] < lengths).all()
+    assert (theirs["cached"] % BLOCK_SIZE == 0).all()
+    for phase in peer_sglang.PHASES:
+        assert (theirs[f"{phase}_ns"] > 0).all()
