@@ -25,6 +25,11 @@ harness, on the same pair of threads:
   of this process reach. The cache's speedup divided by this one is reported beside it.
 - *holds the GIL*: two threads running a plain-Python loop: ~1.0, showing the harness tells a
   call that releases the GIL from one that does not.
+- *each on its own cache*: the router and the scheduler of the first pair, but each thread with
+  a cache of its own (same sizes, same prompts' shapes), so the two threads share no table, no
+  pool and no lock, only the machine. What this pair reaches is what the machine's cores and
+  memory let two threads doing this work reach; the gap between it and the shared pair is what
+  sharing one cache costs.
 
 Also recorded per phase: the CPU time the process got per wall second (how many cores it ran
 on), and the 1-minute load average per round. The rounds alternate the phases, so load that
@@ -69,12 +74,14 @@ def _phase(tasks: list[Task], seconds: float) -> dict[str, Any]:
     """Runs each task on its own thread for `seconds` of wall time, all at once."""
     stop = threading.Event()
     counts = [0] * len(tasks)
+    thread_cpu = [0.0] * len(tasks)
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(tasks) + 1)
 
     def loop(index: int) -> None:
         task = tasks[index]
         barrier.wait()
+        cpu_start = time.thread_time()
         n = 0
         try:
             while not stop.is_set():
@@ -82,6 +89,7 @@ def _phase(tasks: list[Task], seconds: float) -> dict[str, Any]:
         except BaseException as exc:  # surfaced below: a benchmark never hides a failure
             errors.append(exc)
         counts[index] = n
+        thread_cpu[index] = time.thread_time() - cpu_start
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(tasks))]
     for t in threads:
@@ -96,7 +104,14 @@ def _phase(tasks: list[Task], seconds: float) -> dict[str, Any]:
     cpu = time.process_time() - cpu0
     if errors:
         raise errors[0]
-    return {"rates": [c / wall for c in counts], "cores": cpu / wall}
+    return {
+        "rates": [c / wall for c in counts],
+        "cores": cpu / wall,
+        # Work per CPU-second of the thread that did it: unlike the rates, it does not depend on
+        # how much CPU the machine's load left the process, only on how fast the work ran while
+        # it had a core (a thread waiting for the GIL or a lock sleeps, and uses no CPU).
+        "per_cpu_second": [c / max(t, 1e-9) for c, t in zip(counts, thread_cpu, strict=True)],
+    }
 
 
 class Workload:
@@ -292,8 +307,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     seconds = 0.3 if quick else 0.4
     rounds = 4 if quick else 15
     work = Workload()
+    # The control's second cache: same shapes, nothing shared with `work`.
+    other = Workload(seed=5)
     pairs: dict[str, tuple[Task, Task]] = {
         "router lookup + scheduler begin/commit/finish": (work.probe, work.begin_commit_finish),
+        "control: the same two tasks, each on its own cache": (
+            work.probe,
+            other.begin_commit_finish,
+        ),
         "router lookup + scheduler step calls (vLLM-shaped)": (work.probe, work.step_calls),
         "control: two threads releasing the GIL (hashlib, 256 KiB)": (
             _releases_the_gil,
@@ -321,6 +342,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     held = _gil_held_shares(work)
     decode = _decode_step_ns()
     work.close()
+    other.close()
     free = "control: two threads releasing the GIL (hashlib, 256 KiB)"
     configs: dict[str, Any] = {}
     for name in pairs:
@@ -344,6 +366,17 @@ def run(quick: bool = False) -> dict[str, Any]:
             "second_alone_per_second": statistics.median(a["second"]["rates"][0] for a in alone),
             "first_together_per_second": statistics.median(t["rates"][0] for t in together),
             "second_together_per_second": statistics.median(t["rates"][1] for t in together),
+            # Each thread's work per CPU-second together ÷ alone, in the same round: below 1.0
+            # when the two threads slow each other down while both run (shared data, the
+            # memory system, a lock's cache line), whatever CPU the load left them.
+            "efficiency_together": [
+                statistics.median(
+                    row["pairs"][name]["together"]["per_cpu_second"][i]
+                    / row["pairs"][name]["alone"][which]["per_cpu_second"][0]
+                    for row in per_round
+                )
+                for i, which in enumerate(("first", "second"))
+            ],
         }
     loads = [row["load_average"] for row in per_round]
     return {
@@ -373,6 +406,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{c['ratio']:.2f}× ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})",
                 f"{c['ratio_over_free_control']:.2f}",
                 f"{c['cores_alone']:.2f} → {c['cores_together']:.2f}",
+                " / ".join(f"{e:.2f}" for e in c["efficiency_together"]),
             ]
         )
     loads = result["load_average_per_round"]
@@ -385,7 +419,10 @@ def markdown(result: dict[str, Any]) -> str:
         "brackets). *÷ control*: the speedup divided by the GIL-releasing control's in the same "
         "round (what the machine's load let two threads reach), median over rounds. *cores*: "
         "CPU seconds the process got per wall second, one thread alone (mean of the two) → both "
-        "threads together; with two idle cores it would go from 1 to 2.\n"
+        "threads together; with two idle cores it would go from 1 to 2. *work per CPU-second*: "
+        "each thread's work per second of its own CPU time together ÷ alone (median over "
+        "rounds): 1.00 when running beside the other thread did not slow it while it had a "
+        "core; it does not depend on how much CPU the load left the process.\n"
     )
     for name, g in result["gil_held"].items():
         note += (
@@ -411,6 +448,7 @@ def markdown(result: dict[str, Any]) -> str:
                 "speedup",
                 "÷ control",
                 "cores alone → together",
+                "work per CPU-second together ÷ alone (each)",
             ],
             rows,
         )

@@ -119,6 +119,38 @@ class CacheMachine(RuleBasedStateMachine):
         self.commit(request, 1.0)
         return request
 
+    @rule(
+        target=requests,
+        tokens=token_lists,
+        salt=st.sampled_from([None, "tenant"]),
+        priority=st.sampled_from([0, 0, 1, -1]),
+        generated=st.lists(st.integers(0, 3), min_size=4, max_size=8),
+        reader=st.booleans(),
+    )
+    def full_hit_decode_finish(
+        self,
+        tokens: list[int],
+        salt: str | None,
+        priority: int,
+        generated: list[int],
+        reader: bool,
+    ):
+        """A full hit that decodes at least one more whole block, then finishes: its recomputed
+        last block is a duplicate parenting the decoded block, so at finish it stays a *spare
+        with a child* (issue 22, `pool.rs`). With `reader`, a new request then reads through
+        that child and stays live, which blocks it: the child is lent to the canonical copy
+        until the reader finishes. Random rule order reaches either state seldom."""
+        request = self.begin_full_hit(tokens, salt, priority)
+        if request is None:
+            return None
+        self.append(request, generated)
+        self.commit(request, 1.0)
+        self.finish(request)
+        if not reader:
+            return None
+        whole = len(tokens) // self.model.bs * self.model.bs
+        return self.begin(tokens[:whole] + generated + [0], salt, priority)
+
     @rule(request=requests, fraction=st.floats(0, 1))
     def commit(self, request: int | None, fraction: float) -> None:
         if request is None or request not in self.live:

@@ -13,7 +13,7 @@ use crate::convert::{
     self, block_id, count, int_in, slot_counts, BlockIds, KeyExtras, RequestRef, Tokens,
 };
 use crate::errors::{invalid, to_py_err};
-use crate::gil::{detach_if, many};
+use crate::gil::{detach_if, many, MANY_BLOCKS};
 use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
 
@@ -323,12 +323,15 @@ impl CoreCache {
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        // What the commit may publish is what it adds to the computed tokens (`gil.rs`).
-        let large = self
-            .0
-            .num_computed_tokens(&request.0)
-            .is_ok_and(|done| self.many(num.saturating_sub(done)));
-        detach_if(py, large, || self.0.commit(&request.0, num)).map_err(to_py_err)
+        // A commit publishing few blocks (most decode steps publish none) runs attached, under
+        // the one lock that decides it; a larger one is left undone and runs detached (`gil.rs`).
+        match self.0.commit_at_most(&request.0, num, MANY_BLOCKS - 1) {
+            Ok(Some(positions)) => Ok(positions),
+            Ok(None) => py
+                .detach(|| self.0.commit(&request.0, num))
+                .map_err(to_py_err),
+            Err(error) => Err(to_py_err(error)),
+        }
     }
 
     fn release_out_of_window(

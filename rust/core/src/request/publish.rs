@@ -58,7 +58,41 @@ impl PrefixCache {
     /// the request are now committed.
     pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
         let mut guard = self.inner.lock();
-        let inner = &mut *guard;
+        self.commit_locked(&mut guard, id, num_computed_tokens)
+    }
+
+    /// `commit`, unless it would publish more than `max_blocks` new blocks: then nothing
+    /// changes and the answer is `Ok(None)`. For a caller that runs large commits elsewhere
+    /// (the Python binding releases the GIL for them) and small ones where it is: it decides
+    /// and, for the small ones (most decode steps), commits under one lock, where asking first
+    /// would take two. A refused commit is refused here as by `commit`.
+    pub fn commit_at_most(
+        &self,
+        id: &RequestId,
+        num_computed_tokens: usize,
+        max_blocks: usize,
+    ) -> Result<Option<usize>> {
+        let mut guard = self.inner.lock();
+        let request = guard.requests.get(id)?;
+        self.commit_refusal(request, num_computed_tokens)?;
+        let target = num_computed_tokens
+            .max(request.num_computed)
+            .min(request.num_verified())
+            / self.config.block_size;
+        if request.cacheable && target.saturating_sub(request.anchors.len()) > max_blocks {
+            return Ok(None);
+        }
+        self.commit_locked(&mut guard, id, num_computed_tokens)
+            .map(Some)
+    }
+
+    /// `commit` under the lock already taken.
+    fn commit_locked(
+        &self,
+        inner: &mut Inner,
+        id: &RequestId,
+        num_computed_tokens: usize,
+    ) -> Result<usize> {
         let request = inner.requests.get(id)?;
         self.commit_refusal(request, num_computed_tokens)?;
         // Nothing new to publish (most decode steps): no need to take the request out.

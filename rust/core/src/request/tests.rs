@@ -472,3 +472,33 @@ fn evicting_more_blocks_than_a_lookahead_removes_exactly_the_evicted_entries() {
     c.finish(&big.request_id).unwrap();
     c.check_invariants();
 }
+
+#[test]
+fn commit_at_most_commits_small_commits_and_leaves_larger_ones_undone() {
+    // Block size 2: a 10-token prompt is 5 blocks.
+    let c = cache(16, 2);
+    let r = c
+        .begin(None, (0..10).collect(), b"", no_extras(), 0)
+        .unwrap();
+    let id = &r.request_id;
+    let before = c.stats();
+    // 4 new blocks, at most 3 allowed: nothing changes.
+    assert_eq!(c.commit_at_most(id, 8, 3), Ok(None));
+    assert_eq!(c.num_computed_tokens(id), Ok(0));
+    assert_eq!(c.stats(), before);
+    // At most 4: committed, as `commit` would.
+    assert_eq!(c.commit_at_most(id, 8, 4), Ok(Some(4)));
+    assert_eq!(c.num_computed_tokens(id), Ok(8));
+    // Publishing nothing new (a decode step) always fits; refusals are refused.
+    assert_eq!(c.commit_at_most(id, 9, 0), Ok(Some(4)));
+    assert!(matches!(
+        c.commit_at_most(id, 11, usize::MAX),
+        Err(CacheError::InvalidInput(_))
+    ));
+    assert_eq!(
+        c.commit_at_most(&RequestId::Int(99), 1, 0),
+        Err(CacheError::UnknownRequest(RequestId::Int(99)))
+    );
+    c.finish(id).unwrap();
+    c.check_invariants();
+}
