@@ -122,7 +122,7 @@ impl PrefixCache {
         let bs = self.config.block_size;
         let guard = self.table.guard();
         let mut parent_key = self.hasher.root(&root);
-        let mut parent = Parent::Root(root);
+        let mut parent: Option<Anchor> = None;
         // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
         // and its index reads started together: their cache misses overlap instead of queueing.
         let mut keys = [TableKey(0); LOOKAHEAD];
@@ -136,20 +136,31 @@ impl PrefixCache {
                 keys[offset] = key;
                 batch_len += 1;
             }
-            // Back to back, after the hashing: the loads are then in flight together.
-            for key in &keys[..batch_len] {
-                self.table.prefetch_entry(key);
+            if first == 0 && batch_len > 0 {
+                // Only a first block is always indexed; later ones are mostly linked from
+                // their parent's slot (`table/mod.rs`, on runs), read as the walk reaches it.
+                self.table.prefetch_entry(&keys[0]);
             }
             for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
                 let key = keys[offset];
                 let block_extras = block_extras(extras, first + offset, bs);
-                match self
-                    .table
-                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
-                {
+                let found = match &parent {
+                    Some(last) => {
+                        self.table
+                            .get_verified_child(last, &key, chunk, &block_extras, &guard)
+                    }
+                    None => self.table.get_verified(
+                        &key,
+                        &Parent::Root(root),
+                        chunk,
+                        &block_extras,
+                        &guard,
+                    ),
+                };
+                match found {
                     Some(anchor) => {
                         on_hit(anchor);
-                        parent = Parent::Entry(anchor.id);
+                        parent = Some(anchor);
                         parent_key = key;
                     }
                     None => return,

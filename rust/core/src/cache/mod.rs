@@ -276,7 +276,12 @@ impl PrefixCache {
         let pool = BlockPool::new(config.num_blocks).map_err(|_| unallocated())?;
         Ok(Self {
             // One entry slot per block, allocated now: the table never grows (`table/mod.rs`).
-            table: SharedTable::new(num_blocks, config.block_size).ok_or_else(unallocated)?,
+            table: SharedTable::new(
+                num_blocks,
+                config.block_size,
+                config.key_bits == TableHasher::BITS,
+            )
+            .ok_or_else(unallocated)?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
@@ -415,16 +420,10 @@ impl PrefixCache {
                 inner.pool.is_cached(block as BlockId),
                 "entry of {block}"
             );
-            if let Some(entry) = entry {
-                let published = self
-                    .table
-                    .get(&entry.key, &guard)
-                    .expect("cached entry in table");
-                assert_eq!(published.id, entry.id, "published entry of {block}");
-                assert_eq!(
-                    published.block, block as BlockId,
-                    "block of entry {}",
-                    entry.id
+            if entry.is_some() {
+                assert!(
+                    self.table.reachable(block as BlockId, &guard),
+                    "entry of {block} neither indexed nor linked from its parent"
                 );
                 assert_eq!(
                     inner.block_epoch[block], inner.epoch,
@@ -516,19 +515,16 @@ impl PrefixCache {
                         self.table.prefetch_removal(block);
                     }
                     for &Evicted { block, moved_to } in chunk {
-                        let entry = self
-                            .table
-                            .published(block, &guard)
-                            .expect("evicted a cached block");
                         if let Some(heir) = moved_to {
                             // Its content stays cached in a duplicate (`pool.rs`): nothing is
                             // lost, nothing for a router or a host tier to learn.
-                            let moved = self.table.move_entry(&entry.key, heir, &guard);
-                            debug_assert!(moved);
+                            let moved = self.table.move_entry(block, heir, &guard);
+                            debug_assert!(moved, "evicted a cached block");
                             inner.events.moved(block, heir);
                             continue;
                         }
-                        self.table.remove(&entry.key, &guard);
+                        debug_assert!(self.table.published(block, &guard).is_some());
+                        self.table.remove(block, &guard);
                         inner.events.removed(block);
                         inner.counters.evictions += 1;
                         if let Some(log) = inner.eviction_log.as_mut() {
@@ -559,9 +555,7 @@ impl PrefixCache {
         inner.pins.drop_all(reset);
         let guard = self.table.guard();
         for block in inner.pool.cached_blocks() {
-            if let Some(entry) = self.table.published(block, &guard) {
-                self.table.remove(&entry.key, &guard);
-            }
+            self.table.remove(block, &guard);
             inner.pool.uncache(block);
         }
         inner.pool.forget_duplicates();

@@ -202,8 +202,7 @@ impl PrefixCache {
         request
             .keys
             .reserve(num_full.saturating_sub(request.keys.len()));
-        let mut anchors = Vec::new();
-        let mut parent = Parent::Root(request.root);
+        let mut anchors: Vec<Anchor> = Vec::new();
         let mut position = 0;
         while position < num_full {
             let batch_end = num_full.min(position + LOOKAHEAD);
@@ -220,23 +219,28 @@ impl PrefixCache {
                     p,
                 );
             }
-            for key in &request.keys[position..batch_end] {
-                self.table.prefetch_entry(key);
+            if position == 0 {
+                // Only a first block is always indexed; later ones are mostly linked from
+                // their parent's slot (`table/mod.rs`, on runs), read as the walk reaches it.
+                self.table.prefetch_entry(&request.keys[0]);
             }
             for p in position..batch_end {
                 let chunk = &request.tokens[p * bs..(p + 1) * bs];
                 let block_extras = block_extras(&request.extras, p, bs);
-                match self.table.get_verified(
-                    &request.keys[p],
-                    &parent,
-                    chunk,
-                    &block_extras,
-                    &guard,
-                ) {
-                    Some(anchor) => {
-                        parent = Parent::Entry(anchor.id);
-                        anchors.push(anchor);
+                let key = &request.keys[p];
+                let found = match anchors.last() {
+                    Some(last) => {
+                        self.table
+                            .get_verified_child(last, key, chunk, &block_extras, &guard)
                     }
+                    None => {
+                        let root = Parent::Root(request.root);
+                        self.table
+                            .get_verified(key, &root, chunk, &block_extras, &guard)
+                    }
+                };
+                match found {
+                    Some(anchor) => anchors.push(anchor),
                     None => return anchors,
                 }
             }

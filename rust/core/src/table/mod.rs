@@ -19,6 +19,37 @@
 //!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
 //!   runs stay short however many blocks are evicted and refilled.
 //!
+//! ## Runs: a child linked from its parent instead of indexed
+//! A request's committed blocks form a chain, each the child of the one before, and most
+//! parents only ever have one child. So a block published under a cached parent entry
+//! (`Parent::Entry`) whose slot links no child yet, and none of whose children may sit in the
+//! index (`indexed_children`, a count that only ever errs high), is *linked* from the parent's
+//! slot (`child`) and takes no index word: a run of blocks then costs one index word (its
+//! head) and a link per block, as a radix node holds a run. Publishing a linked child skips the
+//! index probe, and evicting one clears its parent's link (the parent, the next block a cold
+//! chain evicts, is read anyway) instead of removing a word with a backward shift: one random
+//! miss fewer on each side (`benches/PROFILE.md`, issue 24, round 3). First blocks
+//! (`Parent::Root`), and so every entry of a sliding-window cache, are always indexed, as are a
+//! parent's later children (branches).
+//!
+//! A lookup verifies block *i*, then reads its `child` and verifies the block it names exactly
+//! as it would a block an index word names (key, parent entry id, tokens, extras, under that
+//! slot's own sequence lock); on no link or a mismatch it probes the index
+//! (`get_verified_child`). So a link is a hint like an index word: one to a slot being
+//! rewritten, or read from a parent slot reused since, names an entry whose parent id cannot be
+//! the one looked for (entry ids are never reused) and reads as no entry. Duplicates stay exact:
+//! a parent's child with a given key is its linked child or in the index, and a publish looks
+//! in both unless the parent has no child at all. What the table no longer knows is whether a
+//! *linked* child's key is held elsewhere in the index with other content: a collision of
+//! 128-bit keys, which verification makes harmless. Truncated test keys (`key_bits`), whose
+//! collisions the reference models count, keep every entry indexed (`Table::with_links`).
+//!
+//! Every writer-side field (`up`, `linked`, `indexed_children`) names a parent by block and is
+//! trusted only while that block still holds the parent's entry id (`up_slot`): an entry can
+//! move (`move_entry` carries its link along and repoints its linked child), and in vLLM's free
+//! order a child can outlive its parent, whose block is then reused; the child's later removal
+//! must not touch the reused slot.
+//!
 //! ## Reading without locks, and why a reader never sees a torn entry
 //! Every field is an atomic, so no read is ever a data race; consistency comes from a sequence
 //! lock per slot. The writer makes the slot's sequence number odd, writes the fields, then makes
@@ -56,7 +87,7 @@
 //! The cache reaches the table only through `SharedTable` (`shared.rs`), which has a loom stand-in.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
@@ -253,6 +284,18 @@ struct Slot {
     /// Length of the extras (0 for almost every block: then `extras` is not read).
     extras_len: AtomicU32,
     extras: ArcSwapOption<Box<[u8]>>,
+    /// The block (plus one; 0: none) of this entry's *linked* child, the one child published
+    /// without an index word (module docs, on runs). Readers take it as a hint and verify the
+    /// block it names in full, as they do a block an index word names.
+    child: AtomicU32,
+    /// Writer only: the block (plus one; 0: none) that held this entry's parent entry when it
+    /// was published (or moved), checked against that slot's id before any use.
+    up: AtomicU32,
+    /// Writer only: true when this entry is reached through its parent's `child`, not the index.
+    linked: AtomicBool,
+    /// Writer only: how many children of this entry may sit in the index (never fewer than do):
+    /// while none may, a new child needs no index probe to be known new.
+    indexed_children: AtomicU32,
 }
 
 /// The lock-free table of published entries, one slot per block (see the module docs).
@@ -268,6 +311,8 @@ pub struct Table {
     /// in a miss while it changed probes again.
     shifts: AtomicU64,
     len: AtomicUsize,
+    /// Whether children may be linked instead of indexed (full-width keys only: module docs).
+    links: bool,
 }
 
 impl Table {
@@ -315,6 +360,13 @@ impl Table {
     /// for the pool's own metadata).
     #[must_use]
     pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        Self::with_links(num_blocks, block_size, true)
+    }
+
+    /// `new`, linking runs of children (`links`) or indexing every entry (`!links`: the table
+    /// of truncated test keys, where every key must stay unique: module docs).
+    #[must_use]
+    pub fn with_links(num_blocks: usize, block_size: usize, links: bool) -> Option<Self> {
         if num_blocks == 0 || num_blocks > u32::MAX as usize {
             return None;
         }
@@ -327,6 +379,7 @@ impl Table {
             block_size,
             shifts: AtomicU64::new(0),
             len: AtomicUsize::new(0),
+            links,
         })
     }
 
@@ -357,9 +410,14 @@ impl Table {
     /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
     /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
     #[inline]
-    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
-        let home = index_hash(*key) as usize & self.mask;
-        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+    ///
+    /// `indexed`: whether the insert may probe the index; a child linked from the previous
+    /// block of its run does not (module docs, on runs).
+    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>, indexed: bool) {
+        if indexed || !self.links {
+            let home = index_hash(*key) as usize & self.mask;
+            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        }
         if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
             std::hint::black_box(slot.id.load(Ordering::Relaxed));
             let start = block.unwrap_or_default() as usize * self.block_size;
@@ -397,6 +455,15 @@ impl Table {
     #[inline]
     pub fn prefetch_removal(&self, block: BlockId) {
         if let Some(slot) = self.slots.get(block as usize) {
+            if slot.linked.load(Ordering::Relaxed) {
+                // Its parent's slot, whose link the removal clears.
+                if let Some(up) = slot.up.load(Ordering::Relaxed).checked_sub(1) {
+                    if let Some(parent) = self.slots.get(up as usize) {
+                        std::hint::black_box(parent.child.load(Ordering::Relaxed));
+                    }
+                }
+                return;
+            }
             let key = TableKey(
                 u128::from(slot.key[0].load(Ordering::Relaxed))
                     | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
@@ -463,7 +530,86 @@ impl Table {
     /// If the key is free but `entry.block` already holds a published entry: a block holds one
     /// entry at a time (the cache removes the old one before reusing a block), which is what
     /// keeps at most half of the index in use.
-    pub fn insert(&self, key: TableKey, entry: &NewEntry<'_>) -> Insertion {
+    ///
+    /// `parent_block` is the block holding the entry named by a `Parent::Entry` parent (`None`
+    /// for a first block): while that entry has no linked child, and no child of it may be in
+    /// the index, the new entry is linked from it instead of indexed (module docs, on runs).
+    pub fn insert(
+        &self,
+        key: TableKey,
+        entry: &NewEntry<'_>,
+        parent_block: Option<BlockId>,
+    ) -> Insertion {
+        let Some((parent_block, parent)) = self.parent_slot(&entry.parent, parent_block) else {
+            return self.insert_indexed(key, entry, None);
+        };
+        let child = parent.child.load(Ordering::Relaxed);
+        if child != 0 {
+            let child = child - 1;
+            if self.slot_key(child) == key {
+                // The writer's own slot: never odd, never rewritten while it reads.
+                return match self.verify(child, &key, &entry.parent, entry.tokens, entry.extras) {
+                    Verified::Yes(anchor) => Insertion::Present(anchor),
+                    Verified::No | Verified::OtherKey => Insertion::Collision,
+                };
+            }
+        } else if parent.indexed_children.load(Ordering::Relaxed) == 0 {
+            // No child of this parent exists, so the key is not this parent's already.
+            self.claim(entry.block);
+            self.write(key, entry, Some(parent_block), true);
+            parent.child.store(entry.block + 1, Ordering::Release);
+            self.count_entries(1);
+            return Insertion::Inserted(Anchor {
+                id: entry.id,
+                block: entry.block,
+                key,
+            });
+        }
+        let inserted = self.insert_indexed(key, entry, Some(parent_block));
+        if matches!(inserted, Insertion::Inserted(_)) {
+            let count = parent.indexed_children.load(Ordering::Relaxed);
+            parent
+                .indexed_children
+                .store(count.saturating_add(1), Ordering::Relaxed);
+        }
+        inserted
+    }
+
+    /// The slot holding the parent entry `parent` names, if it is in `block` and children may
+    /// be linked. Writer only.
+    fn parent_slot(&self, parent: &Parent, block: Option<BlockId>) -> Option<(BlockId, &Slot)> {
+        let (Parent::Entry(id), Some(block)) = (parent, block) else {
+            return None;
+        };
+        let slot = self.slots.get(block as usize)?;
+        (self.links && slot.id.load(Ordering::Relaxed) == *id).then_some((block, slot))
+    }
+
+    /// The slot that held `slot`'s parent entry when it was written, if it still holds it.
+    /// Writer only.
+    fn up_slot(&self, slot: &Slot) -> Option<&Slot> {
+        let up = slot.up.load(Ordering::Relaxed).checked_sub(1)?;
+        let parent = slot.parent.load(Ordering::Relaxed);
+        let holder = self.slots.get(up as usize)?;
+        (parent != 0 && holder.id.load(Ordering::Relaxed) == parent).then_some(holder)
+    }
+
+    /// Panics unless `block` holds no published entry (see `insert`).
+    fn claim(&self, block: BlockId) {
+        assert_eq!(
+            self.slots[block as usize].id.load(Ordering::Relaxed),
+            0,
+            "block {block} already holds a published entry"
+        );
+    }
+
+    /// `insert` through the index: the key is probed, and published there if free.
+    fn insert_indexed(
+        &self,
+        key: TableKey,
+        entry: &NewEntry<'_>,
+        parent_block: Option<BlockId>,
+    ) -> Insertion {
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {
@@ -486,13 +632,8 @@ impl Table {
             }
             i = (i + 1) & self.mask;
         }
-        assert_eq!(
-            self.slots[entry.block as usize].id.load(Ordering::Relaxed),
-            0,
-            "block {} already holds a published entry",
-            entry.block
-        );
-        self.write(key, entry);
+        self.claim(entry.block);
+        self.write(key, entry, parent_block, false);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
         self.count_entries(1);
         Insertion::Inserted(Anchor {
@@ -502,16 +643,46 @@ impl Table {
         })
     }
 
-    /// Removes the entry published under `key`, if any. Writer only.
-    pub fn remove(&self, key: &TableKey) {
+    /// Removes the entry `block` holds, if any: a linked entry is unlinked from its parent's
+    /// slot, an indexed one leaves the index. Writer only.
+    pub fn remove(&self, block: BlockId) {
+        let Some(slot) = self.slots.get(block as usize) else {
+            return;
+        };
+        if slot.id.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let parent = self.up_slot(slot);
+        if slot.linked.load(Ordering::Relaxed) {
+            if let Some(parent) = parent {
+                if parent.child.load(Ordering::Relaxed) == block + 1 {
+                    parent.child.store(0, Ordering::Release);
+                }
+            }
+            self.clear_slot(block);
+            self.count_entries(-1);
+            return;
+        }
+        if let Some(parent) = parent {
+            let count = parent.indexed_children.load(Ordering::Relaxed);
+            parent
+                .indexed_children
+                .store(count.saturating_sub(1), Ordering::Relaxed);
+        }
+        self.remove_indexed(&self.slot_key(block), block);
+    }
+
+    /// Removes `block`'s index word (under `key`) and its entry. Writer only.
+    fn remove_indexed(&self, key: &TableKey, block: BlockId) {
         let hash = index_hash(*key);
         let mut hole = hash as usize & self.mask;
         loop {
             let word = self.index[hole].load(Ordering::Relaxed);
             if word == EMPTY {
+                debug_assert!(false, "indexed entry of block {block} not in the index");
                 return;
             }
-            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
+            if word_hash(word) == hash && word_block(word) == block {
                 // No entry any more: a reader holding the old word now finds none.
                 self.clear_slot(word_block(word));
                 break;
@@ -566,10 +737,17 @@ impl Table {
     }
 
     /// The writer's side of the slot's sequence lock.
-    fn write(&self, key: TableKey, entry: &NewEntry<'_>) {
+    /// `up` and `linked` are the new entry's writer-side fields (`Slot`); it starts with no
+    /// children.
+    fn write(&self, key: TableKey, entry: &NewEntry<'_>, up: Option<BlockId>, linked: bool) {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
         let slot = &self.slots[entry.block as usize];
+        slot.up
+            .store(up.map_or(0, |block| block + 1), Ordering::Relaxed);
+        slot.linked.store(linked, Ordering::Relaxed);
+        slot.indexed_children.store(0, Ordering::Relaxed);
+        slot.child.store(0, Ordering::Relaxed);
         let seq = slot.seq.load(Ordering::Relaxed);
         slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
@@ -610,40 +788,108 @@ impl Table {
         slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
         slot.id.store(0, Ordering::Relaxed);
+        slot.child.store(0, Ordering::Relaxed);
         slot.seq.store(seq + 2, Ordering::Release);
     }
 
-    /// Moves the entry published under `key` into block `to`, whose slot is empty: same id, key,
-    /// parent, tokens and extras, so its children still verify against it (`pool.rs`, on
-    /// duplicates). Readers see it in one block or the other, or miss it while the index word
-    /// moves, which a lock-free probe may. Writer only; returns false if `key` has no entry.
-    pub fn move_entry(&self, key: &TableKey, to: BlockId) -> bool {
-        let hash = index_hash(*key);
-        let mut i = hash as usize & self.mask;
-        loop {
-            let word = self.index[i].load(Ordering::Relaxed);
-            if word == EMPTY {
-                return false;
-            }
-            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
-                break;
-            }
-            i = (i + 1) & self.mask;
-        }
-        let from = word_block(self.index[i].load(Ordering::Relaxed));
+    /// Moves the entry `from` holds into block `to`, whose slot is empty: same id, key, parent,
+    /// tokens, extras and children, so its children still verify against it (`pool.rs`, on
+    /// duplicates), and its link or index word now names `to`. Readers see it in one block or
+    /// the other, or miss it while it moves, which a lock-free probe may. Writer only; returns
+    /// false if `from` holds no entry.
+    pub fn move_entry(&self, from: BlockId, to: BlockId) -> bool {
+        let Some(anchor) = self.published(from) else {
+            return false;
+        };
         let mut entry = self
-            .read(from, key)
+            .read(from, &anchor.key)
             .expect("the writer reads its own published entry");
-        assert_eq!(
-            self.slots[to as usize].id.load(Ordering::Relaxed),
-            0,
-            "block {to} already holds a published entry"
-        );
+        self.claim(to);
+        let (source, target) = (&self.slots[from as usize], &self.slots[to as usize]);
+        let up = source.up.load(Ordering::Relaxed).checked_sub(1);
+        let linked = source.linked.load(Ordering::Relaxed);
+        let child = source.child.load(Ordering::Relaxed);
         entry.block = to;
-        self.write(*key, &entry.as_new());
-        self.index[i].store(index_word(hash, to), Ordering::Release);
+        self.write(anchor.key, &entry.as_new(), up, linked);
+        target.indexed_children.store(
+            source.indexed_children.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        target.child.store(child, Ordering::Release);
+        if linked {
+            if let Some(parent) = self.up_slot(target) {
+                if parent.child.load(Ordering::Relaxed) == from + 1 {
+                    parent.child.store(to + 1, Ordering::Release);
+                }
+            }
+        } else {
+            let hash = index_hash(anchor.key);
+            let mut i = hash as usize & self.mask;
+            loop {
+                let word = self.index[i].load(Ordering::Relaxed);
+                assert_ne!(
+                    word, EMPTY,
+                    "indexed entry of block {from} not in the index"
+                );
+                if word_hash(word) == hash && word_block(word) == from {
+                    self.index[i].store(index_word(hash, to), Ordering::Release);
+                    break;
+                }
+                i = (i + 1) & self.mask;
+            }
+        }
+        // The linked child now finds its parent in `to` (indexed children keep the old block,
+        // which `up_slot` then refuses: their parent's count only ever errs high).
+        if let Some(child) = child.checked_sub(1) {
+            let child = &self.slots[child as usize];
+            if child.parent.load(Ordering::Relaxed) == entry.id {
+                child.up.store(to + 1, Ordering::Relaxed);
+            }
+        }
         self.clear_slot(from);
         true
+    }
+
+    /// The entry `block` holds, as an owned snapshot, or `None`. Lock-free.
+    #[must_use]
+    pub fn entry(&self, block: BlockId) -> Option<Entry> {
+        // `read` compares the key again under the slot's sequence lock: a key torn by a
+        // rewrite reads as no entry.
+        let key = self
+            .slots
+            .get(block as usize)
+            .map(|_| self.slot_key(block))?;
+        self.read(block, &key)
+    }
+
+    /// Whether a lookup can reach the entry `block` holds: its index word, or its parent's link.
+    /// Writer only (for `check_invariants`).
+    #[must_use]
+    pub fn reachable(&self, block: BlockId) -> bool {
+        let Some(slot) = self.slots.get(block as usize) else {
+            return false;
+        };
+        if slot.id.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        if slot.linked.load(Ordering::Relaxed) {
+            return self
+                .up_slot(slot)
+                .is_some_and(|parent| parent.child.load(Ordering::Relaxed) == block + 1);
+        }
+        self.get(&self.slot_key(block))
+            .is_some_and(|entry| entry.block == block)
+    }
+
+    /// Whether the entry `block` holds is linked from its parent rather than indexed, and if
+    /// so whether that parent entry is still held where it was linked from. Writer only (tests
+    /// and `check_invariants`: a linked entry whose parent is gone is unreachable, as any entry
+    /// whose parent is gone).
+    #[must_use]
+    pub fn linked(&self, block: BlockId) -> Option<bool> {
+        let slot = self.slots.get(block as usize)?;
+        (slot.id.load(Ordering::Relaxed) != 0 && slot.linked.load(Ordering::Relaxed))
+            .then(|| self.up_slot(slot).is_some())
     }
 
     fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
@@ -674,6 +920,32 @@ impl Table {
         extras: &[u8],
     ) -> Option<Anchor> {
         self.probe(key, |block| self.verify(block, key, parent, tokens, extras))
+    }
+
+    /// `get_verified` of a child of `parent`: the entry `parent`'s slot links first (no index
+    /// read), then the index. The link is a hint like an index word: the block it names is
+    /// verified in full under its own sequence lock, so a link to a slot being rewritten, or
+    /// to another parent's child after the parent's block was reused, reads as no entry.
+    /// Lock-free.
+    #[must_use]
+    pub fn get_verified_child(
+        &self,
+        parent: &Anchor,
+        key: &TableKey,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Option<Anchor> {
+        let want = Parent::Entry(parent.id);
+        if let Some(slot) = self.slots.get(parent.block as usize) {
+            if let Some(child) = slot.child.load(Ordering::Acquire).checked_sub(1) {
+                if (child as usize) < self.slots.len() {
+                    if let Verified::Yes(anchor) = self.verify(child, key, &want, tokens, extras) {
+                        return Some(anchor);
+                    }
+                }
+            }
+        }
+        self.get_verified(key, &want, tokens, extras)
     }
 
     /// `read` and `Entry::verifies` in one pass over the slot, under its sequence lock.
