@@ -162,8 +162,9 @@ impl PrefixCache {
             );
         }
         // Every key to publish, kept by the request (computed once, chained on keys whatever
-        // the table holds); then the table reads of the next few positions start together so
-        // their cache misses overlap (`match_chain`).
+        // the table holds); then the table reads of the next few positions (their slots and
+        // token rows; an index word only where the entry may be indexed) start together so
+        // their cache misses overlap.
         // Sized once: a long miss would otherwise regrow (and copy) both lists several times.
         request
             .keys

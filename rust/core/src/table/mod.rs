@@ -448,6 +448,24 @@ impl Table {
         }
     }
 
+    /// Starts the memory reads a `get_verified_child` of the entry in `parent_block` will need:
+    /// the linked child's slot and token row (the parent's slot was just read, so its link is
+    /// at hand). Plain loads whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch_child(&self, parent_block: BlockId) {
+        if let Some(slot) = self.slots.get(parent_block as usize) {
+            if let Some(child) = slot.child.load(Ordering::Relaxed).checked_sub(1) {
+                let child = child as usize;
+                if let Some(slot) = self.slots.get(child) {
+                    std::hint::black_box(slot.id.load(Ordering::Relaxed));
+                }
+                if let Some(cell) = self.tokens.get(child * self.block_size) {
+                    std::hint::black_box(cell.load(Ordering::Relaxed));
+                }
+            }
+        }
+    }
+
     /// Starts the memory reads a removal of `block`'s entry will need: the block's slot (its
     /// key) and then the index word at the key's home slot. Unlike `prefetch` for an insert, not
     /// the token row, which a removal never reads. Plain loads whose values are discarded: no
