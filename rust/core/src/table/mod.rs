@@ -395,7 +395,9 @@ impl Table {
         self.len() == 0
     }
 
-    /// The entry published under `key`, as an owned snapshot, or `None`. Lock-free.
+    /// The *indexed* entry published under `key`, as an owned snapshot, or `None`. A linked
+    /// child has no index word: it is found from its parent (`get_verified_child`) or by its
+    /// block (`entry`), which is how the cache reaches every entry. Lock-free.
     #[must_use]
     pub fn get(&self, key: &TableKey) -> Option<Entry> {
         self.probe(key, |block| match self.read(block, key) {
@@ -927,8 +929,9 @@ impl Table {
         }
     }
 
-    /// The entry published under `key` if it verifies against `parent`, `tokens` and `extras`
-    /// (`Entry::verifies`), compared in place; `None` for a miss or a collision. Lock-free.
+    /// The indexed entry published under `key` if it verifies against `parent`, `tokens` and
+    /// `extras` (`Entry::verifies`), compared in place; `None` for a miss or a collision. For a
+    /// block after the first, `get_verified_child` also finds a linked one. Lock-free.
     #[must_use]
     pub fn get_verified(
         &self,
