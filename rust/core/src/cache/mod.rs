@@ -413,6 +413,10 @@ impl PrefixCache {
         inner.pool.check_invariants();
         let guard = self.table.guard();
         assert_eq!(self.table.len(), inner.pool.num_cached(), "table size");
+        let held_by: std::collections::HashMap<u64, BlockId> = (0..inner.pool.num_blocks())
+            .filter_map(|block| self.table.published(block as BlockId, &guard))
+            .map(|anchor| (anchor.id, anchor.block))
+            .collect();
         for block in 0..inner.pool.num_blocks() {
             let entry = self.table.published(block as BlockId, &guard);
             assert_eq!(
@@ -420,11 +424,25 @@ impl PrefixCache {
                 inner.pool.is_cached(block as BlockId),
                 "entry of {block}"
             );
-            if entry.is_some() {
-                assert!(
-                    self.table.reachable(block as BlockId, &guard),
-                    "entry of {block} neither indexed nor linked from its parent"
-                );
+            if let Some(entry) = entry {
+                // Indexed under its key, or linked from its parent's block while the parent
+                // is cached (a child outliving its parent is reachable by no lookup anyway).
+                match self.table.link_of(block as BlockId, &guard) {
+                    None => assert!(
+                        self.table.indexed_at(block as BlockId, &entry.key, &guard),
+                        "indexed entry of {block} not in the index"
+                    ),
+                    Some((parent, up)) => {
+                        if let Some(&parent_block) = held_by.get(&parent) {
+                            assert_eq!(up, Some(parent_block), "parent block of linked {block}");
+                            assert_eq!(
+                                self.table.child_of(parent_block, &guard),
+                                Some(block as BlockId),
+                                "link from {parent_block} to its child {block}"
+                            );
+                        }
+                    }
+                }
                 assert_eq!(
                     inner.block_epoch[block], inner.epoch,
                     "cached block {block} was computed before the last reset"

@@ -882,8 +882,30 @@ impl Table {
         self.read(block, &key)
     }
 
+    /// For the entry `block` holds, if it is linked rather than indexed: its parent entry's id
+    /// and the block its writer-side `up` names (`None` when that block no longer holds the
+    /// parent: the parent is gone or moved). Writer only (for `check_invariants`).
+    #[must_use]
+    pub fn link_of(&self, block: BlockId) -> Option<(u64, Option<BlockId>)> {
+        let slot = self.slots.get(block as usize)?;
+        if slot.id.load(Ordering::Relaxed) == 0 || !slot.linked.load(Ordering::Relaxed) {
+            return None;
+        }
+        let up = self
+            .up_slot(slot)
+            .map(|_| slot.up.load(Ordering::Relaxed) - 1);
+        Some((slot.parent.load(Ordering::Relaxed), up))
+    }
+
+    /// The block the entry in `block` links as its child, if any. Writer only.
+    #[must_use]
+    pub fn child_of(&self, block: BlockId) -> Option<BlockId> {
+        let slot = self.slots.get(block as usize)?;
+        slot.child.load(Ordering::Relaxed).checked_sub(1)
+    }
+
     /// Whether a lookup can reach the entry `block` holds: its index word, or its parent's link.
-    /// Writer only (for `check_invariants`).
+    /// Writer only (tests).
     #[must_use]
     pub fn reachable(&self, block: BlockId) -> bool {
         let Some(slot) = self.slots.get(block as usize) else {

@@ -35,8 +35,23 @@ mod lock_free {
         pub(crate) fn entry(&self, block: BlockId, _guard: &TableGuard) -> Option<Entry> {
             self.0.entry(block)
         }
-        pub(crate) fn reachable(&self, block: BlockId, _guard: &TableGuard) -> bool {
-            self.0.reachable(block)
+        pub(crate) fn link_of(
+            &self,
+            block: BlockId,
+            _guard: &TableGuard,
+        ) -> Option<(u64, Option<BlockId>)> {
+            self.0.link_of(block)
+        }
+        pub(crate) fn child_of(&self, block: BlockId, _guard: &TableGuard) -> Option<BlockId> {
+            self.0.child_of(block)
+        }
+        pub(crate) fn indexed_at(
+            &self,
+            block: BlockId,
+            key: &TableKey,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.0.get(key).is_some_and(|entry| entry.block == block)
         }
         #[inline]
         pub(crate) fn get_verified_child(
@@ -188,17 +203,28 @@ mod model {
         pub(crate) fn entry(&self, block: BlockId, _guard: &TableGuard) -> Option<Entry> {
             self.read().slots.get(&block).map(|slot| slot.entry.clone())
         }
-        pub(crate) fn reachable(&self, block: BlockId, _guard: &TableGuard) -> bool {
+        pub(crate) fn link_of(
+            &self,
+            block: BlockId,
+            _guard: &TableGuard,
+        ) -> Option<(u64, Option<BlockId>)> {
             let state = self.read();
-            let Some(slot) = state.slots.get(&block) else {
-                return false;
+            let slot = state.slots.get(&block).filter(|slot| slot.linked)?;
+            let Parent::Entry(parent) = slot.entry.parent else {
+                return None;
             };
-            if slot.linked {
-                return state
-                    .up_slot(slot)
-                    .is_some_and(|up| state.child.get(&up) == Some(&block));
-            }
-            state.index.get(&slot.key) == Some(&block)
+            Some((parent, state.up_slot(slot)))
+        }
+        pub(crate) fn child_of(&self, block: BlockId, _guard: &TableGuard) -> Option<BlockId> {
+            self.read().child.get(&block).copied()
+        }
+        pub(crate) fn indexed_at(
+            &self,
+            block: BlockId,
+            key: &TableKey,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.read().index.get(key) == Some(&block)
         }
         pub(crate) fn get_verified(
             &self,
