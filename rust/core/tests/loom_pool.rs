@@ -197,7 +197,7 @@ fn lookup_racing_release_evict_and_refill_never_returns_a_false_hit() {
 /// A lookup of prompt A follows the link from A's first block to its second while the writer
 /// evicts the second (unlinking it) and publishes A', which shares A's first block, as the
 /// first block's new linked child in another block (relinking). Full-width keys, so the second
-/// blocks are linked from the first rather than indexed (`table/mod.rs`, on runs).
+/// blocks are linked from the first rather than indexed (`table/runs.rs`).
 #[test]
 fn lookup_following_a_link_racing_unlink_and_relink_never_returns_a_false_hit() {
     const A2: [u32; 2] = [1, 5];

@@ -1,7 +1,7 @@
 //! Real threads: lookups on three threads while one thread begins, commits, finishes and
 //! clears, with 6-bit table keys so collisions are constant, and again with full-width keys,
 //! where a run's later blocks are linked from their parents rather than indexed
-//! (`table/mod.rs`, on runs). A lookup may race with a writer, but every block it reports must
+//! (`table/runs.rs`). A lookup may race with a writer, but every block it reports must
 //! be the block of exactly the prefix it matched.
 //!
 //! Long: `#[ignore]`d so the default `cargo test` stays fast; `make rust-stress` runs it in
