@@ -401,10 +401,11 @@ fn main() {
                 extras: &[],
             };
             let key = TableKey(u128::from(next_key) << 64 | u128::from(next_id));
-            if let Some(old) = keys_of_block[entry.block as usize].replace(key) {
-                table.remove(&old);
+            if keys_of_block[entry.block as usize].replace(key).is_some() {
+                table.remove(entry.block);
             }
-            let _ = std::hint::black_box(table.insert(key, &entry));
+            // No parent block: every entry indexed, as the micro-benchmark always measured.
+            let _ = std::hint::black_box(table.insert(key, &entry, None));
         }
     });
     println!("{{\"what\": \"table insert of 250 entries (borrowed NewEntry; each block's old entry removed first), 200,000-block table\", \"ns\": {insert_ns:.0}}}");

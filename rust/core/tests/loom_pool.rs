@@ -13,9 +13,12 @@
 //! - the writer mutex (`parking_lot`) becomes `loom::sync::Mutex`;
 //! - the context cell (`arc-swap`) becomes a `loom::sync::RwLock<BlockKey>`: one linearizable
 //!   load or store;
-//! - the lookup table (`table/mod.rs`: a compact index beside per-block seqlocked slots) becomes a
-//!   `loom::sync::RwLock<HashMap<_, Entry>>`: each `get`, `insert` and `remove` one
-//!   linearizable step handing out owned snapshots, as the real table does.
+//! - the lookup table (`table/mod.rs`: a compact index beside per-block seqlocked slots, and
+//!   child links for runs) becomes maps behind a `loom::sync::RwLock`, one step per store of
+//!   the real table's protocol that readers can observe: a linked child's slot, then its
+//!   parent's link; a reader loads a link, then verifies the slot it names, then falls back to
+//!   the index (`table/shared.rs`). An index probe with its slot read is one linearizable
+//!   step handing out owned snapshots, as the real table does.
 //!
 //! loom then tries every interleaving of those steps (within a preemption bound, below): a lookup
 //! can read each table slot before or after any insert or removal of a writer, and read the
@@ -186,6 +189,88 @@ fn lookup_racing_release_evict_and_refill_never_returns_a_false_hit() {
         assert_eq!(
             stats.blocks_free + stats.blocks_cached,
             4,
+            "no block leaked"
+        );
+    });
+}
+
+/// A lookup of prompt A follows the link from A's first block to its second while the writer
+/// evicts the second (unlinking it) and publishes A', which shares A's first block, as the
+/// first block's new linked child in another block (relinking). Full-width keys, so the second
+/// blocks are linked from the first rather than indexed (`table/runs.rs`).
+#[test]
+fn lookup_following_a_link_racing_unlink_and_relink_never_returns_a_false_hit() {
+    const A2: [u32; 2] = [1, 5];
+    let context = context_fingerprint(b"loom");
+    model(move || {
+        let config = CacheConfig {
+            key_bits: TableHasher::BITS,
+            full_hit: FullHit::ReuseLastBlock,
+            ..CacheConfig::new(3, 1)
+        };
+        // Blocks 0 <- 1 hold A, cached; the releaser holds them. Block 2 is the writer's
+        // padding, so A's second block is the only one its allocation can evict.
+        let cache = PrefixCache::new(config, context).unwrap();
+        let a_blocks = serve(&cache, &A);
+        let held = cache
+            .match_and_acquire(&A, b"", &RequestExtras::default(), 0)
+            .unwrap()
+            .blocks;
+        assert_eq!(held, a_blocks);
+        let padding = cache.allocate(1).unwrap();
+        let cache = Arc::new(cache);
+
+        let releaser = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                cache.release(&held).unwrap();
+                cache.check_invariants();
+            })
+        };
+        let writer = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || {
+                // Evicts A's second block if the releaser has gone (its first is a parent).
+                let pressure = cache.allocate(1);
+                cache.release(&padding).unwrap();
+                let blocks = serve(&cache, &A2);
+                if let Ok(pressure) = pressure {
+                    cache.release(&pressure).unwrap();
+                }
+                cache.check_invariants();
+                blocks
+            })
+        };
+        let reader = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || (lookup(&cache, &A), lookup(&cache, &A2)))
+        };
+
+        releaser.join().unwrap();
+        let a2_blocks = writer.join().unwrap();
+        let (found_a, found_a2) = reader.join().unwrap();
+        assert_eq!(
+            a2_blocks[0], a_blocks[0],
+            "set-up: A' shares A's first block"
+        );
+        assert_ne!(
+            a2_blocks[1], a_blocks[1],
+            "set-up: A' publishes in another block"
+        );
+        assert!(
+            is_prefix(&found_a, &a_blocks),
+            "lookup of A returned {found_a:?}: A was only ever in {a_blocks:?}"
+        );
+        assert!(
+            is_prefix(&found_a2, &a2_blocks),
+            "lookup of A' returned {found_a2:?}: A' was only ever in {a2_blocks:?}"
+        );
+        cache.check_invariants();
+        let stats = cache.stats();
+        assert_eq!(stats.blocks_in_use, 0, "every reference was dropped");
+        assert_eq!(
+            stats.blocks_free + stats.blocks_cached,
+            3,
             "no block leaked"
         );
     });

@@ -3,9 +3,9 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{block_extras, PrefixCache, PrefixMatch, LOOKAHEAD};
+use super::{block_extras, PrefixCache, PrefixMatch};
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras, TableKey};
+use crate::key::{block_key_with, root_key, BlockKey, RequestExtras};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Parent};
 
@@ -121,39 +121,33 @@ impl PrefixCache {
     ) {
         let bs = self.config.block_size;
         let guard = self.table.guard();
-        let mut parent_key = self.hasher.root(&root);
-        let mut parent = Parent::Root(root);
-        // Keys chain on keys, not on what the table holds, so a batch of them is hashed ahead
-        // and its index reads started together: their cache misses overlap instead of queueing.
-        let mut keys = [TableKey(0); LOOKAHEAD];
-        for (batch_index, batch) in tokens.chunks(LOOKAHEAD * bs).enumerate() {
-            let first = batch_index * LOOKAHEAD;
-            let mut key = parent_key;
-            let mut batch_len = 0;
-            for (offset, chunk) in batch.chunks_exact(bs).enumerate() {
-                let block_extras = block_extras(extras, first + offset, bs);
-                key = self.hasher.block(buffer, key, chunk, &block_extras);
-                keys[offset] = key;
-                batch_len += 1;
+        let mut key = self.hasher.root(&root);
+        let mut parent: Option<Anchor> = None;
+        for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
+            // The linked child's slot and token row are read while its key is hashed, so the
+            // miss overlaps the hashing (`Table::prefetch_child`); a first block, or one past a
+            // branch, is found through the index.
+            if let Some(last) = &parent {
+                self.table.prefetch_child(last.block);
             }
-            // Back to back, after the hashing: the loads are then in flight together.
-            for key in &keys[..batch_len] {
-                self.table.prefetch_entry(key);
-            }
-            for (offset, chunk) in batch.chunks_exact(bs).enumerate().take(batch_len) {
-                let key = keys[offset];
-                let block_extras = block_extras(extras, first + offset, bs);
-                match self
-                    .table
-                    .get_verified(&key, &parent, chunk, &block_extras, &guard)
-                {
-                    Some(anchor) => {
-                        on_hit(anchor);
-                        parent = Parent::Entry(anchor.id);
-                        parent_key = key;
-                    }
-                    None => return,
+            let block_extras = block_extras(extras, index, bs);
+            key = self.hasher.block(buffer, key, chunk, &block_extras);
+            let found = match &parent {
+                Some(last) => {
+                    self.table
+                        .get_verified_child(last, &key, chunk, &block_extras, &guard)
                 }
+                None => {
+                    self.table
+                        .get_verified(&key, &Parent::Root(root), chunk, &block_extras, &guard)
+                }
+            };
+            match found {
+                Some(anchor) => {
+                    on_hit(anchor);
+                    parent = Some(anchor);
+                }
+                None => return,
             }
         }
     }

@@ -276,7 +276,12 @@ impl PrefixCache {
         let pool = BlockPool::new(config.num_blocks).map_err(|_| unallocated())?;
         Ok(Self {
             // One entry slot per block, allocated now: the table never grows (`table/mod.rs`).
-            table: SharedTable::new(num_blocks, config.block_size).ok_or_else(unallocated)?,
+            table: SharedTable::new(
+                num_blocks,
+                config.block_size,
+                config.key_bits == TableHasher::BITS,
+            )
+            .ok_or_else(unallocated)?,
             hasher,
             context: ContextCell::new(context),
             inner: Mutex::new(Inner {
@@ -408,6 +413,10 @@ impl PrefixCache {
         inner.pool.check_invariants();
         let guard = self.table.guard();
         assert_eq!(self.table.len(), inner.pool.num_cached(), "table size");
+        let held_by: std::collections::HashMap<u64, BlockId> = (0..inner.pool.num_blocks())
+            .filter_map(|block| self.table.published(block as BlockId, &guard))
+            .map(|anchor| (anchor.id, anchor.block))
+            .collect();
         for block in 0..inner.pool.num_blocks() {
             let entry = self.table.published(block as BlockId, &guard);
             assert_eq!(
@@ -416,16 +425,24 @@ impl PrefixCache {
                 "entry of {block}"
             );
             if let Some(entry) = entry {
-                let published = self
-                    .table
-                    .get(&entry.key, &guard)
-                    .expect("cached entry in table");
-                assert_eq!(published.id, entry.id, "published entry of {block}");
-                assert_eq!(
-                    published.block, block as BlockId,
-                    "block of entry {}",
-                    entry.id
-                );
+                // Indexed under its key, or linked from its parent's block while the parent
+                // is cached (a child outliving its parent is reachable by no lookup anyway).
+                match self.table.link_of(block as BlockId, &guard) {
+                    None => assert!(
+                        self.table.indexed_at(block as BlockId, &entry.key, &guard),
+                        "indexed entry of {block} not in the index"
+                    ),
+                    Some((parent, up)) => {
+                        if let Some(&parent_block) = held_by.get(&parent) {
+                            assert_eq!(up, Some(parent_block), "parent block of linked {block}");
+                            assert_eq!(
+                                self.table.child_of(parent_block, &guard),
+                                Some(block as BlockId),
+                                "link from {parent_block} to its child {block}"
+                            );
+                        }
+                    }
+                }
                 assert_eq!(
                     inner.block_epoch[block], inner.epoch,
                     "cached block {block} was computed before the last reset"
@@ -516,19 +533,16 @@ impl PrefixCache {
                         self.table.prefetch_removal(block);
                     }
                     for &Evicted { block, moved_to } in chunk {
-                        let entry = self
-                            .table
-                            .published(block, &guard)
-                            .expect("evicted a cached block");
                         if let Some(heir) = moved_to {
                             // Its content stays cached in a duplicate (`pool.rs`): nothing is
                             // lost, nothing for a router or a host tier to learn.
-                            let moved = self.table.move_entry(&entry.key, heir, &guard);
-                            debug_assert!(moved);
+                            let moved = self.table.move_entry(block, heir, &guard);
+                            debug_assert!(moved, "evicted a cached block");
                             inner.events.moved(block, heir);
                             continue;
                         }
-                        self.table.remove(&entry.key, &guard);
+                        debug_assert!(self.table.published(block, &guard).is_some());
+                        self.table.remove(block, &guard);
                         inner.events.removed(block);
                         inner.counters.evictions += 1;
                         if let Some(log) = inner.eviction_log.as_mut() {
@@ -559,9 +573,7 @@ impl PrefixCache {
         inner.pins.drop_all(reset);
         let guard = self.table.guard();
         for block in inner.pool.cached_blocks() {
-            if let Some(entry) = self.table.published(block, &guard) {
-                self.table.remove(&entry.key, &guard);
-            }
+            self.table.remove(block, &guard);
             inner.pool.uncache(block);
         }
         inner.pool.forget_duplicates();

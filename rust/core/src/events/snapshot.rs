@@ -26,11 +26,10 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut events = vec![KvEvent::Cleared];
         for (block, parent, root) in self.cached_in_chain_order(inner) {
-            let anchor = self
+            let entry = self
                 .table
-                .published(block, &guard)
+                .entry(block, &guard)
                 .expect("cached blocks have entries");
-            let entry = self.table.get(&anchor.key, &guard).expect("published");
             let with_tokens = match token_policy {
                 TokenIds::All => true,
                 TokenIds::Unsalted => root == unsalted_root,
@@ -70,7 +69,7 @@ impl PrefixCache {
             .collect();
         let mut parent_of: HashMap<BlockId, Result<BlockId, BlockKey>> = HashMap::new();
         for anchor in &published {
-            let entry = self.table.get(&anchor.key, &guard).expect("published");
+            let entry = self.table.entry(anchor.block, &guard).expect("published");
             let parent = match entry.parent {
                 Parent::Root(root) => Err(root),
                 Parent::Entry(id) => {
@@ -104,11 +103,10 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut keys = vec![None; inner.pool.num_blocks()];
         for (block, parent, root) in self.cached_in_chain_order(inner) {
-            let anchor = self
+            let entry = self
                 .table
-                .published(block, &guard)
+                .entry(block, &guard)
                 .expect("cached blocks have entries");
-            let entry = self.table.get(&anchor.key, &guard).expect("published");
             let parent_key = parent.map_or(root, |p| keys[p as usize].expect("parents first"));
             keys[block as usize] = Some(block_key_with(
                 &mut inner.scratch,

@@ -14,7 +14,7 @@
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
 use super::{release_tail_first, with_request, Request};
-use crate::cache::{block_extras, FullHit, Inner, PrefixCache, LOOKAHEAD};
+use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
 use crate::request::{RequestId, Slots};
@@ -188,11 +188,10 @@ impl PrefixCache {
 
     /// Matches a waiting request's cached prefix under the mutex, from its kept keys.
     ///
-    /// As in `match_chain`: the keys of the next `LOOKAHEAD` blocks are computed (or taken from
-    /// the request's memo) first and their index reads started together, so the cache misses of
-    /// a long hit overlap instead of queueing; each entry is then verified in place. Keys hashed
-    /// past the first miss are not wasted: the request keeps them, and its commit publishes
-    /// under them.
+    /// As in `match_chain`: the first block is found through the index, each later one through
+    /// its parent's link (or the index, at a branch), verified in place (`table/mod.rs`, on
+    /// runs). Keys are taken from the request's memo or computed and kept there: its commit
+    /// publishes under them.
     fn match_request(&self, inner: &mut Inner, request: &mut Request) -> Vec<Anchor> {
         self.refresh_epoch(inner, request);
         let bs = self.config.block_size;
@@ -202,14 +201,22 @@ impl PrefixCache {
         request
             .keys
             .reserve(num_full.saturating_sub(request.keys.len()));
-        let mut anchors = Vec::new();
-        let mut parent = Parent::Root(request.root);
-        let mut position = 0;
-        while position < num_full {
-            let batch_end = num_full.min(position + LOOKAHEAD);
-            for p in request.keys.len().max(position)..batch_end {
-                let chunk = &request.tokens[p * bs..(p + 1) * bs];
-                let block_extras = block_extras(&request.extras, p, bs);
+        let mut anchors: Vec<Anchor> = Vec::new();
+        for p in 0..num_full {
+            // The entry's slot and token row are read while its key is hashed: a walk follows
+            // links one block at a time, so the miss then overlaps the hashing instead of
+            // following it. Plain loads, no effect on any answer (`Table::prefetch_child`).
+            match anchors.last() {
+                Some(last) => self.table.prefetch_child(last.block),
+                None => {
+                    if let Some(key) = request.keys.first() {
+                        self.table.prefetch_entry(key);
+                    }
+                }
+            }
+            let chunk = &request.tokens[p * bs..(p + 1) * bs];
+            let block_extras = block_extras(&request.extras, p, bs);
+            if p == request.keys.len() {
                 table_key(
                     &self.hasher,
                     &mut inner.scratch,
@@ -220,27 +227,22 @@ impl PrefixCache {
                     p,
                 );
             }
-            for key in &request.keys[position..batch_end] {
-                self.table.prefetch_entry(key);
-            }
-            for p in position..batch_end {
-                let chunk = &request.tokens[p * bs..(p + 1) * bs];
-                let block_extras = block_extras(&request.extras, p, bs);
-                match self.table.get_verified(
-                    &request.keys[p],
-                    &parent,
-                    chunk,
-                    &block_extras,
-                    &guard,
-                ) {
-                    Some(anchor) => {
-                        parent = Parent::Entry(anchor.id);
-                        anchors.push(anchor);
-                    }
-                    None => return anchors,
+            let key = &request.keys[p];
+            let found = match anchors.last() {
+                Some(last) => {
+                    self.table
+                        .get_verified_child(last, key, chunk, &block_extras, &guard)
                 }
+                None => {
+                    let root = Parent::Root(request.root);
+                    self.table
+                        .get_verified(key, &root, chunk, &block_extras, &guard)
+                }
+            };
+            match found {
+                Some(anchor) => anchors.push(anchor),
+                None => return anchors,
             }
-            position = batch_end;
         }
         anchors
     }

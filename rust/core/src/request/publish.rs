@@ -196,8 +196,9 @@ impl PrefixCache {
             );
         }
         // Every key to publish, kept by the request (computed once, chained on keys whatever
-        // the table holds); then the table reads of the next few positions start together so
-        // their cache misses overlap (`match_chain`).
+        // the table holds); then the table reads of the next few positions (their slots and
+        // token rows; an index word only where the entry may be indexed) start together so
+        // their cache misses overlap.
         // Sized once: a long miss would otherwise regrow (and copy) both lists several times.
         request
             .keys
@@ -237,8 +238,12 @@ impl PrefixCache {
             if position >= prefetched_to {
                 prefetched_to = target.min(position + LOOKAHEAD);
                 for p in position..prefetched_to {
-                    self.table
-                        .prefetch(&request.keys[p], Some(request.block_table[p]));
+                    // A run's later blocks are linked, not indexed: no index word to read.
+                    self.table.prefetch(
+                        &request.keys[p],
+                        Some(request.block_table[p]),
+                        p == 0 || sliding,
+                    );
                 }
             }
             let chunk = &request.tokens[position * bs..(position + 1) * bs];
@@ -249,10 +254,12 @@ impl PrefixCache {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
                 // block `commit_blocks` was passed that is already cached. Fine if it is
                 // exactly this entry; it cannot stand anywhere else.
-                match self.table.get(&key, &guard) {
-                    Some(e)
-                        if e.block == own_block && e.verifies(&parent, chunk, &block_extras) =>
-                    {
+                let published = self
+                    .table
+                    .published(own_block, &guard)
+                    .filter(|anchor| anchor.key == key);
+                match published.and_then(|_| self.table.entry(own_block, &guard)) {
+                    Some(e) if e.verifies(&parent, chunk, &block_extras) => {
                         let anchor = e.anchor(key);
                         inner.pool.touch(anchor.block, inner.tick, request.priority);
                         request.anchors.push(anchor);
@@ -271,7 +278,7 @@ impl PrefixCache {
                 tokens: chunk,
                 extras: &block_extras,
             };
-            let anchor = match self.table.insert(key, &entry, &guard) {
+            let anchor = match self.table.insert(key, &entry, parent_block, &guard) {
                 Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
                     inner.pool.mark_cached(own_block, chain_parent);

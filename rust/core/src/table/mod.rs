@@ -19,6 +19,11 @@
 //!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
 //!   runs stay short however many blocks are evicted and refilled.
 //!
+//! ## Runs: a child linked from its parent instead of indexed
+//! Most blocks after a request's first are not in the index but linked from their parent's
+//! slot (`child`), so a run of blocks costs one index word: `runs.rs` says when, and why a
+//! lookup following a link is as safe as one following an index word.
+//!
 //! ## Reading without locks, and why a reader never sees a torn entry
 //! Every field is an atomic, so no read is ever a data race; consistency comes from a sequence
 //! lock per slot. The writer makes the slot's sequence number odd, writes the fields, then makes
@@ -56,7 +61,7 @@
 //! The cache reaches the table only through `SharedTable` (`shared.rs`), which has a loom stand-in.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
@@ -253,6 +258,18 @@ struct Slot {
     /// Length of the extras (0 for almost every block: then `extras` is not read).
     extras_len: AtomicU32,
     extras: ArcSwapOption<Box<[u8]>>,
+    /// The block (plus one; 0: none) of this entry's *linked* child, the one child published
+    /// without an index word (`runs.rs`). Readers take it as a hint and verify the
+    /// block it names in full, as they do a block an index word names.
+    child: AtomicU32,
+    /// Writer only: the block (plus one; 0: none) that held this entry's parent entry when it
+    /// was published (or moved), checked against that slot's id before any use.
+    up: AtomicU32,
+    /// Writer only: true when this entry is reached through its parent's `child`, not the index.
+    linked: AtomicBool,
+    /// Writer only: how many children of this entry may sit in the index (never fewer than do):
+    /// while none may, a new child needs no index probe to be known new.
+    indexed_children: AtomicU32,
 }
 
 /// The lock-free table of published entries, one slot per block (see the module docs).
@@ -268,6 +285,8 @@ pub struct Table {
     /// in a miss while it changed probes again.
     shifts: AtomicU64,
     len: AtomicUsize,
+    /// Whether children may be linked instead of indexed (full-width keys only: module docs).
+    links: bool,
 }
 
 impl Table {
@@ -315,6 +334,13 @@ impl Table {
     /// for the pool's own metadata).
     #[must_use]
     pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        Self::with_links(num_blocks, block_size, true)
+    }
+
+    /// `new`, linking runs of children (`links`) or indexing every entry (`!links`: the table
+    /// of truncated test keys, where every key must stay unique: module docs).
+    #[must_use]
+    pub fn with_links(num_blocks: usize, block_size: usize, links: bool) -> Option<Self> {
         if num_blocks == 0 || num_blocks > u32::MAX as usize {
             return None;
         }
@@ -327,6 +353,7 @@ impl Table {
             block_size,
             shifts: AtomicU64::new(0),
             len: AtomicUsize::new(0),
+            links,
         })
     }
 
@@ -342,7 +369,9 @@ impl Table {
         self.len() == 0
     }
 
-    /// The entry published under `key`, as an owned snapshot, or `None`. Lock-free.
+    /// The *indexed* entry published under `key`, as an owned snapshot, or `None`. A linked
+    /// child has no index word: it is found from its parent (`get_verified_child`) or by its
+    /// block (`entry`), which is how the cache reaches every entry. Lock-free.
     #[must_use]
     pub fn get(&self, key: &TableKey) -> Option<Entry> {
         self.probe(key, |block| match self.read(block, key) {
@@ -357,9 +386,14 @@ impl Table {
     /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
     /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
     #[inline]
-    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
-        let home = index_hash(*key) as usize & self.mask;
-        std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+    ///
+    /// `indexed`: whether the insert may probe the index; a child linked from the previous
+    /// block of its run does not (`runs.rs`).
+    pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>, indexed: bool) {
+        if indexed || !self.links {
+            let home = index_hash(*key) as usize & self.mask;
+            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+        }
         if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
             std::hint::black_box(slot.id.load(Ordering::Relaxed));
             let start = block.unwrap_or_default() as usize * self.block_size;
@@ -397,6 +431,15 @@ impl Table {
     #[inline]
     pub fn prefetch_removal(&self, block: BlockId) {
         if let Some(slot) = self.slots.get(block as usize) {
+            if slot.linked.load(Ordering::Relaxed) {
+                // Its parent's slot, whose link the removal clears.
+                if let Some(up) = slot.up.load(Ordering::Relaxed).checked_sub(1) {
+                    if let Some(parent) = self.slots.get(up as usize) {
+                        std::hint::black_box(parent.child.load(Ordering::Relaxed));
+                    }
+                }
+                return;
+            }
             let key = TableKey(
                 u128::from(slot.key[0].load(Ordering::Relaxed))
                     | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
@@ -455,15 +498,22 @@ impl Table {
         None
     }
 
-    /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
-    /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
-    /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
-    ///
-    /// # Panics
-    /// If the key is free but `entry.block` already holds a published entry: a block holds one
-    /// entry at a time (the cache removes the old one before reusing a block), which is what
-    /// keeps at most half of the index in use.
-    pub fn insert(&self, key: TableKey, entry: &NewEntry<'_>) -> Insertion {
+    /// Panics unless `block` holds no published entry (see `insert`).
+    fn claim(&self, block: BlockId) {
+        assert_eq!(
+            self.slots[block as usize].id.load(Ordering::Relaxed),
+            0,
+            "block {block} already holds a published entry"
+        );
+    }
+
+    /// `insert` through the index: the key is probed, and published there if free.
+    fn insert_indexed(
+        &self,
+        key: TableKey,
+        entry: &NewEntry<'_>,
+        parent_block: Option<BlockId>,
+    ) -> Insertion {
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {
@@ -486,13 +536,8 @@ impl Table {
             }
             i = (i + 1) & self.mask;
         }
-        assert_eq!(
-            self.slots[entry.block as usize].id.load(Ordering::Relaxed),
-            0,
-            "block {} already holds a published entry",
-            entry.block
-        );
-        self.write(key, entry);
+        self.claim(entry.block);
+        self.write(key, entry, parent_block, false);
         self.index[i].store(index_word(hash, entry.block), Ordering::Release);
         self.count_entries(1);
         Insertion::Inserted(Anchor {
@@ -502,16 +547,17 @@ impl Table {
         })
     }
 
-    /// Removes the entry published under `key`, if any. Writer only.
-    pub fn remove(&self, key: &TableKey) {
+    /// Removes `block`'s index word (under `key`) and its entry. Writer only.
+    fn remove_indexed(&self, key: &TableKey, block: BlockId) {
         let hash = index_hash(*key);
         let mut hole = hash as usize & self.mask;
         loop {
             let word = self.index[hole].load(Ordering::Relaxed);
             if word == EMPTY {
+                debug_assert!(false, "indexed entry of block {block} not in the index");
                 return;
             }
-            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
+            if word_hash(word) == hash && word_block(word) == block {
                 // No entry any more: a reader holding the old word now finds none.
                 self.clear_slot(word_block(word));
                 break;
@@ -566,10 +612,17 @@ impl Table {
     }
 
     /// The writer's side of the slot's sequence lock.
-    fn write(&self, key: TableKey, entry: &NewEntry<'_>) {
+    /// `up` and `linked` are the new entry's writer-side fields (`Slot`); it starts with no
+    /// children.
+    fn write(&self, key: TableKey, entry: &NewEntry<'_>, up: Option<BlockId>, linked: bool) {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
         let slot = &self.slots[entry.block as usize];
+        slot.up
+            .store(up.map_or(0, |block| block + 1), Ordering::Relaxed);
+        slot.linked.store(linked, Ordering::Relaxed);
+        slot.indexed_children.store(0, Ordering::Relaxed);
+        slot.child.store(0, Ordering::Relaxed);
         let seq = slot.seq.load(Ordering::Relaxed);
         slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
@@ -610,40 +663,20 @@ impl Table {
         slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);
         slot.id.store(0, Ordering::Relaxed);
+        slot.child.store(0, Ordering::Relaxed);
         slot.seq.store(seq + 2, Ordering::Release);
     }
 
-    /// Moves the entry published under `key` into block `to`, whose slot is empty: same id, key,
-    /// parent, tokens and extras, so its children still verify against it (`pool.rs`, on
-    /// duplicates). Readers see it in one block or the other, or miss it while the index word
-    /// moves, which a lock-free probe may. Writer only; returns false if `key` has no entry.
-    pub fn move_entry(&self, key: &TableKey, to: BlockId) -> bool {
-        let hash = index_hash(*key);
-        let mut i = hash as usize & self.mask;
-        loop {
-            let word = self.index[i].load(Ordering::Relaxed);
-            if word == EMPTY {
-                return false;
-            }
-            if word_hash(word) == hash && self.slot_key(word_block(word)) == *key {
-                break;
-            }
-            i = (i + 1) & self.mask;
-        }
-        let from = word_block(self.index[i].load(Ordering::Relaxed));
-        let mut entry = self
-            .read(from, key)
-            .expect("the writer reads its own published entry");
-        assert_eq!(
-            self.slots[to as usize].id.load(Ordering::Relaxed),
-            0,
-            "block {to} already holds a published entry"
-        );
-        entry.block = to;
-        self.write(*key, &entry.as_new());
-        self.index[i].store(index_word(hash, to), Ordering::Release);
-        self.clear_slot(from);
-        true
+    /// The entry `block` holds, as an owned snapshot, or `None`. Lock-free.
+    #[must_use]
+    pub fn entry(&self, block: BlockId) -> Option<Entry> {
+        // `read` compares the key again under the slot's sequence lock: a key torn by a
+        // rewrite reads as no entry.
+        let key = self
+            .slots
+            .get(block as usize)
+            .map(|_| self.slot_key(block))?;
+        self.read(block, &key)
     }
 
     fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
@@ -663,8 +696,9 @@ impl Table {
         }
     }
 
-    /// The entry published under `key` if it verifies against `parent`, `tokens` and `extras`
-    /// (`Entry::verifies`), compared in place; `None` for a miss or a collision. Lock-free.
+    /// The indexed entry published under `key` if it verifies against `parent`, `tokens` and
+    /// `extras` (`Entry::verifies`), compared in place; `None` for a miss or a collision. For a
+    /// block after the first, `get_verified_child` also finds a linked one. Lock-free.
     #[must_use]
     pub fn get_verified(
         &self,
@@ -776,6 +810,7 @@ impl Table {
     }
 }
 
+mod runs;
 mod shared;
 pub(crate) use shared::SharedTable;
 

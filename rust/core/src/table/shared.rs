@@ -24,16 +24,45 @@ mod lock_free {
     pub(crate) struct SharedTable(Table);
 
     impl SharedTable {
-        pub(crate) fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
-            Table::new(num_blocks, block_size).map(Self)
+        pub(crate) fn new(num_blocks: usize, block_size: usize, links: bool) -> Option<Self> {
+            Table::with_links(num_blocks, block_size, links).map(Self)
         }
         #[inline]
         pub(crate) fn guard(&self) -> TableGuard {
             TableGuard
         }
         #[inline]
-        pub(crate) fn get(&self, key: &TableKey, _guard: &TableGuard) -> Option<Entry> {
-            self.0.get(key)
+        pub(crate) fn entry(&self, block: BlockId, _guard: &TableGuard) -> Option<Entry> {
+            self.0.entry(block)
+        }
+        pub(crate) fn link_of(
+            &self,
+            block: BlockId,
+            _guard: &TableGuard,
+        ) -> Option<(u64, Option<BlockId>)> {
+            self.0.link_of(block)
+        }
+        pub(crate) fn child_of(&self, block: BlockId, _guard: &TableGuard) -> Option<BlockId> {
+            self.0.child_of(block)
+        }
+        pub(crate) fn indexed_at(
+            &self,
+            block: BlockId,
+            key: &TableKey,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.0.get(key).is_some_and(|entry| entry.block == block)
+        }
+        #[inline]
+        pub(crate) fn get_verified_child(
+            &self,
+            parent: &Anchor,
+            key: &TableKey,
+            tokens: &[u32],
+            extras: &[u8],
+            _guard: &TableGuard,
+        ) -> Option<Anchor> {
+            self.0.get_verified_child(parent, key, tokens, extras)
         }
         #[inline]
         pub(crate) fn get_verified(
@@ -51,24 +80,29 @@ mod lock_free {
             &self,
             key: TableKey,
             entry: &NewEntry<'_>,
+            parent_block: Option<BlockId>,
             _guard: &TableGuard,
         ) -> Insertion {
-            self.0.insert(key, entry)
+            self.0.insert(key, entry, parent_block)
         }
         #[inline]
-        pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
-            self.0.remove(key);
+        pub(crate) fn remove(&self, block: BlockId, _guard: &TableGuard) {
+            self.0.remove(block);
         }
-        pub(crate) fn move_entry(&self, key: &TableKey, to: BlockId, _guard: &TableGuard) -> bool {
-            self.0.move_entry(key, to)
+        pub(crate) fn move_entry(&self, from: BlockId, to: BlockId, _guard: &TableGuard) -> bool {
+            self.0.move_entry(from, to)
         }
         #[inline]
-        pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>) {
-            self.0.prefetch(key, block);
+        pub(crate) fn prefetch(&self, key: &TableKey, block: Option<BlockId>, indexed: bool) {
+            self.0.prefetch(key, block, indexed);
         }
         #[inline]
         pub(crate) fn prefetch_removal(&self, block: BlockId) {
             self.0.prefetch_removal(block);
+        }
+        #[inline]
+        pub(crate) fn prefetch_child(&self, parent_block: BlockId) {
+            self.0.prefetch_child(parent_block);
         }
         #[inline]
         pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
@@ -88,23 +122,109 @@ mod lock_free {
 mod model {
     use std::collections::HashMap;
 
+    use loom::sync::RwLock;
+
     use crate::table::{Anchor, BlockId, Entry, Insertion, NewEntry, Parent, TableKey};
 
     /// Nothing to pin: entries are handed out as owned snapshots, as by the real table.
     pub(crate) struct TableGuard;
 
-    /// A map whose every operation is one step loom schedules (see the module docs).
-    pub(crate) struct SharedTable(loom::sync::RwLock<HashMap<TableKey, Entry>>);
+    /// One block's published entry and the writer's own fields (`Slot` in `table/mod.rs`).
+    #[derive(Clone)]
+    struct Slot {
+        key: TableKey,
+        entry: Entry,
+        up: Option<BlockId>,
+        linked: bool,
+        indexed_children: u32,
+    }
+
+    /// The real table's three kinds of location: index words (a map by key here), slots, and
+    /// the reader-visible child links.
+    #[derive(Default)]
+    struct State {
+        index: HashMap<TableKey, BlockId>,
+        slots: HashMap<BlockId, Slot>,
+        child: HashMap<BlockId, BlockId>,
+    }
+
+    /// The real table's protocol, one loom step per store the writer makes and per load a
+    /// reader makes that the protocol's correctness rests on: a linked insert writes the slot,
+    /// then the parent's link; a linked removal clears the link, then the slot; a move writes
+    /// the new slot, then the link or index word, then clears the old slot; a reader following
+    /// a link loads it, then reads (and verifies) the slot it names, then falls back to the
+    /// index. An index probe with its slot read stays one step: the real table's tests check
+    /// that contract with real threads (`table/tests.rs`).
+    pub(crate) struct SharedTable {
+        links: bool,
+        state: RwLock<State>,
+    }
+
+    impl State {
+        /// The slot holding `parent`'s entry, if it is `block` (`Table::parent_slot`).
+        fn parent_slot(&self, parent: &Parent, block: Option<BlockId>) -> Option<BlockId> {
+            let (Parent::Entry(id), Some(block)) = (parent, block) else {
+                return None;
+            };
+            (self.slots.get(&block)?.entry.id == *id).then_some(block)
+        }
+
+        /// The slot that holds `slot`'s parent entry, if `slot.up` still does (`Table::up_slot`).
+        fn up_slot(&self, slot: &Slot) -> Option<BlockId> {
+            let (up, Parent::Entry(parent)) = (slot.up?, slot.entry.parent) else {
+                return None;
+            };
+            (self.slots.get(&up)?.entry.id == parent).then_some(up)
+        }
+
+        fn verify(&self, block: BlockId, key: &TableKey, new: &NewEntry<'_>) -> Option<Anchor> {
+            let slot = self.slots.get(&block)?;
+            (slot.key == *key && slot.entry.verifies(&new.parent, new.tokens, new.extras))
+                .then(|| slot.entry.anchor(*key))
+        }
+    }
 
     impl SharedTable {
-        pub(crate) fn new(_num_blocks: usize, _block_size: usize) -> Option<Self> {
-            Some(Self(loom::sync::RwLock::new(HashMap::new())))
+        pub(crate) fn new(_num_blocks: usize, _block_size: usize, links: bool) -> Option<Self> {
+            Some(Self {
+                links,
+                state: RwLock::new(State::default()),
+            })
         }
         pub(crate) fn guard(&self) -> TableGuard {
             TableGuard
         }
-        pub(crate) fn get(&self, key: &TableKey, _guard: &TableGuard) -> Option<Entry> {
-            self.0.read().unwrap().get(key).cloned()
+        fn read(&self) -> loom::sync::RwLockReadGuard<'_, State> {
+            self.state.read().unwrap()
+        }
+        fn write(&self) -> loom::sync::RwLockWriteGuard<'_, State> {
+            self.state.write().unwrap()
+        }
+        pub(crate) fn entry(&self, block: BlockId, _guard: &TableGuard) -> Option<Entry> {
+            self.read().slots.get(&block).map(|slot| slot.entry.clone())
+        }
+        pub(crate) fn link_of(
+            &self,
+            block: BlockId,
+            _guard: &TableGuard,
+        ) -> Option<(u64, Option<BlockId>)> {
+            let state = self.read();
+            let slot = state.slots.get(&block).filter(|slot| slot.linked)?;
+            let Parent::Entry(parent) = slot.entry.parent else {
+                return None;
+            };
+            Some((parent, state.up_slot(slot)))
+        }
+        pub(crate) fn child_of(&self, block: BlockId, _guard: &TableGuard) -> Option<BlockId> {
+            self.read().child.get(&block).copied()
+        }
+        pub(crate) fn indexed_at(
+            &self,
+            block: BlockId,
+            key: &TableKey,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.read().index.get(key) == Some(&block)
         }
         pub(crate) fn get_verified(
             &self,
@@ -112,57 +232,193 @@ mod model {
             parent: &Parent,
             tokens: &[u32],
             extras: &[u8],
+            _guard: &TableGuard,
+        ) -> Option<Anchor> {
+            let state = self.read();
+            let block = *state.index.get(key)?;
+            let slot = state.slots.get(&block)?;
+            slot.entry
+                .verifies(parent, tokens, extras)
+                .then(|| slot.entry.anchor(*key))
+        }
+        pub(crate) fn get_verified_child(
+            &self,
+            parent: &Anchor,
+            key: &TableKey,
+            tokens: &[u32],
+            extras: &[u8],
             guard: &TableGuard,
         ) -> Option<Anchor> {
-            self.get(key, guard)
-                .filter(|entry| entry.verifies(parent, tokens, extras))
-                .map(|entry| entry.anchor(*key))
+            let want = Parent::Entry(parent.id);
+            // Two loads, as in the real table: the link, then the slot it names.
+            let child = self.read().child.get(&parent.block).copied();
+            if let Some(child) = child {
+                let state = self.read();
+                if let Some(slot) = state.slots.get(&child) {
+                    if slot.key == *key && slot.entry.verifies(&want, tokens, extras) {
+                        return Some(slot.entry.anchor(*key));
+                    }
+                }
+            }
+            self.get_verified(key, &want, tokens, extras, guard)
         }
         pub(crate) fn insert(
             &self,
             key: TableKey,
             entry: &NewEntry<'_>,
+            parent_block: Option<BlockId>,
             _guard: &TableGuard,
         ) -> Insertion {
-            let mut map = self.0.write().unwrap();
-            if let Some(current) = map.get(&key) {
-                return if current.verifies(&entry.parent, entry.tokens, entry.extras) {
-                    Insertion::Present(current.anchor(key))
-                } else {
-                    Insertion::Collision
-                };
-            }
-            let inserted = Entry {
-                id: entry.id,
-                block: entry.block,
-                parent: entry.parent,
-                tokens: entry.tokens.into(),
-                extras: entry.extras.into(),
+            let slot = Slot {
+                key,
+                entry: Entry {
+                    id: entry.id,
+                    block: entry.block,
+                    parent: entry.parent,
+                    tokens: entry.tokens.into(),
+                    extras: entry.extras.into(),
+                },
+                up: None,
+                linked: false,
+                indexed_children: 0,
             };
-            let anchor = inserted.anchor(key);
-            map.insert(key, inserted);
+            let anchor = slot.entry.anchor(key);
+            let found = |block| match self.read().verify(block, &key, entry) {
+                Some(anchor) => Insertion::Present(anchor),
+                None => Insertion::Collision,
+            };
+            let parent = if self.links {
+                self.read().parent_slot(&entry.parent, parent_block)
+            } else {
+                None
+            };
+            if let Some(parent) = parent {
+                let (child, indexed) = {
+                    let state = self.read();
+                    (
+                        state.child.get(&parent).copied(),
+                        state.slots[&parent].indexed_children,
+                    )
+                };
+                match child {
+                    Some(child) if self.read().slots[&child].key == key => return found(child),
+                    Some(_) => {}
+                    None if indexed == 0 => {
+                        self.write().slots.insert(
+                            entry.block,
+                            Slot {
+                                up: Some(parent),
+                                linked: true,
+                                ..slot
+                            },
+                        );
+                        self.write().child.insert(parent, entry.block);
+                        return Insertion::Inserted(anchor);
+                    }
+                    None => {}
+                }
+            }
+            let existing = self.read().index.get(&key).copied();
+            if let Some(existing) = existing {
+                return found(existing);
+            }
+            self.write()
+                .slots
+                .insert(entry.block, Slot { up: parent, ..slot });
+            let mut state = self.write();
+            state.index.insert(key, entry.block);
+            if let Some(parent) = parent {
+                state
+                    .slots
+                    .get_mut(&parent)
+                    .expect("the parent's slot")
+                    .indexed_children += 1;
+            }
             Insertion::Inserted(anchor)
         }
-        pub(crate) fn remove(&self, key: &TableKey, _guard: &TableGuard) {
-            self.0.write().unwrap().remove(key);
+        pub(crate) fn remove(&self, block: BlockId, _guard: &TableGuard) {
+            let (slot, up) = {
+                let state = self.read();
+                let Some(slot) = state.slots.get(&block).cloned() else {
+                    return;
+                };
+                let up = state.up_slot(&slot);
+                (slot, up)
+            };
+            if slot.linked {
+                if let Some(up) = up {
+                    let mut state = self.write();
+                    if state.child.get(&up) == Some(&block) {
+                        state.child.remove(&up);
+                    }
+                }
+            } else if let Some(up) = up {
+                let mut state = self.write();
+                let count = &mut state.slots.get_mut(&up).expect("up").indexed_children;
+                *count = count.saturating_sub(1);
+            }
+            {
+                let mut state = self.write();
+                state.slots.remove(&block);
+                state.child.remove(&block);
+            }
+            if !slot.linked {
+                self.write().index.remove(&slot.key);
+            }
         }
-        pub(crate) fn move_entry(&self, key: &TableKey, to: BlockId, _guard: &TableGuard) -> bool {
-            let mut map = self.0.write().unwrap();
-            map.get_mut(key).map(|entry| entry.block = to).is_some()
+        pub(crate) fn move_entry(&self, from: BlockId, to: BlockId, _guard: &TableGuard) -> bool {
+            let (mut slot, child, up) = {
+                let state = self.read();
+                let Some(slot) = state.slots.get(&from).cloned() else {
+                    return false;
+                };
+                let up = state.up_slot(&slot);
+                (slot, state.child.get(&from).copied(), up)
+            };
+            slot.entry.block = to;
+            {
+                let mut state = self.write();
+                assert!(!state.slots.contains_key(&to), "block {to} holds an entry");
+                state.slots.insert(to, slot.clone());
+                if let Some(child) = child {
+                    state.child.insert(to, child);
+                }
+            }
+            if slot.linked {
+                if let Some(up) = up {
+                    let mut state = self.write();
+                    if state.child.get(&up) == Some(&from) {
+                        state.child.insert(up, to);
+                    }
+                }
+            } else {
+                self.write().index.insert(slot.key, to);
+            }
+            if let Some(child) = child {
+                let mut state = self.write();
+                if let Some(child) = state.slots.get_mut(&child) {
+                    if child.entry.parent == Parent::Entry(slot.entry.id) {
+                        child.up = Some(to);
+                    }
+                }
+            }
+            let mut state = self.write();
+            state.slots.remove(&from);
+            state.child.remove(&from);
+            true
         }
         /// Only a hint to the hardware in the real table: nothing to model.
-        pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>) {}
+        pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>, _indexed: bool) {}
         pub(crate) fn prefetch_removal(&self, _block: BlockId) {}
-        /// The entry `block` holds: a scan, which the few entries of a loom model allow.
+        pub(crate) fn prefetch_child(&self, _parent_block: BlockId) {}
         pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
-            let map = self.0.read().unwrap();
-            map.iter()
-                .find(|(_, entry)| entry.block == block)
-                .map(|(key, entry)| entry.anchor(*key))
+            let state = self.read();
+            let slot = state.slots.get(&block)?;
+            Some(slot.entry.anchor(slot.key))
         }
         pub(crate) fn prefetch_entry(&self, _key: &TableKey) {}
         pub(crate) fn len(&self) -> usize {
-            self.0.read().unwrap().len()
+            self.read().slots.len()
         }
     }
 }

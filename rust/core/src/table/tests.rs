@@ -1,6 +1,7 @@
 use std::hash::BuildHasher;
 
 use super::*;
+use crate::key::BlockKey;
 
 fn entry(id: u64, block: BlockId, token: u32) -> Entry {
     Entry {
@@ -34,7 +35,7 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
             .find(|(_, e)| e.block == block)
             .map(|(k, _)| *k);
         if let Some(key) = published {
-            table.remove(&TableKey(key));
+            table.remove(block);
             model.remove(&key);
         } else {
             let key = u128::from(state >> 60) << 124 | u128::from(step as u64);
@@ -45,7 +46,7 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
             }
             let anchor = e.anchor(TableKey(key));
             assert_eq!(
-                table.insert(TableKey(key), &e.as_new()),
+                table.insert(TableKey(key), &e.as_new(), None),
                 Insertion::Inserted(anchor)
             );
             // The key taken: the same content (from another block) verifies in place and
@@ -53,7 +54,7 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
             let mut again = e.as_new();
             again.block = (block + 1) % 64;
             assert_eq!(
-                table.insert(TableKey(key), &again),
+                table.insert(TableKey(key), &again, None),
                 Insertion::Present(anchor)
             );
             let other_tokens = [e.tokens[0], e.tokens[1] + 1];
@@ -71,7 +72,10 @@ fn removals_shift_back_and_keep_every_other_entry_reachable() {
                     ..again
                 },
             ] {
-                assert_eq!(table.insert(TableKey(key), &other), Insertion::Collision);
+                assert_eq!(
+                    table.insert(TableKey(key), &other, None),
+                    Insertion::Collision
+                );
             }
             model.insert(key, e);
         }
@@ -145,7 +149,7 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
                     key: key_of(old)
                 })
             );
-            table.remove(&key_of(old));
+            table.remove(block);
             assert_eq!(table.published(block), None);
             live.remove(&(old % 48));
         }
@@ -158,7 +162,7 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
                 extras: Box::default(),
             };
             assert!(matches!(
-                table.insert(key_of(id), &e.as_new()),
+                table.insert(key_of(id), &e.as_new(), None),
                 Insertion::Inserted(_)
             ));
             owner[block as usize] = Some(id);
@@ -184,23 +188,23 @@ fn a_moved_entry_keeps_its_id_and_frees_its_old_slot() {
     let table = Table::new(8, 2).unwrap();
     let key = TableKey(42 << 100);
     assert!(matches!(
-        table.insert(key, &entry(5, 1, 7).as_new()),
+        table.insert(key, &entry(5, 1, 7).as_new(), None),
         Insertion::Inserted(_)
     ));
-    assert!(table.move_entry(&key, 6));
+    assert!(table.move_entry(1, 6));
     let got = table.get(&key).unwrap();
     assert_eq!((got.id, got.block, got.parent), (5, 6, Parent::Entry(1005)));
     assert_eq!(&got.tokens[..], &[7, 8]);
-    // The old block holds nothing: a new entry may take it; an unknown key does not move.
+    // The old block holds nothing: a new entry may take it; an empty block does not move.
     assert!(matches!(
-        table.insert(TableKey(43 << 100), &entry(9, 1, 1).as_new()),
+        table.insert(TableKey(43 << 100), &entry(9, 1, 1).as_new(), None),
         Insertion::Inserted(_)
     ));
-    assert!(!table.move_entry(&TableKey(44 << 100), 2));
+    assert!(!table.move_entry(2, 3));
     assert_eq!(table.len(), 2);
     // And back (the sequence lock, not the id, tells a reader the slot was rewritten).
-    table.remove(&TableKey(43 << 100));
-    assert!(table.move_entry(&key, 1));
+    table.remove(1);
+    assert!(table.move_entry(6, 1));
     assert_eq!(table.get(&key).unwrap().block, 1);
 }
 
@@ -244,12 +248,12 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
         let block = (state % BLOCKS) as usize;
         let other = ((state >> 8) % BLOCKS) as usize;
         match (owner[block], owner[other]) {
-            (Some(id), None) if state & 1 == 0 => {
-                assert!(table.move_entry(&key_of(id), other as BlockId));
+            (Some(_), None) if state & 1 == 0 => {
+                assert!(table.move_entry(block as BlockId, other as BlockId));
                 owner[other] = owner[block].take();
             }
             (Some(id), _) => {
-                table.remove(&key_of(id));
+                table.remove(block as BlockId);
                 live.remove(&(id % 24));
                 owner[block] = None;
             }
@@ -265,11 +269,249 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
                         extras: Box::default(),
                     };
                     assert!(matches!(
-                        table.insert(key_of(id), &e.as_new()),
+                        table.insert(key_of(id), &e.as_new(), None),
                         Insertion::Inserted(_)
                     ));
                     owner[block] = Some(id);
                 }
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for reader in readers {
+        assert!(reader.join().unwrap() > 0);
+    }
+}
+
+/// A full-width key for content `token` after the entry keyed `parent` (0: a root), so equal
+/// content always takes the same key and different content never collides.
+fn chained_key(parent: u128, token: u32) -> TableKey {
+    let hash = |seed: u64| {
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&(seed, parent, token), &mut h);
+        std::hash::Hasher::finish(&h)
+    };
+    TableKey(u128::from(hash(1)) << 64 | u128::from(hash(2)))
+}
+
+#[derive(Clone, Debug)]
+enum RunOp {
+    /// Publish content `token` under the live entry picked by the index (or as a root), into
+    /// the free block picked by the other index.
+    Publish(Option<usize>, u32, usize),
+    /// Remove the entry of the live block picked, whatever its children (vLLM's free order
+    /// can drop a parent before its child).
+    Remove(usize),
+    /// Move the entry of the live block picked into the free block picked.
+    Move(usize, usize),
+}
+
+fn run_op() -> impl proptest::strategy::Strategy<Value = RunOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (proptest::option::weighted(0.8, 0..64usize), 0..3u32, 0..64usize)
+            .prop_map(|(p, t, b)| RunOp::Publish(p, t, b)),
+        2 => (0..64usize).prop_map(RunOp::Remove),
+        1 => (0..64usize, 0..64usize).prop_map(|(f, t)| RunOp::Move(f, t)),
+    ]
+}
+
+/// What the model knows of one published entry.
+#[derive(Clone, Debug)]
+struct Published {
+    id: u64,
+    key: TableKey,
+    parent: Parent,
+    tokens: [u32; 2],
+}
+
+proptest::proptest! {
+    /// Runs of linked children against a plain model: publishing (a first child linked, later
+    /// siblings indexed, an existing content found wherever it sits), removals in any order,
+    /// moves; after every step every live entry whose parent lives is found from that parent
+    /// (`get_verified_child`) and reachable, every removed one is not, and a content published
+    /// again is found `Present`.
+    #[test]
+    fn runs_of_linked_children_match_a_plain_model(ops in proptest::collection::vec(run_op(), 1..120)) {
+        const BLOCKS: usize = 12;
+        let table = Table::new(BLOCKS, 2).unwrap();
+        let mut held: Vec<Option<Published>> = vec![None; BLOCKS];
+        let mut removed: Vec<Published> = Vec::new();
+        let mut next_id = 1u64;
+        let root = Parent::Root(BlockKey([7; 32]));
+        let block_of = |held: &[Option<Published>], id: u64| {
+            held.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id))
+        };
+        for op in ops {
+            let live: Vec<usize> = (0..BLOCKS).filter(|&b| held[b].is_some()).collect();
+            let free: Vec<usize> = (0..BLOCKS).filter(|&b| held[b].is_none()).collect();
+            match op {
+                RunOp::Publish(parent, token, block) => {
+                    let Some(&block) = free.get(block % free.len().max(1)) else { continue };
+                    let (parent, parent_key, parent_block) = match parent {
+                        Some(p) if !live.is_empty() => {
+                            let b = live[p % live.len()];
+                            let p = held[b].as_ref().unwrap();
+                            (Parent::Entry(p.id), p.key.0, Some(b as BlockId))
+                        }
+                        _ => (root, 0, None),
+                    };
+                    let key = chained_key(parent_key, token);
+                    let tokens = [token, parent_key as u32];
+                    let new = NewEntry { id: next_id, block: block as BlockId, parent, tokens: &tokens, extras: &[] };
+                    let existing = held.iter().flatten().find(|p| p.key == key && p.parent == parent).cloned();
+                    // The same key under a dead parent entry (a child outliving its parent, then
+                    // the parent's content published again): other content, as far as the
+                    // table can tell. An index probe meets it as a collision; a linked child
+                    // is published without that probe.
+                    let orphan = held.iter().flatten().any(|p| p.key == key && p.parent != parent);
+                    let got = table.insert(key, &new, parent_block);
+                    match existing {
+                        Some(p) => {
+                            let b = block_of(&held, p.id).unwrap() as BlockId;
+                            proptest::prop_assert_eq!(got, Insertion::Present(Anchor { id: p.id, block: b, key }));
+                        }
+                        None if orphan && got == Insertion::Collision => {}
+                        None => {
+                            proptest::prop_assert_eq!(got, Insertion::Inserted(Anchor { id: next_id, block: block as BlockId, key }));
+                            held[block] = Some(Published { id: next_id, key, parent, tokens });
+                            next_id += 1;
+                        }
+                    }
+                }
+                RunOp::Remove(pick) => {
+                    let Some(&block) = live.get(pick % live.len().max(1)) else { continue };
+                    table.remove(block as BlockId);
+                    removed.push(held[block].take().unwrap());
+                }
+                RunOp::Move(from, to) => {
+                    let (Some(&from), Some(&to)) = (live.get(from % live.len().max(1)), free.get(to % free.len().max(1))) else { continue };
+                    proptest::prop_assert!(table.move_entry(from as BlockId, to as BlockId));
+                    held[to] = held[from].take();
+                }
+            }
+            proptest::prop_assert_eq!(table.len(), held.iter().flatten().count());
+            for block in 0..BLOCKS {
+                let expected = held[block].as_ref().map(|p| Anchor { id: p.id, block: block as BlockId, key: p.key });
+                proptest::prop_assert_eq!(table.published(block as BlockId), expected);
+                let Some(p) = &held[block] else { continue };
+                let found = match p.parent {
+                    Parent::Root(_) => Some(table.get_verified(&p.key, &p.parent, &p.tokens, &[])),
+                    Parent::Entry(pid) => block_of(&held, pid).map(|pb| {
+                        let parent = Anchor { id: pid, block: pb as BlockId, key: held[pb].as_ref().unwrap().key };
+                        table.get_verified_child(&parent, &p.key, &p.tokens, &[])
+                    }),
+                };
+                if let Some(found) = found {
+                    // Its parent lives (or it is a root): a lookup must reach it.
+                    proptest::prop_assert_eq!(found, Some(Anchor { id: p.id, block: block as BlockId, key: p.key }));
+                    proptest::prop_assert!(table.reachable(block as BlockId));
+                }
+                let entry = table.entry(block as BlockId).unwrap();
+                proptest::prop_assert_eq!((entry.id, entry.parent), (p.id, p.parent));
+            }
+            for gone in &removed {
+                if let Parent::Entry(pid) = gone.parent {
+                    if let Some(pb) = block_of(&held, pid) {
+                        let parent = Anchor { id: pid, block: pb as BlockId, key: held[pb].as_ref().unwrap().key };
+                        let again = held.iter().flatten().any(|p| p.key == gone.key && p.parent == gone.parent);
+                        proptest::prop_assert_eq!(
+                            table.get_verified_child(&parent, &gone.key, &gone.tokens, &[]).is_some(),
+                            again
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entry() {
+    // Entry n's parent is entry n - 1 and its content is derived from n; keys repeat every 24
+    // ids, so a link or index word may name another entry under the same key, which only
+    // verification keeps out. The writer links, unlinks, relinks and moves while readers ask
+    // for the child of every (parent id, block) they can guess.
+    const BLOCKS: u64 = 16;
+    let table = std::sync::Arc::new(Table::new(BLOCKS as usize, 4).unwrap());
+    let key_of = |id: u64| TableKey(u128::from(id % 24 + 1) << 100 | 1);
+    let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let newest = std::sync::Arc::new(AtomicU64::new(2));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (table, stop, newest) = (table.clone(), stop.clone(), newest.clone());
+            std::thread::spawn(move || {
+                let mut seen = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let top = newest.load(Ordering::Relaxed);
+                    for parent in top.saturating_sub(40).max(1)..top {
+                        for block in 0..BLOCKS as BlockId {
+                            let guess = Anchor {
+                                id: parent,
+                                block,
+                                key: key_of(parent),
+                            };
+                            let child = parent + 1;
+                            if let Some(found) = table.get_verified_child(
+                                &guess,
+                                &key_of(child),
+                                &tokens_of(child),
+                                &[],
+                            ) {
+                                assert_eq!(
+                                    found.id, child,
+                                    "only entry {child} has this parent and these tokens"
+                                );
+                                assert_eq!(found.key, key_of(child));
+                                seen += 1;
+                            }
+                        }
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut owner: Vec<Option<u64>> = vec![None; BLOCKS as usize];
+    let block_of = |owner: &[Option<u64>], id: u64| owner.iter().position(|&o| o == Some(id));
+    let mut state = 7u64;
+    let mut next_id = 2u64;
+    for _ in 0..200_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let block = (state % BLOCKS) as usize;
+        let other = ((state >> 8) % BLOCKS) as usize;
+        match (owner[block], owner[other]) {
+            (Some(_), None) if state & 1 == 0 => {
+                assert!(table.move_entry(block as BlockId, other as BlockId));
+                owner[other] = owner[block].take();
+            }
+            (Some(_), _) => {
+                table.remove(block as BlockId);
+                owner[block] = None;
+            }
+            (None, _) => {
+                let id = next_id;
+                // Its parent's block, if the parent lives: then it is linked (or indexed as a
+                // sibling); else indexed with an entry parent nobody holds.
+                let parent_block = block_of(&owner, id - 1).map(|b| b as BlockId);
+                let e = NewEntry {
+                    id,
+                    block: block as BlockId,
+                    parent: Parent::Entry(id - 1),
+                    tokens: &tokens_of(id),
+                    extras: &[],
+                };
+                if matches!(
+                    table.insert(key_of(id), &e, parent_block),
+                    Insertion::Inserted(_)
+                ) {
+                    owner[block] = Some(id);
+                }
+                next_id += 1;
+                newest.store(next_id, Ordering::Relaxed);
             }
         }
     }

@@ -1,0 +1,286 @@
+//! Runs: a child published under a cached parent is linked from the parent's slot instead of
+//! indexed, so a run of blocks pays one index word, as a radix node holds a run.
+//!
+//! A request's committed blocks form a chain, each the child of the one before, and most
+//! parents only ever have one child. So a block published under a cached parent entry
+//! (`Parent::Entry`) whose slot links no child yet, and none of whose children may sit in the
+//! index (`indexed_children`, a count that only ever errs high), is *linked* from the parent's
+//! slot (`child`) and takes no index word: a run of blocks then costs one index word (its
+//! head) and a link per block, as a radix node holds a run. Publishing a linked child skips the
+//! index probe, and evicting one clears its parent's link (the parent, the next block a cold
+//! chain evicts, is read anyway) instead of removing a word with a backward shift: one random
+//! miss fewer on each side (`benches/PROFILE.md`, issue 24, round 3). First blocks
+//! (`Parent::Root`), and so every entry of a sliding-window cache, are always indexed, as are a
+//! parent's later children (branches).
+//!
+//! A lookup verifies block *i*, then reads its `child` and verifies the block it names exactly
+//! as it would a block an index word names (key, parent entry id, tokens, extras, under that
+//! slot's own sequence lock); on no link or a mismatch it probes the index
+//! (`get_verified_child`). So a link is a hint like an index word: one to a slot being
+//! rewritten, or read from a parent slot reused since, names an entry whose parent id cannot be
+//! the one looked for (entry ids are never reused) and reads as no entry. Duplicates stay exact:
+//! a parent's child with a given key is its linked child or in the index, and a publish looks
+//! in both unless the parent has no child at all. What the table no longer knows is whether a
+//! *linked* child's key is held elsewhere in the index with other content: a collision of
+//! 128-bit keys, which verification makes harmless. Truncated test keys (`key_bits`), whose
+//! collisions the reference models count, keep every entry indexed (`Table::with_links`).
+//!
+//! Every writer-side field (`up`, `linked`, `indexed_children`) names a parent by block and is
+//! trusted only while that block still holds the parent's entry id (`up_slot`): an entry can
+//! move (`move_entry` carries its link along and repoints its linked child), and in vLLM's free
+//! order a child can outlive its parent, whose block is then reused; the child's later removal
+//! must not touch the reused slot.
+//!
+//! The slot fields these rules use (`child`, `up`, `linked`, `indexed_children`) are declared
+//! with the others in `mod.rs`; the sequence lock they ride on is described there.
+
+use std::sync::atomic::Ordering;
+
+use super::{index_hash, index_word, word_block, word_hash};
+use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
+
+impl Table {
+    /// Starts the memory reads a `get_verified_child` of the entry in `parent_block` will need:
+    /// the linked child's slot and token row (the parent's slot was just read, so its link is
+    /// at hand). Plain loads whose values are discarded: no effect on any answer.
+    #[inline]
+    pub fn prefetch_child(&self, parent_block: BlockId) {
+        if let Some(slot) = self.slots.get(parent_block as usize) {
+            if let Some(child) = slot.child.load(Ordering::Relaxed).checked_sub(1) {
+                let child = child as usize;
+                if let Some(slot) = self.slots.get(child) {
+                    std::hint::black_box(slot.id.load(Ordering::Relaxed));
+                }
+                if let Some(cell) = self.tokens.get(child * self.block_size) {
+                    std::hint::black_box(cell.load(Ordering::Relaxed));
+                }
+            }
+        }
+    }
+
+    /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
+    /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
+    /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
+    ///
+    /// # Panics
+    /// If the key is free but `entry.block` already holds a published entry: a block holds one
+    /// entry at a time (the cache removes the old one before reusing a block), which is what
+    /// keeps at most half of the index in use.
+    ///
+    /// `parent_block` is the block holding the entry named by a `Parent::Entry` parent (`None`
+    /// for a first block): while that entry has no linked child, and no child of it may be in
+    /// the index, the new entry is linked from it instead of indexed (module docs).
+    pub fn insert(
+        &self,
+        key: TableKey,
+        entry: &NewEntry<'_>,
+        parent_block: Option<BlockId>,
+    ) -> Insertion {
+        let Some((parent_block, parent)) = self.parent_slot(&entry.parent, parent_block) else {
+            return self.insert_indexed(key, entry, None);
+        };
+        let child = parent.child.load(Ordering::Relaxed);
+        if child != 0 {
+            let child = child - 1;
+            if self.slot_key(child) == key {
+                // The writer's own slot: never odd, never rewritten while it reads.
+                return match self.verify(child, &key, &entry.parent, entry.tokens, entry.extras) {
+                    Verified::Yes(anchor) => Insertion::Present(anchor),
+                    Verified::No | Verified::OtherKey => Insertion::Collision,
+                };
+            }
+        } else if parent.indexed_children.load(Ordering::Relaxed) == 0 {
+            // No child of this parent exists, so the key is not this parent's already.
+            self.claim(entry.block);
+            self.write(key, entry, Some(parent_block), true);
+            parent.child.store(entry.block + 1, Ordering::Release);
+            self.count_entries(1);
+            return Insertion::Inserted(Anchor {
+                id: entry.id,
+                block: entry.block,
+                key,
+            });
+        }
+        let inserted = self.insert_indexed(key, entry, Some(parent_block));
+        if matches!(inserted, Insertion::Inserted(_)) {
+            let count = parent.indexed_children.load(Ordering::Relaxed);
+            parent
+                .indexed_children
+                .store(count.saturating_add(1), Ordering::Relaxed);
+        }
+        inserted
+    }
+
+    /// The slot holding the parent entry `parent` names, if it is in `block` and children may
+    /// be linked. Writer only.
+    fn parent_slot(&self, parent: &Parent, block: Option<BlockId>) -> Option<(BlockId, &Slot)> {
+        let (Parent::Entry(id), Some(block)) = (parent, block) else {
+            return None;
+        };
+        let slot = self.slots.get(block as usize)?;
+        (self.links && slot.id.load(Ordering::Relaxed) == *id).then_some((block, slot))
+    }
+
+    /// The slot that held `slot`'s parent entry when it was written, if it still holds it.
+    /// Writer only.
+    fn up_slot(&self, slot: &Slot) -> Option<&Slot> {
+        let up = slot.up.load(Ordering::Relaxed).checked_sub(1)?;
+        let parent = slot.parent.load(Ordering::Relaxed);
+        let holder = self.slots.get(up as usize)?;
+        (parent != 0 && holder.id.load(Ordering::Relaxed) == parent).then_some(holder)
+    }
+
+    /// Removes the entry `block` holds, if any: a linked entry is unlinked from its parent's
+    /// slot, an indexed one leaves the index. Writer only.
+    pub fn remove(&self, block: BlockId) {
+        let Some(slot) = self.slots.get(block as usize) else {
+            return;
+        };
+        if slot.id.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let parent = self.up_slot(slot);
+        if slot.linked.load(Ordering::Relaxed) {
+            if let Some(parent) = parent {
+                if parent.child.load(Ordering::Relaxed) == block + 1 {
+                    parent.child.store(0, Ordering::Release);
+                }
+            }
+            self.clear_slot(block);
+            self.count_entries(-1);
+            return;
+        }
+        if let Some(parent) = parent {
+            let count = parent.indexed_children.load(Ordering::Relaxed);
+            parent
+                .indexed_children
+                .store(count.saturating_sub(1), Ordering::Relaxed);
+        }
+        self.remove_indexed(&self.slot_key(block), block);
+    }
+
+    /// Moves the entry `from` holds into block `to`, whose slot is empty: same id, key, parent,
+    /// tokens, extras and children, so its children still verify against it (`pool.rs`, on
+    /// duplicates), and its link or index word now names `to`. Readers see it in one block or
+    /// the other, or miss it while it moves, which a lock-free probe may. Writer only; returns
+    /// false if `from` holds no entry.
+    pub fn move_entry(&self, from: BlockId, to: BlockId) -> bool {
+        let Some(anchor) = self.published(from) else {
+            return false;
+        };
+        let mut entry = self
+            .read(from, &anchor.key)
+            .expect("the writer reads its own published entry");
+        self.claim(to);
+        let (source, target) = (&self.slots[from as usize], &self.slots[to as usize]);
+        let up = source.up.load(Ordering::Relaxed).checked_sub(1);
+        let linked = source.linked.load(Ordering::Relaxed);
+        let child = source.child.load(Ordering::Relaxed);
+        entry.block = to;
+        self.write(anchor.key, &entry.as_new(), up, linked);
+        target.indexed_children.store(
+            source.indexed_children.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        target.child.store(child, Ordering::Release);
+        if linked {
+            if let Some(parent) = self.up_slot(target) {
+                if parent.child.load(Ordering::Relaxed) == from + 1 {
+                    parent.child.store(to + 1, Ordering::Release);
+                }
+            }
+        } else {
+            let hash = index_hash(anchor.key);
+            let mut i = hash as usize & self.mask;
+            loop {
+                let word = self.index[i].load(Ordering::Relaxed);
+                assert_ne!(
+                    word, EMPTY,
+                    "indexed entry of block {from} not in the index"
+                );
+                if word_hash(word) == hash && word_block(word) == from {
+                    self.index[i].store(index_word(hash, to), Ordering::Release);
+                    break;
+                }
+                i = (i + 1) & self.mask;
+            }
+        }
+        // The linked child now finds its parent in `to` (indexed children keep the old block,
+        // which `up_slot` then refuses: their parent's count only ever errs high).
+        if let Some(child) = child.checked_sub(1) {
+            let child = &self.slots[child as usize];
+            if child.parent.load(Ordering::Relaxed) == entry.id {
+                child.up.store(to + 1, Ordering::Relaxed);
+            }
+        }
+        self.clear_slot(from);
+        true
+    }
+
+    /// For the entry `block` holds, if it is linked rather than indexed: its parent entry's id
+    /// and the block its writer-side `up` names (`None` when that block no longer holds the
+    /// parent: the parent is gone or moved). Writer only (for `check_invariants`).
+    #[must_use]
+    pub fn link_of(&self, block: BlockId) -> Option<(u64, Option<BlockId>)> {
+        let slot = self.slots.get(block as usize)?;
+        if slot.id.load(Ordering::Relaxed) == 0 || !slot.linked.load(Ordering::Relaxed) {
+            return None;
+        }
+        let up = self
+            .up_slot(slot)
+            .map(|_| slot.up.load(Ordering::Relaxed) - 1);
+        Some((slot.parent.load(Ordering::Relaxed), up))
+    }
+
+    /// The block the entry in `block` links as its child, if any. Writer only.
+    #[must_use]
+    pub fn child_of(&self, block: BlockId) -> Option<BlockId> {
+        let slot = self.slots.get(block as usize)?;
+        slot.child.load(Ordering::Relaxed).checked_sub(1)
+    }
+
+    /// Whether a lookup can reach the entry `block` holds: its index word, or its parent's link.
+    /// Writer only (tests).
+    #[must_use]
+    pub fn reachable(&self, block: BlockId) -> bool {
+        let Some(slot) = self.slots.get(block as usize) else {
+            return false;
+        };
+        if slot.id.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        if slot.linked.load(Ordering::Relaxed) {
+            return self
+                .up_slot(slot)
+                .is_some_and(|parent| parent.child.load(Ordering::Relaxed) == block + 1);
+        }
+        self.get(&self.slot_key(block))
+            .is_some_and(|entry| entry.block == block)
+    }
+
+    /// `get_verified` of a child of `parent`: the entry `parent`'s slot links first (no index
+    /// read), then the index. The link is a hint like an index word: the block it names is
+    /// verified in full under its own sequence lock, so a link to a slot being rewritten, or
+    /// to another parent's child after the parent's block was reused, reads as no entry.
+    /// Lock-free.
+    #[must_use]
+    pub fn get_verified_child(
+        &self,
+        parent: &Anchor,
+        key: &TableKey,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Option<Anchor> {
+        let want = Parent::Entry(parent.id);
+        if let Some(slot) = self.slots.get(parent.block as usize) {
+            if let Some(child) = slot.child.load(Ordering::Acquire).checked_sub(1) {
+                if (child as usize) < self.slots.len() {
+                    if let Verified::Yes(anchor) = self.verify(child, key, &want, tokens, extras) {
+                        return Some(anchor);
+                    }
+                }
+            }
+        }
+        self.get_verified(key, &want, tokens, extras)
+    }
+}
