@@ -435,6 +435,11 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         parts += ["", f"## {title}", "", render(results[key])]
         if image and (RESULTS_DIR / image).exists():
             parts += ["", f"![{key}](results/{image})"]
+    # Build-against-build comparisons, which one run cannot make, are kept by hand.
+    history = BENCH_DIR / "RESULTS-history.md"
+    if history.exists():
+        body = history.read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
+        parts += ["", "## 6. Before and after (from RESULTS-history.md)", body.rstrip()]
     path.write_text("\n".join(parts) + "\n")
 
 
