@@ -470,7 +470,23 @@ impl BlockPool {
             self.add_child(parent, block);
         }
         // Referenced, so blocked from now on; before, uncached, it was not counted.
-        self.reblock(block, false);
+        match parent {
+            Some(parent) if self.blocks[parent as usize].spare() => self.reblock(block, false),
+            _ => {
+                // `reblock`'s first step, inline: the parent is usually the block the request
+                // published or hit just before, held and so blocked already: the walk stops
+                // there (PROFILE.md, issue 24, round 4).
+                self.num_blocked += 1;
+                if let Some(parent) = parent {
+                    let parent_meta = &mut self.blocks[parent as usize];
+                    let parent_was_blocked = parent_meta.blocked();
+                    parent_meta.blocked_children += 1;
+                    if !parent_was_blocked && parent_meta.blocked() {
+                        self.reblock(parent, false);
+                    }
+                }
+            }
+        }
         self.refresh(block);
     }
 
