@@ -114,6 +114,7 @@ struct SetPlace {
 
 /// One block's state; one cache line (`block_meta_fits_one_cache_line`).
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(PartialEq, Eq))]
 #[repr(align(64))]
 struct BlockMeta {
     ref_count: u32,
@@ -170,6 +171,7 @@ impl BlockMeta {
 
 /// Refcounts, free list and LRU eviction order of a fixed number of blocks.
 #[derive(Clone, Debug)]
+#[cfg_attr(test, derive(PartialEq, Eq))]
 pub struct BlockPool {
     blocks: Vec<BlockMeta>,
     /// Free blocks; popped from the end. Initialised so that low ids are handed out first.
@@ -364,6 +366,88 @@ impl BlockPool {
         }
     }
 
+    /// Ends a request's hold on its block `table` in one pass: `touch` and `release` of every
+    /// cached block at `tick`, `release` of its private blocks, then its duplicates (spares
+    /// from now on) touched at `spare_tick` and released after everything else. Returns whether
+    /// the table held a duplicate (then `spare_tick` is in use).
+    ///
+    /// The state it leaves is that of those calls made one by one, the table's blocks first to
+    /// last (`finish_table_matches_touch_then_release`), but the non-duplicates go last to first:
+    /// each block then becomes unblocked when its child already is, so its parent's count drops
+    /// by one and the walk stops there, at the block the pass takes next, whose metadata is hot.
+    /// First to last, each release but the tail's left the block blocked (its child still
+    /// held), and the tail's then walked the whole chain back up (PROFILE.md, issue 24, round 4).
+    /// The freed private blocks go on the free list in the table's order all the same.
+    pub fn finish_table(
+        &mut self,
+        table: &[BlockId],
+        tick: u64,
+        spare_tick: u64,
+        priority: i32,
+    ) -> bool {
+        let free_from = self.free.len();
+        let mut duplicates = false;
+        for &block in table.iter().rev() {
+            let meta = &mut self.blocks[block as usize];
+            if meta.duplicate_of.is_some() {
+                // Still referenced by this request: a touch changes no set membership.
+                meta.last_access = spare_tick;
+                meta.priority = meta.priority.max(priority);
+                duplicates = true;
+                continue;
+            }
+            assert!(
+                meta.ref_count > 0,
+                "release of block {block} with refcount 0"
+            );
+            if meta.cached {
+                meta.last_access = tick;
+                meta.priority = meta.priority.max(priority);
+            }
+            meta.ref_count -= 1;
+            if meta.ref_count > 0 {
+                // Held elsewhere too: still blocked if cached, and out of the evictable set.
+                continue;
+            }
+            self.num_in_use -= 1;
+            if meta.cached {
+                // Blocked just before (referenced); maybe not any more.
+                if !meta.blocked() {
+                    let parent = meta.parent;
+                    if parent.is_some() && !self.lent.is_empty() {
+                        // It may be lent (module docs): the general walk.
+                        self.reblock(block, true);
+                    } else {
+                        // `reblock`'s first step, inline: the common case stops at the parent,
+                        // still held (the block this pass takes next).
+                        self.num_blocked -= 1;
+                        if let Some(parent) = parent {
+                            let parent_meta = &mut self.blocks[parent as usize];
+                            let parent_was_blocked = parent_meta.blocked();
+                            parent_meta.blocked_children -= 1;
+                            if parent_was_blocked && !parent_meta.blocked() {
+                                self.reblock(parent, true);
+                            }
+                        }
+                    }
+                }
+                self.refresh(block);
+            } else {
+                self.free.push(block);
+            }
+        }
+        // Pushed last to first; the table's order is first to last (`release_table`).
+        self.free[free_from..].reverse();
+        if duplicates {
+            for &block in table {
+                if self.blocks[block as usize].duplicate_of.is_some() {
+                    self.release(block);
+                }
+            }
+        }
+        duplicates
+    }
+
     /// Records a use of a block for the LRU order and raises its retention priority to at
     /// least `priority`: a block keeps the highest priority of any request that used it, so a
     /// low-priority request that hits a protected prefix cannot demote it.
@@ -386,7 +470,23 @@ impl BlockPool {
             self.add_child(parent, block);
         }
         // Referenced, so blocked from now on; before, uncached, it was not counted.
-        self.reblock(block, false);
+        match parent {
+            Some(parent) if self.blocks[parent as usize].spare() => self.reblock(block, false),
+            _ => {
+                // `reblock`'s first step, inline: the parent is usually the block the request
+                // published or hit just before, held and so blocked already: the walk stops
+                // there (PROFILE.md, issue 24, round 4).
+                self.num_blocked += 1;
+                if let Some(parent) = parent {
+                    let parent_meta = &mut self.blocks[parent as usize];
+                    let parent_was_blocked = parent_meta.blocked();
+                    parent_meta.blocked_children += 1;
+                    if !parent_was_blocked && parent_meta.blocked() {
+                        self.reblock(parent, false);
+                    }
+                }
+            }
+        }
         self.refresh(block);
     }
 
@@ -865,11 +965,11 @@ impl BlockPool {
     /// Keeps the evictable set in step with one block's state.
     #[inline(always)] // the early return is the common case: no call at all then
     fn refresh(&mut self, block: BlockId) {
-        // Most calls are for referenced blocks (publishing, touching a hit, finishing), which
-        // are never evictable: with nothing in the set, nothing to do, and no call into the
-        // set's code (PROFILE.md, issue 24).
+        // Most calls are for blocks that are not evictable and not in the set: referenced
+        // (publishing, touching a hit) or, at a request's finish, released but still above a
+        // cached child: nothing to do, and no call into the set's code (PROFILE.md, issue 24).
         let meta = &self.blocks[block as usize];
-        if meta.ref_count > 0 && !meta.in_set.present {
+        if !meta.in_set.present && !meta.evictable() {
             return;
         }
         self.refresh_set(block);
@@ -1147,61 +1247,172 @@ mod tests {
         #[test]
         fn eviction_follows_the_plan(ops in proptest::collection::vec(op(), 1..60)) {
             let mut pool = BlockPool::new(24).unwrap();
-            let mut held: Vec<Vec<BlockId>> = Vec::new();
-            let mut tick = 10;
-            for op in ops {
-                match op {
-                    Op::Chain { len, parent, age, priority, hold } => {
-                        if pool.available(len) < len {
-                            continue;
-                        }
-                        let free_before = pool.num_free();
-                        let plan = pool.plan_eviction(len.saturating_sub(free_before));
-                        // Chosen before allocating, so the parent is not one of the victims.
-                        let cached = pool.cached_blocks();
-                        let mut previous = parent
-                            .filter(|_| !cached.is_empty())
-                            .map(|i| cached[i % cached.len()])
-                            .filter(|p| !plan.contains(p));
-                        let (blocks, evicted) = pool.allocate(len).unwrap();
-                        let evicted: Vec<BlockId> = evicted.iter().map(|e| e.block).collect();
-                        proptest::prop_assert_eq!(&evicted, &plan);
-                        tick += 1;
-                        for &block in &blocks {
-                            pool.mark_cached(block, previous);
-                            pool.touch(block, tick - age, priority);
-                            previous = Some(block);
-                        }
-                        if hold {
-                            held.push(blocks);
+            run_ops(&mut pool, ops)?;
+        }
+
+        /// `finish_table`'s one pass, last block first, leaves the pool exactly as `touch` of
+        /// each cached block and each duplicate, then `release` of every block, first to last,
+        /// duplicates last (the request's `finish` before it): same counts, blocked counts,
+        /// evictable set, lent children and free-list order. The table mixes cached blocks,
+        /// duplicates of cached blocks (whose successors chain on them), private blocks and
+        /// blocks held elsewhere too, over a pool left by random steps.
+        #[test]
+        fn finish_table_matches_touch_then_release(
+            ops in proptest::collection::vec(op(), 0..40),
+            kinds in proptest::collection::vec(0u8..8, 1..7),
+            parent in proptest::option::of(0usize..64),
+            priority in -1i32..2,
+        ) {
+            let mut pool = BlockPool::new(32).unwrap();
+            let held = run_ops(&mut pool, ops)?;
+            let len = kinds.len();
+            if pool.available(len) < len {
+                return Ok(());
+            }
+            let plan = pool.plan_eviction(len.saturating_sub(pool.num_free()));
+            let cached: Vec<BlockId> = pool
+                .cached_blocks()
+                .into_iter()
+                .filter(|b| !plan.contains(b))
+                .collect();
+            let (blocks, _) = pool.allocate(len).unwrap();
+            // A hit: the request holds the block it chains on first, as the cache's do.
+            let mut previous = parent
+                .filter(|_| !cached.is_empty())
+                .map(|i| cached[i % cached.len()]);
+            let mut table: Vec<BlockId> = previous.into_iter().collect();
+            if let Some(hit) = previous {
+                pool.acquire(hit);
+            }
+            table.extend(&blocks);
+            let mut cacheable = true;
+            for (i, (&block, &kind)) in blocks.iter().zip(&kinds).enumerate() {
+                match kind {
+                    // A duplicate of a cached block under the same parent (the same content,
+                    // computed again), not after another duplicate (rarer than cached).
+                    0 | 1 if cacheable
+                        && previous.is_none_or(|p| pool.duplicate_of(p).is_none()) =>
+                    {
+                        let siblings: Vec<BlockId> = cached
+                            .iter()
+                            .copied()
+                            .filter(|&c| pool.parent_of(c) == previous)
+                            .collect();
+                        if let Some(&canonical) = siblings.get(i % siblings.len().max(1)) {
+                            pool.mark_duplicate(block, canonical, previous);
                         } else {
-                            for block in blocks {
-                                pool.release(block);
-                            }
+                            pool.mark_cached(block, previous);
+                        }
+                        previous = Some(block);
+                    }
+                    // Private from here on, as an uncacheable tail.
+                    2 => cacheable = false,
+                    _ if cacheable => {
+                        pool.mark_cached(block, previous);
+                        previous = Some(block);
+                        if kind == 7 {
+                            // Held by another request too.
+                            pool.acquire(block);
                         }
                     }
-                    Op::Release { which } => {
-                        if !held.is_empty() {
-                            for block in held.remove(which % held.len()) {
-                                pool.release(block);
-                            }
-                        }
+                    _ => {}
+                }
+            }
+            pool.check_invariants();
+            let tick = 100;
+            let mut expected = pool.clone();
+            for &block in &table {
+                if expected.is_cached(block) {
+                    expected.touch(block, tick, priority);
+                } else if expected.duplicate_of(block).is_some() {
+                    expected.touch(block, tick + 1, priority);
+                }
+            }
+            for duplicates in [false, true] {
+                for &block in &table {
+                    if expected.duplicate_of(block).is_some() == duplicates {
+                        expected.release(block);
                     }
-                    Op::Pin { which, unpin } => {
-                        let cached = pool.cached_blocks();
-                        if !cached.is_empty() {
-                            let block = cached[which % cached.len()];
-                            if unpin {
-                                pool.unpin(block);
-                            } else {
-                                pool.pin(block);
-                            }
+                }
+            }
+            let spares = pool.finish_table(&table, tick, tick + 1, priority);
+            proptest::prop_assert_eq!(
+                spares,
+                table.iter().any(|&b| expected.duplicate_of(b).is_some())
+            );
+            proptest::prop_assert_eq!(&pool, &expected);
+            pool.check_invariants();
+            drop(held);
+        }
+    }
+
+    /// Applies `ops` (`eviction_follows_the_plan`) to `pool`, checking every eviction against
+    /// the plan and the invariants after each step; returns the chains still held.
+    fn run_ops(
+        pool: &mut BlockPool,
+        ops: Vec<Op>,
+    ) -> std::result::Result<Vec<Vec<BlockId>>, proptest::test_runner::TestCaseError> {
+        let mut held: Vec<Vec<BlockId>> = Vec::new();
+        let mut tick = 10;
+        for op in ops {
+            match op {
+                Op::Chain {
+                    len,
+                    parent,
+                    age,
+                    priority,
+                    hold,
+                } => {
+                    if pool.available(len) < len {
+                        continue;
+                    }
+                    let free_before = pool.num_free();
+                    let plan = pool.plan_eviction(len.saturating_sub(free_before));
+                    // Chosen before allocating, so the parent is not one of the victims.
+                    let cached = pool.cached_blocks();
+                    let mut previous = parent
+                        .filter(|_| !cached.is_empty())
+                        .map(|i| cached[i % cached.len()])
+                        .filter(|p| !plan.contains(p));
+                    let (blocks, evicted) = pool.allocate(len).unwrap();
+                    let evicted: Vec<BlockId> = evicted.iter().map(|e| e.block).collect();
+                    proptest::prop_assert_eq!(&evicted, &plan);
+                    tick += 1;
+                    for &block in &blocks {
+                        pool.mark_cached(block, previous);
+                        pool.touch(block, tick - age, priority);
+                        previous = Some(block);
+                    }
+                    if hold {
+                        held.push(blocks);
+                    } else {
+                        for block in blocks {
+                            pool.release(block);
                         }
                     }
                 }
-                pool.check_invariants();
+                Op::Release { which } => {
+                    if !held.is_empty() {
+                        for block in held.remove(which % held.len()) {
+                            pool.release(block);
+                        }
+                    }
+                }
+                Op::Pin { which, unpin } => {
+                    let cached = pool.cached_blocks();
+                    if !cached.is_empty() {
+                        let block = cached[which % cached.len()];
+                        if unpin {
+                            pool.unpin(block);
+                        } else {
+                            pool.pin(block);
+                        }
+                    }
+                }
             }
+            pool.check_invariants();
         }
+        Ok(held)
     }
 
     #[test]

@@ -556,28 +556,14 @@ impl PrefixCache {
         }
         // Cached blocks join the LRU order now; duplicates (spares once released: `pool.rs`)
         // one tick later, so they go after the request's other blocks: vLLM frees a request's
-        // blocks tail first, and a full hit's duplicate is its prompt's last block.
-        let spare_tick = inner.tick + 1;
-        let mut spares = false;
-        for &block in table {
-            if inner.pool.is_cached(block) {
-                inner.pool.touch(block, inner.tick, request.priority);
-            } else if inner.pool.duplicate_of(block).is_some() {
-                inner.pool.touch(block, spare_tick, request.priority);
-                spares = true;
-            }
-        }
-        // The references the request took: only it drops them (see `cache/mod.rs`). Duplicates
+        // blocks tail first, and a full hit's duplicate is its prompt's last block. The
+        // references the request took: only it drops them (see `cache/mod.rs`). Duplicates
         // last, so a duplicate's successor is no longer held by this request when it becomes a
-        // spare (a spare gives a blocked child to its canonical copy: `pool.rs`). They never go
-        // to the free list, so the free list's order is the table's either way.
-        for duplicates in [false, true] {
-            for &block in table {
-                if inner.pool.duplicate_of(block).is_some() == duplicates {
-                    inner.pool.release(block);
-                }
-            }
-        }
+        // spare (a spare gives a blocked child to its canonical copy: `pool.rs`).
+        let spare_tick = inner.tick + 1;
+        let spares = inner
+            .pool
+            .finish_table(table, inner.tick, spare_tick, request.priority);
         if spares {
             inner.tick = spare_tick;
         }
