@@ -117,6 +117,78 @@ fn is_prefix(found: &[BlockId], of: &[BlockId]) -> bool {
     of.starts_with(found)
 }
 
+/// The race both eviction models run, on `cache` with every block free: `first` is served and
+/// held by a releaser thread, the rest of the pool is the writer's padding; then, at once, the
+/// releaser drops `first`'s blocks, a writer allocates `pressure` blocks (which evicts some of
+/// `first` only if the releaser has gone), frees its padding and serves `second`, and a reader
+/// looks up both prompts. Every lookup must return a prefix of blocks that held its prompt, and
+/// nothing may stay referenced or leak. Returns the blocks `first` and `second` were served in.
+fn race_eviction_and_refill(
+    cache: PrefixCache,
+    first: &'static [u32],
+    second: &'static [u32],
+    pressure: usize,
+) -> (Vec<BlockId>, Vec<BlockId>) {
+    let first_blocks = serve(&cache, first);
+    let held = cache
+        .match_and_acquire(first, b"", &RequestExtras::default(), 0)
+        .unwrap()
+        .blocks;
+    assert_eq!(held, first_blocks);
+    let num_blocks = cache.stats().blocks_total;
+    let padding = cache.allocate(num_blocks - first_blocks.len()).unwrap();
+    let cache = Arc::new(cache);
+
+    let releaser = {
+        let cache = Arc::clone(&cache);
+        thread::spawn(move || {
+            cache.release(&held).unwrap();
+            cache.check_invariants();
+        })
+    };
+    let writer = {
+        let cache = Arc::clone(&cache);
+        thread::spawn(move || {
+            let pressure = cache.allocate(pressure);
+            cache.release(&padding).unwrap();
+            let blocks = serve(&cache, second);
+            if let Ok(pressure) = pressure {
+                cache.release(&pressure).unwrap();
+            }
+            cache.check_invariants();
+            blocks
+        })
+    };
+    let reader = {
+        let cache = Arc::clone(&cache);
+        thread::spawn(move || (lookup(&cache, first), lookup(&cache, second)))
+    };
+
+    releaser.join().unwrap();
+    let second_blocks = writer.join().unwrap();
+    let (found_first, found_second) = reader.join().unwrap();
+    assert!(
+        is_prefix(&found_first, &first_blocks),
+        "lookup of {first:?} returned {found_first:?}: it was only ever in {first_blocks:?}"
+    );
+    assert!(
+        is_prefix(&found_second, &second_blocks),
+        "lookup of {second:?} returned {found_second:?}: it was only ever in {second_blocks:?}"
+    );
+    cache.check_invariants();
+    let stats = cache.stats();
+    assert_eq!(
+        stats.blocks_in_use, 0,
+        "every reference was dropped by its owner"
+    );
+    assert_eq!(
+        stats.blocks_free + stats.blocks_cached,
+        num_blocks,
+        "no block leaked"
+    );
+    (first_blocks, second_blocks)
+}
+
 /// A lookup of prompt A races a writer that evicts A's blocks and publishes prompt B, whose
 /// entries take A's table keys, and a releaser that makes A evictable.
 #[test]
@@ -130,67 +202,9 @@ fn lookup_racing_release_evict_and_refill_never_returns_a_false_hit() {
         a[0] != a[1] && b[0] == a[0] && b[1] != b[0]
     });
     model(move || {
-        // Blocks 0 <- 1 hold A, cached; the releaser holds them. Blocks 2, 3 are held by the
-        // writer as padding, so the pool is full: evicting A is the only way to get blocks.
-        let cache = cache(4, context, seed);
-        let a_blocks = serve(&cache, &A);
-        let held = cache
-            .match_and_acquire(&A, b"", &RequestExtras::default(), 0)
-            .unwrap()
-            .blocks;
-        assert_eq!(held, a_blocks);
-        let padding = cache.allocate(2).unwrap();
-        let cache = Arc::new(cache);
-
-        let releaser = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || {
-                cache.release(&held).unwrap();
-                cache.check_invariants();
-            })
-        };
-        let writer = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || {
-                // Evicts A if the releaser has gone (else OutOfBlocks, and B collides with A).
-                let pressure = cache.allocate(2);
-                cache.release(&padding).unwrap();
-                let b_blocks = serve(&cache, &B);
-                if let Ok(pressure) = pressure {
-                    cache.release(&pressure).unwrap();
-                }
-                cache.check_invariants();
-                b_blocks
-            })
-        };
-        let reader = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || (lookup(&cache, &A), lookup(&cache, &B)))
-        };
-
-        releaser.join().unwrap();
-        let b_blocks = writer.join().unwrap();
-        let (found_a, found_b) = reader.join().unwrap();
-        assert!(b_blocks.iter().all(|b| !a_blocks.contains(b)), "set-up");
-        assert!(
-            is_prefix(&found_a, &a_blocks),
-            "lookup of A returned {found_a:?}: A was only ever in {a_blocks:?}"
-        );
-        assert!(
-            is_prefix(&found_b, &b_blocks),
-            "lookup of B returned {found_b:?}: B was only ever in {b_blocks:?}"
-        );
-        cache.check_invariants();
-        let stats = cache.stats();
-        assert_eq!(
-            stats.blocks_in_use, 0,
-            "every reference was dropped by its owner"
-        );
-        assert_eq!(
-            stats.blocks_free + stats.blocks_cached,
-            4,
-            "no block leaked"
-        );
+        // Blocks 0 <- 1 hold A, cached; the releaser holds them. Blocks 2, 3 are the writer's
+        // padding, so the pool is full: evicting A is the only way to get blocks.
+        race_eviction_and_refill(cache(4, context, seed), &A, &B, 2);
     });
 }
 
@@ -209,46 +223,9 @@ fn lookup_following_a_link_racing_unlink_and_relink_never_returns_a_false_hit() 
             ..CacheConfig::new(3, 1)
         };
         // Blocks 0 <- 1 hold A, cached; the releaser holds them. Block 2 is the writer's
-        // padding, so A's second block is the only one its allocation can evict.
-        let cache = PrefixCache::new(config, context).unwrap();
-        let a_blocks = serve(&cache, &A);
-        let held = cache
-            .match_and_acquire(&A, b"", &RequestExtras::default(), 0)
-            .unwrap()
-            .blocks;
-        assert_eq!(held, a_blocks);
-        let padding = cache.allocate(1).unwrap();
-        let cache = Arc::new(cache);
-
-        let releaser = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || {
-                cache.release(&held).unwrap();
-                cache.check_invariants();
-            })
-        };
-        let writer = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || {
-                // Evicts A's second block if the releaser has gone (its first is a parent).
-                let pressure = cache.allocate(1);
-                cache.release(&padding).unwrap();
-                let blocks = serve(&cache, &A2);
-                if let Ok(pressure) = pressure {
-                    cache.release(&pressure).unwrap();
-                }
-                cache.check_invariants();
-                blocks
-            })
-        };
-        let reader = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || (lookup(&cache, &A), lookup(&cache, &A2)))
-        };
-
-        releaser.join().unwrap();
-        let a2_blocks = writer.join().unwrap();
-        let (found_a, found_a2) = reader.join().unwrap();
+        // padding, so A's second block (its first is a parent) is the only one to evict.
+        let (a_blocks, a2_blocks) =
+            race_eviction_and_refill(PrefixCache::new(config, context).unwrap(), &A, &A2, 1);
         assert_eq!(
             a2_blocks[0], a_blocks[0],
             "set-up: A' shares A's first block"
@@ -256,22 +233,6 @@ fn lookup_following_a_link_racing_unlink_and_relink_never_returns_a_false_hit() 
         assert_ne!(
             a2_blocks[1], a_blocks[1],
             "set-up: A' publishes in another block"
-        );
-        assert!(
-            is_prefix(&found_a, &a_blocks),
-            "lookup of A returned {found_a:?}: A was only ever in {a_blocks:?}"
-        );
-        assert!(
-            is_prefix(&found_a2, &a2_blocks),
-            "lookup of A' returned {found_a2:?}: A' was only ever in {a2_blocks:?}"
-        );
-        cache.check_invariants();
-        let stats = cache.stats();
-        assert_eq!(stats.blocks_in_use, 0, "every reference was dropped");
-        assert_eq!(
-            stats.blocks_free + stats.blocks_cached,
-            3,
-            "no block leaked"
         );
     });
 }
