@@ -132,6 +132,49 @@ def test_a_bool_among_token_ids_is_refused(tokens, where, flag) -> None:
     assert cache.stats().requests_live == 0
 
 
+# Token ids around every width the core's list reader sees: one CPython digit (< 2**30), two
+# (< 2**60, which `long` holds), the u32 edge and past `long` (its overflow flag).
+token_ids = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0, 1, 2**30 - 1, 2**30, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]),
+)
+bad_token_ids = st.one_of(
+    st.integers(max_value=-1),
+    st.integers(min_value=2**32),
+    st.sampled_from([-1, -(2**30), 2**32, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 2**100]),
+    st.builds(np.int64, st.integers(0, 2**32 - 1)),  # not an exact int: read by operator.index
+)
+
+
+@given(tokens=st.lists(token_ids, min_size=1, max_size=70))
+def test_every_form_of_token_ids_reads_the_same_ids(tokens) -> None:
+    """A list, a tuple and a numpy array of the same ids give the same block keys (the list
+    reader takes each exact int with one C-API call; numpy goes as raw bytes)."""
+    cache = PrefixCache(16, block_size=BS)
+    expected = cache.block_keys(np.array(tokens, dtype=np.uint64))
+    assert cache.block_keys(tokens) == expected
+    assert cache.block_keys(tuple(tokens)) == expected
+    assert cache.block_keys([np.int64(t) for t in tokens]) == expected
+
+
+@given(
+    tokens=st.lists(token_ids, min_size=1, max_size=40),
+    bad=bad_token_ids,
+    where=st.integers(0, 39),
+    form=st.sampled_from([list, tuple]),
+)
+def test_a_bad_token_id_anywhere_is_refused_by_position(tokens, bad, where, form) -> None:
+    cache = PrefixCache(16, block_size=BS)
+    where %= len(tokens)
+    tokens[where] = bad
+    if isinstance(bad, np.int64):  # an in-range numpy int is a valid id, read the slow way
+        assert cache.lookup(form(tokens)).num_cached_tokens == 0
+        return
+    with pytest.raises(InvalidInputError, match=rf"{bad} at position {where} is out of range"):
+        cache.begin(form(tokens))
+    assert cache.stats().requests_live == 0
+
+
 def test_token_errors_say_what_is_wrong() -> None:
     cache = PrefixCache(16, block_size=BS)
     with pytest.raises(

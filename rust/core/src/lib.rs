@@ -20,6 +20,10 @@
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`] and [`KvGroups`].
 
+// Pure safe Rust: the workspace denies `unsafe` and this crate forbids it outright (the
+// binding has the one exception, `rust/py/src/convert.rs`).
+#![forbid(unsafe_code)]
+
 pub mod cache;
 pub mod error;
 pub mod events;
