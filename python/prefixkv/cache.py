@@ -102,6 +102,8 @@ def as_token_ids(
     dtype and CPU torch tensors are handed over as one buffer of their raw bytes, which the core
     checks and narrows with the GIL released. Nothing is converted element by element in Python.
     """
+    if type(tokens) is np.ndarray:  # the common case first: one pointer compare
+        return _array_tokens(tokens)
     if isinstance(tokens, (list, tuple)):
         return tokens
     if isinstance(tokens, np.ndarray):
@@ -121,10 +123,21 @@ def as_token_ids(
     )
 
 
+#: (width, signed) of each little-endian integer dtype, looked up in one step for the common
+#: case (a one-dimensional array of such a dtype): the checks below cost ~0.7 µs a call.
+_LITTLE_ENDIAN_INTS = {
+    np.dtype(code).newbyteorder("<"): (np.dtype(code).itemsize, np.dtype(code).kind == "i")
+    for code in ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")
+}
+
+
 def _array_tokens(values: np.ndarray) -> tuple[bytes, int, bool]:
     # Only metadata is checked here; the core checks every value (negative, above 2**32 - 1)
     # and narrows to u32 with the GIL released. The one copy made with the GIL held is the
     # `tobytes` below: the stable ABI for CPython 3.10 has no buffer protocol to read in place.
+    width_signed = _LITTLE_ENDIAN_INTS.get(values.dtype)
+    if width_signed is not None and values.ndim == 1:
+        return values.tobytes(), *width_signed
     if values.ndim != 1:
         raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
     if values.dtype.kind not in "iu":  # bool is kind "b": refused here too
