@@ -268,20 +268,23 @@ class Comparison:
     actual: torch.Tensor
     oracle: torch.Tensor
     oracle_all: torch.Tensor
-    full_all: torch.Tensor | None  # the plain full recompute in the model's dtype, if not fp32
+    full_all: torch.Tensor  # the plain full recompute in the model's dtype
 
 
 def check_cached_matches_full(model: LlamaModel, scenario: Scenario) -> dict[str, float]:
-    """Assert the paged run of `scenario` matches full recompute; return the error figures."""
-    low_precision = model.dtype != torch.float32
-    oracle_model = model.with_config(dtype=torch.float32) if low_precision else model
+    """Assert the paged run of `scenario` matches full recompute; return the error figures.
+
+    Both the paged run and the plain full recompute in the model's dtype are judged against an
+    oracle one precision up (float32 for half-precision models, float64 for float32 ones): a
+    float32 full recompute is itself off by its rounding, which a drawn model can amplify past
+    `FLOAT32_RTOL` (`FLOAT32_ILL_CONDITIONED` below)."""
+    oracle_dtype = torch.float64 if model.dtype == torch.float32 else torch.float32
+    oracle_model = model.with_config(dtype=oracle_dtype)
     logits, kv = cached_run(model, scenario)
     figures = {"logits": 0.0, "kv": 0.0, "logits_ratio": 0.0, "kv_ratio": 0.0}
     for index, plan in enumerate(scenario.requests):
         oracle_logits, oracle_keys, oracle_values = oracle_model.forward_full_with_kv(plan.tokens)
-        full_logits, full_keys, full_values = (
-            model.forward_full_with_kv(plan.tokens) if low_precision else (None, None, None)
-        )
+        full_logits, full_keys, full_values = model.forward_full_with_kv(plan.tokens)
         computed = slice(plan.num_cached, len(plan.tokens))
         comparisons = [
             Comparison("logits", logits[index], oracle_logits[computed], oracle_logits, full_logits)
@@ -297,7 +300,7 @@ def check_cached_matches_full(model: LlamaModel, scenario: Scenario) -> dict[str
                         actual,
                         oracle[layer],
                         oracle[layer],
-                        None if full is None else full[layer],
+                        full[layer],
                     )
                 )
         where = f"request {index} (m={plan.num_cached}, n={len(plan.tokens)}, {model.dtype})"
@@ -316,11 +319,18 @@ def judge(comparison: Comparison, dtype: torch.dtype) -> tuple[float, float, str
     """The cached path's relative error, the bound it must meet, and how the bound was set."""
     scale = comparison.oracle_all.abs().max().item()
     error = max_relative_error(comparison.actual, comparison.oracle, scale)
-    if comparison.full_all is None:
-        return error, FLOAT32_RTOL, ""
     # The full path's rounding error is measured over the whole sequence, not only the computed
     # rows: one row (a full hit) is too small a sample of it.
     full_error = max_relative_error(comparison.full_all, comparison.oracle_all, scale)
+    if dtype == torch.float32:
+        # Usually FLOAT32_RTOL (the full recompute's own error is ~1e-7 of the scale); wider
+        # only where the float32 full recompute itself is that far from float64.
+        bound = max(FLOAT32_RTOL, LOW_PRECISION_FACTOR * full_error)
+        return (
+            error,
+            bound,
+            f" (the float32 full recompute's own error vs float64: {full_error:.3g})",
+        )
     epsilon = torch.finfo(dtype).eps
     bound = LOW_PRECISION_FACTOR * full_error + LOW_PRECISION_FLOOR_ULPS * epsilon
     return error, bound, f" (the full recompute's own error vs float32: {full_error:.3g})"
