@@ -157,6 +157,46 @@ def test_every_form_of_token_ids_reads_the_same_ids(tokens) -> None:
     assert cache.block_keys([np.int64(t) for t in tokens]) == expected
 
 
+# Each width's edges: the sign bit, the u32 edge, and every stray high bit an 8-byte id can hold.
+EDGE_IDS = [0, 1, 127, 128, 255, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1]
+EDGE_IDS += [2**k for k in range(32, 64)] + [2**64 - 1, -1, -2, -128, -(2**15), -(2**31), -(2**63)]
+INTEGER_DTYPES = [
+    np.dtype(c) for c in ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", ">i4", ">u8")
+]
+
+
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(INTEGER_DTYPES),
+    n=st.integers(1, 70),
+    one_bad=st.booleans(),
+)
+def test_integer_arrays_of_every_width_are_read_or_refused_by_position(
+    data, dtype, n, one_bad
+) -> None:
+    """The core narrows each width in one pass that ORs the bits outside 0 ..= 2**32 - 1: one
+    bad id alone (a stray sign or high bit) must send it to the slow pass naming it, and valid
+    ids must read as the same ids in a list."""
+    info = np.iinfo(dtype)
+    low, high = max(int(info.min), 0), min(int(info.max), 2**32 - 1)
+    in_range = [v for v in EDGE_IDS if low <= v <= high]
+    values = data.draw(
+        st.lists(
+            st.one_of(st.integers(low, high), st.sampled_from(in_range)), min_size=n, max_size=n
+        )
+    )
+    cache = PrefixCache(16, block_size=BS)
+    out_of_range = [v for v in EDGE_IDS if info.min <= v <= info.max and not low <= v <= high]
+    if not one_bad or not out_of_range:
+        assert cache.block_keys(np.array(values, dtype=dtype)) == cache.block_keys(values)
+        return
+    where = data.draw(st.integers(0, n - 1))
+    values[where] = data.draw(st.sampled_from(out_of_range))
+    with pytest.raises(InvalidInputError, match=rf"{values[where]} at position {where} "):
+        cache.begin(np.array(values, dtype=dtype))
+    assert cache.stats().requests_live == 0
+
+
 @given(
     tokens=st.lists(token_ids, min_size=1, max_size=40),
     bad=bad_token_ids,
