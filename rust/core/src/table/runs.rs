@@ -51,7 +51,7 @@ impl Table {
                 if let Some(slot) = self.slots.get(child) {
                     std::hint::black_box(slot.id.load(Ordering::Relaxed));
                 }
-                if let Some(cell) = self.tokens.get(child * self.block_size) {
+                if let Some(cell) = self.tokens.get(self.row_start(child as BlockId)) {
                     std::hint::black_box(cell.load(Ordering::Relaxed));
                 }
             }
