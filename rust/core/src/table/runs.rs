@@ -70,6 +70,7 @@ impl Table {
     /// `parent_block` is the block holding the entry named by a `Parent::Entry` parent (`None`
     /// for a first block): while that entry has no linked child, and no child of it may be in
     /// the index, the new entry is linked from it instead of indexed (module docs).
+    #[inline(always)] // once per published block: no call, no returned enum in memory
     pub fn insert(
         &self,
         key: TableKey,
