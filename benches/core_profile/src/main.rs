@@ -233,10 +233,37 @@ fn thread_ns() -> u128 {
     now.tv_sec as u128 * 1_000_000_000 + now.tv_nsec as u128
 }
 
+/// Prompt-length buckets of the replay's per-length rows (`bench_production.py`'s).
+const BUCKETS: [(usize, &str); 4] = [(4096, "0k-4k"), (16_384, "4k-16k"), (65_536, "16k-64k"), (usize::MAX, "64k-256k")];
+
+/// One request's begin + commit + finish; returns the CPU ns of each and the cached tokens.
+/// Prompts of 64k tokens or more go through `replay_long_request` instead, the same code under
+/// another name, so `valgrind --tool=callgrind --toggle-collect='*replay_long_request*'` counts
+/// the long requests' instructions alone.
+#[inline(never)]
+fn replay_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], usize) {
+    let t0 = thread_ns();
+    let r = cache.begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
+    let t1 = thread_ns();
+    cache.commit(&r.request_id, prompt.len()).expect("commit");
+    let t2 = thread_ns();
+    cache.finish(&r.request_id).expect("finish");
+    let t3 = thread_ns();
+    ([t1 - t0, t2 - t1, t3 - t2], r.num_cached_tokens)
+}
+
+/// `replay_request` for the long prompts (see there).
+#[inline(never)]
+fn replay_long_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], usize) {
+    // `black_box`: not a tail call, so the frame stays on `perf`'s call stacks.
+    std::hint::black_box(replay_request(cache, prompt))
+}
+
 /// `replay TRACE [ROUNDS]`: the production-shaped trace of `bench_production.py` through the
 /// core alone, begin + commit + finish per request beside the hash floor (`hash_prompt`), in
 /// rotating order; per round the mean µs of both over the timed requests, their ratio and the
-/// hit rate (which must not change between builds). Also the loop to `perf record`.
+/// hit rate (which must not change between builds), then per prompt-length bucket the mean µs
+/// of each phase and the ratios of the means and of the p99s. Also the loop to `perf record`.
 fn replay(path: &str, rounds: usize) {
     let (num_blocks, warmup, prompts) = read_trace(path);
     let context = context_fingerprint(b"bench");
@@ -245,37 +272,74 @@ fn replay(path: &str, rounds: usize) {
         let cache = PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
         let (mut ours, mut floor, mut timed) = (0u128, 0u128, 0usize);
         let (mut prompt_tokens, mut hit_tokens) = (0usize, 0usize);
+        // Per bucket: (begin, commit, finish, floor) of each timed request.
+        let mut by_length: Vec<Vec<[u128; 4]>> = vec![Vec::new(); BUCKETS.len()];
+        let mut all: Vec<[u128; 2]> = Vec::new();
         for (i, prompt) in prompts.iter().enumerate() {
-            let mut cost = [0u128; 2];
+            let mut phases = [0u128; 3];
+            let mut hash_ns = 0u128;
             for k in 0..2 {
-                let which = (i + k) % 2;
-                let start = thread_ns();
-                if which == 0 {
-                    let r = cache.begin(None, prompt.clone(), b"", RequestExtras::default(), 0).expect("begin");
-                    hit_tokens += r.num_cached_tokens;
-                    cache.commit(&r.request_id, prompt.len()).expect("commit");
-                    cache.finish(&r.request_id).expect("finish");
+                if (i + k) % 2 == 0 {
+                    let (cost, cached) = if prompt.len() >= 65_536 {
+                        replay_long_request(&cache, prompt)
+                    } else {
+                        replay_request(&cache, prompt)
+                    };
+                    phases = cost;
+                    hit_tokens += cached;
                 } else {
+                    let start = thread_ns();
                     std::hint::black_box(cache.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+                    hash_ns = thread_ns() - start;
                 }
-                cost[which] = thread_ns() - start;
             }
             prompt_tokens += prompt.len();
             if i >= warmup {
-                ours += cost[0];
-                floor += cost[1];
+                let total: u128 = phases.iter().sum();
+                ours += total;
+                floor += hash_ns;
                 timed += 1;
+                let bucket = BUCKETS.iter().position(|&(limit, _)| prompt.len() < limit).unwrap_or(0);
+                by_length[bucket].push([phases[0], phases[1], phases[2], hash_ns]);
+                all.push([total, hash_ns]);
             }
         }
         let stats = cache.stats();
+        let p99_ratio = |rows: &mut Vec<[u128; 2]>| {
+            let mut a: Vec<u128> = rows.iter().map(|r| r[0]).collect();
+            let mut b: Vec<u128> = rows.iter().map(|r| r[1]).collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            percentile(&a, 0.99) / percentile(&b, 0.99)
+        };
         println!(
-            "{{\"replay_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}, \"hit_rate\": {:.5}, \"evictions\": {}}}",
+            "{{\"replay_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}, \"p99_ratio\": {:.2}, \"hit_rate\": {:.5}, \"evictions\": {}}}",
             ours as f64 / timed as f64 / 1e3,
             floor as f64 / timed as f64 / 1e3,
             ours as f64 / floor as f64,
+            p99_ratio(&mut all),
             hit_tokens as f64 / prompt_tokens as f64,
             stats.evictions,
         );
+        for ((_, name), rows) in BUCKETS.iter().zip(&by_length) {
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len() as f64;
+            let mean = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
+            let ours = mean(0) + mean(1) + mean(2);
+            let mut pairs: Vec<[u128; 2]> = rows.iter().map(|r| [r[0] + r[1] + r[2], r[3]]).collect();
+            println!(
+                "{{\"bucket\": \"{name}\", \"requests\": {}, \"begin_us\": {:.1}, \"commit_us\": {:.1}, \"finish_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}, \"p99_ratio\": {:.2}}}",
+                rows.len(),
+                mean(0),
+                mean(1),
+                mean(2),
+                mean(3),
+                ours / mean(3),
+                p99_ratio(&mut pairs),
+            );
+        }
     }
 }
 

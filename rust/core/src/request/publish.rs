@@ -281,7 +281,13 @@ impl PrefixCache {
             let anchor = match self.table.insert(key, &entry, parent_block, &guard) {
                 Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
-                    inner.pool.mark_cached(own_block, chain_parent);
+                    // Cached and touched in one call: one metadata pass, one `refresh`.
+                    inner.pool.mark_cached_at(
+                        own_block,
+                        chain_parent,
+                        inner.tick,
+                        request.priority,
+                    );
                     let origin = (&request.root, &request.extras);
                     if sliding {
                         // The parent block may be released or evicted: name it by key.
@@ -300,7 +306,8 @@ impl PrefixCache {
                             .stored(own_block, parent_block, origin, chunk, &block_extras);
                     }
                     inner.counters.committed_blocks += 1;
-                    anchor
+                    request.anchors.push(anchor);
+                    continue;
                 }
                 Insertion::Collision => {
                     inner.counters.collisions += 1;

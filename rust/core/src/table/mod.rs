@@ -315,6 +315,22 @@ fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
     Some(values.into_boxed_slice())
 }
 
+/// Whether a token row holds `tokens` (same length), compared without an early exit (the
+/// caller checks its sequence lock after); 16-token rows, the usual block size, as
+/// fixed-length arrays, unrolled.
+#[inline]
+fn row_equals(cells: &[AtomicU32], tokens: &[u32]) -> bool {
+    let same =
+        |ok: bool, (cell, &token): (&AtomicU32, &u32)| ok & (cell.load(Ordering::Relaxed) == token);
+    match (
+        <&[AtomicU32; 16]>::try_from(cells),
+        <&[u32; 16]>::try_from(tokens),
+    ) {
+        (Ok(cells), Ok(tokens)) => cells.iter().zip(tokens).fold(true, same),
+        _ => cells.iter().zip(tokens).fold(true, same),
+    }
+}
+
 /// What a probe found in a slot.
 enum Verified<T> {
     /// The key's entry, and it is the block looked for.
@@ -396,7 +412,7 @@ impl Table {
         }
         if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
             std::hint::black_box(slot.id.load(Ordering::Relaxed));
-            let start = block.unwrap_or_default() as usize * self.block_size;
+            let start = self.row_start(block.unwrap_or_default());
             if let Some(cell) = self.tokens.get(start) {
                 std::hint::black_box(cell.load(Ordering::Relaxed));
             }
@@ -418,7 +434,7 @@ impl Table {
             if let Some(slot) = self.slots.get(block) {
                 std::hint::black_box(slot.id.load(Ordering::Relaxed));
             }
-            if let Some(cell) = self.tokens.get(block * self.block_size) {
+            if let Some(cell) = self.tokens.get(self.row_start(block as BlockId)) {
                 std::hint::black_box(cell.load(Ordering::Relaxed));
             }
         }
@@ -603,6 +619,12 @@ impl Table {
             .store(len.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
+    /// The cell where `block`'s token row starts.
+    #[inline]
+    fn row_start(&self, block: BlockId) -> usize {
+        block as usize * self.block_size
+    }
+
     fn slot_key(&self, block: BlockId) -> TableKey {
         let slot = &self.slots[block as usize];
         TableKey(
@@ -614,6 +636,7 @@ impl Table {
     /// The writer's side of the slot's sequence lock.
     /// `up` and `linked` are the new entry's writer-side fields (`Slot`); it starts with no
     /// children.
+    #[inline(always)] // once per published block: no call, no register saves (PROFILE.md)
     fn write(&self, key: TableKey, entry: &NewEntry<'_>, up: Option<BlockId>, linked: bool) {
         debug_assert_eq!(entry.tokens.len(), self.block_size);
         debug_assert!(entry.id != 0);
@@ -639,12 +662,21 @@ impl Table {
                 }
             }
         }
-        let start = entry.block as usize * self.block_size;
-        for (cell, &token) in self.tokens[start..start + self.block_size]
-            .iter()
-            .zip(entry.tokens)
-        {
-            cell.store(token, Ordering::Relaxed);
+        let start = self.row_start(entry.block);
+        let cells = &self.tokens[start..start + self.block_size];
+        if let (Ok(cells), Ok(tokens)) = (
+            <&[AtomicU32; 16]>::try_from(cells),
+            <&[u32; 16]>::try_from(entry.tokens),
+        ) {
+            // The usual block size, as fixed-length arrays: the stores unrolled, no loop
+            // (PROFILE.md, issue 24, round 5).
+            for (cell, &token) in cells.iter().zip(tokens) {
+                cell.store(token, Ordering::Relaxed);
+            }
+        } else {
+            for (cell, &token) in cells.iter().zip(entry.tokens) {
+                cell.store(token, Ordering::Relaxed);
+            }
         }
         let extras_len = u32::try_from(entry.extras.len()).unwrap_or(u32::MAX);
         // Only the writer stores `extras`, so its own length says whether one is there.
@@ -680,7 +712,7 @@ impl Table {
     }
 
     fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
-        let start = block as usize * self.block_size;
+        let start = self.row_start(block);
         let cells = &self.tokens[start..start + self.block_size];
         if self.block_size <= 16 {
             let mut buffer = [0u32; 16];
@@ -736,14 +768,9 @@ impl Table {
                         .all(|(word, bytes)| word.load(Ordering::Relaxed).to_le_bytes() == bytes)
             }
         };
-        let start = block as usize * self.block_size;
+        let start = self.row_start(block);
         let tokens_ok = tokens.len() == self.block_size
-            && self.tokens[start..start + self.block_size]
-                .iter()
-                .zip(tokens)
-                .fold(true, |ok, (cell, &t)| {
-                    ok & (cell.load(Ordering::Relaxed) == t)
-                });
+            && row_equals(&self.tokens[start..start + self.block_size], tokens);
         let extras_ok = match slot.extras_len.load(Ordering::Relaxed) {
             0 => extras.is_empty(),
             len => {

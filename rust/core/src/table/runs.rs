@@ -51,7 +51,7 @@ impl Table {
                 if let Some(slot) = self.slots.get(child) {
                     std::hint::black_box(slot.id.load(Ordering::Relaxed));
                 }
-                if let Some(cell) = self.tokens.get(child * self.block_size) {
+                if let Some(cell) = self.tokens.get(self.row_start(child as BlockId)) {
                     std::hint::black_box(cell.load(Ordering::Relaxed));
                 }
             }
@@ -70,6 +70,7 @@ impl Table {
     /// `parent_block` is the block holding the entry named by a `Parent::Entry` parent (`None`
     /// for a first block): while that entry has no linked child, and no child of it may be in
     /// the index, the new entry is linked from it instead of indexed (module docs).
+    #[inline(always)] // once per published block: no call, no returned enum in memory
     pub fn insert(
         &self,
         key: TableKey,
@@ -132,6 +133,7 @@ impl Table {
 
     /// Removes the entry `block` holds, if any: a linked entry is unlinked from its parent's
     /// slot, an indexed one leaves the index. Writer only.
+    #[inline(always)] // once per evicted block: no call, no register saves (PROFILE.md)
     pub fn remove(&self, block: BlockId) {
         let Some(slot) = self.slots.get(block as usize) else {
             return;

@@ -520,3 +520,40 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
         assert!(reader.join().unwrap() > 0);
     }
 }
+
+#[test]
+fn every_token_of_a_row_is_written_and_verified() {
+    // 16-token rows take a fixed-length path in `write` and `row_equals`, other sizes the
+    // general one: both must store every token, and a difference at any one position must
+    // make a verification fail (an unrolled path that skipped a position would pass here).
+    for block_size in [16usize, 3] {
+        let table = Table::new(8, block_size).unwrap();
+        let tokens: Vec<u32> = (0..block_size as u32).map(|t| 7 * t + 1).collect();
+        let parent = Parent::Root(BlockKey([9; 32]));
+        let new = NewEntry {
+            id: 1,
+            block: 5,
+            parent,
+            tokens: &tokens,
+            extras: &[],
+        };
+        let key = TableKey(0xABCD << 64 | 17);
+        assert!(matches!(
+            table.insert(key, &new, None),
+            Insertion::Inserted(_)
+        ));
+        assert_eq!(table.entry(5).unwrap().tokens.as_slice(), &tokens[..]);
+        assert!(table.get_verified(&key, &parent, &tokens, &[]).is_some());
+        for position in 0..block_size {
+            let mut other = tokens.clone();
+            other[position] += 1;
+            assert!(
+                table.get_verified(&key, &parent, &other, &[]).is_none(),
+                "block size {block_size}: token {position} not compared"
+            );
+        }
+        assert!(table
+            .get_verified(&key, &parent, &tokens[..block_size - 1], &[])
+            .is_none());
+    }
+}
