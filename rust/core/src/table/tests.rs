@@ -526,9 +526,12 @@ fn every_token_of_a_row_is_written_and_verified() {
     // 16-token rows take a fixed-length path in `write` and `row_equals`, other sizes the
     // general one: both must store every token, and a difference at any one position must
     // make a verification fail (an unrolled path that skipped a position would pass here).
-    for block_size in [16usize, 3] {
+    for block_size in [16usize, 3, 1, 4] {
         let table = Table::new(8, block_size).unwrap();
-        let tokens: Vec<u32> = (0..block_size as u32).map(|t| 7 * t + 1).collect();
+        // High bits set too: two tokens share a stored word (`pack`).
+        let tokens: Vec<u32> = (0..block_size as u32)
+            .map(|t| (7 * t + 1) | (t % 2) << 31)
+            .collect();
         let parent = Parent::Root(BlockKey([9; 32]));
         let new = NewEntry {
             id: 1,
@@ -545,12 +548,14 @@ fn every_token_of_a_row_is_written_and_verified() {
         assert_eq!(table.entry(5).unwrap().tokens.as_slice(), &tokens[..]);
         assert!(table.get_verified(&key, &parent, &tokens, &[]).is_some());
         for position in 0..block_size {
-            let mut other = tokens.clone();
-            other[position] += 1;
-            assert!(
-                table.get_verified(&key, &parent, &other, &[]).is_none(),
-                "block size {block_size}: token {position} not compared"
-            );
+            for flip in [1, 1 << 31] {
+                let mut other = tokens.clone();
+                other[position] ^= flip;
+                assert!(
+                    table.get_verified(&key, &parent, &other, &[]).is_none(),
+                    "block size {block_size}: bit {flip:#x} of token {position} not compared"
+                );
+            }
         }
         assert!(table
             .get_verified(&key, &parent, &tokens[..block_size - 1], &[])
