@@ -343,6 +343,17 @@ fn row_equals(cells: &[AtomicU64], tokens: &[u32]) -> bool {
     }
 }
 
+impl Slot {
+    /// The table key stored in the slot (a reader checks it under the sequence lock).
+    #[inline]
+    fn key(&self) -> TableKey {
+        TableKey(
+            u128::from(self.key[0].load(Ordering::Relaxed))
+                | (u128::from(self.key[1].load(Ordering::Relaxed)) << 64),
+        )
+    }
+}
+
 /// What a probe found in a slot.
 enum Verified<T> {
     /// The key's entry, and it is the block looked for.
@@ -641,11 +652,7 @@ impl Table {
     }
 
     fn slot_key(&self, block: BlockId) -> TableKey {
-        let slot = &self.slots[block as usize];
-        TableKey(
-            u128::from(slot.key[0].load(Ordering::Relaxed))
-                | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
-        )
+        self.slots[block as usize].key()
     }
 
     /// The writer's side of the slot's sequence lock.
@@ -772,7 +779,7 @@ impl Table {
         let slot = &self.slots[block as usize];
         let seq = slot.seq.load(Ordering::Acquire);
         let id = slot.id.load(Ordering::Relaxed);
-        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
+        if seq % 2 == 1 || id == 0 || slot.key() != *key {
             return Verified::OtherKey;
         }
         let parent_ok = match parent {
@@ -822,7 +829,7 @@ impl Table {
         let slot = self.slots.get(block as usize)?;
         let seq = slot.seq.load(Ordering::Acquire);
         let id = slot.id.load(Ordering::Relaxed);
-        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
+        if seq % 2 == 1 || id == 0 || slot.key() != *key {
             return None;
         }
         let parent = match slot.parent.load(Ordering::Relaxed) {
