@@ -49,7 +49,7 @@
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
-//!   `acquire` and `release`; `release` of a block whose refcount is already zero is a bug and
+//!   `acquire` and `release` (`acquire_run` and `finish_table` are runs of them in one pass); `release` of a block whose refcount is already zero is a bug and
 //!   panics (callers check ownership first, see `cache/mod.rs`), and a block returns to the free list
 //!   exactly once, when it is neither referenced nor cached.
 //!

@@ -10,10 +10,10 @@
 //! A block holds at most one published entry at a time, so the table never holds more entries
 //! than the pool has blocks, and it is built once at that size and never grows or rehashes:
 //! - **entries** live in one preallocated slot per block (`Slot`: entry id, table key, parent,
-//!   extras) and one row of `block_size` token ids per block. Publishing writes the block's own
-//!   slot: no allocation, no node, nothing to reclaim later (papaya, the map used before, spent
-//!   a heap node per entry and periodically copied its whole table to clear the tombstones that
-//!   eviction leaves: `benches/PROFILE.md`).
+//!   extras) and one row of `block_size` token ids per block, two to an atomic word. Publishing
+//!   writes the block's own slot: no allocation, no node, nothing to reclaim later (papaya, the
+//!   map used before, spent a heap node per entry and periodically copied its whole table to
+//!   clear the tombstones that eviction leaves: `benches/PROFILE.md`).
 //! - the **index** is an open-addressing array of `u64` words, at least twice the pool's size,
 //!   probed linearly: each word packs 32 bits of the key's hash (which also give the home slot)
 //!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
