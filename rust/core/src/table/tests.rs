@@ -438,9 +438,13 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
     let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let newest = std::sync::Arc::new(AtomicU64::new(2));
+    // Readers that have found an entry: the writer goes on until both have (on a loaded
+    // machine a reader may not run at all during the first 200,000 steps).
+    let found = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (table, stop, newest) = (table.clone(), stop.clone(), newest.clone());
+            let (table, stop, newest, found_any) =
+                (table.clone(), stop.clone(), newest.clone(), found.clone());
             std::thread::spawn(move || {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -465,6 +469,9 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
                                 );
                                 assert_eq!(found.key, key_of(child));
                                 seen += 1;
+                                if seen == 1 {
+                                    found_any.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
                     }
@@ -477,7 +484,9 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
     let block_of = |owner: &[Option<u64>], id: u64| owner.iter().position(|&o| o == Some(id));
     let mut state = 7u64;
     let mut next_id = 2u64;
-    for _ in 0..200_000 {
+    let mut step = 0u64;
+    while step < 200_000 || (found.load(Ordering::Relaxed) < 2 && step < 50_000_000) {
+        step += 1;
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
