@@ -49,7 +49,7 @@
 //!   The cache's stats count spares as cached content, so every block is exactly one of free,
 //!   cached (an entry or a spare) or private (`stats.rs`).
 //! - Refcounts change only through `allocate` (which hands a block out with refcount 1),
-//!   `acquire` and `release`; `release` of a block whose refcount is already zero is a bug and
+//!   `acquire` and `release` (`acquire_run` and `finish_table` are runs of them in one pass); `release` of a block whose refcount is already zero is a bug and
 //!   panics (callers check ownership first, see `cache/mod.rs`), and a block returns to the free list
 //!   exactly once, when it is neither referenced nor cached.
 //!
@@ -319,6 +319,38 @@ impl BlockPool {
         meta.ref_count += 1;
         self.reblock(block, was_blocked);
         self.refresh(block);
+    }
+
+    /// `acquire` of each block of `run`, first to last, in one pass. A hit is a chain: each
+    /// block's parent is the block before it, referenced a step earlier, so it is blocked (if
+    /// cached) or private either way, and never a spare; a block that becomes blocked then moves
+    /// its parent's count and the walk up stops there. That step is done inline here, and only
+    /// a block whose parent is not the one before it takes `reblock`'s general walk. The state
+    /// it leaves is that of the `acquire` calls one by one (`acquire_run_matches_acquire`).
+    pub fn acquire_run(&mut self, run: &[BlockId]) {
+        let mut previous = None;
+        for &block in run {
+            let meta = &mut self.blocks[block as usize];
+            debug_assert!(meta.cached || meta.ref_count > 0, "acquiring a free block");
+            let was_blocked = meta.blocked();
+            if meta.ref_count == 0 {
+                self.num_in_use += 1;
+            }
+            meta.ref_count += 1;
+            if !was_blocked {
+                match meta.parent {
+                    Some(parent) if meta.cached && previous == Some(parent) => {
+                        // Blocked from now on (cached and referenced); the parent, referenced
+                        // just before, keeps its state, so `reblock`'s walk ends at it.
+                        self.num_blocked += 1;
+                        self.blocks[parent as usize].blocked_children += 1;
+                    }
+                    _ => self.reblock(block, false),
+                }
+            }
+            self.refresh(block);
+            previous = Some(block);
+        }
     }
 
     /// Drops one reference. Returns true when the block went back to the free list.
@@ -1289,6 +1321,8 @@ mod tests {
             kinds in proptest::collection::vec(0u8..8, 1..7),
             parent in proptest::option::of(0usize..64),
             priority in -1i32..2,
+            hit in 0usize..64,
+            scattered in proptest::collection::vec(0usize..64, 0..6),
         ) {
             let mut pool = BlockPool::new(32).unwrap();
             let held = run_ops(&mut pool, ops)?;
@@ -1369,8 +1403,60 @@ mod tests {
             );
             proptest::prop_assert_eq!(&pool, &expected);
             pool.check_invariants();
+            // Spares (with children, lent or not) are about now: hits over them.
+            check_acquire_run(&pool, hit, scattered)?;
             drop(held);
         }
+
+        /// `acquire_run` leaves the pool exactly as `acquire` of each block, first to last:
+        /// a hit's chain from a root (blocks held, pinned or evictable on the way), or cached
+        /// blocks in any order, over pools left by random steps.
+        #[test]
+        fn acquire_run_matches_acquire(
+            ops in proptest::collection::vec(op(), 0..40),
+            hit in 0usize..64,
+            scattered in proptest::collection::vec(0usize..64, 0..6),
+        ) {
+            let mut pool = BlockPool::new(24).unwrap();
+            let held = run_ops(&mut pool, ops)?;
+            check_acquire_run(&pool, hit, scattered)?;
+            drop(held);
+        }
+    }
+
+    /// `acquire_run_matches_acquire`'s check on `pool`: the chain up from its `hit`-th cached
+    /// block, taken from its first cached ancestor; then the `scattered` cached blocks, as one run.
+    fn check_acquire_run(
+        pool: &BlockPool,
+        hit: usize,
+        scattered: Vec<usize>,
+    ) -> std::result::Result<(), proptest::test_runner::TestCaseError> {
+        let cached = pool.cached_blocks();
+        if cached.is_empty() {
+            return Ok(());
+        }
+        let mut chain = vec![cached[hit % cached.len()]];
+        // Up to a spare at most (a hit reaches cached blocks only: its lookup names the
+        // canonical copy).
+        while let Some(parent) = pool.parent_of(*chain.last().unwrap()) {
+            if !pool.is_cached(parent) {
+                break;
+            }
+            chain.push(parent);
+        }
+        chain.reverse();
+        let scattered: Vec<BlockId> = scattered.iter().map(|i| cached[i % cached.len()]).collect();
+        for run in [chain, scattered] {
+            let mut expected = pool.clone();
+            for &block in &run {
+                expected.acquire(block);
+            }
+            let mut batched = pool.clone();
+            batched.acquire_run(&run);
+            proptest::prop_assert_eq!(&batched, &expected);
+            batched.check_invariants();
+        }
+        Ok(())
     }
 
     proptest::proptest! {

@@ -517,9 +517,7 @@ impl PrefixCache {
         count: usize,
     ) -> Result<Vec<BlockId>> {
         // Reference the hits first so eviction cannot take them for the fresh blocks.
-        for &block in hits {
-            inner.pool.acquire(block);
-        }
+        inner.pool.acquire_run(hits);
         match inner.pool.allocate(count) {
             Ok((fresh, evicted)) => {
                 for &block in &fresh {

@@ -115,7 +115,11 @@ impl PrefixCache {
         let inner = &mut *guard;
         let plan = self.plan_for(inner, id, num_new_tokens, num_lookahead_tokens)?;
         let want = with_watermark(plan.fresh, watermark)?;
-        let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
+        let hits: Vec<BlockId> = plan.anchors[plan.released..]
+            .iter()
+            .map(|a| a.block)
+            .collect();
+        let available = self.obtainable_with(inner, &hits, want);
         if available < want {
             return Err(CacheError::OutOfBlocks {
                 needed: want,
@@ -509,14 +513,12 @@ impl PrefixCache {
     }
 
     /// Blocks the pool could hand out after referencing `hits`, capped at `want`.
-    fn obtainable_with(&self, inner: &mut Inner, hits: &[Anchor], want: usize) -> usize {
-        for anchor in hits {
-            inner.pool.acquire(anchor.block);
-        }
+    fn obtainable_with(&self, inner: &mut Inner, hits: &[BlockId], want: usize) -> usize {
+        inner.pool.acquire_run(hits);
         let available = inner.pool.available(want);
         // Releasing restores each hit's exact eviction position: nothing was touched.
-        for anchor in hits {
-            inner.pool.release(anchor.block);
+        for &block in hits {
+            inner.pool.release(block);
         }
         available
     }
@@ -531,9 +533,12 @@ impl PrefixCache {
     ) -> Result<Slots> {
         let was_waiting = !request.scheduled;
         let plan = self.plan(inner, request, num_new, lookahead)?;
+        // Every position of the hit, null ones included: that is the block table.
+        let hits: Vec<BlockId> = plan.anchors.iter().map(|a| a.block).collect();
+        let referenced = &hits[plan.released..];
         if watermark > 0 {
             let want = with_watermark(plan.fresh, watermark)?;
-            let available = self.obtainable_with(inner, &plan.anchors[plan.released..], want);
+            let available = self.obtainable_with(inner, referenced, want);
             if available < want {
                 return Err(CacheError::OutOfBlocks {
                     needed: want,
@@ -541,9 +546,6 @@ impl PrefixCache {
                 });
             }
         }
-        // Every position of the hit, null ones included: that is the block table.
-        let hits: Vec<BlockId> = plan.anchors.iter().map(|a| a.block).collect();
-        let referenced = &hits[plan.released..];
         let fresh = self.acquire_and_allocate(inner, referenced, plan.fresh)?;
         if was_waiting {
             inner.tick += 1;

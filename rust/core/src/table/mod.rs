@@ -10,10 +10,10 @@
 //! A block holds at most one published entry at a time, so the table never holds more entries
 //! than the pool has blocks, and it is built once at that size and never grows or rehashes:
 //! - **entries** live in one preallocated slot per block (`Slot`: entry id, table key, parent,
-//!   extras) and one row of `block_size` token ids per block. Publishing writes the block's own
-//!   slot: no allocation, no node, nothing to reclaim later (papaya, the map used before, spent
-//!   a heap node per entry and periodically copied its whole table to clear the tombstones that
-//!   eviction leaves: `benches/PROFILE.md`).
+//!   extras) and one row of `block_size` token ids per block, two to an atomic word. Publishing
+//!   writes the block's own slot: no allocation, no node, nothing to reclaim later (papaya, the
+//!   map used before, spent a heap node per entry and periodically copied its whole table to
+//!   clear the tombstones that eviction leaves: `benches/PROFILE.md`).
 //! - the **index** is an open-addressing array of `u64` words, at least twice the pool's size,
 //!   probed linearly: each word packs 32 bits of the key's hash (which also give the home slot)
 //!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
@@ -278,9 +278,12 @@ pub struct Table {
     index: Box<[AtomicU64]>,
     mask: usize,
     slots: Box<[Slot]>,
-    /// `block_size` token ids per block, in block order.
-    tokens: Box<[AtomicU32]>,
+    /// `block_size` token ids per block, in block order, two to a word (`pack`): a row of 16
+    /// is written and compared in 8 loads or stores, not 16 (PROFILE.md, issue 24, round 6).
+    tokens: Box<[AtomicU64]>,
     block_size: usize,
+    /// Words per row: `block_size` halved, rounded up.
+    row_words: usize,
     /// Bumped before and after every backward shift (odd while one runs): a probe that ends
     /// in a miss while it changed probes again.
     shifts: AtomicU64,
@@ -301,8 +304,8 @@ impl Table {
         let index = capacity.checked_mul(std::mem::size_of::<AtomicU64>())?;
         let slots = num_blocks.checked_mul(std::mem::size_of::<Slot>())?;
         let tokens = num_blocks
-            .checked_mul(block_size)?
-            .checked_mul(std::mem::size_of::<AtomicU32>())?;
+            .checked_mul(block_size.div_ceil(2))?
+            .checked_mul(std::mem::size_of::<AtomicU64>())?;
         index.checked_add(slots)?.checked_add(tokens)
     }
 }
@@ -315,19 +318,39 @@ fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
     Some(values.into_boxed_slice())
 }
 
-/// Whether a token row holds `tokens` (same length), compared without an early exit (the
-/// caller checks its sequence lock after); 16-token rows, the usual block size, as
-/// fixed-length arrays, unrolled.
+/// One word of a token row: the pair's first token in the low half, the second (zero past an
+/// odd row's end) in the high half. Every field of a slot is still its own atomic under the
+/// slot's sequence lock, so a word torn by a rewrite fails the lock's check as a token did.
+#[inline(always)]
+fn pack(pair: &[u32]) -> u64 {
+    u64::from(pair[0]) | pair.get(1).map_or(0, |&high| u64::from(high) << 32)
+}
+
+/// Whether a token row (`cells`, packed by `pack`) holds `tokens`, whose length the caller
+/// checked, compared without an early exit (the caller checks its sequence lock after);
+/// 16-token rows, the usual block size, as fixed-length arrays, unrolled.
 #[inline]
-fn row_equals(cells: &[AtomicU32], tokens: &[u32]) -> bool {
-    let same =
-        |ok: bool, (cell, &token): (&AtomicU32, &u32)| ok & (cell.load(Ordering::Relaxed) == token);
+fn row_equals(cells: &[AtomicU64], tokens: &[u32]) -> bool {
+    let same = |ok: bool, (cell, pair): (&AtomicU64, &[u32])| {
+        ok & (cell.load(Ordering::Relaxed) == pack(pair))
+    };
     match (
-        <&[AtomicU32; 16]>::try_from(cells),
+        <&[AtomicU64; 8]>::try_from(cells),
         <&[u32; 16]>::try_from(tokens),
     ) {
-        (Ok(cells), Ok(tokens)) => cells.iter().zip(tokens).fold(true, same),
-        _ => cells.iter().zip(tokens).fold(true, same),
+        (Ok(cells), Ok(tokens)) => cells.iter().zip(tokens.chunks_exact(2)).fold(true, same),
+        _ => cells.iter().zip(tokens.chunks(2)).fold(true, same),
+    }
+}
+
+impl Slot {
+    /// The table key stored in the slot (a reader checks it under the sequence lock).
+    #[inline]
+    fn key(&self) -> TableKey {
+        TableKey(
+            u128::from(self.key[0].load(Ordering::Relaxed))
+                | (u128::from(self.key[1].load(Ordering::Relaxed)) << 64),
+        )
     }
 }
 
@@ -365,8 +388,11 @@ impl Table {
             index: filled(capacity, || AtomicU64::new(EMPTY))?,
             mask: capacity - 1,
             slots: filled(num_blocks, Slot::default)?,
-            tokens: filled(num_blocks.checked_mul(block_size)?, || AtomicU32::new(0))?,
+            tokens: filled(num_blocks.checked_mul(block_size.div_ceil(2))?, || {
+                AtomicU64::new(0)
+            })?,
             block_size,
+            row_words: block_size.div_ceil(2),
             shifts: AtomicU64::new(0),
             len: AtomicUsize::new(0),
             links,
@@ -619,18 +645,14 @@ impl Table {
             .store(len.wrapping_add_signed(delta), Ordering::Relaxed);
     }
 
-    /// The cell where `block`'s token row starts.
+    /// The word where `block`'s token row starts.
     #[inline]
     fn row_start(&self, block: BlockId) -> usize {
-        block as usize * self.block_size
+        block as usize * self.row_words
     }
 
     fn slot_key(&self, block: BlockId) -> TableKey {
-        let slot = &self.slots[block as usize];
-        TableKey(
-            u128::from(slot.key[0].load(Ordering::Relaxed))
-                | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
-        )
+        self.slots[block as usize].key()
     }
 
     /// The writer's side of the slot's sequence lock.
@@ -663,19 +685,19 @@ impl Table {
             }
         }
         let start = self.row_start(entry.block);
-        let cells = &self.tokens[start..start + self.block_size];
+        let cells = &self.tokens[start..start + self.row_words];
         if let (Ok(cells), Ok(tokens)) = (
-            <&[AtomicU32; 16]>::try_from(cells),
+            <&[AtomicU64; 8]>::try_from(cells),
             <&[u32; 16]>::try_from(entry.tokens),
         ) {
             // The usual block size, as fixed-length arrays: the stores unrolled, no loop
             // (PROFILE.md, issue 24, round 5).
-            for (cell, &token) in cells.iter().zip(tokens) {
-                cell.store(token, Ordering::Relaxed);
+            for (cell, pair) in cells.iter().zip(tokens.chunks_exact(2)) {
+                cell.store(pack(pair), Ordering::Relaxed);
             }
         } else {
-            for (cell, &token) in cells.iter().zip(entry.tokens) {
-                cell.store(token, Ordering::Relaxed);
+            for (cell, pair) in cells.iter().zip(entry.tokens.chunks(2)) {
+                cell.store(pack(pair), Ordering::Relaxed);
             }
         }
         let extras_len = u32::try_from(entry.extras.len()).unwrap_or(u32::MAX);
@@ -713,18 +735,21 @@ impl Table {
 
     fn read_tokens(&self, block: BlockId) -> SmallVec<[u32; 16]> {
         let start = self.row_start(block);
-        let cells = &self.tokens[start..start + self.block_size];
+        let cells = &self.tokens[start..start + self.row_words];
+        let unpack = |cell: &AtomicU64| {
+            let word = cell.load(Ordering::Relaxed);
+            [word as u32, (word >> 32) as u32]
+        };
         if self.block_size <= 16 {
             let mut buffer = [0u32; 16];
-            for (value, cell) in buffer.iter_mut().zip(cells) {
-                *value = cell.load(Ordering::Relaxed);
+            for (pair, cell) in buffer.chunks_exact_mut(2).zip(cells) {
+                pair.copy_from_slice(&unpack(cell));
             }
             SmallVec::from_buf_and_len(buffer, self.block_size)
         } else {
-            cells
-                .iter()
-                .map(|cell| cell.load(Ordering::Relaxed))
-                .collect()
+            let mut tokens: SmallVec<[u32; 16]> = cells.iter().flat_map(unpack).collect();
+            tokens.truncate(self.block_size);
+            tokens
         }
     }
 
@@ -754,7 +779,7 @@ impl Table {
         let slot = &self.slots[block as usize];
         let seq = slot.seq.load(Ordering::Acquire);
         let id = slot.id.load(Ordering::Relaxed);
-        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
+        if seq % 2 == 1 || id == 0 || slot.key() != *key {
             return Verified::OtherKey;
         }
         let parent_ok = match parent {
@@ -770,7 +795,7 @@ impl Table {
         };
         let start = self.row_start(block);
         let tokens_ok = tokens.len() == self.block_size
-            && row_equals(&self.tokens[start..start + self.block_size], tokens);
+            && row_equals(&self.tokens[start..start + self.row_words], tokens);
         let extras_ok = match slot.extras_len.load(Ordering::Relaxed) {
             0 => extras.is_empty(),
             len => {
@@ -804,7 +829,7 @@ impl Table {
         let slot = self.slots.get(block as usize)?;
         let seq = slot.seq.load(Ordering::Acquire);
         let id = slot.id.load(Ordering::Relaxed);
-        if seq % 2 == 1 || id == 0 || self.slot_key(block) != *key {
+        if seq % 2 == 1 || id == 0 || slot.key() != *key {
             return None;
         }
         let parent = match slot.parent.load(Ordering::Relaxed) {

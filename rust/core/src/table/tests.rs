@@ -438,9 +438,13 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
     let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let newest = std::sync::Arc::new(AtomicU64::new(2));
+    // Readers that have found an entry: the writer goes on until both have (on a loaded
+    // machine a reader may not run at all during the first 200,000 steps).
+    let found = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (table, stop, newest) = (table.clone(), stop.clone(), newest.clone());
+            let (table, stop, newest, found_any) =
+                (table.clone(), stop.clone(), newest.clone(), found.clone());
             std::thread::spawn(move || {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -465,6 +469,9 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
                                 );
                                 assert_eq!(found.key, key_of(child));
                                 seen += 1;
+                                if seen == 1 {
+                                    found_any.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
                     }
@@ -477,7 +484,9 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
     let block_of = |owner: &[Option<u64>], id: u64| owner.iter().position(|&o| o == Some(id));
     let mut state = 7u64;
     let mut next_id = 2u64;
-    for _ in 0..200_000 {
+    let mut step = 0u64;
+    while step < 200_000 || (found.load(Ordering::Relaxed) < 2 && step < 50_000_000) {
+        step += 1;
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
@@ -526,9 +535,12 @@ fn every_token_of_a_row_is_written_and_verified() {
     // 16-token rows take a fixed-length path in `write` and `row_equals`, other sizes the
     // general one: both must store every token, and a difference at any one position must
     // make a verification fail (an unrolled path that skipped a position would pass here).
-    for block_size in [16usize, 3] {
+    for block_size in [16usize, 3, 1, 4] {
         let table = Table::new(8, block_size).unwrap();
-        let tokens: Vec<u32> = (0..block_size as u32).map(|t| 7 * t + 1).collect();
+        // High bits set too: two tokens share a stored word (`pack`).
+        let tokens: Vec<u32> = (0..block_size as u32)
+            .map(|t| (7 * t + 1) | (t % 2) << 31)
+            .collect();
         let parent = Parent::Root(BlockKey([9; 32]));
         let new = NewEntry {
             id: 1,
@@ -545,12 +557,14 @@ fn every_token_of_a_row_is_written_and_verified() {
         assert_eq!(table.entry(5).unwrap().tokens.as_slice(), &tokens[..]);
         assert!(table.get_verified(&key, &parent, &tokens, &[]).is_some());
         for position in 0..block_size {
-            let mut other = tokens.clone();
-            other[position] += 1;
-            assert!(
-                table.get_verified(&key, &parent, &other, &[]).is_none(),
-                "block size {block_size}: token {position} not compared"
-            );
+            for flip in [1, 1 << 31] {
+                let mut other = tokens.clone();
+                other[position] ^= flip;
+                assert!(
+                    table.get_verified(&key, &parent, &other, &[]).is_none(),
+                    "block size {block_size}: bit {flip:#x} of token {position} not compared"
+                );
+            }
         }
         assert!(table
             .get_verified(&key, &parent, &tokens[..block_size - 1], &[])
