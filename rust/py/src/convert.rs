@@ -287,8 +287,8 @@ impl TokenView<'_> {
 fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
     fn pass<const W: usize>(data: &[u8], read: impl Fn([u8; W]) -> (u32, u64)) -> (Vec<u32>, bool) {
         // Collected from an exact-length iterator: no zeroing first and no capacity check per
-        // token (`push` kept the loop scalar; a range check per value instead of an OR of the
-        // stray bits did too).
+        // token. Against a `push` loop with a range check per value: 13 -> 3.25 instructions a
+        // token for int64 ids (callgrind; PROFILE.md, "Lists").
         let mut stray = 0u64;
         let out = data
             .chunks_exact(W)
