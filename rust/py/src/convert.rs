@@ -288,7 +288,7 @@ fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError
     fn pass<const W: usize>(data: &[u8], read: impl Fn([u8; W]) -> (u32, u64)) -> (Vec<u32>, bool) {
         // Collected from an exact-length iterator: no zeroing first and no capacity check per
         // token. Against a `push` loop with a range check per value: 13 -> 3.25 instructions a
-        // token for int64 ids (callgrind; PROFILE.md, "Lists").
+        // token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
         let mut stray = 0u64;
         let out = data
             .chunks_exact(W)
