@@ -124,7 +124,7 @@ impl CoreCache {
     fn lookup(
         &self,
         py: Python<'_>,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
     ) -> PyResult<PrefixMatch> {
         let view = tokens.view();
@@ -140,7 +140,7 @@ impl CoreCache {
     fn lookup_in_window(
         &self,
         py: Python<'_>,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
         window: &Bound<'_, PyAny>,
     ) -> PyResult<PrefixMatch> {
@@ -161,7 +161,7 @@ impl CoreCache {
     fn begin(
         &self,
         py: Python<'_>,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
         request: Option<RequestRef>,
@@ -193,7 +193,7 @@ impl CoreCache {
         &self,
         py: Python<'_>,
         request: RequestRef,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
@@ -290,7 +290,7 @@ impl CoreCache {
         &self,
         py: Python<'_>,
         request: RequestRef,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         draft: bool,
     ) -> PyResult<()> {
         let large = self.many(tokens.len());
@@ -306,7 +306,7 @@ impl CoreCache {
         &self,
         py: Python<'_>,
         request: RequestRef,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
     ) -> PyResult<Vec<u32>> {
         let large = self.many(tokens.len());
         let view = tokens.view();
@@ -409,7 +409,7 @@ impl CoreCache {
     fn match_and_acquire(
         &self,
         py: Python<'_>,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PrefixMatch> {
@@ -440,7 +440,7 @@ impl CoreCache {
     fn commit_blocks(
         &self,
         py: Python<'_>,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         blocks: BlockIds,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
@@ -460,7 +460,7 @@ impl CoreCache {
         py.detach(|| self.0.release(&blocks.0)).map_err(to_py_err)
     }
 
-    fn pin(&self, py: Python<'_>, tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<Pin> {
+    fn pin(&self, py: Python<'_>, mut tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<Pin> {
         let view = tokens.view();
         let (id, num_blocks) = py
             .detach(|| {
@@ -492,7 +492,7 @@ impl CoreCache {
     fn block_keys<'py>(
         &self,
         py: Python<'py>,
-        tokens: Tokens<'py>,
+        mut tokens: Tokens<'py>,
         keys: &KeyExtras,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let view = tokens.view();
@@ -506,7 +506,12 @@ impl CoreCache {
     }
 
     /// Hashes every full block with the table hash and does nothing else (benchmark floor).
-    fn hash_prompt(&self, py: Python<'_>, tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<usize> {
+    fn hash_prompt(
+        &self,
+        py: Python<'_>,
+        mut tokens: Tokens<'_>,
+        keys: &KeyExtras,
+    ) -> PyResult<usize> {
         let view = tokens.view();
         py.detach(|| {
             view.into_vec()

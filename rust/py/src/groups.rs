@@ -117,7 +117,7 @@ impl CoreGroups {
         &self,
         py: Python<'_>,
         request: RequestRef,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         keys: &KeyExtras,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
@@ -179,7 +179,7 @@ impl CoreGroups {
         &self,
         py: Python<'_>,
         request: RequestRef,
-        tokens: Tokens<'_>,
+        mut tokens: Tokens<'_>,
         draft: bool,
     ) -> PyResult<()> {
         let large = self.many(tokens.len());

@@ -83,7 +83,7 @@ pub fn prompt_hashes(
     py: Python<'_>,
     context_fingerprint: &[u8],
     block_size: &Bound<'_, PyAny>,
-    tokens: Tokens<'_>,
+    mut tokens: Tokens<'_>,
     keys: &KeyExtras,
 ) -> PyResult<Vec<u64>> {
     let context: [u8; 32] = context_fingerprint.try_into().map_err(|_| {
