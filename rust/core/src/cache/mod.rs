@@ -52,6 +52,8 @@ mod low_level;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crossbeam_utils::CachePadded;
+
 use crate::error::{CacheError, Result};
 use crate::events::Events;
 use crate::key::{root_key, BlockKey, RequestExtras, TableHasher};
@@ -208,8 +210,11 @@ pub struct PrefixCache {
     pub(crate) table: SharedTable,
     pub(crate) hasher: TableHasher,
     context: ContextCell,
-    pub(crate) inner: Mutex<Inner>,
-    probes: AtomicU64,
+    /// On cache lines of its own: the writer takes the lock (a store to its state word) on
+    /// every call, and lock-free readers read the fields above on every lookup.
+    pub(crate) inner: CachePadded<Mutex<Inner>>,
+    /// Counted by lock-free readers: away from the lock and the fields above for the same reason.
+    probes: CachePadded<AtomicU64>,
 }
 
 impl PrefixCache {
@@ -284,7 +289,7 @@ impl PrefixCache {
             .ok_or_else(unallocated)?,
             hasher,
             context: ContextCell::new(context),
-            inner: Mutex::new(Inner {
+            inner: CachePadded::new(Mutex::new(Inner {
                 pool,
                 requests: Requests::default(),
                 pins: Pins::default(),
@@ -297,8 +302,8 @@ impl PrefixCache {
                 external_refs: per_block(num_blocks, 0).ok_or_else(unallocated)?,
                 events: Events::default(),
                 eviction_log: None,
-            }),
-            probes: AtomicU64::new(0),
+            })),
+            probes: CachePadded::new(AtomicU64::new(0)),
             config,
         })
     }

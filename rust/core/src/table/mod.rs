@@ -65,6 +65,7 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Or
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
+use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::key::{BlockKey, TableKey};
@@ -285,9 +286,12 @@ pub struct Table {
     /// Words per row: `block_size` halved, rounded up.
     row_words: usize,
     /// Bumped before and after every backward shift (odd while one runs): a probe that ends
-    /// in a miss while it changed probes again.
-    shifts: AtomicU64,
-    len: AtomicUsize,
+    /// in a miss while it changed probes again. Every probe reads it and every removal writes
+    /// it, so it has a cache line of its own: beside the fields above, each write would take
+    /// the line holding `index`, `mask` and `slots` from a reader thread's cache too.
+    shifts: CachePadded<AtomicU64>,
+    /// Entries, written by every insert and removal, read by no probe: its own line as well.
+    len: CachePadded<AtomicUsize>,
     /// Whether children may be linked instead of indexed (full-width keys only: module docs).
     links: bool,
 }
@@ -393,8 +397,8 @@ impl Table {
             })?,
             block_size,
             row_words: block_size.div_ceil(2),
-            shifts: AtomicU64::new(0),
-            len: AtomicUsize::new(0),
+            shifts: CachePadded::new(AtomicU64::new(0)),
+            len: CachePadded::new(AtomicUsize::new(0)),
             links,
         })
     }
