@@ -43,7 +43,6 @@
 //! `commit` then reports the positions still committed (none after a reset). Once preempted it
 //! holds no KV, so it computes afresh under the new context and may publish again.
 
-use super::keys::table_key;
 use super::{with_request, Request};
 use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
@@ -206,18 +205,22 @@ impl PrefixCache {
         request
             .anchors
             .reserve(target.saturating_sub(request.anchors.len()));
-        for p in request.keys.len()..target {
-            let chunk = &request.tokens[p * bs..(p + 1) * bs];
-            let block_extras = block_extras(&request.extras, p, bs);
-            table_key(
-                &self.hasher,
-                &mut inner.scratch,
-                &mut request.keys,
-                &request.root,
-                chunk,
-                &block_extras,
-                p,
-            );
+        // `table_key` for each new position, the previous key kept at hand: every position
+        // here is past the memo, so no memo check and no call per block (PROFILE.md, round 7).
+        let first_new = request.keys.len();
+        if first_new < target {
+            let mut previous = match request.keys.last() {
+                Some(&key) => key,
+                None => self.hasher.root(&request.root),
+            };
+            let tokens = &request.tokens[first_new * bs..target * bs];
+            for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
+                let block_extras = block_extras(&request.extras, p, bs);
+                previous = self
+                    .hasher
+                    .block(&mut inner.scratch, previous, chunk, &block_extras);
+                request.keys.push(previous);
+            }
         }
         let mut prefetched_to = 0;
         while request.anchors.len() < target {
