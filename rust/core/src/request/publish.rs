@@ -227,10 +227,9 @@ impl PrefixCache {
             let position = request.anchors.len();
             // `parent_block`: the parent entry's block (events name the chain by it);
             // `chain_parent`: the pool parent (the request's own copy, see the module docs).
-            let (parent, parent_block) = match request.anchors.last() {
-                _ if sliding => (Parent::Root(sliding_parent(request, position)), None),
-                Some(e) => (Parent::Entry(e.id), Some(e.block)),
-                None => (Parent::Root(request.root), None),
+            let parent_block = match request.anchors.last() {
+                Some(e) if !sliding => Some(e.block),
+                _ => None,
             };
             let chain_parent = match position.checked_sub(1) {
                 Some(previous) if request.own_chain && !sliding => {
@@ -253,6 +252,19 @@ impl PrefixCache {
             let block_extras = block_extras(&request.extras, position, bs);
             let key = request.keys[position];
             let own_block = request.block_table[position];
+            // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
+            // built apart it was copied in for every block (PROFILE.md, round 7).
+            let entry = NewEntry {
+                id: inner.next_entry,
+                block: own_block,
+                parent: match request.anchors.last() {
+                    _ if sliding => Parent::Root(sliding_parent(request, position)),
+                    Some(e) => Parent::Entry(e.id),
+                    None => Parent::Root(request.root),
+                },
+                tokens: chunk,
+                extras: &block_extras,
+            };
             if inner.pool.is_cached(own_block) {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
                 // block `commit_blocks` was passed that is already cached. Fine if it is
@@ -262,7 +274,7 @@ impl PrefixCache {
                     .published(own_block, &guard)
                     .filter(|anchor| anchor.key == key);
                 match published.and_then(|_| self.table.entry(own_block, &guard)) {
-                    Some(e) if e.verifies(&parent, chunk, &block_extras) => {
+                    Some(e) if e.verifies(&entry.parent, chunk, &block_extras) => {
                         let anchor = e.anchor(key);
                         inner.pool.touch(anchor.block, inner.tick, request.priority);
                         request.anchors.push(anchor);
@@ -274,13 +286,6 @@ impl PrefixCache {
                     }
                 }
             }
-            let entry = NewEntry {
-                id: inner.next_entry,
-                block: own_block,
-                parent,
-                tokens: chunk,
-                extras: &block_extras,
-            };
             let anchor = match self.table.insert(key, &entry, parent_block, &guard) {
                 Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
