@@ -222,6 +222,11 @@ impl PrefixCache {
                 request.keys.push(previous);
             }
         }
+        // Sliced once to the positions this commit covers, so each block's reads below index
+        // within a length the loop's condition bounds (`position < target`).
+        let block_table = &request.block_table[..target];
+        let keys = &request.keys[..target];
+        let tokens = &request.tokens[..target * bs];
         let mut prefetched_to = 0;
         while request.anchors.len() < target {
             let position = request.anchors.len();
@@ -232,26 +237,21 @@ impl PrefixCache {
                 _ => None,
             };
             let chain_parent = match position.checked_sub(1) {
-                Some(previous) if request.own_chain && !sliding => {
-                    Some(request.block_table[previous])
-                }
+                Some(previous) if request.own_chain && !sliding => Some(block_table[previous]),
                 _ => parent_block,
             };
             if position >= prefetched_to {
                 prefetched_to = target.min(position + LOOKAHEAD);
                 for p in position..prefetched_to {
                     // A run's later blocks are linked, not indexed: no index word to read.
-                    self.table.prefetch(
-                        &request.keys[p],
-                        Some(request.block_table[p]),
-                        p == 0 || sliding,
-                    );
+                    self.table
+                        .prefetch(&keys[p], Some(block_table[p]), p == 0 || sliding);
                 }
             }
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let chunk = &tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = request.keys[position];
-            let own_block = request.block_table[position];
+            let key = keys[position];
+            let own_block = block_table[position];
             // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
             // built apart it was copied in for every block (PROFILE.md, round 7).
             let entry = NewEntry {
