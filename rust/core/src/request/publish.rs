@@ -43,7 +43,6 @@
 //! `commit` then reports the positions still committed (none after a reset). Once preempted it
 //! holds no KV, so it computes afresh under the new context and may publish again.
 
-use super::keys::table_key;
 use super::{with_request, Request};
 use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
@@ -206,50 +205,66 @@ impl PrefixCache {
         request
             .anchors
             .reserve(target.saturating_sub(request.anchors.len()));
-        for p in request.keys.len()..target {
-            let chunk = &request.tokens[p * bs..(p + 1) * bs];
-            let block_extras = block_extras(&request.extras, p, bs);
-            table_key(
-                &self.hasher,
-                &mut inner.scratch,
-                &mut request.keys,
-                &request.root,
-                chunk,
-                &block_extras,
-                p,
-            );
+        // `table_key` for each new position, the previous key kept at hand: every position
+        // here is past the memo, so no memo check and no call per block (PROFILE.md, round 7).
+        let first_new = request.keys.len();
+        if first_new < target {
+            let mut previous = match request.keys.last() {
+                Some(&key) => key,
+                None => self.hasher.root(&request.root),
+            };
+            let tokens = &request.tokens[first_new * bs..target * bs];
+            for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
+                let block_extras = block_extras(&request.extras, p, bs);
+                previous = self
+                    .hasher
+                    .block(&mut inner.scratch, previous, chunk, &block_extras);
+                request.keys.push(previous);
+            }
         }
+        // Sliced once to the positions this commit covers, so each block's reads below index
+        // within a length the loop's condition bounds (`position < target`).
+        let block_table = &request.block_table[..target];
+        let keys = &request.keys[..target];
+        let tokens = &request.tokens[..target * bs];
         let mut prefetched_to = 0;
         while request.anchors.len() < target {
             let position = request.anchors.len();
             // `parent_block`: the parent entry's block (events name the chain by it);
             // `chain_parent`: the pool parent (the request's own copy, see the module docs).
-            let (parent, parent_block) = match request.anchors.last() {
-                _ if sliding => (Parent::Root(sliding_parent(request, position)), None),
-                Some(e) => (Parent::Entry(e.id), Some(e.block)),
-                None => (Parent::Root(request.root), None),
+            let parent_block = match request.anchors.last() {
+                Some(e) if !sliding => Some(e.block),
+                _ => None,
             };
             let chain_parent = match position.checked_sub(1) {
-                Some(previous) if request.own_chain && !sliding => {
-                    Some(request.block_table[previous])
-                }
+                Some(previous) if request.own_chain && !sliding => Some(block_table[previous]),
                 _ => parent_block,
             };
             if position >= prefetched_to {
                 prefetched_to = target.min(position + LOOKAHEAD);
                 for p in position..prefetched_to {
                     // A run's later blocks are linked, not indexed: no index word to read.
-                    self.table.prefetch(
-                        &request.keys[p],
-                        Some(request.block_table[p]),
-                        p == 0 || sliding,
-                    );
+                    self.table
+                        .prefetch(&keys[p], Some(block_table[p]), p == 0 || sliding);
                 }
             }
-            let chunk = &request.tokens[position * bs..(position + 1) * bs];
+            let chunk = &tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs);
-            let key = request.keys[position];
-            let own_block = request.block_table[position];
+            let key = keys[position];
+            let own_block = block_table[position];
+            // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
+            // built apart it was copied in for every block (PROFILE.md, round 7).
+            let entry = NewEntry {
+                id: inner.next_entry,
+                block: own_block,
+                parent: match request.anchors.last() {
+                    _ if sliding => Parent::Root(sliding_parent(request, position)),
+                    Some(e) => Parent::Entry(e.id),
+                    None => Parent::Root(request.root),
+                },
+                tokens: chunk,
+                extras: &block_extras,
+            };
             if inner.pool.is_cached(own_block) {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
                 // block `commit_blocks` was passed that is already cached. Fine if it is
@@ -259,7 +274,7 @@ impl PrefixCache {
                     .published(own_block, &guard)
                     .filter(|anchor| anchor.key == key);
                 match published.and_then(|_| self.table.entry(own_block, &guard)) {
-                    Some(e) if e.verifies(&parent, chunk, &block_extras) => {
+                    Some(e) if e.verifies(&entry.parent, chunk, &block_extras) => {
                         let anchor = e.anchor(key);
                         inner.pool.touch(anchor.block, inner.tick, request.priority);
                         request.anchors.push(anchor);
@@ -271,13 +286,6 @@ impl PrefixCache {
                     }
                 }
             }
-            let entry = NewEntry {
-                id: inner.next_entry,
-                block: own_block,
-                parent,
-                tokens: chunk,
-                extras: &block_extras,
-            };
             let anchor = match self.table.insert(key, &entry, parent_block, &guard) {
                 Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
