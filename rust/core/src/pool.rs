@@ -766,16 +766,21 @@ impl BlockPool {
     /// Removes a block from the cached state (eviction or `clear`). A block nobody references
     /// goes back to the free list; a referenced one stays private until its last release.
     pub fn uncache(&mut self, block: BlockId) {
-        if let Some((parent, was_blocked)) = self.uncache_leaving_parent(block) {
+        if let Some((parent, was_blocked)) = self.uncache_leaving_parent::<true>(block) {
             // Eviction takes only leaves, so here the parent is still cached (or a duplicate).
             self.detach_child(parent, was_blocked);
         }
     }
 
     /// `uncache` but for its parent's counts: returns the parent, if any, and whether `block`
-    /// was blocked, for `detach_child` (or `allocate`'s chain walk) to finish with.
+    /// was blocked, for `detach_child` (or `allocate`'s chain walk) to finish with. A freed
+    /// block goes on the free list if `LIST`; `allocate` passes `false` and hands its victims
+    /// out directly (a victim is never referenced), without a push and a drain each.
     #[inline(always)] // every eviction takes it: no call, no register saves (PROFILE.md)
-    fn uncache_leaving_parent(&mut self, block: BlockId) -> Option<(BlockId, bool)> {
+    fn uncache_leaving_parent<const LIST: bool>(
+        &mut self,
+        block: BlockId,
+    ) -> Option<(BlockId, bool)> {
         let meta = &mut self.blocks[block as usize];
         debug_assert!(meta.cached);
         let was_blocked = meta.blocked();
@@ -799,7 +804,7 @@ impl BlockPool {
         self.num_cached -= 1;
         let freed = meta.ref_count == 0;
         self.refresh(block);
-        if freed {
+        if LIST && freed {
             self.free.push(block);
         }
         parent.map(|parent| (parent, was_blocked))
@@ -853,71 +858,90 @@ impl BlockPool {
         }
         let mut evicted = Vec::new();
         let num_listed = self.free.len();
-        if num_listed < count {
-            let available = self.available(count);
-            if available < count {
-                return Err(CacheError::OutOfBlocks {
-                    needed: count,
-                    available,
-                });
-            }
-            // The smallest evictable key, one at a time: each eviction may expose its parent,
-            // which joins the order at once (the same order `plan_eviction` computes). A parent
-            // exposed with a key below the set's smallest is the very next block taken, so it
-            // skips the set: a cold chain is evicted tail to head with one comparison per
-            // block, not an ordered-set insertion and removal (PROFILE.md, issue 24).
-            evicted.reserve(count - self.free.len());
-            let mut next: Option<BlockId> = None;
-            // The set's smallest key as last read, while the set has not changed since (`None`:
-            // read it again). A cold chain's walk leaves the set alone, so its steps compare
-            // against one read instead of an ordered-set descent each (PROFILE.md, round 7).
-            let mut smallest: Option<Option<EvictionKey>> = None;
-            while self.free.len() < count {
-                let block = match next.take() {
-                    Some(block) => block,
-                    None => {
-                        let (_, _, block) = self
-                            .evictable
-                            .pop_first()
-                            .expect("the obtainable count promised a block");
-                        smallest = None;
-                        // Out of the set already: the calls below find nothing to remove.
-                        self.blocks[block as usize].set_evictable_as(None);
-                        block
-                    }
-                };
-                if !self.blocks[block as usize].cached {
-                    // A spare: nothing to drop but the block itself.
-                    self.take_spare(block);
-                    smallest = None;
-                    continue;
-                }
-                let moved_to = self.evict_into_duplicate(block);
-                if moved_to.is_none() {
-                    // The victim is out of the set and, uncached, stays out (a cached block is
-                    // never a duplicate): the set changes only if its parent's counts move.
-                    if let Some((parent, was_blocked)) = self.uncache_leaving_parent(block) {
-                        if was_blocked {
-                            smallest = None;
-                        }
-                        self.detach_child_counts(parent, was_blocked);
-                        next = self.next_in_chain(parent, &mut smallest);
-                    }
-                } else {
-                    smallest = None;
-                }
-                evicted.push(Evicted { block, moved_to });
-            }
-            if let Some(block) = next {
-                // Exposed but not needed: it joins the set after all.
-                self.refresh(block);
-            }
+        if num_listed >= count {
+            let start = num_listed - count;
+            // vLLM's `popleft_n` order: top of the stack first (the head of its free queue).
+            let blocks: Vec<BlockId> = self.free.drain(start..).rev().collect();
+            return Ok((self.hand_out(blocks), evicted));
         }
-        let start = self.free.len() - count;
-        let mut blocks: Vec<BlockId> = self.free.drain(start..).collect();
-        // vLLM's `popleft_n` order: the free list's blocks first, top of the stack first (the
-        // head of vLLM's free queue), then the ones eviction just freed, in eviction order.
-        blocks[..num_listed - start].reverse();
+        let available = self.available(count);
+        if available < count {
+            return Err(CacheError::OutOfBlocks {
+                needed: count,
+                available,
+            });
+        }
+        // The smallest evictable key, one at a time: each eviction may expose its parent,
+        // which joins the order at once (the same order `plan_eviction` computes). A parent
+        // exposed with a key below the set's smallest is the very next block taken, so it
+        // skips the set: a cold chain is evicted tail to head with one comparison per
+        // block, not an ordered-set insertion and removal (PROFILE.md, issue 24).
+        evicted.reserve(count - num_listed);
+        // The listed blocks first, top of the stack first (vLLM's `popleft_n`: the head of
+        // its free queue), then the victims in eviction order, handed out directly rather
+        // than pushed on the free list and drained back off it (PROFILE.md, round 8).
+        let mut blocks: Vec<BlockId> = Vec::with_capacity(count);
+        blocks.extend(self.free.drain(..).rev());
+        let mut next: Option<BlockId> = None;
+        // The set's smallest key as last read, while the set has not changed since (`None`:
+        // read it again). A cold chain's walk leaves the set alone, so its steps compare
+        // against one read instead of an ordered-set descent each (PROFILE.md, round 7).
+        let mut smallest: Option<Option<EvictionKey>> = None;
+        while blocks.len() < count {
+            let block = match next.take() {
+                Some(block) => block,
+                None => {
+                    let (_, _, block) = self
+                        .evictable
+                        .pop_first()
+                        .expect("the obtainable count promised a block");
+                    smallest = None;
+                    // Out of the set already: the calls below find nothing to remove.
+                    self.blocks[block as usize].set_evictable_as(None);
+                    block
+                }
+            };
+            if !self.blocks[block as usize].cached {
+                // A spare: nothing to drop but the block itself. Rare: it is listed, then
+                // taken back off the list (the last push).
+                self.take_spare(block);
+                let listed = self.free.pop();
+                debug_assert_eq!(listed, Some(block));
+                blocks.push(block);
+                smallest = None;
+                continue;
+            }
+            let moved_to = self.evict_into_duplicate(block);
+            if moved_to.is_none() {
+                // The victim is out of the set and, uncached, stays out (a cached block is
+                // never a duplicate): the set changes only if its parent's counts move.
+                let parent = self.uncache_leaving_parent::<false>(block);
+                blocks.push(block);
+                if let Some((parent, was_blocked)) = parent {
+                    if was_blocked {
+                        smallest = None;
+                    }
+                    self.detach_child_counts(parent, was_blocked);
+                    next = self.next_in_chain(parent, &mut smallest);
+                }
+            } else {
+                // Rare (duplicates): listed by `uncache`, taken back off (the last push).
+                let listed = self.free.pop();
+                debug_assert_eq!(listed, Some(block));
+                blocks.push(block);
+                smallest = None;
+            }
+            evicted.push(Evicted { block, moved_to });
+        }
+        if let Some(block) = next {
+            // Exposed but not needed: it joins the set after all.
+            self.refresh(block);
+        }
+        Ok((self.hand_out(blocks), evicted))
+    }
+
+    /// Gives each of `blocks` (free, uncached) a reference and returns them.
+    fn hand_out(&mut self, blocks: Vec<BlockId>) -> Vec<BlockId> {
         for &block in &blocks {
             let meta = &mut self.blocks[block as usize];
             debug_assert!(meta.ref_count == 0 && !meta.cached);
@@ -926,7 +950,7 @@ impl BlockPool {
             meta.priority = i32::MIN;
         }
         self.num_in_use += blocks.len();
-        Ok((blocks, evicted))
+        blocks
     }
 
     /// `parent` when its last cached child was just evicted and it now goes before every key of
@@ -1325,8 +1349,9 @@ mod tests {
 
     proptest::proptest! {
         /// Every allocation that evicts takes exactly the blocks `plan_eviction` names, in its
-        /// order: the chain walk that skips the evictable set (`next_in_chain`) must not change
-        /// which block goes first. Pins, priorities and re-entered old ticks make chains whose
+        /// order, and hands out the free list's top blocks then those victims (round 8 hands
+        /// victims out without listing them): the chain walk that skips the evictable set
+        /// (`next_in_chain`) must not change which block goes first. Pins, priorities and re-entered old ticks make chains whose
         /// parent is not the next block, and shared parents make branches.
         #[test]
         fn eviction_follows_the_plan(ops in proptest::collection::vec(op(), 1..60)) {
@@ -1547,9 +1572,18 @@ mod tests {
                         .filter(|_| !cached.is_empty())
                         .map(|i| cached[i % cached.len()])
                         .filter(|p| !plan.contains(p));
+                    // The plain model of the hand-out: the free list's top blocks, top first
+                    // (vLLM's `popleft_n`), then the victims in eviction order.
+                    let expected: Vec<BlockId> = pool.free[free_before.saturating_sub(len)..]
+                        .iter()
+                        .rev()
+                        .chain(&plan)
+                        .copied()
+                        .collect();
                     let (blocks, evicted) = pool.allocate(len).unwrap();
                     let evicted: Vec<BlockId> = evicted.iter().map(|e| e.block).collect();
                     proptest::prop_assert_eq!(&evicted, &plan);
+                    proptest::prop_assert_eq!(&blocks, &expected);
                     tick += 1;
                     for &block in &blocks {
                         pool.mark_cached(block, previous);
