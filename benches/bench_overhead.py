@@ -29,7 +29,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import clock_name, fmt_ratio, fmt_us, gc_paused, md_table, median_ns, now
+from common import (
+    clock_name,
+    fmt_ratio,
+    fmt_us,
+    gc_paused,
+    md_table,
+    median_ns,
+    now,
+    time_request,
+    time_request_phases,
+)
 from python_baseline import PyPrefixCache
 from workloads import BLOCK_SIZE, GENERATORS, Workload, agent, unrelated
 
@@ -75,31 +85,13 @@ def _replay(workload: Workload) -> dict[str, Any]:
     forms = {"list": [p.tolist() for p in workload.prompts], "numpy": workload.prompts}
 
     def run_ours(form: str, tokens: Any) -> tuple[int, int]:
-        cache = ours[form]
-        t0 = now()
-        request = cache.begin(tokens)
-        cache.commit(request, request.num_prompt_tokens)
-        cache.finish(request)
-        return now() - t0, request.num_cached_tokens
+        return time_request(ours[form], tokens)
 
     def run_phases(tokens: Any) -> tuple[int, int, int, int]:
-        cache = ours["phases"]
-        t0 = now()
-        request = cache.begin(tokens)
-        t1 = now()
-        cache.commit(request, request.num_prompt_tokens)
-        t2 = now()
-        cache.finish(request)
-        t3 = now()
-        return t1 - t0, t2 - t1, t3 - t2, request.num_cached_tokens
+        return time_request_phases(ours["phases"], tokens)
 
     def run_theirs(form: str, tokens: Any) -> tuple[int, int]:
-        cache = theirs[form]
-        t0 = now()
-        request = cache.begin(tokens)
-        cache.commit(request, request.num_prompt_tokens)
-        cache.finish(request)
-        return now() - t0, request.num_cached_tokens
+        return time_request(theirs[form], tokens)
 
     def run_floor(tokens: Any) -> int:
         # What PrefixCache.begin/lookup do before the core's table walk: convert, then hash.

@@ -42,7 +42,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import clock_name, fmt_ratio, gc_paused, machine, md_table, now, write_json
+from common import (
+    clock_name,
+    fmt_ratio,
+    gc_paused,
+    machine,
+    md_table,
+    now,
+    time_request,
+    time_request_phases,
+    write_json,
+)
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
 from python_baseline import PyPrefixCache
 
@@ -75,35 +85,16 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
     floor_core = PrefixCache(16, block_size=BLOCK_SIZE)._core
 
     def run_ours(tokens: np.ndarray) -> tuple[int, int]:
-        t0 = now()
-        request = ours.begin(tokens)
-        ours.commit(request, request.num_prompt_tokens)
-        ours.finish(request)
-        return now() - t0, request.num_cached_tokens
+        return time_request(ours, tokens)
 
     def run_phases(tokens: np.ndarray) -> tuple[int, int, int, int]:
-        t0 = now()
-        request = ours_phases.begin(tokens)
-        t1 = now()
-        ours_phases.commit(request, request.num_prompt_tokens)
-        t2 = now()
-        ours_phases.finish(request)
-        t3 = now()
-        return t1 - t0, t2 - t1, t3 - t2, request.num_cached_tokens
+        return time_request_phases(ours_phases, tokens)
 
     def run_ours_list(tokens: list[int]) -> tuple[int, int]:
-        t0 = now()
-        request = ours_list.begin(tokens)
-        ours_list.commit(request, request.num_prompt_tokens)
-        ours_list.finish(request)
-        return now() - t0, request.num_cached_tokens
+        return time_request(ours_list, tokens)
 
     def run_theirs(tokens: np.ndarray) -> tuple[int, int]:
-        t0 = now()
-        request = theirs.begin(tokens)
-        theirs.commit(request, request.num_prompt_tokens)
-        theirs.finish(request)
-        return now() - t0, request.num_cached_tokens
+        return time_request(theirs, tokens)
 
     def run_floor(tokens: np.ndarray) -> tuple[int]:
         t0 = now()
