@@ -421,6 +421,11 @@ def test_small_integer_dtypes_read_the_same_ids():
         lambda t: np.repeat(np.array(t, dtype=np.int64), 2)[::2],  # strided view
         lambda t: np.array(t, dtype=np.uint64),
         lambda t: np.array(t, dtype=">i8"),  # big-endian
+        lambda t: np.array(t[::-1], dtype=np.int64)[::-1],  # negative stride
+        lambda t: np.frombuffer(
+            b"\0" + np.array(t, "<i8").tobytes(), "<i8", offset=1
+        ),  # misaligned, read-only
+        lambda t: np.repeat(np.array(t, dtype=np.uint32), 3)[1::3],  # strided, 4-byte
         lambda t: torch.tensor(t, dtype=torch.int64),
         lambda t: torch.tensor(t, dtype=torch.int32),
     ],
@@ -431,6 +436,48 @@ def test_token_id_formats_agree(convert):
     tokens = [5, 1, 2, 3, 4, 4000000000 % 2**31, 7, 8, 9]
     serve(cache, tokens)
     assert cache.lookup(convert(tokens)).num_cached_tokens == 8
+
+
+def test_an_array_is_read_once_and_may_change_after_the_call():
+    """The core reads a numpy array in place, into its own copy: writing to the array after
+    `begin` returns changes nothing the cache holds."""
+    cache = PrefixCache(16, block_size=BS)
+    tokens = np.arange(1, 10, dtype=np.int64)
+    request = cache.begin(tokens)
+    tokens[:] = 7
+    cache.commit(request, request.num_prompt_tokens)
+    cache.finish(request)
+    assert cache.lookup(list(range(1, 10))).num_cached_tokens == 8
+    assert cache.lookup([7] * 9).num_cached_tokens == 0
+
+
+def test_a_broadcast_array_reads_its_repeated_id():
+    cache = PrefixCache(16, block_size=BS)
+    serve(cache, [5] * 9)
+    assert cache.lookup(np.broadcast_to(np.int64(5), (9,))).num_cached_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ((np.zeros((2, 4), dtype=np.int64), 8, True), "one-dimensional, got 2 dimensions"),
+        ((np.zeros(4, dtype=np.int64), 4, True), "announced 4-byte ids, its items are 8 bytes"),
+        ((object(), 8, True), "bytes or a one-dimensional integer array"),
+        ((b"\0" * 7, 8, True), "not a whole number of 8-byte ids"),
+        ((np.zeros(4, dtype=np.int64), 3, True), "width of 1, 2, 4 or 8"),
+        ((np.broadcast_to(np.int64(1), (2**59,)), 8, False), "too large to copy"),
+        ((1, 2, True), "position 2 must be an int, not bool"),
+    ],
+)
+def test_the_core_refuses_a_malformed_packed_array(tokens, message):
+    """The core's `(data, width, signed)` form, which `as_token_ids` builds, checked by the core
+    itself: a caller of `_core` directly gets a typed error, never a misread."""
+    cache = PrefixCache(8, block_size=BS)
+    serve(cache, list(range(8)))
+    before = snapshot(cache)
+    with pytest.raises(InvalidInputError, match=message):
+        cache._core.lookup(tokens, prefixkv.KeyExtras())
+    assert snapshot(cache) == before
 
 
 BAD_TOKENS = [

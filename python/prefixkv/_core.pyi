@@ -1,7 +1,9 @@
 """Type stubs of the native module (checked by `python -m mypy.stubtest prefixkv._core`)."""
 
 from collections.abc import Sequence
-from typing import final
+from typing import Any, final
+
+import numpy as np
 
 __version__: str
 __all__ = [
@@ -30,7 +32,10 @@ __all__ = [
     "prompt_hashes",
 ]
 
-_Tokens = Sequence[int] | bytes | tuple[bytes, int, bool]
+_Array = np.ndarray[Any, Any]
+# (data, width, signed): data is `bytes` or an integer array the core reads through the buffer
+# protocol (numpy's), of `width`-byte little-endian ids.
+_Tokens = Sequence[int] | bytes | tuple[bytes | _Array, int, bool]
 _Bytes = str | bytes | None
 _Multimodal = Sequence[tuple[int, int, str | bytes]] | None
 

@@ -129,7 +129,7 @@ def build_workload(
     requests carry no ``tools``.
     """
     rng = random.Random(seed)
-    start = dt.datetime(2025, 3, 14, 9, 0, 0, tzinfo=dt.timezone.utc)
+    start = dt.datetime(2025, 3, 14, 9, 0, 0, tzinfo=dt.UTC)
     requests = []
     for i in range(num_requests):
         query = rng.choice(_QUERIES).format(

@@ -296,12 +296,8 @@ def model_files_digest(model: str) -> str:
 
 
 def _file_sha256(path: Path) -> bytes:
-    # hashlib.file_digest is 3.11+; prefixkv supports 3.10.
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.digest()
+        return hashlib.file_digest(handle, "sha256").digest()
 
 
 @functools.lru_cache(maxsize=64)
