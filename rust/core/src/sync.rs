@@ -10,26 +10,59 @@
 //! around every one of these steps. The lookup table has its stand-in in `table/shared.rs`; what the
 //! model covers and what it cannot is written at the top of `tests/loom_pool.rs`.
 
-use crate::key::BlockKey;
+use crate::key::{root_key, BlockKey};
+
+/// A context fingerprint with the root key of the requests that have no salt, computed once
+/// when the context is set: a root key is a SHA-256, and nearly every request would hash the
+/// same one again.
+#[derive(Clone, Copy)]
+pub(crate) struct Context {
+    fingerprint: BlockKey,
+    unsalted_root: BlockKey,
+}
+
+impl Context {
+    fn new(fingerprint: BlockKey) -> Self {
+        Self {
+            fingerprint,
+            unsalted_root: root_key(&fingerprint, b""),
+        }
+    }
+
+    /// The root key of a request with `salt` under this context.
+    fn root(&self, salt: &[u8]) -> BlockKey {
+        if salt.is_empty() {
+            self.unsalted_root
+        } else {
+            root_key(&self.fingerprint, salt)
+        }
+    }
+}
 
 #[cfg(not(loom))]
 pub(crate) use parking_lot::Mutex;
 
 /// The context fingerprint, replaced by the writer, read by lock-free lookups.
 #[cfg(not(loom))]
-pub(crate) struct ContextCell(arc_swap::ArcSwap<BlockKey>);
+pub(crate) struct ContextCell(arc_swap::ArcSwap<Context>);
 
 #[cfg(not(loom))]
 impl ContextCell {
     pub(crate) fn new(context: BlockKey) -> Self {
-        Self(arc_swap::ArcSwap::from_pointee(context))
+        Self(arc_swap::ArcSwap::from_pointee(Context::new(context)))
     }
     #[inline]
     pub(crate) fn load(&self) -> BlockKey {
-        **self.0.load()
+        self.0.load().fingerprint
+    }
+    /// The root key of a request with `salt` under the current context (one load: the
+    /// fingerprint and the root are never of two contexts).
+    #[inline]
+    pub(crate) fn root(&self, salt: &[u8]) -> BlockKey {
+        self.0.load().root(salt)
     }
     pub(crate) fn store(&self, context: BlockKey) {
-        self.0.store(std::sync::Arc::new(context));
+        self.0.store(std::sync::Arc::new(Context::new(context)));
     }
 }
 
@@ -51,17 +84,26 @@ impl<T> Mutex<T> {
 
 /// The context fingerprint, replaced by the writer, read by lock-free lookups.
 #[cfg(loom)]
-pub(crate) struct ContextCell(loom::sync::RwLock<BlockKey>);
+pub(crate) struct ContextCell(loom::sync::RwLock<Context>);
 
 #[cfg(loom)]
 impl ContextCell {
     pub(crate) fn new(context: BlockKey) -> Self {
-        Self(loom::sync::RwLock::new(context))
+        Self(loom::sync::RwLock::new(Context::new(context)))
     }
     pub(crate) fn load(&self) -> BlockKey {
-        *self.0.read().expect("no writer panics while storing")
+        self.0
+            .read()
+            .expect("no writer panics while storing")
+            .fingerprint
+    }
+    pub(crate) fn root(&self, salt: &[u8]) -> BlockKey {
+        self.0
+            .read()
+            .expect("no writer panics while storing")
+            .root(salt)
     }
     pub(crate) fn store(&self, context: BlockKey) {
-        *self.0.write().expect("no writer panics while storing") = context;
+        *self.0.write().expect("no writer panics while storing") = Context::new(context);
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::{block_extras, PrefixCache, PrefixMatch};
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey, RequestExtras};
+use crate::key::{block_key_with, BlockKey, RequestExtras};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Parent};
 
@@ -63,7 +63,7 @@ impl PrefixCache {
         extras: &RequestExtras,
     ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
-        let mut parent = root_key(&self.context.load(), salt);
+        let mut parent = self.root_key(salt);
         let mut buffer = Vec::new();
         let bs = self.config.block_size;
         Ok(tokens
@@ -80,7 +80,7 @@ impl PrefixCache {
     /// Computes the table key of every full block of `tokens` and nothing else; returns how
     /// many. The floor under `lookup` and `begin`, for benchmarks.
     pub fn hash_prompt(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> usize {
-        let root = root_key(&self.context.load(), salt);
+        let root = self.root_key(salt);
         let mut parent = self.hasher.root(&root);
         let mut buffer = Vec::new();
         let bs = self.config.block_size;

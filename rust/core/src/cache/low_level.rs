@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{PrefixCache, PrefixMatch};
 use crate::error::{CacheError, Result};
-use crate::key::{root_key, RequestExtras};
+use crate::key::RequestExtras;
 use crate::pool::BlockId;
 use crate::request::Request;
 
@@ -110,7 +110,7 @@ impl PrefixCache {
         let mut sequence = Request::computed(
             tokens[..blocks.len() * bs].to_vec(),
             blocks.to_vec(),
-            root_key(&self.context.load(), salt),
+            self.root_key(salt),
             inner.epoch,
             extras.clone(),
             priority,

@@ -56,7 +56,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::error::{CacheError, Result};
 use crate::events::Events;
-use crate::key::{root_key, BlockKey, RequestExtras, TableHasher};
+use crate::key::{BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool, Evicted};
 use crate::request::Requests;
@@ -510,7 +510,7 @@ impl PrefixCache {
     }
 
     pub(crate) fn root_key(&self, salt: &[u8]) -> BlockKey {
-        root_key(&self.context.load(), salt)
+        self.context.root(salt)
     }
 
     /// References `hits` and allocates `count` fresh blocks in the current epoch, removing the
