@@ -25,8 +25,10 @@
 //!   `num_computed_tokens`, `stats`, `ref_count`, `accept_drafts`, `truncate`...), and calls whose
 //!   result must be built as Python objects block by block anyway (`block_table`).
 //!
-//! Released work only reads data the call owns or borrows from immutable Python objects it keeps
-//! alive (`bytes` token buffers, frozen `KeyExtras`); the core synchronises itself (a lock-free
+//! Released work only reads data the call owns, borrows from immutable Python objects it keeps
+//! alive (`bytes` token buffers, frozen `KeyExtras`), or reads from an integer array it holds
+//! exported (`convert::Exported`: the memory stays in place; writing to the array during the
+//! call is the caller's error, as for `hashlib`); the core synchronises itself (a lock-free
 //! table, one mutex around everything else: `prefixkv_core::cache`), so any call may run on any
 //! thread at any time. The core never calls back into Python and a released call takes and
 //! drops the core's mutex inside its release, so a thread holding that mutex never waits for
