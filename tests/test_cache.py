@@ -10,6 +10,8 @@ from hashlib import sha256
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import prefixkv
 from prefixkv import (
@@ -436,6 +438,29 @@ def test_token_id_formats_agree(convert):
     tokens = [5, 1, 2, 3, 4, 4000000000 % 2**31, 7, 8, 9]
     serve(cache, tokens)
     assert cache.lookup(convert(tokens)).num_cached_tokens == 8
+
+
+@given(
+    ids=st.lists(st.integers(0, 127), min_size=1, max_size=40),
+    code=st.sampled_from(["i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8"]),
+    byteorder=st.sampled_from("<>"),
+    step=st.sampled_from([1, 2, 3, -1, -2]),
+    misaligned=st.booleans(),
+)
+def test_any_integer_array_reads_as_its_list(ids, code, byteorder, step, misaligned):
+    """The core reads an array in place (or gathers a strided one): whatever its dtype, byte
+    order, stride or alignment, it holds the ids the same list does (checked through the
+    SHA-256 block keys, which cover every id of every block)."""
+    cache = PrefixCache(64, block_size=BS)
+    dtype = np.dtype(code).newbyteorder(byteorder)
+    backing = np.zeros(len(ids) * abs(step), dtype=dtype)
+    view = backing[:: abs(step)] if step > 0 else backing[::step]
+    view[:] = ids
+    if misaligned and dtype.itemsize > 1:
+        raw = b"\0" + view.tobytes()
+        view = np.frombuffer(raw, dtype=dtype, offset=1)
+    assert view.tolist() == ids
+    assert cache.block_keys(view) == cache.block_keys(ids)
 
 
 def test_an_array_is_read_once_and_may_change_after_the_call():
