@@ -205,7 +205,10 @@ impl PrefixCache {
         request
             .keys
             .reserve(num_full.saturating_sub(request.keys.len()));
-        let mut anchors: Vec<Anchor> = Vec::new();
+        // Sized once for a full hit: grown by doubling, a 64-block hit reallocated 7 times
+        // (~4% of its begin+commit+finish). Sizing it lazily, at the first hit, measured no
+        // better on misses (callgrind).
+        let mut anchors: Vec<Anchor> = Vec::with_capacity(num_full);
         for p in 0..num_full {
             // The entry's slot and token row are read while its key is hashed: a walk follows
             // links one block at a time, so the miss then overlaps the hashing instead of
