@@ -10,7 +10,11 @@
 //! A block holds at most one published entry at a time, so the table never holds more entries
 //! than the pool has blocks, and it is built once at that size and never grows or rehashes:
 //! - **entries** live in one preallocated slot per block (`Slot`: entry id, table key, parent,
-//!   extras) and one row of `block_size` token ids per block, two to an atomic word. Publishing
+//!   extras' length, links; one aligned 64-byte cache line) and one row of `block_size` token
+//!   ids per block, two to an atomic word, rows starting on a line (a 16-token row is one line).
+//!   The root key of a first block and the extras, which most entries lack, sit in arrays
+//!   beside the slots, read only when the slot says so: a probe, verify or publish of a block
+//!   then touches two lines, its slot and its row (PROFILE.md, issue 24, round 9). Publishing
 //!   writes the block's own slot: no allocation, no node, nothing to reclaim later (papaya, the
 //!   map used before, spent a heap node per entry and periodically copied its whole table to
 //!   clear the tombstones that eviction leaves: `benches/PROFILE.md`).
@@ -245,20 +249,25 @@ fn word_block(word: u64) -> BlockId {
 }
 
 /// The published entry of one block (see the module docs: every field is read under the
-/// slot's own sequence lock).
+/// slot's own sequence lock). One 64-byte cache line, aligned (`slot_fits_one_cache_line`):
+/// a probe, a verify or a publish of a block touches this one line and its token row, not
+/// two or three lines of a slot that straddles them. What most entries never use lives beside
+/// it, read only when the slot says so: the root key of a first block (`Table::roots`) and
+/// the extras (`Table::extras`) (PROFILE.md, issue 24, round 9).
 #[derive(Default)]
+#[repr(align(64))]
 struct Slot {
     /// The sequence lock: odd while the writer rewrites the slot (module docs).
     seq: AtomicU64,
     /// Id of the entry in this slot; 0 when there is none.
     id: AtomicU64,
     key: [AtomicU64; 2],
-    /// The parent entry's id, or 0 for a first block (whose root key is `root`).
+    /// The parent entry's id, or 0 for a first block (whose root key is the block's
+    /// `Table::roots` entry, written and read under this slot's sequence lock).
     parent: AtomicU64,
-    root: [AtomicU64; 4],
-    /// Length of the extras (0 for almost every block: then `extras` is not read).
+    /// Length of the extras (0 for almost every block: then the block's `Table::extras` is
+    /// not read).
     extras_len: AtomicU32,
-    extras: ArcSwapOption<Box<[u8]>>,
     /// The block (plus one; 0: none) of this entry's *linked* child, the one child published
     /// without an index word (`runs.rs`). Readers take it as a hint and verify the
     /// block it names in full, as they do a block an index word names.
@@ -266,12 +275,22 @@ struct Slot {
     /// Writer only: the block (plus one; 0: none) that held this entry's parent entry when it
     /// was published (or moved), checked against that slot's id before any use.
     up: AtomicU32,
-    /// Writer only: true when this entry is reached through its parent's `child`, not the index.
-    linked: AtomicBool,
     /// Writer only: how many children of this entry may sit in the index (never fewer than do):
     /// while none may, a new child needs no index probe to be known new.
     indexed_children: AtomicU32,
+    /// Writer only: true when this entry is reached through its parent's `child`, not the index.
+    linked: AtomicBool,
 }
+
+/// The full root key of a first block's entry (`Parent::Root`), four words, read and written
+/// under the block's slot's sequence lock. Aligned to 32 bytes so a root never straddles two
+/// cache lines.
+#[derive(Default)]
+#[repr(align(32))]
+struct Root([AtomicU64; 4]);
+
+/// Bytes of a cache line, where the table aligns slots and token rows.
+const LINE: usize = 64;
 
 /// The lock-free table of published entries, one slot per block (see the module docs).
 pub struct Table {
@@ -279,12 +298,21 @@ pub struct Table {
     index: Box<[AtomicU64]>,
     mask: usize,
     slots: Box<[Slot]>,
+    /// Per block: the root key of a first block's entry (`Slot::parent` 0), else unused.
+    roots: Box<[Root]>,
+    /// Per block: the entry's extras, when `Slot::extras_len` is not 0.
+    extras: Box<[ArcSwapOption<Box<[u8]>>]>,
     /// `block_size` token ids per block, in block order, two to a word (`pack`): a row of 16
     /// is written and compared in 8 loads or stores, not 16 (PROFILE.md, issue 24, round 6).
     tokens: Box<[AtomicU64]>,
     block_size: usize,
     /// Words per row: `block_size` halved, rounded up.
     row_words: usize,
+    /// Words of `tokens` before the first row, so that every row starts on a cache line
+    /// (`LINE`) when its size is a multiple of one, or never straddles two when it divides
+    /// one: a 16-token row is then exactly one line, where the allocator's 16-byte alignment
+    /// split it over two (PROFILE.md, issue 24, round 9).
+    row_offset: usize,
     /// Bumped before and after every backward shift (odd while one runs): a probe that ends
     /// in a miss while it changed probes again. Every probe reads it and every removal writes
     /// it, so it has a cache line of its own: beside the fields above, each write would take
@@ -306,9 +334,13 @@ impl Table {
             .checked_next_power_of_two()?
             .min(1 << 32);
         let index = capacity.checked_mul(std::mem::size_of::<AtomicU64>())?;
-        let slots = num_blocks.checked_mul(std::mem::size_of::<Slot>())?;
+        let per_block = std::mem::size_of::<Slot>()
+            + std::mem::size_of::<Root>()
+            + std::mem::size_of::<ArcSwapOption<Box<[u8]>>>();
+        let slots = num_blocks.checked_mul(per_block)?;
         let tokens = num_blocks
             .checked_mul(block_size.div_ceil(2))?
+            .checked_add(LINE / 8 - 1)?
             .checked_mul(std::mem::size_of::<AtomicU64>())?;
         index.checked_add(slots)?.checked_add(tokens)
     }
@@ -388,15 +420,27 @@ impl Table {
             return None;
         }
         let capacity = (2 * num_blocks).next_power_of_two().min(1 << 32);
+        let row_words = block_size.div_ceil(2);
+        // Room to start the first row on a line: at most a line's words less one before it.
+        let tokens = filled(
+            num_blocks
+                .checked_mul(row_words)?
+                .checked_add(LINE / 8 - 1)?,
+            || AtomicU64::new(0),
+        )?;
+        // The heap copy never moves (a boxed slice), so its address fixes the offset for good.
+        let misalignment = tokens.as_ptr() as usize % LINE;
+        let row_offset = (LINE - misalignment) % LINE / std::mem::size_of::<AtomicU64>();
         Some(Self {
             index: filled(capacity, || AtomicU64::new(EMPTY))?,
             mask: capacity - 1,
             slots: filled(num_blocks, Slot::default)?,
-            tokens: filled(num_blocks.checked_mul(block_size.div_ceil(2))?, || {
-                AtomicU64::new(0)
-            })?,
+            roots: filled(num_blocks, Root::default)?,
+            extras: filled(num_blocks, ArcSwapOption::empty)?,
+            tokens,
             block_size,
-            row_words: block_size.div_ceil(2),
+            row_words,
+            row_offset,
             shifts: CachePadded::new(AtomicU64::new(0)),
             len: CachePadded::new(AtomicUsize::new(0)),
             links,
@@ -652,7 +696,7 @@ impl Table {
     /// The word where `block`'s token row starts.
     #[inline]
     fn row_start(&self, block: BlockId) -> usize {
-        block as usize * self.row_words
+        self.row_offset + block as usize * self.row_words
     }
 
     fn slot_key(&self, block: BlockId) -> TableKey {
@@ -682,7 +726,8 @@ impl Table {
             Parent::Entry(id) => slot.parent.store(id, Ordering::Relaxed),
             Parent::Root(root) => {
                 slot.parent.store(0, Ordering::Relaxed);
-                for (word, bytes) in slot.root.iter().zip(root.0.chunks_exact(8)) {
+                let words = &self.roots[entry.block as usize].0;
+                for (word, bytes) in words.iter().zip(root.0.chunks_exact(8)) {
                     let bytes: [u8; 8] = bytes.try_into().unwrap_or_default();
                     word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
                 }
@@ -707,7 +752,7 @@ impl Table {
         let extras_len = u32::try_from(entry.extras.len()).unwrap_or(u32::MAX);
         // Only the writer stores `extras`, so its own length says whether one is there.
         if extras_len > 0 || slot.extras_len.load(Ordering::Relaxed) > 0 {
-            slot.extras
+            self.extras[entry.block as usize]
                 .store((extras_len > 0).then(|| Arc::new(entry.extras.into())));
         }
         slot.extras_len.store(extras_len, Ordering::Relaxed);
@@ -790,8 +835,8 @@ impl Table {
             Parent::Entry(want) => slot.parent.load(Ordering::Relaxed) == *want,
             Parent::Root(root) => {
                 slot.parent.load(Ordering::Relaxed) == 0
-                    && slot
-                        .root
+                    && self.roots[block as usize]
+                        .0
                         .iter()
                         .zip(root.0.chunks_exact(8))
                         .all(|(word, bytes)| word.load(Ordering::Relaxed).to_le_bytes() == bytes)
@@ -804,8 +849,7 @@ impl Table {
             0 => extras.is_empty(),
             len => {
                 len as usize == extras.len()
-                    && slot
-                        .extras
+                    && self.extras[block as usize]
                         .load()
                         .as_ref()
                         .is_some_and(|stored| ***stored == *extras)
@@ -839,7 +883,7 @@ impl Table {
         let parent = match slot.parent.load(Ordering::Relaxed) {
             0 => {
                 let mut root = [0u8; 32];
-                for (bytes, word) in root.chunks_exact_mut(8).zip(&slot.root) {
+                for (bytes, word) in root.chunks_exact_mut(8).zip(&self.roots[block as usize].0) {
                     bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
                 }
                 Parent::Root(BlockKey(root))
@@ -850,7 +894,7 @@ impl Table {
         let extras = if slot.extras_len.load(Ordering::Relaxed) == 0 {
             Box::default()
         } else {
-            slot.extras
+            self.extras[block as usize]
                 .load_full()
                 .map(|e| (*e).clone())
                 .unwrap_or_default()

@@ -571,3 +571,111 @@ fn every_token_of_a_row_is_written_and_verified() {
             .is_none());
     }
 }
+
+#[test]
+fn slot_fits_one_cache_line_and_rows_start_on_one() {
+    // A slot that grew past a line, or lost its alignment, would touch two lines per probe,
+    // verify and publish again; a 16-token row off a line boundary would touch two as well
+    // (PROFILE.md, issue 24, round 9).
+    assert_eq!(std::mem::size_of::<Slot>(), LINE);
+    assert_eq!(std::mem::align_of::<Slot>(), LINE);
+    assert_eq!(std::mem::size_of::<Root>(), 32);
+    for num_blocks in [1, 3, 1000, 70_000] {
+        let table = Table::new(num_blocks, 16).unwrap();
+        assert_eq!(std::ptr::from_ref(&table.slots[0]) as usize % LINE, 0);
+        for block in [0, num_blocks / 2, num_blocks - 1] {
+            let start = table.row_start(block as BlockId);
+            let row = &table.tokens[start..start + table.row_words];
+            assert_eq!(std::ptr::from_ref(&row[0]) as usize % LINE, 0);
+        }
+    }
+}
+
+/// What the side-array model knows of one published first block.
+#[derive(Clone, Debug)]
+struct WithRoot {
+    id: u64,
+    key: TableKey,
+    root: BlockKey,
+    extras: Vec<u8>,
+}
+
+#[derive(Clone, Debug)]
+enum SideOp {
+    /// Publish a first block with root `u8` and extras picked by `u8` (0: none) into the free
+    /// block picked.
+    Publish(u8, u8, usize),
+    Remove(usize),
+    Move(usize, usize),
+}
+
+fn side_op() -> impl proptest::strategy::Strategy<Value = SideOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0..4u8, 0..3u8, 0..64usize).prop_map(|(r, e, b)| SideOp::Publish(r, e, b)),
+        2 => (0..64usize).prop_map(SideOp::Remove),
+        1 => (0..64usize, 0..64usize).prop_map(|(f, t)| SideOp::Move(f, t)),
+    ]
+}
+
+proptest::proptest! {
+    /// The root keys and extras live beside the slots, one per block (`Table::roots`,
+    /// `Table::extras`): after any publishes, removals and moves, each live entry reads back
+    /// and verifies with its own root and extras only, never another block's or a removed
+    /// entry's left behind.
+    #[test]
+    fn each_entry_keeps_its_own_root_and_extras(ops in proptest::collection::vec(side_op(), 1..80)) {
+        const BLOCKS: usize = 10;
+        let table = Table::new(BLOCKS, 2).unwrap();
+        let mut held: Vec<Option<WithRoot>> = vec![None; BLOCKS];
+        let mut next_id = 1u64;
+        let tokens = [5u32, 6];
+        for op in ops {
+            let live: Vec<usize> = (0..BLOCKS).filter(|&b| held[b].is_some()).collect();
+            let free: Vec<usize> = (0..BLOCKS).filter(|&b| held[b].is_none()).collect();
+            match op {
+                SideOp::Publish(root, extras, block) => {
+                    let Some(&block) = free.get(block % free.len().max(1)) else { continue };
+                    let root = BlockKey([root + 1; 32]);
+                    let extras = vec![extras; usize::from(extras)];
+                    // A key per entry: every entry is new content.
+                    let key = chained_key(u128::from(next_id), 0);
+                    let new = NewEntry { id: next_id, block: block as BlockId, parent: Parent::Root(root), tokens: &tokens, extras: &extras };
+                    proptest::prop_assert!(matches!(table.insert(key, &new, None), Insertion::Inserted(_)));
+                    held[block] = Some(WithRoot { id: next_id, key, root, extras });
+                    next_id += 1;
+                }
+                SideOp::Remove(pick) => {
+                    let Some(&block) = live.get(pick % live.len().max(1)) else { continue };
+                    table.remove(block as BlockId);
+                    held[block] = None;
+                }
+                SideOp::Move(from, to) => {
+                    let (Some(&from), Some(&to)) = (live.get(from % live.len().max(1)), free.get(to % free.len().max(1))) else { continue };
+                    proptest::prop_assert!(table.move_entry(from as BlockId, to as BlockId));
+                    held[to] = held[from].take();
+                }
+            }
+            let every: Vec<&WithRoot> = held.iter().flatten().collect();
+            for (block, held) in held.iter().enumerate() {
+                let Some(p) = held else {
+                    proptest::prop_assert!(table.entry(block as BlockId).is_none());
+                    continue;
+                };
+                let entry = table.entry(block as BlockId).unwrap();
+                proptest::prop_assert_eq!(entry.parent, Parent::Root(p.root));
+                proptest::prop_assert_eq!(&*entry.extras, &p.extras[..]);
+                let anchor = Anchor { id: p.id, block: block as BlockId, key: p.key };
+                proptest::prop_assert_eq!(table.get_verified(&p.key, &Parent::Root(p.root), &tokens, &p.extras), Some(anchor));
+                for other in &every {
+                    if other.root != p.root {
+                        proptest::prop_assert_eq!(table.get_verified(&p.key, &Parent::Root(other.root), &tokens, &p.extras), None);
+                    }
+                    if other.extras != p.extras {
+                        proptest::prop_assert_eq!(table.get_verified(&p.key, &Parent::Root(p.root), &tokens, &other.extras), None);
+                    }
+                }
+            }
+        }
+    }
+}
