@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Release artifacts for this machine's platform, each checked before it is kept (docs/release.md):
-#   1. the abi3 wheel (one file for CPython >= 3.10) for manylinux_2_28, linked by zig against
+#   1. the abi3 wheel (one file for CPython >= 3.11) for manylinux_2_28, linked by zig against
 #      glibc 2.28 (this machine's newer glibc would leak newer symbols), checked by auditwheel;
 #   2. the sdist, proven by building a wheel from it alone in an empty folder and running the
 #      no-extras smoke test against that wheel in a fresh virtual environment;
 #   3. `cargo package` of the pure-Rust crate prefixkv-core (which builds the packaged crate).
 # Outputs go to dist/ (wheel, sdist) and target/package/ (the .crate).
-# Needs: Python >= 3.10 with pip and venv, cargo. Installs maturin, ziglang (zig as a PyPI
+# Needs: Python >= 3.11 with pip and venv, cargo. Installs maturin, ziglang (zig as a PyPI
 # package) and auditwheel with pip into the running Python. PYTHON=... picks the interpreter;
 # PREFIXKV_MANYLINUX=manylinux_2_17 (say) targets an older glibc.
 set -euo pipefail
@@ -30,7 +30,7 @@ rm -f "$out"/prefixkv-"$version"[-.]*
 
 echo "== wheel ($compatibility, abi3)"
 "$python" -m maturin build --release --zig --compatibility "$compatibility" --out "$out"
-wheel="$(ls "$out"/prefixkv-"$version"-cp310-abi3-*.whl)"
+wheel="$(ls "$out"/prefixkv-"$version"-cp311-abi3-*.whl)"
 "$python" -m auditwheel show "$wheel" | tee "$work/auditwheel.txt"
 # auditwheel names the most compatible tag the wheel's symbols allow; fail if it is newer than
 # the tag the wheel carries.

@@ -496,7 +496,8 @@ def test_a_broadcast_array_reads_its_repeated_id():
 )
 def test_the_core_refuses_a_malformed_packed_array(tokens, message):
     """The core's `(data, width, signed)` form, which `as_token_ids` builds, checked by the core
-    itself: a caller of `_core` directly gets a typed error, never a misread."""
+    itself: a caller of `_core` directly gets a typed error for a malformed one (its shape,
+    item size and width; what the ids mean is the caller's word, as for `bytes`)."""
     cache = PrefixCache(8, block_size=BS)
     serve(cache, list(range(8)))
     before = snapshot(cache)
@@ -518,6 +519,10 @@ BAD_TOKENS = [
     (np.zeros((2, 2), dtype=np.int32), InvalidInputError, "one-dimensional"),
     (torch.tensor([1, -1]), InvalidInputError, "negative"),
     ({1, 2}, InvalidInputError, "list, tuple"),
+    # The core's packed form, never reachable from the public calls (a float array's bits
+    # would read as ids): a tuple of ids never holds a bool.
+    ((np.arange(8, dtype=np.float32), 4, False), InvalidInputError, "position 2 .* not bool"),
+    ((1, 2, True), InvalidInputError, "position 2 .* not bool"),
 ]
 
 

@@ -100,9 +100,10 @@ def as_token_ids(
     (~3 ns a token, against ~6 for packing them with `array('I')` first) and refuses anything
     else (a bool, a negative id, one above 2**32 - 1) by position. Numpy arrays of any integer
     dtype and CPU torch tensors are read by the core in place (the buffer protocol; a strided
-    or misaligned array is copied first), checked and narrowed with the GIL released, so the
-    array must not be written while the call that takes it runs. Nothing is converted element
-    by element in Python.
+    view is gathered first), checked and narrowed with the GIL released, so the array must not
+    be written while the call that takes it runs. The result refers to the array, not a copy
+    of it: make it again after writing to the array. Nothing is converted element by element
+    in Python.
     """
     if type(tokens) is _NDARRAY:  # the common case first, inlined: it runs on every request
         width_signed = _LITTLE_ENDIAN_INTS.get(tokens.dtype)
@@ -110,6 +111,10 @@ def as_token_ids(
             return (tokens, width_signed[0], width_signed[1])
         return _array_tokens(tokens)
     if isinstance(tokens, (list, tuple)):
+        if type(tokens) is tuple and len(tokens) == 3 and isinstance(tokens[2], bool):
+            # The core would read it as an `(array, width, signed)` of this function's own:
+            # no tuple of ids holds a bool, so this one is refused here, by position.
+            raise InvalidInputError("token id at position 2 must be an int, not bool")
         return tokens
     if isinstance(tokens, np.ndarray):
         return _array_tokens(tokens)
@@ -140,8 +145,8 @@ _LITTLE_ENDIAN_INTS = {
 
 def _array_tokens(values: np.ndarray) -> tuple[np.ndarray, int, bool]:
     # Only metadata is checked here; the core reads the array in place through the buffer
-    # protocol (a C-contiguous one; any other is copied with `tobytes` there), checks every
-    # value (negative, above 2**32 - 1) and narrows to u32 with the GIL released.
+    # protocol (gathering a strided view), checks every value (negative, above 2**32 - 1)
+    # and narrows to u32 with the GIL released.
     width_signed = _LITTLE_ENDIAN_INTS.get(values.dtype)
     if width_signed is not None and values.ndim == 1:
         return values, *width_signed

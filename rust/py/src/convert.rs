@@ -207,13 +207,6 @@ pub struct Exported {
     gathered: Option<Vec<u8>>,
 }
 
-// Safety: the exported memory is plain bytes, allocated and in place while exported; it is
-// only read (`bytes`) and the export released once, with the GIL (`drop`).
-#[allow(unsafe_code)]
-unsafe impl Send for Exported {}
-#[allow(unsafe_code)]
-unsafe impl Sync for Exported {}
-
 #[allow(unsafe_code)] // the binding's second `unsafe`: exporting a buffer and reading it in place
 impl Exported {
     /// `array`'s memory; `None` (no error left pending) when it exports none. Refused: an
@@ -452,20 +445,28 @@ impl TokenView<'_> {
 /// `0 ..= u32::MAX` are OR-ed together, and only if any is set does a second pass find the
 /// first such value to name it.
 fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
-    fn pass<const W: usize>(data: &[u8], read: impl Fn([u8; W]) -> (u32, u64)) -> (Vec<u32>, bool) {
-        // Collected from an exact-length iterator: no zeroing first and no capacity check per
-        // token. Against a `push` loop with a range check per value: 13 -> 3.25 instructions a
-        // token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
+    fn pass<const W: usize>(
+        data: &[u8],
+        read: impl Fn([u8; W]) -> (u32, u64),
+    ) -> Result<(Vec<u32>, bool), CacheError> {
+        // Reserved fallibly (an array of small ids can widen past memory: refused, not an
+        // abort), then extended from an exact-length iterator: no zeroing first and no
+        // capacity check per token. Against a `push` loop with a range check per value: 13 ->
+        // 3.25 instructions a token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
+        let mut out = Vec::new();
+        let count = data.len() / W;
+        if out.try_reserve_exact(count).is_err() {
+            return Err(CacheError::InvalidInput(format!(
+                "a token array of {count} ids is too large to convert"
+            )));
+        }
         let mut stray = 0u64;
-        let out = data
-            .chunks_exact(W)
-            .map(|chunk| {
-                let (value, bits) = read(chunk.try_into().unwrap_or([0; W]));
-                stray |= bits;
-                value
-            })
-            .collect();
-        (out, stray == 0)
+        out.extend(data.chunks_exact(W).map(|chunk| {
+            let (value, bits) = read(chunk.try_into().unwrap_or([0; W]));
+            stray |= bits;
+            value
+        }));
+        Ok((out, stray == 0))
     }
     let (out, valid) = match (width, signed) {
         // A negative i64 read as u64 has its high bits set: one test covers both signs.
@@ -485,7 +486,7 @@ fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError
         (2, false) => pass::<2>(data, |b| (u32::from(u16::from_le_bytes(b)), 0)),
         (_, true) => pass::<1>(data, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
         (_, false) => pass::<1>(data, |b| (u32::from(b[0]), 0)),
-    };
+    }?;
     if valid {
         return Ok(out);
     }
