@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use prefixkv_core::key::TableKey;
 use prefixkv_core::table::{NewEntry, Parent, Table};
-use prefixkv_core::{block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras};
+use prefixkv_core::{
+    block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras,
+};
 
 const BLOCK_SIZE: usize = 16;
 
@@ -64,7 +66,10 @@ fn pressure_prompts(requests: usize) -> Vec<Vec<u32>> {
             let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
             let len = (1024.0 * 128f64.powf(unit)) as usize;
             let mut prompt = system.clone();
-            prompt.extend(tokens(1000 + i as u64, len.saturating_sub(system.len()).max(16)));
+            prompt.extend(tokens(
+                1000 + i as u64,
+                len.saturating_sub(system.len()).max(16),
+            ));
             prompt
         })
         .collect()
@@ -72,7 +77,9 @@ fn pressure_prompts(requests: usize) -> Vec<Vec<u32>> {
 
 fn run_request(cache: &PrefixCache, prompt: &[u32]) -> u128 {
     let start = Instant::now();
-    let r = cache.begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
+    let r = cache
+        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .expect("begin");
     cache.commit(&r.request_id, prompt.len()).expect("commit");
     cache.finish(&r.request_id).expect("finish");
     start.elapsed().as_nanos()
@@ -82,9 +89,13 @@ fn pressure(requests: usize, small_blocks: u32) {
     let context = context_fingerprint(b"bench");
     let prompts = pressure_prompts(requests);
     let blocks: usize = prompts.iter().map(|p| p.len().div_ceil(BLOCK_SIZE)).sum();
-    let roomy = PrefixCache::new(CacheConfig::new((blocks + 1024) as u32, BLOCK_SIZE), context)
-        .expect("cache");
-    let small = PrefixCache::new(CacheConfig::new(small_blocks, BLOCK_SIZE), context).expect("cache");
+    let roomy = PrefixCache::new(
+        CacheConfig::new((blocks + 1024) as u32, BLOCK_SIZE),
+        context,
+    )
+    .expect("cache");
+    let small =
+        PrefixCache::new(CacheConfig::new(small_blocks, BLOCK_SIZE), context).expect("cache");
     let extras = RequestExtras::default();
     let mut times = [Vec::new(), Vec::new(), Vec::new()];
     for (i, prompt) in prompts.iter().enumerate() {
@@ -95,7 +106,11 @@ fn pressure(requests: usize, small_blocks: u32) {
                 1 => run_request(&small, prompt),
                 _ => {
                     let start = Instant::now();
-                    std::hint::black_box(roomy.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+                    std::hint::black_box(roomy.hash_prompt(
+                        std::hint::black_box(prompt),
+                        b"",
+                        &extras,
+                    ));
                     start.elapsed().as_nanos()
                 }
             };
@@ -135,7 +150,9 @@ fn decode(steps: usize) {
     let context = context_fingerprint(b"bench");
     let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
     let prompt = tokens(77, 4000);
-    let r = cache.begin(None, prompt, b"", RequestExtras::default(), 0).expect("begin");
+    let r = cache
+        .begin(None, prompt, b"", RequestExtras::default(), 0)
+        .expect("begin");
     cache.commit(&r.request_id, 4000).expect("commit");
     let mut len = 4000;
     let generated = tokens(78, steps);
@@ -150,6 +167,43 @@ fn decode(steps: usize) {
     println!("{{\"what\": \"decode step: append 1 token + commit (mean over {steps} steps from a 4000-token prompt)\", \"ns\": {per_step:.0}}}");
 }
 
+/// `requests COUNT LEN SHARED`: COUNT requests of LEN tokens sharing their first SHARED, each a
+/// begin + commit + finish through `one_request`, on a 200k-block cache; for
+/// `valgrind --tool=callgrind --toggle-collect='*one_request*'`, which counts the requests'
+/// instructions alone (a short request's fixed costs: `PROFILE.md`, issue 24, round 10).
+fn fixed_requests(count: usize, len: usize, shared: usize) {
+    let cache = PrefixCache::new(
+        CacheConfig::new(200_000, BLOCK_SIZE),
+        context_fingerprint(b"x"),
+    )
+    .expect("cache");
+    let prefix = tokens(1, shared);
+    let prompts: Vec<Vec<u32>> = (0..count)
+        .map(|i| {
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(i as u64 + 7, len - shared));
+            prompt
+        })
+        .collect();
+    let start = Instant::now();
+    for prompt in &prompts {
+        one_request(&cache, prompt);
+    }
+    eprintln!(
+        "{:.0} ns/request",
+        start.elapsed().as_nanos() as f64 / count as f64
+    );
+}
+
+#[inline(never)]
+fn one_request(cache: &PrefixCache, prompt: &[u32]) {
+    let r = cache
+        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .expect("begin");
+    cache.commit(&r.request_id, prompt.len()).expect("commit");
+    cache.finish(&r.request_id).expect("finish");
+}
+
 /// `loop-MODE SECONDS [REQUESTS]`: one shape, repeated, for `perf record`; with REQUESTS, stops
 /// after that many requests too (a fixed amount of work, for `valgrind --tool=callgrind`).
 fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
@@ -158,7 +212,8 @@ fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
     let mut seed = 5000;
     match mode {
         "loop-miss" => {
-            let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+            let cache =
+                PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
             let mut count = 0;
             while start.elapsed().as_secs_f64() < seconds && count < max_requests {
                 seed += 1;
@@ -168,7 +223,8 @@ fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
             eprintln!("requests: {count}");
         }
         "loop-hit" => {
-            let cache = PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
+            let cache =
+                PrefixCache::new(CacheConfig::new(200_000, BLOCK_SIZE), context).expect("cache");
             let shared = tokens(1, 3808);
             let mut count = 0;
             while start.elapsed().as_secs_f64() < seconds && count < max_requests {
@@ -181,7 +237,8 @@ fn profile_loop(mode: &str, seconds: f64, max_requests: usize) {
             eprintln!("requests: {count}");
         }
         "loop-pressure" => {
-            let cache = PrefixCache::new(CacheConfig::new(16_384, BLOCK_SIZE), context).expect("cache");
+            let cache =
+                PrefixCache::new(CacheConfig::new(16_384, BLOCK_SIZE), context).expect("cache");
             let prompts = pressure_prompts(64);
             let mut count = 0;
             'outer: loop {
@@ -224,7 +281,10 @@ fn read_trace(path: &str) -> (u32, usize, Vec<Vec<u32>>) {
 
 /// CPU time of the calling thread, in ns (the clock of `benches/common.py`).
 fn thread_ns() -> u128 {
-    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // Safety: `now` is a valid, writable timespec for the duration of the call.
     #[allow(unsafe_code)]
     unsafe {
@@ -234,7 +294,12 @@ fn thread_ns() -> u128 {
 }
 
 /// Prompt-length buckets of the replay's per-length rows (`bench_production.py`'s).
-const BUCKETS: [(usize, &str); 4] = [(4096, "0k-4k"), (16_384, "4k-16k"), (65_536, "16k-64k"), (usize::MAX, "64k-256k")];
+const BUCKETS: [(usize, &str); 4] = [
+    (4096, "0k-4k"),
+    (16_384, "4k-16k"),
+    (65_536, "16k-64k"),
+    (usize::MAX, "64k-256k"),
+];
 
 /// One request's begin + commit + finish; returns the CPU ns of each and the cached tokens.
 /// Prompts of 64k tokens or more go through `replay_long_request` instead, the same code under
@@ -243,7 +308,9 @@ const BUCKETS: [(usize, &str); 4] = [(4096, "0k-4k"), (16_384, "4k-16k"), (65_53
 #[inline(never)]
 fn replay_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], usize) {
     let t0 = thread_ns();
-    let r = cache.begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0).expect("begin");
+    let r = cache
+        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .expect("begin");
     let t1 = thread_ns();
     cache.commit(&r.request_id, prompt.len()).expect("commit");
     let t2 = thread_ns();
@@ -269,7 +336,8 @@ fn replay(path: &str, rounds: usize) {
     let context = context_fingerprint(b"bench");
     let extras = RequestExtras::default();
     for _ in 0..rounds {
-        let cache = PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
+        let cache =
+            PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
         let (mut ours, mut floor, mut timed) = (0u128, 0u128, 0usize);
         let (mut prompt_tokens, mut hit_tokens) = (0usize, 0usize);
         // Per bucket: (begin, commit, finish, floor) of each timed request.
@@ -289,7 +357,11 @@ fn replay(path: &str, rounds: usize) {
                     hit_tokens += cached;
                 } else {
                     let start = thread_ns();
-                    std::hint::black_box(cache.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+                    std::hint::black_box(cache.hash_prompt(
+                        std::hint::black_box(prompt),
+                        b"",
+                        &extras,
+                    ));
                     hash_ns = thread_ns() - start;
                 }
             }
@@ -299,7 +371,10 @@ fn replay(path: &str, rounds: usize) {
                 ours += total;
                 floor += hash_ns;
                 timed += 1;
-                let bucket = BUCKETS.iter().position(|&(limit, _)| prompt.len() < limit).unwrap_or(0);
+                let bucket = BUCKETS
+                    .iter()
+                    .position(|&(limit, _)| prompt.len() < limit)
+                    .unwrap_or(0);
                 by_length[bucket].push([phases[0], phases[1], phases[2], hash_ns]);
                 all.push([total, hash_ns]);
             }
@@ -328,7 +403,8 @@ fn replay(path: &str, rounds: usize) {
             let n = rows.len() as f64;
             let mean = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
             let ours = mean(0) + mean(1) + mean(2);
-            let mut pairs: Vec<[u128; 2]> = rows.iter().map(|r| [r[0] + r[1] + r[2], r[3]]).collect();
+            let mut pairs: Vec<[u128; 2]> =
+                rows.iter().map(|r| [r[0] + r[1] + r[2], r[3]]).collect();
             println!(
                 "{{\"bucket\": \"{name}\", \"requests\": {}, \"begin_us\": {:.1}, \"commit_us\": {:.1}, \"finish_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}, \"p99_ratio\": {:.2}}}",
                 rows.len(),
@@ -349,6 +425,13 @@ fn main() {
         if mode == "replay" {
             let path = args.get(2).expect("replay TRACE [ROUNDS]");
             replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
+            return;
+        }
+        if mode == "requests" {
+            let arg = |i: usize, default: usize| {
+                args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+            };
+            fixed_requests(arg(2, 2000), arg(3, 1024), arg(4, 0));
             return;
         }
         if mode.starts_with("loop-") {
@@ -373,51 +456,63 @@ fn main() {
     // The hash variants run interleaved, round by round, so load from other processes on a
     // shared machine hits each alike; medians over rounds.
     let mut variants: Vec<(&str, Box<dyn FnMut()>)> = vec![
-        ("core block_key (SHA-256 of tag + parent + tokens, 97 bytes: 2 compressions)", Box::new(|| {
-            let mut parent = root;
-            for chunk in prompt.chunks_exact(BLOCK_SIZE) {
-                parent = block_key(&parent, chunk, b"");
-            }
-            std::hint::black_box(parent);
-        })),
-        ("blake3 of parent + 64 token bytes (96 bytes: 2 compressions)", Box::new(|| {
-            let mut parent = [0u8; 32];
-            let mut buffer = [0u8; 96];
-            for chunk in prompt.chunks_exact(BLOCK_SIZE) {
-                buffer[..32].copy_from_slice(&parent);
-                for (i, t) in chunk.iter().enumerate() {
-                    buffer[32 + 4 * i..36 + 4 * i].copy_from_slice(&t.to_le_bytes());
+        (
+            "core block_key (SHA-256 of tag + parent + tokens, 97 bytes: 2 compressions)",
+            Box::new(|| {
+                let mut parent = root;
+                for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+                    parent = block_key(&parent, chunk, b"");
                 }
-                parent = *blake3::hash(&buffer).as_bytes();
-            }
-            std::hint::black_box(parent);
-        })),
-        ("sha2 SHA-256 of tag + parent + 64 token bytes (97 bytes), fixed buffer", Box::new(|| {
-            use sha2::Digest;
-            let mut parent = [0u8; 32];
-            let mut buffer = [0u8; 97];
-            for chunk in prompt.chunks_exact(BLOCK_SIZE) {
-                buffer[1..33].copy_from_slice(&parent);
-                for (i, t) in chunk.iter().enumerate() {
-                    buffer[33 + 4 * i..37 + 4 * i].copy_from_slice(&t.to_le_bytes());
+                std::hint::black_box(parent);
+            }),
+        ),
+        (
+            "blake3 of parent + 64 token bytes (96 bytes: 2 compressions)",
+            Box::new(|| {
+                let mut parent = [0u8; 32];
+                let mut buffer = [0u8; 96];
+                for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+                    buffer[..32].copy_from_slice(&parent);
+                    for (i, t) in chunk.iter().enumerate() {
+                        buffer[32 + 4 * i..36 + 4 * i].copy_from_slice(&t.to_le_bytes());
+                    }
+                    parent = *blake3::hash(&buffer).as_bytes();
                 }
-                parent = sha2::Sha256::digest(buffer).into();
-            }
-            std::hint::black_box(parent);
-        })),
+                std::hint::black_box(parent);
+            }),
+        ),
+        (
+            "sha2 SHA-256 of tag + parent + 64 token bytes (97 bytes), fixed buffer",
+            Box::new(|| {
+                use sha2::Digest;
+                let mut parent = [0u8; 32];
+                let mut buffer = [0u8; 97];
+                for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+                    buffer[1..33].copy_from_slice(&parent);
+                    for (i, t) in chunk.iter().enumerate() {
+                        buffer[33 + 4 * i..37 + 4 * i].copy_from_slice(&t.to_le_bytes());
+                    }
+                    parent = sha2::Sha256::digest(buffer).into();
+                }
+                std::hint::black_box(parent);
+            }),
+        ),
         // What a key layout change could buy: the parent key as BLAKE3's key, the 64 token
         // bytes as the whole message.
-        ("blake3 keyed_hash(parent, 64 token bytes): 1 compression", Box::new(|| {
-            let mut parent = [0u8; 32];
-            let mut buffer = [0u8; 64];
-            for chunk in prompt.chunks_exact(BLOCK_SIZE) {
-                for (i, t) in chunk.iter().enumerate() {
-                    buffer[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
+        (
+            "blake3 keyed_hash(parent, 64 token bytes): 1 compression",
+            Box::new(|| {
+                let mut parent = [0u8; 32];
+                let mut buffer = [0u8; 64];
+                for chunk in prompt.chunks_exact(BLOCK_SIZE) {
+                    for (i, t) in chunk.iter().enumerate() {
+                        buffer[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
+                    }
+                    parent = *blake3::keyed_hash(&parent, &buffer).as_bytes();
                 }
-                parent = *blake3::keyed_hash(&parent, &buffer).as_bytes();
-            }
-            std::hint::black_box(parent);
-        })),
+                std::hint::black_box(parent);
+            }),
+        ),
     ];
     let mut samples = vec![Vec::new(); variants.len()];
     for round in 0..61 {
@@ -477,14 +572,23 @@ fn main() {
     let mut seed = 100;
     let request = |tokens: Vec<u32>| -> [u128; 3] {
         let t0 = Instant::now();
-        let r = cache.begin(None, tokens, b"", RequestExtras::default(), 0).expect("begin");
+        let r = cache
+            .begin(None, tokens, b"", RequestExtras::default(), 0)
+            .expect("begin");
         let t1 = Instant::now();
         cache.commit(&r.request_id, n).expect("commit");
         let t2 = Instant::now();
         cache.finish(&r.request_id).expect("finish");
-        [t1.duration_since(t0).as_nanos(), t2.duration_since(t1).as_nanos(), t2.elapsed().as_nanos()]
+        [
+            t1.duration_since(t0).as_nanos(),
+            t2.duration_since(t1).as_nanos(),
+            t2.elapsed().as_nanos(),
+        ]
     };
-    for (name, shared_blocks) in [("shares 95% of its blocks", 238usize), ("shares nothing", 0)] {
+    for (name, shared_blocks) in [
+        ("shares 95% of its blocks", 238usize),
+        ("shares nothing", 0),
+    ] {
         let mut samples = Vec::new();
         for i in 0..120 {
             seed += 1;
