@@ -20,9 +20,9 @@
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`] and [`KvGroups`].
 
-// Pure safe Rust: the workspace denies `unsafe` and this crate forbids it outright (the
-// binding has the one exception, `rust/py/src/convert.rs`).
-#![forbid(unsafe_code)]
+// Safe Rust: the workspace denies `unsafe`; the core's one exception is the prefetch hint
+// (`prefetch.rs`, which cannot touch memory), the binding's is `rust/py/src/convert.rs`.
+#![deny(unsafe_code)]
 
 pub mod cache;
 pub mod error;
@@ -33,6 +33,7 @@ pub mod index;
 pub mod key;
 pub mod pins;
 pub mod pool;
+mod prefetch;
 pub mod request;
 pub mod sliding;
 pub mod stats;

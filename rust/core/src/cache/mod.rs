@@ -59,6 +59,7 @@ use crate::events::Events;
 use crate::key::{BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool, Evicted};
+use crate::prefetch::prefetch;
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
@@ -525,33 +526,45 @@ impl PrefixCache {
         inner.pool.acquire_run(hits);
         match inner.pool.allocate(count) {
             Ok((fresh, evicted)) => {
+                let guard = self.table.guard();
+                // A rolling pipeline over the victims (PROFILE.md, round 11): the slot line and
+                // epoch word of the victim `2 * LOOKAHEAD` ahead are asked for (hints), the
+                // index or parent line of the one `LOOKAHEAD` ahead (found from its slot, in
+                // cache by then), and this one is removed or moved with its misses started.
+                for ahead in &evicted[..evicted.len().min(LOOKAHEAD)] {
+                    self.prefetch_victim(inner, ahead.block);
+                    self.table.prefetch_removal(ahead.block);
+                }
+                for ahead in evicted.iter().skip(LOOKAHEAD).take(LOOKAHEAD) {
+                    self.prefetch_victim(inner, ahead.block);
+                }
+                for (i, &Evicted { block, moved_to }) in evicted.iter().enumerate() {
+                    if let Some(ahead) = evicted.get(i + 2 * LOOKAHEAD) {
+                        self.prefetch_victim(inner, ahead.block);
+                    }
+                    if let Some(ahead) = evicted.get(i + LOOKAHEAD) {
+                        self.table.prefetch_removal(ahead.block);
+                    }
+                    if let Some(heir) = moved_to {
+                        // Its content stays cached in a duplicate (`pool.rs`): nothing is
+                        // lost, nothing for a router or a host tier to learn.
+                        let moved = self.table.move_entry(block, heir, &guard);
+                        debug_assert!(moved, "evicted a cached block");
+                        inner.events.moved(block, heir);
+                        continue;
+                    }
+                    debug_assert!(self.table.published(block, &guard).is_some());
+                    self.table.remove(block, &guard);
+                    inner.events.removed(block);
+                    inner.counters.evictions += 1;
+                    if let Some(log) = inner.eviction_log.as_mut() {
+                        log.push(block);
+                    }
+                }
+                // After the removals: the victims' epoch words were asked for in their loop (a
+                // store to a missing line each, before, filled the store buffer: round 11).
                 for &block in &fresh {
                     inner.block_epoch[block as usize] = inner.epoch;
-                }
-                let guard = self.table.guard();
-                // `LOOKAHEAD` evictions at a time: their index and slot reads started together,
-                // so the cache misses overlap (PROFILE.md), then each removed or moved.
-                for chunk in evicted.chunks(LOOKAHEAD) {
-                    for &Evicted { block, .. } in chunk {
-                        self.table.prefetch_removal(block);
-                    }
-                    for &Evicted { block, moved_to } in chunk {
-                        if let Some(heir) = moved_to {
-                            // Its content stays cached in a duplicate (`pool.rs`): nothing is
-                            // lost, nothing for a router or a host tier to learn.
-                            let moved = self.table.move_entry(block, heir, &guard);
-                            debug_assert!(moved, "evicted a cached block");
-                            inner.events.moved(block, heir);
-                            continue;
-                        }
-                        debug_assert!(self.table.published(block, &guard).is_some());
-                        self.table.remove(block, &guard);
-                        inner.events.removed(block);
-                        inner.counters.evictions += 1;
-                        if let Some(log) = inner.eviction_log.as_mut() {
-                            log.push(block);
-                        }
-                    }
                 }
                 Ok(fresh)
             }
@@ -562,6 +575,16 @@ impl PrefixCache {
                 }
                 Err(err)
             }
+        }
+    }
+
+    /// Asks for the lines a victim's removal reads first (its table slot) and its epoch word,
+    /// which `acquire_and_allocate` writes: hints, nothing changes.
+    #[inline]
+    fn prefetch_victim(&self, inner: &Inner, block: BlockId) {
+        self.table.prefetch_slot(block);
+        if let Some(epoch) = inner.block_epoch.get(block as usize) {
+            prefetch(epoch);
         }
     }
 

@@ -446,3 +446,65 @@ fn a_refused_request_leaves_a_spares_successor_where_it_was() {
     assert!(!taken.contains(&successor) && !taken.contains(&copy));
     c.check_invariants();
 }
+
+/// Round 11: the removals run as a pipeline that reads ahead by `LOOKAHEAD` and
+/// `2 * LOOKAHEAD` victims. Whatever the batch's size against those distances, every victim's
+/// entry goes and every other entry stays (planted: a removal skipped at the pipeline's edges
+/// fails it).
+#[test]
+fn every_victim_of_any_batch_size_loses_its_entry_and_no_other_does() {
+    const CACHED: usize = 100;
+    let lookahead = crate::cache::LOOKAHEAD;
+    let sizes = [
+        1,
+        lookahead - 1,
+        lookahead,
+        lookahead + 1,
+        2 * lookahead - 1,
+        2 * lookahead,
+        2 * lookahead + 1,
+        3 * lookahead + 1,
+        CACHED,
+    ];
+    for chained in [false, true] {
+        for &victims in &sizes {
+            let c = cache(CACHED as u32, 1);
+            // Either one chain of CACHED blocks (evicted tail first, walking up the chain) or
+            // CACHED one-block prefixes (each a leaf of its own, evicted oldest first).
+            let prompts: Vec<Vec<u32>> = if chained {
+                vec![(1..=CACHED as u32).collect()]
+            } else {
+                (1..=CACHED as u32).map(|t| vec![t]).collect()
+            };
+            for prompt in &prompts {
+                let r = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+                c.commit(&r.request_id, prompt.len()).unwrap();
+                c.finish(&r.request_id).unwrap();
+            }
+            c.set_eviction_log(true);
+            let fresh: Vec<u32> = (0..victims as u32).map(|t| 1_000 + t).collect();
+            let r = c.begin(None, fresh, b"", no_extras(), 0).unwrap();
+            assert_eq!(
+                c.drain_evicted().len(),
+                victims,
+                "chained {chained}, {victims}"
+            );
+            assert_eq!(c.stats().evictions, victims as u64);
+            // What stays cached: the chain's first CACHED - victims blocks, or the newest
+            // CACHED - victims prefixes; everything else misses. (Each probe has one token
+            // more: a prompt cached whole matches all but its last block.)
+            let probe = |prompt: &Vec<u32>| [prompt.as_slice(), &[999_999]].concat();
+            if chained {
+                let hit = c.lookup(&probe(&prompts[0]), b"", &no_extras()).unwrap();
+                assert_eq!(hit.blocks.len(), CACHED - victims, "chained, {victims}");
+            } else {
+                for (i, prompt) in prompts.iter().enumerate() {
+                    let hit = c.lookup(&probe(prompt), b"", &no_extras()).unwrap();
+                    assert_eq!(hit.blocks.len(), usize::from(i >= victims), "prefix {i}");
+                }
+            }
+            c.finish(&r.request_id).unwrap();
+            c.check_invariants();
+        }
+    }
+}

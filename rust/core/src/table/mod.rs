@@ -74,6 +74,7 @@ use smallvec::SmallVec;
 
 use crate::key::{BlockKey, TableKey};
 use crate::pool::BlockId;
+use crate::prefetch::prefetch;
 
 /// What a block was computed after.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,13 +483,13 @@ impl Table {
     pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>, indexed: bool) {
         if indexed || !self.links {
             let home = index_hash(*key) as usize & self.mask;
-            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+            prefetch(&self.index[home]);
         }
         if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
-            std::hint::black_box(slot.id.load(Ordering::Relaxed));
+            prefetch(slot);
             let start = self.row_start(block.unwrap_or_default());
             if let Some(cell) = self.tokens.get(start) {
-                std::hint::black_box(cell.load(Ordering::Relaxed));
+                prefetch(cell);
             }
         }
     }
@@ -506,11 +507,20 @@ impl Table {
         if word != EMPTY && word_hash(word) == hash {
             let block = word_block(word) as usize;
             if let Some(slot) = self.slots.get(block) {
-                std::hint::black_box(slot.id.load(Ordering::Relaxed));
+                prefetch(slot);
             }
             if let Some(cell) = self.tokens.get(self.row_start(block as BlockId)) {
-                std::hint::black_box(cell.load(Ordering::Relaxed));
+                prefetch(cell);
             }
+        }
+    }
+
+    /// Asks for `block`'s slot line ahead of a `prefetch_removal` of it, which must read the
+    /// slot to find the next line: a hint, so a batch of them overlaps without stalling.
+    #[inline]
+    pub fn prefetch_slot(&self, block: BlockId) {
+        if let Some(slot) = self.slots.get(block as usize) {
+            prefetch(slot);
         }
     }
 
@@ -525,7 +535,7 @@ impl Table {
                 // Its parent's slot, whose link the removal clears.
                 if let Some(up) = slot.up.load(Ordering::Relaxed).checked_sub(1) {
                     if let Some(parent) = self.slots.get(up as usize) {
-                        std::hint::black_box(parent.child.load(Ordering::Relaxed));
+                        prefetch(parent);
                     }
                 }
                 return;
@@ -535,7 +545,7 @@ impl Table {
                     | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
             );
             let home = index_hash(key) as usize & self.mask;
-            std::hint::black_box(self.index[home].load(Ordering::Relaxed));
+            prefetch(&self.index[home]);
         }
     }
 

@@ -38,6 +38,7 @@ use std::sync::atomic::Ordering;
 
 use super::{index_hash, index_word, word_block, word_hash};
 use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
+use crate::prefetch::prefetch;
 
 impl Table {
     /// Starts the memory reads a `get_verified_child` of the entry in `parent_block` will need:
@@ -49,10 +50,10 @@ impl Table {
             if let Some(child) = slot.child.load(Ordering::Relaxed).checked_sub(1) {
                 let child = child as usize;
                 if let Some(slot) = self.slots.get(child) {
-                    std::hint::black_box(slot.id.load(Ordering::Relaxed));
+                    prefetch(slot);
                 }
                 if let Some(cell) = self.tokens.get(self.row_start(child as BlockId)) {
-                    std::hint::black_box(cell.load(Ordering::Relaxed));
+                    prefetch(cell);
                 }
             }
         }

@@ -101,6 +101,10 @@ mod lock_free {
             self.0.prefetch_removal(block);
         }
         #[inline]
+        pub(crate) fn prefetch_slot(&self, block: BlockId) {
+            self.0.prefetch_slot(block);
+        }
+        #[inline]
         pub(crate) fn prefetch_child(&self, parent_block: BlockId) {
             self.0.prefetch_child(parent_block);
         }
@@ -410,6 +414,7 @@ mod model {
         /// Only a hint to the hardware in the real table: nothing to model.
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>, _indexed: bool) {}
         pub(crate) fn prefetch_removal(&self, _block: BlockId) {}
+        pub(crate) fn prefetch_slot(&self, _block: BlockId) {}
         pub(crate) fn prefetch_child(&self, _parent_block: BlockId) {}
         pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
             let state = self.read();
