@@ -74,6 +74,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
+use crate::prefetch::prefetch;
 
 /// Position of a block in the pool.
 pub type BlockId = u32;
@@ -101,16 +102,13 @@ impl Hasher for BlockIdHasher {
 /// Eviction order key: (priority, last access tick, id). Smallest is evicted first.
 type EvictionKey = (i32, u64, BlockId);
 
-/// Where a block sits in the evictable set: its key there but for the id (the block's own).
-/// Two fields and a flag, not an `Option<EvictionKey>` (24 bytes), so that `BlockMeta` fits one
-/// 64-byte cache line: an eviction reads the metadata of its victim and of the victim's parent,
-/// both cold, and each then costs one line instead of two (PROFILE.md, issue 24).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct SetPlace {
-    tick: u64,
-    priority: i32,
-    present: bool,
-}
+/// `BlockMeta::chain_hint` when there is none.
+const NO_BLOCK: BlockId = BlockId::MAX;
+
+/// How far up a chain `BlockMeta::chain_hint` points: enough evictions ahead that the line
+/// asked for arrives before the walk does (an eviction step with its lines at hand takes a few
+/// tens of nanoseconds, a line from memory about a hundred).
+pub const CHAIN_HINT_DISTANCE: usize = 8;
 
 /// One block's state; one cache line (`block_meta_fits_one_cache_line`).
 #[derive(Clone, Debug, Default)]
@@ -126,8 +124,20 @@ struct BlockMeta {
     parent: Option<BlockId>,
     last_access: u64,
     priority: i32,
-    /// The key under which this block sits in the evictable set, if it does (`evictable_as`).
-    in_set: SetPlace,
+    /// Where this block sits in the evictable set, if it does (`evictable_as`): its key there
+    /// but for the id (its own) and a flag. Three fields, not an `Option<EvictionKey>` (24
+    /// bytes) nor a struct of them (16 with its padding), so that the metadata fits one 64-byte
+    /// cache line: an eviction reads the metadata of its victim and of the victim's parent,
+    /// both cold, and each then costs one line instead of two (PROFILE.md, issue 24).
+    set_tick: u64,
+    set_priority: i32,
+    in_set: bool,
+    /// The block `CHAIN_HINT_DISTANCE` positions up this block's chain when it was cached
+    /// (`NO_BLOCK` if none or unknown): evicting this block asks for that one's metadata line,
+    /// so a cold chain, evicted tail first, is not a pointer chase of one cache miss after
+    /// another (PROFILE.md, round 11). A hint, never read for an answer: stale, it costs one
+    /// wasted prefetch.
+    chain_hint: BlockId,
     /// Number of cached children that are blocked (see the module docs).
     blocked_children: u32,
     /// When this private block is a duplicate: the canonical copy of its content (module docs).
@@ -138,17 +148,14 @@ struct BlockMeta {
 impl BlockMeta {
     /// The key under which `block` (this block) sits in the evictable set, if it does.
     fn evictable_as(&self, block: BlockId) -> Option<EvictionKey> {
-        let place = self.in_set;
-        place.present.then_some((place.priority, place.tick, block))
+        self.in_set
+            .then_some((self.set_priority, self.set_tick, block))
     }
 
     /// Records that the block sits in the evictable set under `key`, or (`None`) not at all.
     fn set_evictable_as(&mut self, key: Option<EvictionKey>) {
-        self.in_set = key.map_or(SetPlace::default(), |(priority, tick, _)| SetPlace {
-            tick,
-            priority,
-            present: true,
-        });
+        (self.set_priority, self.set_tick, self.in_set) =
+            key.map_or((0, 0, false), |(priority, tick, _)| (priority, tick, true));
     }
 
     /// In the evictable set: a cached leaf nobody references or pins, or a spare.
@@ -514,6 +521,7 @@ impl BlockPool {
         debug_assert!(!meta.cached && meta.ref_count > 0);
         meta.cached = true;
         meta.parent = parent;
+        meta.chain_hint = NO_BLOCK;
         self.num_cached += 1;
         if let Some(parent) = parent {
             self.add_child(parent, block);
@@ -901,6 +909,10 @@ impl BlockPool {
                     block
                 }
             };
+            let hint = self.blocks[block as usize].chain_hint;
+            if let Some(ahead) = self.blocks.get(hint as usize) {
+                prefetch(ahead);
+            }
             if !self.blocks[block as usize].cached {
                 // A spare: nothing to drop but the block itself. Rare: it is listed, then
                 // taken back off the list (the last push).
@@ -940,6 +952,19 @@ impl BlockPool {
         Ok((self.hand_out(blocks), evicted))
     }
 
+    /// Records `ahead` as the block `CHAIN_HINT_DISTANCE` positions up cached `block`'s chain
+    /// (`BlockMeta::chain_hint`): a hint for eviction's read-ahead, never for an answer.
+    #[inline(always)] // once per published block, its metadata line at hand
+    pub fn set_chain_hint(&mut self, block: BlockId, ahead: BlockId) {
+        self.blocks[block as usize].chain_hint = ahead;
+    }
+
+    /// `chain_hint` of `block` (tests).
+    #[cfg(test)]
+    pub(crate) fn chain_hint_of(&self, block: BlockId) -> BlockId {
+        self.blocks[block as usize].chain_hint
+    }
+
     /// Gives each of `blocks` (free, uncached) a reference and returns them.
     fn hand_out(&mut self, blocks: Vec<BlockId>) -> Vec<BlockId> {
         for &block in &blocks {
@@ -964,7 +989,7 @@ impl BlockPool {
         smallest: &mut Option<Option<EvictionKey>>,
     ) -> Option<BlockId> {
         let meta = &self.blocks[parent as usize];
-        if meta.evictable() && !meta.in_set.present {
+        if meta.evictable() && !meta.in_set {
             let key = (meta.priority, meta.last_access, parent);
             let first = *smallest.get_or_insert_with(|| self.evictable.first().copied());
             if first.is_none_or(|first| key < first) {
@@ -973,7 +998,7 @@ impl BlockPool {
         }
         // `refresh`, forgetting the smallest key where it may change the set.
         let meta = &self.blocks[parent as usize];
-        if meta.in_set.present || meta.evictable() {
+        if meta.in_set || meta.evictable() {
             *smallest = None;
             self.refresh_set(parent);
         }
@@ -1077,7 +1102,7 @@ impl BlockPool {
         // (publishing, touching a hit) or, at a request's finish, released but still above a
         // cached child: nothing to do, and no call into the set's code (PROFILE.md, issue 24).
         let meta = &self.blocks[block as usize];
-        if !meta.in_set.present && !meta.evictable() {
+        if !meta.in_set && !meta.evictable() {
             return;
         }
         self.refresh_set(block);
@@ -1201,7 +1226,7 @@ impl BlockPool {
             in_use += usize::from(meta.ref_count > 0);
             pinned += usize::from(meta.pin_count > 0);
             let should = meta.evictable();
-            assert_eq!(meta.in_set.present, should, "block {id} evictable state");
+            assert_eq!(meta.in_set, should, "block {id} evictable state");
         }
         assert_eq!(cached, self.num_cached);
         assert_eq!(in_use, self.num_in_use);
@@ -1260,7 +1285,7 @@ impl BlockPool {
         );
         assert_eq!(
             self.evictable.len(),
-            self.blocks.iter().filter(|m| m.in_set.present).count()
+            self.blocks.iter().filter(|m| m.in_set).count()
         );
     }
 }

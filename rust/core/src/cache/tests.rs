@@ -508,3 +508,28 @@ fn every_victim_of_any_batch_size_loses_its_entry_and_no_other_does() {
         }
     }
 }
+
+/// Round 11: each published block names the block `CHAIN_HINT_DISTANCE` positions up its
+/// chain, so that evicting it asks for that block's metadata ahead of the walk. A hint only
+/// (nothing reads it for an answer), so this is the one test that would notice it pointing
+/// nowhere; the first blocks of a chain, and blocks published again, have none.
+#[test]
+fn published_blocks_hint_the_block_a_fixed_distance_up_their_chain() {
+    use crate::pool::CHAIN_HINT_DISTANCE as D;
+    let c = cache(64, 2);
+    let tokens: Vec<u32> = (0..40).collect();
+    let r = c.begin(None, tokens, b"", no_extras(), 0).unwrap();
+    c.commit(&r.request_id, 40).unwrap();
+    let table = c.block_table(&r.request_id).unwrap();
+    let inner = c.inner.lock();
+    for (position, &block) in table.iter().enumerate() {
+        let expected = position.checked_sub(D).map_or(BlockId::MAX, |p| table[p]);
+        assert_eq!(
+            inner.pool.chain_hint_of(block),
+            expected,
+            "position {position}"
+        );
+    }
+    drop(inner);
+    c.finish(&r.request_id).unwrap();
+}

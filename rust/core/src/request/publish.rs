@@ -47,6 +47,7 @@ use super::{with_request, Request};
 use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
+use crate::pool::CHAIN_HINT_DISTANCE;
 use crate::request::RequestId;
 use crate::sliding::null_anchor;
 use crate::table::{Anchor, Insertion, NewEntry, Parent};
@@ -296,6 +297,12 @@ impl PrefixCache {
                         inner.tick,
                         request.priority,
                     );
+                    if request.own_chain && !sliding {
+                        // The pool chain is the request's own block table (module docs).
+                        if let Some(previous) = position.checked_sub(CHAIN_HINT_DISTANCE) {
+                            inner.pool.set_chain_hint(own_block, block_table[previous]);
+                        }
+                    }
                     let origin = (&request.root, &request.extras);
                     if sliding {
                         // The parent block may be released or evicted: name it by key.
