@@ -70,7 +70,7 @@
 //! The pool is plain single-threaded data; the cache keeps it behind one mutex. It counts pins;
 //! which pin holds which block is `pins.rs`'s business.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{CacheError, Result};
@@ -140,9 +140,21 @@ struct BlockMeta {
     chain_hint: BlockId,
     /// Number of cached children that are blocked (see the module docs).
     blocked_children: u32,
-    /// When this private block is a duplicate: the canonical copy of its content (module docs).
-    /// Its `parent` is then its holder's previous block, cached or a duplicate itself.
-    duplicate_of: Option<BlockId>,
+    /// When this private block is a duplicate: the group of the duplicates of its content's
+    /// canonical copy (module docs, `BlockPool::groups`). Its `parent` is then its holder's
+    /// previous block, cached or a duplicate itself.
+    duplicate_group: Option<GroupId>,
+}
+
+/// The index of a `DuplicateGroup` in `BlockPool::groups`.
+type GroupId = u32;
+
+/// The duplicates of one canonical block, earliest first (module docs).
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(PartialEq, Eq))]
+struct DuplicateGroup {
+    canonical: BlockId,
+    members: VecDeque<BlockId>,
 }
 
 impl BlockMeta {
@@ -162,12 +174,12 @@ impl BlockMeta {
     fn evictable(&self) -> bool {
         self.ref_count == 0
             && (self.cached && self.pin_count == 0 && self.cached_children == 0
-                || self.duplicate_of.is_some())
+                || self.duplicate_group.is_some())
     }
 
     /// Nobody references it and it is a duplicate (module docs).
     fn spare(&self) -> bool {
-        self.ref_count == 0 && self.duplicate_of.is_some()
+        self.ref_count == 0 && self.duplicate_group.is_some()
     }
 
     /// Cached, and out of eviction's reach: referenced, pinned, or above such a block.
@@ -191,8 +203,17 @@ pub struct BlockPool {
     num_blocked: usize,
     /// Duplicates nobody references (module docs): obtainable, in the evictable set.
     num_spares: usize,
-    /// The duplicates of each canonical block that has any (rare: keyed, not per block).
-    duplicates: HashMap<BlockId, Vec<BlockId>, BuildHasherDefault<BlockIdHasher>>,
+    /// The group of duplicates of each canonical block that has any (rare: keyed, not per
+    /// block).
+    duplicates: HashMap<BlockId, GroupId, BuildHasherDefault<BlockIdHasher>>,
+    /// Every group of duplicates, by id; an emptied group's id is reused (`free_groups`). A
+    /// duplicate names its group, not its canonical block: when the canonical block is evicted
+    /// and its earliest duplicate takes its place, the others follow without being touched.
+    /// (They named the block before, and each eviction of a canonical block rewrote all of
+    /// them: a prompt repeated whole leaves one more duplicate of its last block each time, so
+    /// with the pool full of them every eviction cost O(duplicates): PROFILE.md, round 11.)
+    groups: Vec<DuplicateGroup>,
+    free_groups: Vec<GroupId>,
     /// The cached child of each duplicate that has one (at most one: its holder's next block,
     /// module docs), so taking a spare hands it to the canonical copy without a scan.
     duplicate_children: HashMap<BlockId, BlockId, BuildHasherDefault<BlockIdHasher>>,
@@ -239,6 +260,8 @@ impl BlockPool {
             num_blocked: 0,
             num_spares: 0,
             duplicates: HashMap::default(),
+            groups: Vec::new(),
+            free_groups: Vec::new(),
             duplicate_children: HashMap::default(),
             lent: HashMap::default(),
         })
@@ -380,7 +403,7 @@ impl BlockPool {
             self.refresh(block);
             false
         } else {
-            if meta.duplicate_of.is_some() {
+            if meta.duplicate_group.is_some() {
                 // A spare. It keeps its cached child, unless blocked (module docs); its parent
                 // was the holder's block: stale from now on.
                 meta.parent = None;
@@ -428,7 +451,7 @@ impl BlockPool {
         let mut duplicates = false;
         for &block in table.iter().rev() {
             let meta = &mut self.blocks[block as usize];
-            if meta.duplicate_of.is_some() {
+            if meta.duplicate_group.is_some() {
                 // Still referenced by this request: a touch changes no set membership.
                 meta.last_access = spare_tick;
                 meta.priority = meta.priority.max(priority);
@@ -479,7 +502,7 @@ impl BlockPool {
         self.free[free_from..].reverse();
         if duplicates {
             for &block in table {
-                if self.blocks[block as usize].duplicate_of.is_some() {
+                if self.blocks[block as usize].duplicate_group.is_some() {
                     self.release(block);
                 }
             }
@@ -551,7 +574,7 @@ impl BlockPool {
     /// spare that kept its holder's next block).
     fn holds_chain(&self, block: BlockId) -> bool {
         let meta = &self.blocks[block as usize];
-        meta.cached || meta.duplicate_of.is_some()
+        meta.cached || meta.duplicate_group.is_some()
     }
 
     /// Counts cached `child` (whose `parent` is already set) among `parent`'s children, and
@@ -561,7 +584,7 @@ impl BlockPool {
         debug_assert!(self.holds_chain(parent));
         let parent_meta = &mut self.blocks[parent as usize];
         parent_meta.cached_children += 1;
-        if parent_meta.duplicate_of.is_some() {
+        if parent_meta.duplicate_group.is_some() {
             let earlier = self.duplicate_children.insert(parent, child);
             debug_assert!(
                 earlier.is_none(),
@@ -583,26 +606,64 @@ impl BlockPool {
         debug_assert!(!self.blocks[block as usize].cached);
         debug_assert!(self.blocks[block as usize].ref_count > 0);
         debug_assert!(self.blocks[canonical as usize].cached);
-        let meta = &mut self.blocks[block as usize];
-        match meta.duplicate_of {
-            Some(current) if current == canonical => return false,
-            Some(current) => {
-                meta.duplicate_of = Some(canonical);
-                self.forget_duplicate(current, block);
+        match self.blocks[block as usize].duplicate_group {
+            Some(group) if self.groups[group as usize].canonical == canonical => return false,
+            Some(group) => self.leave_group(group, block),
+            None => self.blocks[block as usize].parent = parent,
+        }
+        let group = self.group_of(canonical);
+        self.groups[group as usize].members.push_back(block);
+        self.blocks[block as usize].duplicate_group = Some(group);
+        true
+    }
+
+    /// The group of `canonical`'s duplicates, made (empty) if it has none.
+    fn group_of(&mut self, canonical: BlockId) -> GroupId {
+        if let Some(&group) = self.duplicates.get(&canonical) {
+            return group;
+        }
+        let group = match self.free_groups.pop() {
+            Some(group) => {
+                self.groups[group as usize].canonical = canonical;
+                group
             }
             None => {
-                meta.duplicate_of = Some(canonical);
-                meta.parent = parent;
+                self.groups.push(DuplicateGroup {
+                    canonical,
+                    members: VecDeque::new(),
+                });
+                // At most one group per cached block, and block ids are `u32`.
+                (self.groups.len() - 1) as GroupId
             }
+        };
+        self.duplicates.insert(canonical, group);
+        group
+    }
+
+    /// Takes `block` out of `group`'s members (the caller clears its `duplicate_group`); an
+    /// emptied group is forgotten. The usual member to go is the earliest or the latest.
+    fn leave_group(&mut self, group: GroupId, block: BlockId) {
+        let entry = &mut self.groups[group as usize];
+        let members = &mut entry.members;
+        if members.front() == Some(&block) {
+            members.pop_front();
+        } else if members.back() == Some(&block) {
+            members.pop_back();
+        } else {
+            members.retain(|&b| b != block);
         }
-        self.duplicates.entry(canonical).or_default().push(block);
-        true
+        if members.is_empty() {
+            let canonical = entry.canonical;
+            self.duplicates.remove(&canonical);
+            self.free_groups.push(group);
+        }
     }
 
     /// The canonical copy a held duplicate stands for, if `block` is one.
     #[must_use]
     pub fn duplicate_of(&self, block: BlockId) -> Option<BlockId> {
-        self.blocks.get(block as usize).and_then(|m| m.duplicate_of)
+        let group = self.blocks.get(block as usize)?.duplicate_group?;
+        Some(self.groups[group as usize].canonical)
     }
 
     /// The block a cached block or a duplicate names as its parent.
@@ -614,9 +675,8 @@ impl BlockPool {
     /// Lends spare `spare`'s cached `child` to the spare's canonical copy, as a child not yet
     /// counted blocked there (module docs). Returns the canonical copy.
     fn lend(&mut self, child: BlockId, spare: BlockId) -> BlockId {
-        let spare_meta = &mut self.blocks[spare as usize];
-        let canonical = spare_meta.duplicate_of.expect("a spare is a duplicate");
-        spare_meta.cached_children -= 1;
+        let canonical = self.duplicate_of(spare).expect("a spare is a duplicate");
+        self.blocks[spare as usize].cached_children -= 1;
         self.refresh(spare);
         self.blocks[child as usize].parent = Some(canonical);
         self.blocks[canonical as usize].cached_children += 1;
@@ -659,7 +719,7 @@ impl BlockPool {
         // `clear` goes in id order and may uncache a parent before its children: an uncached
         // parent keeps counting them until they go too, and ends at 0 either way.
         parent_meta.cached_children = parent_meta.cached_children.saturating_sub(1);
-        if parent_meta.duplicate_of.is_some() {
+        if parent_meta.duplicate_group.is_some() {
             // Its one cached child (`add_child`).
             self.duplicate_children.remove(&parent);
         }
@@ -671,15 +731,6 @@ impl BlockPool {
         }
     }
 
-    fn forget_duplicate(&mut self, canonical: BlockId, block: BlockId) {
-        if let Some(list) = self.duplicates.get_mut(&canonical) {
-            list.retain(|&b| b != block);
-            if list.is_empty() {
-                self.duplicates.remove(&canonical);
-            }
-        }
-    }
-
     /// Forgets every duplicate (`clear`, once every cached block is gone): they stay private.
     pub fn forget_duplicates(&mut self) {
         // Their children were cached blocks, all gone (`detach_child` forgot them).
@@ -687,10 +738,12 @@ impl BlockPool {
         self.duplicate_children.clear();
         self.lent.clear();
         let mut spares = Vec::new();
-        for (_, list) in std::mem::take(&mut self.duplicates) {
-            for block in list {
+        self.duplicates.clear();
+        self.free_groups.clear();
+        for group in std::mem::take(&mut self.groups) {
+            for block in group.members {
                 let meta = &mut self.blocks[block as usize];
-                meta.duplicate_of = None;
+                meta.duplicate_group = None;
                 meta.parent = None;
                 if meta.ref_count == 0 {
                     spares.push(block);
@@ -707,9 +760,10 @@ impl BlockPool {
     /// Hands out spare `block` (module docs): its content is cached elsewhere, in its canonical
     /// copy, which takes its cached child if it kept one.
     fn take_spare(&mut self, block: BlockId) {
-        let canonical = self.blocks[block as usize]
-            .duplicate_of
+        let group = self.blocks[block as usize]
+            .duplicate_group
             .expect("a spare is a duplicate");
+        let canonical = self.groups[group as usize].canonical;
         if let Some(&child) = self.duplicate_children.get(&block) {
             if self.lent.remove(&child).is_some() {
                 // Under the canonical copy already: it stays there.
@@ -722,10 +776,10 @@ impl BlockPool {
             }
         }
         let meta = &mut self.blocks[block as usize];
-        meta.duplicate_of = None;
+        meta.duplicate_group = None;
         debug_assert!(meta.ref_count == 0 && !meta.cached && meta.cached_children == 0);
         self.num_spares -= 1;
-        self.forget_duplicate(canonical, block);
+        self.leave_group(group, block);
         self.refresh(block);
         self.free.push(block);
     }
@@ -737,14 +791,17 @@ impl BlockPool {
             // The common case: no probe of an empty map per eviction.
             return None;
         }
-        let mut list = self.duplicates.remove(&block)?;
+        let group = self.duplicates.remove(&block)?;
+        let entry = &mut self.groups[group as usize];
         // The earliest copy left, as vLLM's lookup returns the first block cached under a hash.
-        let heir = list.remove(0);
-        for &other in &list {
-            self.blocks[other as usize].duplicate_of = Some(heir);
-        }
-        if !list.is_empty() {
-            self.duplicates.insert(heir, list);
+        let heir = entry.members.pop_front().expect("a group has a member");
+        if entry.members.is_empty() {
+            self.free_groups.push(group);
+        } else {
+            // The others stand for the heir from now on: the group moves to it, and not one of
+            // them is touched.
+            entry.canonical = heir;
+            self.duplicates.insert(heir, group);
         }
         let evicted_parent = self.blocks[block as usize].parent;
         self.uncache(block);
@@ -758,7 +815,7 @@ impl BlockPool {
             self.num_spares -= 1;
         }
         let meta = &mut self.blocks[heir as usize];
-        meta.duplicate_of = None;
+        meta.duplicate_group = None;
         meta.cached = true;
         self.num_cached += 1;
         if let Some(parent) = meta.parent {
@@ -1150,16 +1207,16 @@ impl BlockPool {
             let free = on_free[id];
             assert_eq!(
                 free,
-                meta.ref_count == 0 && !meta.cached && meta.duplicate_of.is_none(),
+                meta.ref_count == 0 && !meta.cached && meta.duplicate_group.is_none(),
                 "block {id} free-list state"
             );
-            if meta.cached || meta.duplicate_of.is_some() {
+            if meta.cached || meta.duplicate_group.is_some() {
                 assert_eq!(meta.cached_children, children[id], "block {id} child count");
             }
             if meta.cached {
                 cached += 1;
                 assert!(
-                    meta.duplicate_of.is_none(),
+                    meta.duplicate_group.is_none(),
                     "cached block {id} is a duplicate"
                 );
                 if let Some(parent) = meta.parent {
@@ -1169,7 +1226,8 @@ impl BlockPool {
                     );
                 }
             }
-            if let Some(canonical) = meta.duplicate_of {
+            if let Some(group) = meta.duplicate_group {
+                let canonical = self.groups[group as usize].canonical;
                 assert!(
                     meta.ref_count > 0 || meta.parent.is_none(),
                     "spare {id} still chained"
@@ -1216,11 +1274,16 @@ impl BlockPool {
                     self.blocks[canonical as usize].cached,
                     "duplicate {id} of an uncached block"
                 );
+                assert_eq!(
+                    self.duplicates.get(&canonical),
+                    Some(&group),
+                    "duplicate {id}'s group is not its canonical block's"
+                );
                 assert!(
-                    self.duplicates
-                        .get(&canonical)
-                        .is_some_and(|list| list.contains(&(id as BlockId))),
-                    "duplicate {id} missing from its canonical block's list"
+                    self.groups[group as usize]
+                        .members
+                        .contains(&(id as BlockId)),
+                    "duplicate {id} missing from its group"
                 );
             }
             in_use += usize::from(meta.ref_count > 0);
@@ -1240,7 +1303,7 @@ impl BlockPool {
             }
         }
         for (id, meta) in self.blocks.iter().enumerate() {
-            if meta.cached || meta.duplicate_of.is_some() {
+            if meta.cached || meta.duplicate_group.is_some() {
                 assert_eq!(
                     meta.blocked_children, blocked_children[id],
                     "block {id} blocked children"
@@ -1256,26 +1319,52 @@ impl BlockPool {
         }
         for &parent in self.duplicate_children.keys() {
             assert!(
-                self.blocks[parent as usize].duplicate_of.is_some(),
+                self.blocks[parent as usize].duplicate_group.is_some(),
                 "child recorded for {parent}, not a duplicate"
             );
         }
-        for (&canonical, list) in &self.duplicates {
-            assert!(!list.is_empty(), "empty duplicate list of {canonical}");
-            for &block in list {
+        let mut members = 0;
+        for (&canonical, &group) in &self.duplicates {
+            let entry = &self.groups[group as usize];
+            assert_eq!(
+                entry.canonical, canonical,
+                "group {group}'s canonical block"
+            );
+            assert!(!entry.members.is_empty(), "empty group of {canonical}");
+            for &block in &entry.members {
                 assert_eq!(
-                    self.blocks[block as usize].duplicate_of,
-                    Some(canonical),
+                    self.blocks[block as usize].duplicate_group,
+                    Some(group),
                     "listed duplicate {block} of {canonical}"
                 );
             }
+            members += entry.members.len();
         }
+        for &group in &self.free_groups {
+            assert!(
+                self.groups[group as usize].members.is_empty(),
+                "free group {group} has members"
+            );
+        }
+        assert_eq!(
+            self.duplicates.len() + self.free_groups.len(),
+            self.groups.len(),
+            "every group is in use or free, once"
+        );
+        assert_eq!(
+            members,
+            self.blocks
+                .iter()
+                .filter(|m| m.duplicate_group.is_some())
+                .count(),
+            "each duplicate listed once"
+        );
         let blocked = self.blocks.iter().filter(|m| m.blocked()).count();
         assert_eq!(blocked, self.num_blocked, "blocked cached blocks");
         let spares = self
             .blocks
             .iter()
-            .filter(|m| m.duplicate_of.is_some() && m.ref_count == 0)
+            .filter(|m| m.duplicate_group.is_some() && m.ref_count == 0)
             .count();
         assert_eq!(spares, self.num_spares, "spares");
         assert_eq!(

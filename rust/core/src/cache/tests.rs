@@ -533,3 +533,31 @@ fn published_blocks_hint_the_block_a_fixed_distance_up_their_chain() {
     drop(inner);
     c.finish(&r.request_id).unwrap();
 }
+
+/// Round 11: a prompt repeated whole leaves one more duplicate of its last block each time
+/// (its recomputed copy), so a full pool holds many duplicates of one canonical block, which
+/// is evicted, handing its entry to its earliest duplicate, again and again. Duplicates name
+/// their group, which moves to the heir; every invariant holds and every repeat still hits all
+/// but its last block, through groups emptied and reused.
+#[test]
+fn a_prompt_repeated_whole_hands_its_last_block_down_its_duplicates() {
+    let c = cache(10, 2);
+    let prompt: Vec<u32> = (0..6).collect();
+    for round in 0..60 {
+        let r = c.begin(None, prompt.clone(), b"", no_extras(), 0).unwrap();
+        let expected = if round == 0 { 0 } else { 4 };
+        assert_eq!(r.num_cached_tokens, expected, "round {round}");
+        c.commit(&r.request_id, prompt.len()).unwrap();
+        c.finish(&r.request_id).unwrap();
+        c.check_invariants();
+        if round == 30 || round == 45 {
+            // Another prompt takes most of the pool: the canonical copy and its duplicates go,
+            // and the next group reuses the emptied one.
+            let other: Vec<u32> = (100 + round..116 + round).collect();
+            let r = c.begin(None, other, b"", no_extras(), 0).unwrap();
+            c.commit(&r.request_id, 16).unwrap();
+            c.finish(&r.request_id).unwrap();
+            c.check_invariants();
+        }
+    }
+}
