@@ -512,7 +512,7 @@ fn every_victim_of_any_batch_size_loses_its_entry_and_no_other_does() {
 /// Round 11: each published block names the block `CHAIN_HINT_DISTANCE` positions up its
 /// chain, so that evicting it asks for that block's metadata ahead of the walk. A hint only
 /// (nothing reads it for an answer), so this is the one test that would notice it pointing
-/// nowhere; the first blocks of a chain, and blocks published again, have none.
+/// nowhere; a chain's first `CHAIN_HINT_DISTANCE` blocks have none.
 #[test]
 fn published_blocks_hint_the_block_a_fixed_distance_up_their_chain() {
     use crate::pool::CHAIN_HINT_DISTANCE as D;
