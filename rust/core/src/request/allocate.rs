@@ -212,7 +212,7 @@ impl PrefixCache {
         for p in 0..num_full {
             // The entry's slot and token row are read while its key is hashed: a walk follows
             // links one block at a time, so the miss then overlaps the hashing instead of
-            // following it. Plain loads, no effect on any answer (`Table::prefetch_child`).
+            // following it. Prefetch hints, no effect on any answer (`Table::prefetch_child`).
             match anchors.last() {
                 Some(last) => self.table.prefetch_child(last.block),
                 None => {

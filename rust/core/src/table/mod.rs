@@ -475,7 +475,7 @@ impl Table {
     /// waiting for them: the index word at its home slot and, for `insert`, the slot and
     /// token row of `block`. The table is several MiB and keys are random, so each probe is a
     /// cache miss; issuing a batch of these loads first lets the CPU overlap the misses
-    /// (benches/PROFILE.md). Plain loads whose values are discarded: no effect on any answer.
+    /// (benches/PROFILE.md). Prefetch hints (`prefetch.rs`): no effect on any answer.
     #[inline]
     ///
     /// `indexed`: whether the insert may probe the index; a child linked from the previous
@@ -498,8 +498,9 @@ impl Table {
     /// its home slot, then, when it names a block with the key's hash, that block's slot and
     /// token row. The second reads depend on the first, so a lookup walk issues this for a
     /// batch of keys before verifying any: both tiers of misses then overlap across the batch
-    /// instead of coming two per block in turn (benches/PROFILE.md). Plain loads whose values
-    /// are discarded, and a stale or torn word only wastes a load: no effect on any answer.
+    /// instead of coming two per block in turn (benches/PROFILE.md). The index word is read (the
+    /// second tier's address depends on it), the rest are prefetch hints; a stale or torn word
+    /// only wastes a prefetch: no effect on any answer.
     #[inline]
     pub fn prefetch_entry(&self, key: &TableKey) {
         let hash = index_hash(*key);
@@ -526,8 +527,8 @@ impl Table {
 
     /// Starts the memory reads a removal of `block`'s entry will need: the block's slot (its
     /// key) and then the index word at the key's home slot. Unlike `prefetch` for an insert, not
-    /// the token row, which a removal never reads. Plain loads whose values are discarded: no
-    /// effect on any answer.
+    /// the token row, which a removal never reads. The slot is read (the next line's address is
+    /// in it), the next line prefetched: no effect on any answer.
     #[inline]
     pub fn prefetch_removal(&self, block: BlockId) {
         if let Some(slot) = self.slots.get(block as usize) {

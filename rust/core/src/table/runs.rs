@@ -43,7 +43,7 @@ use crate::prefetch::prefetch;
 impl Table {
     /// Starts the memory reads a `get_verified_child` of the entry in `parent_block` will need:
     /// the linked child's slot and token row (the parent's slot was just read, so its link is
-    /// at hand). Plain loads whose values are discarded: no effect on any answer.
+    /// at hand). Prefetch hints (`prefetch.rs`): no effect on any answer.
     #[inline]
     pub fn prefetch_child(&self, parent_block: BlockId) {
         if let Some(slot) = self.slots.get(parent_block as usize) {
