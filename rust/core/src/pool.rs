@@ -144,6 +144,13 @@ struct BlockMeta {
     /// canonical copy (module docs, `BlockPool::groups`). Its `parent` is then its holder's
     /// previous block, cached or a duplicate itself.
     duplicate_group: Option<GroupId>,
+    /// Its KV was computed before the cache's last reset (`clear`, `set_context`): set for
+    /// every block by `mark_all_stale`, cleared when `allocate` hands the block out (its KV is
+    /// then computed afresh). The low-level `commit_blocks` refuses a stale block, and no
+    /// cached block is stale. A flag in the line `allocate` writes anyway, where an epoch
+    /// word per block in an array of its own cost each allocated block one more cold line
+    /// (PROFILE.md, round 12).
+    stale: bool,
 }
 
 /// The index of a `DuplicateGroup` in `BlockPool::groups`.
@@ -324,6 +331,23 @@ impl BlockPool {
         self.blocks
             .get(block as usize)
             .is_some_and(|m| m.pin_count > 0)
+    }
+
+    /// Whether the block's KV was computed before the last `mark_all_stale` and the block
+    /// not handed out by `allocate` since (`BlockMeta::stale`; `false` for an id outside the
+    /// pool, which `check_id` refuses).
+    #[must_use]
+    pub fn is_stale(&self, block: BlockId) -> bool {
+        self.blocks.get(block as usize).is_some_and(|m| m.stale)
+    }
+
+    /// Marks every block's KV as computed before a reset (`clear`, `set_context`): none is
+    /// published again until `allocate` hands it out afresh. O(blocks), once per reset; the
+    /// caller uncaches the cached ones.
+    pub fn mark_all_stale(&mut self) {
+        for meta in &mut self.blocks {
+            meta.stale = true;
+        }
     }
 
     /// Checks an id is inside the pool.
@@ -1030,6 +1054,7 @@ impl BlockPool {
             meta.ref_count = 1;
             // Lowest until a request touches it: the first request to cache it sets it.
             meta.priority = i32::MIN;
+            meta.stale = false;
         }
         self.num_in_use += blocks.len();
         blocks

@@ -93,7 +93,7 @@ impl PrefixCache {
                     reason: "not held by the caller (take it with allocate or match_and_acquire)",
                 });
             }
-            if inner.block_epoch[block as usize] != inner.epoch {
+            if inner.pool.is_stale(block) {
                 return Err(CacheError::BlockState {
                     block,
                     reason: "its KV was computed before clear() or set_context(): never published",

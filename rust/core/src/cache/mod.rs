@@ -42,10 +42,11 @@
 //! ## Reset and epochs
 //! `clear` and `set_context` drop every cached block nobody references, detach the referenced
 //! ones (out of the table, freed at their last release) and drop every pin. Each starts a new
-//! *epoch*. A block records the epoch in which it was allocated, that is in which its KV was
-//! computed, and KV of an older epoch is never published: requests live at the reset become
-//! non-cacheable (`request/publish.rs`), and `commit_blocks` refuses such blocks. So every cached block
-//! belongs to the current epoch (`check_invariants` asserts that too).
+//! *epoch*, and KV of an older epoch is never published: requests live at the reset become
+//! non-cacheable (`request/publish.rs`, by the epoch each request records), and every block is
+//! marked *stale* (`BlockPool::mark_all_stale`) until `allocate` hands it out again, that is
+//! until its KV is computed afresh: `commit_blocks` refuses a stale block. So every cached block
+//! belongs to the current epoch (`check_invariants` asserts that no cached block is stale).
 
 mod lookup;
 mod low_level;
@@ -59,7 +60,6 @@ use crate::events::Events;
 use crate::key::{BlockKey, RequestExtras, TableHasher};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool, Evicted};
-use crate::prefetch::prefetch;
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
@@ -191,8 +191,6 @@ pub(crate) struct Inner {
     pub(crate) scratch: Vec<u8>,
     /// Bumped by `clear` and `set_context`: KV computed in an older epoch is never published.
     pub(crate) epoch: u64,
-    /// Epoch in which each block was last allocated (its KV computed).
-    pub(crate) block_epoch: Vec<u64>,
     /// References taken through the low-level API (`allocate`, `match_and_acquire`): the only
     /// ones `release` may drop.
     pub(crate) external_refs: Vec<u32>,
@@ -299,7 +297,6 @@ impl PrefixCache {
                 counters: Counters::default(),
                 scratch: Vec::new(),
                 epoch: 0,
-                block_epoch: per_block(num_blocks, 0).ok_or_else(unallocated)?,
                 external_refs: per_block(num_blocks, 0).ok_or_else(unallocated)?,
                 events: Events::default(),
                 eviction_log: None,
@@ -449,8 +446,8 @@ impl PrefixCache {
                         }
                     }
                 }
-                assert_eq!(
-                    inner.block_epoch[block], inner.epoch,
+                assert!(
+                    !inner.pool.is_stale(block as BlockId),
                     "cached block {block} was computed before the last reset"
                 );
             }
@@ -527,20 +524,20 @@ impl PrefixCache {
         match inner.pool.allocate(count) {
             Ok((fresh, evicted)) => {
                 let guard = self.table.guard();
-                // A rolling pipeline over the victims (PROFILE.md, round 11): the slot line and
-                // epoch word of the victim `2 * LOOKAHEAD` ahead are asked for (hints), the
+                // A rolling pipeline over the victims (PROFILE.md, round 11): the slot line of
+                // the victim `2 * LOOKAHEAD` ahead is asked for (a hint), the
                 // index or parent line of the one `LOOKAHEAD` ahead (found from its slot, in
                 // cache by then), and this one is removed or moved with its misses started.
                 for ahead in &evicted[..evicted.len().min(LOOKAHEAD)] {
-                    self.prefetch_victim(inner, ahead.block);
+                    self.table.prefetch_slot(ahead.block);
                     self.table.prefetch_removal(ahead.block);
                 }
                 for ahead in evicted.iter().skip(LOOKAHEAD).take(LOOKAHEAD) {
-                    self.prefetch_victim(inner, ahead.block);
+                    self.table.prefetch_slot(ahead.block);
                 }
                 for (i, &Evicted { block, moved_to }) in evicted.iter().enumerate() {
                     if let Some(ahead) = evicted.get(i + 2 * LOOKAHEAD) {
-                        self.prefetch_victim(inner, ahead.block);
+                        self.table.prefetch_slot(ahead.block);
                     }
                     if let Some(ahead) = evicted.get(i + LOOKAHEAD) {
                         self.table.prefetch_removal(ahead.block);
@@ -561,11 +558,6 @@ impl PrefixCache {
                         log.push(block);
                     }
                 }
-                // After the removals: the victims' epoch words were asked for in their loop (a
-                // store to a missing line each, before, filled the store buffer: round 11).
-                for &block in &fresh {
-                    inner.block_epoch[block as usize] = inner.epoch;
-                }
                 Ok(fresh)
             }
             Err(err) => {
@@ -575,16 +567,6 @@ impl PrefixCache {
                 }
                 Err(err)
             }
-        }
-    }
-
-    /// Asks for the lines a victim's removal reads first (its table slot) and its epoch word,
-    /// which `acquire_and_allocate` writes: hints, nothing changes.
-    #[inline]
-    fn prefetch_victim(&self, inner: &Inner, block: BlockId) {
-        self.table.prefetch_slot(block);
-        if let Some(epoch) = inner.block_epoch.get(block as usize) {
-            prefetch(epoch);
         }
     }
 
@@ -603,6 +585,8 @@ impl PrefixCache {
             inner.pool.uncache(block);
         }
         inner.pool.forget_duplicates();
+        // Every block's KV, held or not, now predates the reset (`commit_blocks` refuses it).
+        inner.pool.mark_all_stale();
     }
 }
 
@@ -645,8 +629,8 @@ fn check_up_front_bytes(config: &CacheConfig) -> Result<usize> {
              per block"
         )));
     }
-    let per_block =
-        std::mem::size_of::<u64>() + std::mem::size_of::<u32>() + BlockPool::BYTES_PER_BLOCK;
+    // `Inner::external_refs`, and the pool's own.
+    let per_block = std::mem::size_of::<u32>() + BlockPool::BYTES_PER_BLOCK;
     let bytes = crate::table::Table::bytes_up_front(num_blocks, block_size)
         .and_then(|table| num_blocks.checked_mul(per_block)?.checked_add(table));
     match bytes {
