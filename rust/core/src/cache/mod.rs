@@ -529,7 +529,7 @@ impl PrefixCache {
                 // index or parent line of the one `LOOKAHEAD` ahead (found from its slot, in
                 // cache by then), and this one is removed or moved with its misses started.
                 for ahead in &evicted[..evicted.len().min(LOOKAHEAD)] {
-                    self.table.prefetch_slot(ahead.block);
+                    // Reads the slot itself (the next line's address is in it).
                     self.table.prefetch_removal(ahead.block);
                 }
                 for ahead in evicted.iter().skip(LOOKAHEAD).take(LOOKAHEAD) {
