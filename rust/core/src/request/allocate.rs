@@ -209,6 +209,8 @@ impl PrefixCache {
         // (~4% of its begin+commit+finish). Sizing it lazily, at the first hit, measured no
         // better on misses (callgrind).
         let mut anchors: Vec<Anchor> = Vec::with_capacity(num_full);
+        // No extra keys (almost every request): no per-block `Vec` built and dropped.
+        let plain = request.extras.is_empty();
         for p in 0..num_full {
             // The entry's slot and token row are read while its key is hashed: a walk follows
             // links one block at a time, so the miss then overlaps the hashing instead of
@@ -222,7 +224,13 @@ impl PrefixCache {
                 }
             }
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
-            let block_extras = block_extras(&request.extras, p, bs);
+            let owned;
+            let block_extras: &[u8] = if plain {
+                &[]
+            } else {
+                owned = block_extras(&request.extras, p, bs);
+                &owned
+            };
             if p == request.keys.len() {
                 table_key(
                     &self.hasher,
@@ -230,20 +238,19 @@ impl PrefixCache {
                     &mut request.keys,
                     &request.root,
                     chunk,
-                    &block_extras,
+                    block_extras,
                     p,
                 );
             }
             let key = &request.keys[p];
             let found = match anchors.last() {
-                Some(last) => {
-                    self.table
-                        .get_verified_child(last, key, chunk, &block_extras, &guard)
-                }
+                Some(last) => self
+                    .table
+                    .get_verified_child(last, key, chunk, block_extras, &guard),
                 None => {
                     let root = Parent::Root(request.root);
                     self.table
-                        .get_verified(key, &root, chunk, &block_extras, &guard)
+                        .get_verified(key, &root, chunk, block_extras, &guard)
                 }
             };
             match found {

@@ -209,6 +209,8 @@ impl PrefixCache {
         // `table_key` for each new position, the previous key kept at hand: every position
         // here is past the memo, so no memo check and no call per block (PROFILE.md, round 7).
         let first_new = request.keys.len();
+        // No extra keys (almost every request): no per-block `Vec` built and dropped.
+        let plain = request.extras.is_empty();
         if first_new < target {
             let mut previous = match request.keys.last() {
                 Some(&key) => key,
@@ -216,10 +218,16 @@ impl PrefixCache {
             };
             let tokens = &request.tokens[first_new * bs..target * bs];
             for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
-                let block_extras = block_extras(&request.extras, p, bs);
+                let owned;
+                let block_extras: &[u8] = if plain {
+                    &[]
+                } else {
+                    owned = block_extras(&request.extras, p, bs);
+                    &owned
+                };
                 previous = self
                     .hasher
-                    .block(&mut inner.scratch, previous, chunk, &block_extras);
+                    .block(&mut inner.scratch, previous, chunk, block_extras);
                 request.keys.push(previous);
             }
         }
@@ -250,7 +258,13 @@ impl PrefixCache {
                 }
             }
             let chunk = &tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras(&request.extras, position, bs);
+            let owned;
+            let block_extras: &[u8] = if plain {
+                &[]
+            } else {
+                owned = block_extras(&request.extras, position, bs);
+                &owned
+            };
             let key = keys[position];
             let own_block = block_table[position];
             // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
@@ -264,7 +278,7 @@ impl PrefixCache {
                     None => Parent::Root(request.root),
                 },
                 tokens: chunk,
-                extras: &block_extras,
+                extras: block_extras,
             };
             if inner.pool.is_cached(own_block) {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
@@ -275,7 +289,7 @@ impl PrefixCache {
                     .published(own_block, &guard)
                     .filter(|anchor| anchor.key == key);
                 match published.and_then(|_| self.table.entry(own_block, &guard)) {
-                    Some(e) if e.verifies(&entry.parent, chunk, &block_extras) => {
+                    Some(e) if e.verifies(&entry.parent, chunk, block_extras) => {
                         let anchor = e.anchor(key);
                         inner.pool.touch(anchor.block, inner.tick, request.priority);
                         request.anchors.push(anchor);
@@ -313,12 +327,12 @@ impl PrefixCache {
                             (block_key, parent_key),
                             origin,
                             chunk,
-                            &block_extras,
+                            block_extras,
                         );
                     } else {
                         inner
                             .events
-                            .stored(own_block, parent_block, origin, chunk, &block_extras);
+                            .stored(own_block, parent_block, origin, chunk, block_extras);
                     }
                     inner.counters.committed_blocks += 1;
                     request.anchors.push(anchor);
