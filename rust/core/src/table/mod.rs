@@ -817,6 +817,7 @@ impl Table {
     /// `extras` (`Entry::verifies`), compared in place; `None` for a miss or a collision. For a
     /// block after the first, `get_verified_child` also finds a linked one. Lock-free.
     #[must_use]
+    #[inline]
     pub fn get_verified(
         &self,
         key: &TableKey,
@@ -828,6 +829,7 @@ impl Table {
     }
 
     /// `read` and `Entry::verifies` in one pass over the slot, under its sequence lock.
+    #[inline(always)]
     fn verify(
         &self,
         block: BlockId,

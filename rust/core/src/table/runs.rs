@@ -267,6 +267,7 @@ impl Table {
     /// to another parent's child after the parent's block was reused, reads as no entry.
     /// Lock-free.
     #[must_use]
+    #[inline]
     pub fn get_verified_child(
         &self,
         parent: &Anchor,
