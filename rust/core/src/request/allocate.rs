@@ -14,7 +14,7 @@
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
 use super::{release_tail_first, with_request, Request};
-use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
+use crate::cache::{block_extras_in, FullHit, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
 use crate::request::{RequestId, Slots};
@@ -209,8 +209,7 @@ impl PrefixCache {
         // (~4% of its begin+commit+finish). Sizing it lazily, at the first hit, measured no
         // better on misses (callgrind).
         let mut anchors: Vec<Anchor> = Vec::with_capacity(num_full);
-        // No extra keys (almost every request): no per-block `Vec` built and dropped.
-        let plain = request.extras.is_empty();
+        let mut extras_buffer = Vec::new();
         for p in 0..num_full {
             // The entry's slot and token row are read while its key is hashed: a walk follows
             // links one block at a time, so the miss then overlaps the hashing instead of
@@ -224,13 +223,7 @@ impl PrefixCache {
                 }
             }
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
-            let owned;
-            let block_extras: &[u8] = if plain {
-                &[]
-            } else {
-                owned = block_extras(&request.extras, p, bs);
-                &owned
-            };
+            let block_extras = block_extras_in(&request.extras, p, bs, &mut extras_buffer);
             if p == request.keys.len() {
                 table_key(
                     &self.hasher,

@@ -44,7 +44,7 @@
 //! holds no KV, so it computes afresh under the new context and may publish again.
 
 use super::{with_request, Request};
-use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
+use crate::cache::{block_extras_in, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::pool::CHAIN_HINT_DISTANCE;
@@ -209,8 +209,7 @@ impl PrefixCache {
         // `table_key` for each new position, the previous key kept at hand: every position
         // here is past the memo, so no memo check and no call per block (PROFILE.md, round 7).
         let first_new = request.keys.len();
-        // No extra keys (almost every request): no per-block `Vec` built and dropped.
-        let plain = request.extras.is_empty();
+        let mut extras_buffer = Vec::new();
         if first_new < target {
             let mut previous = match request.keys.last() {
                 Some(&key) => key,
@@ -218,13 +217,7 @@ impl PrefixCache {
             };
             let tokens = &request.tokens[first_new * bs..target * bs];
             for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
-                let owned;
-                let block_extras: &[u8] = if plain {
-                    &[]
-                } else {
-                    owned = block_extras(&request.extras, p, bs);
-                    &owned
-                };
+                let block_extras = block_extras_in(&request.extras, p, bs, &mut extras_buffer);
                 previous = self
                     .hasher
                     .block(&mut inner.scratch, previous, chunk, block_extras);
@@ -258,13 +251,7 @@ impl PrefixCache {
                 }
             }
             let chunk = &tokens[position * bs..(position + 1) * bs];
-            let owned;
-            let block_extras: &[u8] = if plain {
-                &[]
-            } else {
-                owned = block_extras(&request.extras, position, bs);
-                &owned
-            };
+            let block_extras = block_extras_in(&request.extras, position, bs, &mut extras_buffer);
             let key = keys[position];
             let own_block = block_table[position];
             // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
