@@ -48,6 +48,7 @@ pub fn prompt_hashes(
     }
     let mut parent = root_key(context, salt);
     let mut buffer = Vec::new();
+    let mut extras_buffer = Vec::new();
     tokens
         .chunks_exact(block_size)
         .enumerate()
@@ -56,7 +57,7 @@ pub fn prompt_hashes(
                 &mut buffer,
                 &parent,
                 chunk,
-                &block_extras(extras, index, block_size),
+                block_extras(extras, index, block_size, &mut extras_buffer),
             );
             hash64(&parent)
         })

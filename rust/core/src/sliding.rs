@@ -101,11 +101,12 @@ impl PrefixCache {
         upto: usize,
     ) {
         let bs = self.config.block_size;
+        let mut extras_buffer = Vec::new();
         for position in export_keys.len()..upto {
             let parent = export_keys.last().copied().unwrap_or(*root);
             let chunk = &tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras(extras, position, bs);
-            export_keys.push(block_key_with(scratch, &parent, chunk, &block_extras));
+            let block_extras = block_extras(extras, position, bs, &mut extras_buffer);
+            export_keys.push(block_key_with(scratch, &parent, chunk, block_extras));
         }
         let known = keys.len().min(upto);
         keys.extend(
@@ -128,6 +129,7 @@ impl PrefixCache {
     ) -> Vec<Option<Anchor>> {
         let bs = self.config.block_size;
         let guard = self.table.guard();
+        let mut extras_buffer = Vec::new();
         for key in keys.iter().take(upto.min(crate::cache::LOOKAHEAD)) {
             self.table.prefetch_entry(key);
         }
@@ -141,12 +143,12 @@ impl PrefixCache {
                     _ => export_keys[position - 1],
                 };
                 let chunk = &tokens[position * bs..(position + 1) * bs];
-                let block_extras = block_extras(extras, position, bs);
+                let block_extras = block_extras(extras, position, bs, &mut extras_buffer);
                 self.table.get_verified(
                     &keys[position],
                     &Parent::Root(parent),
                     chunk,
-                    &block_extras,
+                    block_extras,
                     &guard,
                 )
             })

@@ -65,13 +65,14 @@ impl PrefixCache {
         self.check_tokens(tokens)?;
         let mut parent = self.root_key(salt);
         let mut buffer = Vec::new();
+        let mut extras_buffer = Vec::new();
         let bs = self.config.block_size;
         Ok(tokens
             .chunks_exact(bs)
             .enumerate()
             .map(|(i, chunk)| {
-                let block_extras = block_extras(extras, i, bs);
-                parent = block_key_with(&mut buffer, &parent, chunk, &block_extras);
+                let block_extras = block_extras(extras, i, bs, &mut extras_buffer);
+                parent = block_key_with(&mut buffer, &parent, chunk, block_extras);
                 parent
             })
             .collect())
@@ -83,11 +84,12 @@ impl PrefixCache {
         let root = self.root_key(salt);
         let mut parent = self.hasher.root(&root);
         let mut buffer = Vec::new();
+        let mut extras_buffer = Vec::new();
         let bs = self.config.block_size;
         let mut count = 0;
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs);
-            parent = self.hasher.block(&mut buffer, parent, chunk, &block_extras);
+            let block_extras = block_extras(extras, index, bs, &mut extras_buffer);
+            parent = self.hasher.block(&mut buffer, parent, chunk, block_extras);
             count += 1;
         }
         std::hint::black_box(parent);
@@ -123,6 +125,7 @@ impl PrefixCache {
         let guard = self.table.guard();
         let mut key = self.hasher.root(&root);
         let mut parent: Option<Anchor> = None;
+        let mut extras_buffer = Vec::new();
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
             // The linked child's slot and token row are read while its key is hashed, so the
             // miss overlaps the hashing (`Table::prefetch_child`); a first block, or one past a
@@ -130,16 +133,16 @@ impl PrefixCache {
             if let Some(last) = &parent {
                 self.table.prefetch_child(last.block);
             }
-            let block_extras = block_extras(extras, index, bs);
-            key = self.hasher.block(buffer, key, chunk, &block_extras);
+            let block_extras = block_extras(extras, index, bs, &mut extras_buffer);
+            key = self.hasher.block(buffer, key, chunk, block_extras);
             let found = match &parent {
                 Some(last) => {
                     self.table
-                        .get_verified_child(last, &key, chunk, &block_extras, &guard)
+                        .get_verified_child(last, &key, chunk, block_extras, &guard)
                 }
                 None => {
                     self.table
-                        .get_verified(&key, &Parent::Root(root), chunk, &block_extras, &guard)
+                        .get_verified(&key, &Parent::Root(root), chunk, block_extras, &guard)
                 }
             };
             match found {

@@ -593,29 +593,30 @@ impl PrefixCache {
 /// Blocks whose table keys a walk over a prompt hashes ahead of its table reads.
 pub(crate) const LOOKAHEAD: usize = 16;
 
-/// The encoded extra keys of block `index` (see `key.rs`).
-pub(crate) fn block_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
-    if extras.is_empty() {
-        return Vec::new();
-    }
-    let start = (index * block_size) as u64;
-    extras.for_block(start, start + block_size as u64)
-}
-
-/// `block_extras` for a loop over a request's blocks, kept in `buffer`: a request without extra
-/// keys (almost every one) leaves it empty and never builds a `Vec` per block (PROFILE.md,
-/// issue 24, round 13).
+/// The encoded extra keys of block `index` (see `key.rs`), written into `buffer`, which a loop
+/// over a prompt's blocks keeps: a request without extra keys (almost every one) leaves it
+/// empty and never allocated, so no `Vec` is built and dropped per block (PROFILE.md, issue
+/// 24, round 13).
 #[inline(always)]
-pub(crate) fn block_extras_in<'a>(
+pub(crate) fn block_extras<'a>(
     extras: &RequestExtras,
     index: usize,
     block_size: usize,
     buffer: &'a mut Vec<u8>,
 ) -> &'a [u8] {
     if !extras.is_empty() {
-        *buffer = block_extras(extras, index, block_size);
+        *buffer = encoded_extras(extras, index, block_size);
     }
     buffer
+}
+
+/// `block_extras`' rare case, out of line so the per-block loops that inline the common one
+/// stay small.
+#[cold]
+#[inline(never)]
+fn encoded_extras(extras: &RequestExtras, index: usize, block_size: usize) -> Vec<u8> {
+    let start = (index * block_size) as u64;
+    extras.for_block(start, start + block_size as u64)
 }
 
 /// One value per block, or `None` if they do not fit in memory.

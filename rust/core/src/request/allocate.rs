@@ -14,7 +14,7 @@
 use super::drafts::no_pending_drafts;
 use super::keys::table_key;
 use super::{release_tail_first, with_request, Request};
-use crate::cache::{block_extras_in, FullHit, Inner, PrefixCache};
+use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
 use crate::request::{RequestId, Slots};
@@ -223,7 +223,7 @@ impl PrefixCache {
                 }
             }
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
-            let block_extras = block_extras_in(&request.extras, p, bs, &mut extras_buffer);
+            let block_extras = block_extras(&request.extras, p, bs, &mut extras_buffer);
             if p == request.keys.len() {
                 table_key(
                     &self.hasher,

@@ -25,11 +25,12 @@ impl PrefixCache {
             }
             let bs = self.config.block_size;
             let target = request.num_verified() / bs;
+            let mut extras_buffer = Vec::new();
             for position in request.export_keys.len()..target {
                 let parent = request.export_keys.last().copied().unwrap_or(request.root);
                 let chunk = &request.tokens[position * bs..(position + 1) * bs];
-                let extras = block_extras(&request.extras, position, bs);
-                let key = block_key_with(&mut inner.scratch, &parent, chunk, &extras);
+                let extras = block_extras(&request.extras, position, bs, &mut extras_buffer);
+                let key = block_key_with(&mut inner.scratch, &parent, chunk, extras);
                 request.export_keys.push(key);
             }
             request.export_keys[..target].to_vec()

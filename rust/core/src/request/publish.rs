@@ -44,7 +44,7 @@
 //! holds no KV, so it computes afresh under the new context and may publish again.
 
 use super::{with_request, Request};
-use crate::cache::{block_extras_in, Inner, PrefixCache, LOOKAHEAD};
+use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::pool::CHAIN_HINT_DISTANCE;
@@ -217,7 +217,7 @@ impl PrefixCache {
             };
             let tokens = &request.tokens[first_new * bs..target * bs];
             for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
-                let block_extras = block_extras_in(&request.extras, p, bs, &mut extras_buffer);
+                let block_extras = block_extras(&request.extras, p, bs, &mut extras_buffer);
                 previous = self
                     .hasher
                     .block(&mut inner.scratch, previous, chunk, block_extras);
@@ -251,7 +251,7 @@ impl PrefixCache {
                 }
             }
             let chunk = &tokens[position * bs..(position + 1) * bs];
-            let block_extras = block_extras_in(&request.extras, position, bs, &mut extras_buffer);
+            let block_extras = block_extras(&request.extras, position, bs, &mut extras_buffer);
             let key = keys[position];
             let own_block = block_table[position];
             // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
