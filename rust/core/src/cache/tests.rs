@@ -239,6 +239,27 @@ fn release_checks_every_id_before_dropping_any() {
     c.check_invariants();
 }
 
+/// A commit's run of fresh blocks (`publish_fresh_run`) hands over to the general loop at the
+/// first block already cached: here one cached as other content, which cannot stand there.
+#[test]
+fn a_fresh_run_stops_at_a_cached_block() {
+    let c = cache(8, 2);
+    let held = c.allocate(2).unwrap();
+    c.commit_blocks(&[1, 2, 3, 4], &held, b"", &no_extras(), 0)
+        .unwrap();
+    let fresh = c.allocate(1).unwrap();
+    // [3, 4] after [5, 6] is not the entry `held[1]` holds ([3, 4] after [1, 2]).
+    let published = c
+        .commit_blocks(&[5, 6, 3, 4], &[fresh[0], held[1]], b"", &no_extras(), 0)
+        .unwrap();
+    assert_eq!(published, fresh, "only the fresh block is published");
+    let hit = c.lookup(&[5, 6, 3, 4, 9], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, fresh);
+    let hit = c.lookup(&[1, 2, 3, 4, 9], b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, held, "the cached block keeps its own entry");
+    c.check_invariants();
+}
+
 #[test]
 fn commit_blocks_refuses_blocks_it_does_not_hold_or_that_are_not_full() {
     let c = cache(4, 2);

@@ -15,6 +15,13 @@
 //!
 //! Inserts never race: they happen under the mutex, so "first" is the mutex order.
 //!
+//! ## Fresh runs
+//! Once a commit has published a block itself, the entry it just wrote has no child, so the
+//! request's next block, if not cached already, can only be published, as that entry's first
+//! (linked) child: no probe, no outcome to tell apart. `publish_fresh_run` takes such positions
+//! in a loop of its own until the first cached block, where the general loop takes over; a miss
+//! publishes nearly all its blocks there (PROFILE.md, issue 24, round 14).
+//!
 //! ## Later blocks chain on the request's own copy
 //! A deduplicated position's anchor is another sequence's block, which this request does not hold.
 //! Its own copy becomes a *duplicate* of it in the pool (`pool.rs`), and the pool parent of the
@@ -46,8 +53,8 @@
 use super::{with_request, Request};
 use crate::cache::{block_extras, Inner, PrefixCache, LOOKAHEAD};
 use crate::error::{CacheError, Result};
-use crate::key::BlockKey;
-use crate::pool::CHAIN_HINT_DISTANCE;
+use crate::key::{BlockKey, RequestExtras, TableKey};
+use crate::pool::{BlockId, CHAIN_HINT_DISTANCE};
 use crate::request::RequestId;
 use crate::sliding::null_anchor;
 use crate::table::{Anchor, Insertion, NewEntry, Parent};
@@ -230,6 +237,7 @@ impl PrefixCache {
         let keys = &request.keys[..target];
         let tokens = &request.tokens[..target * bs];
         let mut prefetched_to = 0;
+        let fresh_runs = !sliding && self.table.links();
         while request.anchors.len() < target {
             let position = request.anchors.len();
             // `parent_block`: the parent entry's block (events name the chain by it);
@@ -323,6 +331,24 @@ impl PrefixCache {
                     }
                     inner.counters.committed_blocks += 1;
                     request.anchors.push(anchor);
+                    if fresh_runs {
+                        let run = FreshRun {
+                            keys,
+                            block_table,
+                            tokens,
+                            root: &request.root,
+                            extras: &request.extras,
+                            own_chain: request.own_chain,
+                            priority: request.priority,
+                        };
+                        self.publish_fresh_run(
+                            inner,
+                            &run,
+                            &mut request.anchors,
+                            &mut prefetched_to,
+                            &mut extras_buffer,
+                        );
+                    }
                     continue;
                 }
                 Insertion::Collision => {
@@ -357,7 +383,91 @@ impl PrefixCache {
     }
 }
 
+/// What `publish_fresh_run` reads of the request: its keys, block table and tokens sliced to
+/// the positions the commit covers, and what every entry and event of it names.
+struct FreshRun<'a> {
+    keys: &'a [TableKey],
+    block_table: &'a [BlockId],
+    tokens: &'a [u32],
+    root: &'a BlockKey,
+    extras: &'a RequestExtras,
+    own_chain: bool,
+    priority: i32,
+}
+
 impl PrefixCache {
+    /// Publishes the positions after the one just inserted for as long as each is a *fresh*
+    /// block: the request's own block, not cached. The entry published last then has no child
+    /// (`insert` just wrote its slot), so the next is its first child: linked, with no probe of
+    /// the index or of a child link and no outcome to tell apart (`Table::insert_first_child`),
+    /// and its pool parent is the block published before it, whether or not the request chains
+    /// on its own copies (they are the same block). The general loop takes over at the first
+    /// cached block (PROFILE.md, issue 24, round 14). Not for sliding-window caches, nor for a
+    /// table without links.
+    #[inline(always)] // once per commit that publishes
+    fn publish_fresh_run(
+        &self,
+        inner: &mut Inner,
+        run: &FreshRun<'_>,
+        anchors: &mut Vec<Anchor>,
+        prefetched_to: &mut usize,
+        extras_buffer: &mut Vec<u8>,
+    ) {
+        let bs = self.config.block_size;
+        let guard = self.table.guard();
+        let target = run.block_table.len();
+        let Some(&last) = anchors.last() else {
+            return;
+        };
+        let mut parent = last;
+        for position in anchors.len()..target {
+            let own_block = run.block_table[position];
+            if inner.pool.is_cached(own_block) {
+                return;
+            }
+            if position >= *prefetched_to {
+                *prefetched_to = target.min(position + LOOKAHEAD);
+                for p in position..*prefetched_to {
+                    self.table
+                        .prefetch(&run.keys[p], Some(run.block_table[p]), false);
+                }
+            }
+            let chunk = &run.tokens[position * bs..(position + 1) * bs];
+            let block_extras = block_extras(run.extras, position, bs, extras_buffer);
+            let entry = NewEntry {
+                id: inner.next_entry,
+                block: own_block,
+                parent: Parent::Entry(parent.id),
+                tokens: chunk,
+                extras: block_extras,
+            };
+            let anchor =
+                self.table
+                    .insert_first_child(run.keys[position], &entry, parent.block, &guard);
+            inner.next_entry += 1;
+            inner
+                .pool
+                .mark_cached_at(own_block, Some(parent.block), inner.tick, run.priority);
+            if run.own_chain {
+                if let Some(previous) = position.checked_sub(CHAIN_HINT_DISTANCE) {
+                    inner
+                        .pool
+                        .set_chain_hint(own_block, run.block_table[previous]);
+                }
+            }
+            inner.events.stored(
+                own_block,
+                Some(parent.block),
+                (run.root, run.extras),
+                chunk,
+                block_extras,
+            );
+            inner.counters.committed_blocks += 1;
+            anchors.push(anchor);
+            parent = anchor;
+        }
+    }
+
     /// Whether `anchor` is still the entry published in its block (a null stand-in never is).
     /// Under the mutex (the table's writer side).
     pub(super) fn anchor_live(&self, anchor: &Anchor) -> bool {

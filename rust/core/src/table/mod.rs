@@ -448,6 +448,13 @@ impl Table {
         })
     }
 
+    /// Whether children may be linked (`with_links`).
+    #[must_use]
+    #[inline]
+    pub fn links(&self) -> bool {
+        self.links
+    }
+
     /// Entries published now.
     #[must_use]
     pub fn len(&self) -> usize {

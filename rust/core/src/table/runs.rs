@@ -25,6 +25,10 @@
 //! 128-bit keys, which verification makes harmless. Truncated test keys (`key_bits`), whose
 //! collisions the reference models count, keep every entry indexed (`Table::with_links`).
 //!
+//! A commit's fresh run (`request/publish.rs`) publishes each block under the entry it
+//! published just before, which has no child yet: `insert_first_child` links it without looking
+//! for a child that cannot exist.
+//!
 //! Every writer-side field (`up`, `linked`, `indexed_children`) names a parent by block and is
 //! trusted only while that block still holds the parent's entry id (`up_slot`): an entry can
 //! move (`move_entry` carries its link along and repoints its linked child), and in vLLM's free
@@ -111,6 +115,35 @@ impl Table {
                 .store(count.saturating_add(1), Ordering::Relaxed);
         }
         inserted
+    }
+
+    /// Publishes `entry` as the linked child of the entry in `parent_block`, which the caller
+    /// published itself in this writer section and which has had no child since (so no key is
+    /// this parent's yet: nothing to probe). Writer only; the caller checks `links`.
+    #[inline(always)] // once per block of a fresh run
+    pub fn insert_first_child(
+        &self,
+        key: TableKey,
+        entry: &NewEntry<'_>,
+        parent_block: BlockId,
+    ) -> Anchor {
+        let parent = &self.slots[parent_block as usize];
+        debug_assert!(self.links);
+        debug_assert_eq!(
+            Parent::Entry(parent.id.load(Ordering::Relaxed)),
+            entry.parent
+        );
+        debug_assert_eq!(parent.child.load(Ordering::Relaxed), 0);
+        debug_assert_eq!(parent.indexed_children.load(Ordering::Relaxed), 0);
+        self.claim(entry.block);
+        self.write(key, entry, Some(parent_block), true);
+        parent.child.store(entry.block + 1, Ordering::Release);
+        self.count_entries(1);
+        Anchor {
+            id: entry.id,
+            block: entry.block,
+            key,
+        }
     }
 
     /// The slot holding the parent entry `parent` names, if it is in `block` and children may

@@ -86,6 +86,20 @@ mod lock_free {
             self.0.insert(key, entry, parent_block)
         }
         #[inline]
+        pub(crate) fn links(&self) -> bool {
+            self.0.links()
+        }
+        #[inline(always)]
+        pub(crate) fn insert_first_child(
+            &self,
+            key: TableKey,
+            entry: &NewEntry<'_>,
+            parent_block: BlockId,
+            _guard: &TableGuard,
+        ) -> Anchor {
+            self.0.insert_first_child(key, entry, parent_block)
+        }
+        #[inline]
         pub(crate) fn remove(&self, block: BlockId, _guard: &TableGuard) {
             self.0.remove(block);
         }
@@ -339,6 +353,22 @@ mod model {
                     .indexed_children += 1;
             }
             Insertion::Inserted(anchor)
+        }
+        pub(crate) fn links(&self) -> bool {
+            self.links
+        }
+        /// `insert` of a block whose parent has no child: always published.
+        pub(crate) fn insert_first_child(
+            &self,
+            key: TableKey,
+            entry: &NewEntry<'_>,
+            parent_block: BlockId,
+            guard: &TableGuard,
+        ) -> Anchor {
+            match self.insert(key, entry, Some(parent_block), guard) {
+                Insertion::Inserted(anchor) => anchor,
+                other => panic!("a first child was not published: {other:?}"),
+            }
         }
         pub(crate) fn remove(&self, block: BlockId, _guard: &TableGuard) {
             let (slot, up) = {
