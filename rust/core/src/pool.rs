@@ -971,6 +971,9 @@ impl BlockPool {
         // than pushed on the free list and drained back off it (PROFILE.md, round 8).
         let mut blocks: Vec<BlockId> = Vec::with_capacity(count);
         blocks.extend(self.free.drain(..).rev());
+        for &block in &blocks {
+            self.hand_out_one(block);
+        }
         let mut next: Option<BlockId> = None;
         // The set's smallest key as last read, while the set has not changed since (`None`:
         // read it again). A cold chain's walk leaves the set alone, so its steps compare
@@ -1000,6 +1003,7 @@ impl BlockPool {
                 self.take_spare(block);
                 let listed = self.free.pop();
                 debug_assert_eq!(listed, Some(block));
+                self.hand_out_one(block);
                 blocks.push(block);
                 smallest = None;
                 continue;
@@ -1009,6 +1013,7 @@ impl BlockPool {
                 // The victim is out of the set and, uncached, stays out (a cached block is
                 // never a duplicate): the set changes only if its parent's counts move.
                 let parent = self.uncache_leaving_parent::<false>(block);
+                self.hand_out_one(block);
                 blocks.push(block);
                 if let Some((parent, was_blocked)) = parent {
                     if was_blocked {
@@ -1021,6 +1026,7 @@ impl BlockPool {
                 // Rare (duplicates): listed by `uncache`, taken back off (the last push).
                 let listed = self.free.pop();
                 debug_assert_eq!(listed, Some(block));
+                self.hand_out_one(block);
                 blocks.push(block);
                 smallest = None;
             }
@@ -1030,7 +1036,8 @@ impl BlockPool {
             // Exposed but not needed: it joins the set after all.
             self.refresh(block);
         }
-        Ok((self.hand_out(blocks), evicted))
+        self.num_in_use += blocks.len();
+        Ok((blocks, evicted))
     }
 
     /// Records `ahead` as the block `CHAIN_HINT_DISTANCE` positions up cached `block`'s chain
@@ -1049,15 +1056,24 @@ impl BlockPool {
     /// Gives each of `blocks` (free, uncached) a reference and returns them.
     fn hand_out(&mut self, blocks: Vec<BlockId>) -> Vec<BlockId> {
         for &block in &blocks {
-            let meta = &mut self.blocks[block as usize];
-            debug_assert!(meta.ref_count == 0 && !meta.cached);
-            meta.ref_count = 1;
-            // Lowest until a request touches it: the first request to cache it sets it.
-            meta.priority = i32::MIN;
-            meta.stale = false;
+            self.hand_out_one(block);
         }
         self.num_in_use += blocks.len();
         blocks
+    }
+
+    /// `hand_out`'s step for one block, but for the in-use count. `allocate` takes it for each
+    /// victim as it takes the victim, while its metadata line is at hand: a second pass over
+    /// the handed-out blocks afterwards read every line again, from beyond the first-level
+    /// cache on a long allocation (PROFILE.md, issue 24, round 14).
+    #[inline(always)]
+    fn hand_out_one(&mut self, block: BlockId) {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(meta.ref_count == 0 && !meta.cached);
+        meta.ref_count = 1;
+        // Lowest until a request touches it: the first request to cache it sets it.
+        meta.priority = i32::MIN;
+        meta.stale = false;
     }
 
     /// `parent` when its last cached child was just evicted and it now goes before every key of
