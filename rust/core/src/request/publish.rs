@@ -420,10 +420,22 @@ impl PrefixCache {
             return;
         };
         let mut parent = last;
-        for position in anchors.len()..target {
-            let own_block = run.block_table[position];
+        let start = anchors.len();
+        let first_id = inner.next_entry;
+        // Zipped, so no position is bounds-checked in the loop; the entry ids and the counter
+        // are settled once at the end.
+        let blocks = run.block_table.get(start..).unwrap_or_default();
+        let keys = run.keys.get(start..).unwrap_or_default();
+        let chunks = run
+            .tokens
+            .get(start * bs..)
+            .unwrap_or_default()
+            .chunks_exact(bs);
+        let mut published = 0;
+        for ((&own_block, &key), chunk) in blocks.iter().zip(keys).zip(chunks) {
+            let position = start + published;
             if inner.pool.is_cached(own_block) {
-                return;
+                break;
             }
             if position >= *prefetched_to {
                 *prefetched_to = target.min(position + LOOKAHEAD);
@@ -432,19 +444,17 @@ impl PrefixCache {
                         .prefetch(&run.keys[p], Some(run.block_table[p]), false);
                 }
             }
-            let chunk = &run.tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(run.extras, position, bs, extras_buffer);
             let entry = NewEntry {
-                id: inner.next_entry,
+                id: first_id + published as u64,
                 block: own_block,
                 parent: Parent::Entry(parent.id),
                 tokens: chunk,
                 extras: block_extras,
             };
-            let anchor =
-                self.table
-                    .insert_first_child(run.keys[position], &entry, parent.block, &guard);
-            inner.next_entry += 1;
+            let anchor = self
+                .table
+                .insert_first_child(key, &entry, parent.block, &guard);
             inner
                 .pool
                 .mark_cached_at(own_block, Some(parent.block), inner.tick, run.priority);
@@ -462,10 +472,12 @@ impl PrefixCache {
                 chunk,
                 block_extras,
             );
-            inner.counters.committed_blocks += 1;
             anchors.push(anchor);
             parent = anchor;
+            published += 1;
         }
+        inner.next_entry = first_id + published as u64;
+        inner.counters.committed_blocks += published as u64;
     }
 
     /// Whether `anchor` is still the entry published in its block (a null stand-in never is).
