@@ -416,9 +416,132 @@ fn replay(path: &str, rounds: usize) {
     }
 }
 
+/// One block's line in `memory_bound`'s stand-in arrays: 64 bytes, aligned, as the cache's
+/// pool metadata, table slot and token row each are.
+#[derive(Clone, Copy, Default)]
+#[repr(align(64))]
+struct Line([u64; 8]);
+
+/// `memory-bound TRACE`: what the production replay would cost a per-block design that did
+/// nothing but hash and touch the cache lines it must (a lower bound for any table with a
+/// metadata line, a slot and a token row per block, like prefixkv's). The trace goes through
+/// the real cache first, untimed, to record each request's block table and hit; then, timed,
+/// each request hashes its prompt (`hash_prompt`, the floor) and touches its blocks' lines as
+/// the real cache must at the least: a hit block's slot and token row read and its metadata
+/// updated (a reference); a new block's metadata and slot written at eviction, its slot, token
+/// row and metadata written at publish; every block's metadata updated at finish. With the
+/// same read-ahead distance as the cache (16 blocks). Prints the mean µs of that and of the
+/// floor alone, in alternating order, and their ratio.
+fn memory_bound(path: &str) {
+    let (num_blocks, warmup, prompts) = read_trace(path);
+    let context = context_fingerprint(b"bench");
+    let extras = RequestExtras::default();
+    let cache = PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
+    let mut recorded: Vec<(Vec<u32>, usize)> = Vec::with_capacity(prompts.len());
+    for prompt in &prompts {
+        let r = cache
+            .begin(None, prompt.clone(), b"", extras.clone(), 0)
+            .expect("begin");
+        cache.commit(&r.request_id, prompt.len()).expect("commit");
+        cache.finish(&r.request_id).expect("finish");
+        recorded.push((r.block_table, r.num_cached_tokens / BLOCK_SIZE));
+    }
+    let n = num_blocks as usize;
+    let mut meta = vec![Line::default(); n];
+    let mut slots = vec![Line::default(); n];
+    let mut rows = vec![Line::default(); n];
+    let ahead = 16;
+    let prefetch_line = |line: &Line| {
+        #[cfg(target_arch = "x86_64")]
+        // Safety: a prefetch hint reads nothing and cannot fault.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::arch::x86_64::_mm_prefetch(
+                (line as *const Line).cast::<i8>(),
+                std::arch::x86_64::_MM_HINT_T0,
+            );
+        }
+    };
+    let (mut bound, mut floor, mut timed) = (0u128, 0u128, 0usize);
+    for (i, (prompt, (table, hits))) in prompts.iter().zip(&recorded).enumerate() {
+        let (mut touch_ns, mut hash_ns) = (0u128, 0u128);
+        for k in 0..2 {
+            let start = thread_ns();
+            std::hint::black_box(cache.hash_prompt(std::hint::black_box(prompt), b"", &extras));
+            let hashed = thread_ns() - start;
+            if (i + k) % 2 == 1 {
+                hash_ns = hashed;
+                continue;
+            }
+            let blocks: Vec<usize> = table.iter().map(|&b| b as usize).collect();
+            let (hit, new) = blocks.split_at((*hits).min(blocks.len()));
+            let mut sum = 0u64;
+            // begin: the hit walk, then the evictions (each victim is a new block's id).
+            for (j, &b) in hit.iter().enumerate() {
+                if let Some(&a) = hit.get(j + ahead) {
+                    prefetch_line(&slots[a]);
+                    prefetch_line(&rows[a]);
+                    prefetch_line(&meta[a]);
+                }
+                sum = sum.wrapping_add(slots[b].0[1] ^ rows[b].0[0] ^ rows[b].0[7]);
+                meta[b].0[0] += 1;
+            }
+            for (j, &b) in new.iter().enumerate() {
+                if let Some(&a) = new.get(j + ahead) {
+                    prefetch_line(&meta[a]);
+                    prefetch_line(&slots[a]);
+                }
+                meta[b].0[1] = meta[b].0[1].wrapping_add(1);
+                slots[b].0[1] = 0;
+            }
+            // commit: publish the new blocks.
+            for (j, (&b, chunk)) in new
+                .iter()
+                .zip(prompt[hit.len() * BLOCK_SIZE..].chunks_exact(BLOCK_SIZE))
+                .enumerate()
+            {
+                if let Some(&a) = new.get(j + ahead) {
+                    prefetch_line(&meta[a]);
+                    prefetch_line(&slots[a]);
+                    prefetch_line(&rows[a]);
+                }
+                for (word, pair) in rows[b].0.iter_mut().zip(chunk.chunks_exact(2)) {
+                    *word = u64::from(pair[0]) | u64::from(pair[1]) << 32;
+                }
+                slots[b].0[..4].copy_from_slice(&[i as u64, b as u64, 1, 2]);
+                meta[b].0[2] = i as u64;
+            }
+            // finish: every block's reference dropped.
+            for (j, &b) in blocks.iter().enumerate().rev() {
+                if let Some(a) = j.checked_sub(ahead).map(|a| blocks[a]) {
+                    prefetch_line(&meta[a]);
+                }
+                meta[b].0[0] = meta[b].0[0].wrapping_sub(1);
+            }
+            std::hint::black_box(sum);
+            touch_ns = thread_ns() - start;
+        }
+        if i >= warmup {
+            bound += touch_ns;
+            floor += hash_ns;
+            timed += 1;
+        }
+    }
+    println!(
+        "{{\"memory_bound_us\": {:.1}, \"floor_us\": {:.1}, \"ratio\": {:.2}}}",
+        bound as f64 / timed as f64 / 1e3,
+        floor as f64 / timed as f64 / 1e3,
+        bound as f64 / floor as f64,
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(mode) = args.get(1) {
+        if mode == "memory-bound" {
+            memory_bound(args.get(2).expect("memory-bound TRACE"));
+            return;
+        }
         if mode == "replay" {
             let path = args.get(2).expect("replay TRACE [ROUNDS]");
             replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
