@@ -899,6 +899,22 @@ impl BlockPool {
         parent.map(|parent| (parent, was_blocked))
     }
 
+    /// `uncache_leaving_parent` for an eviction victim, which is evictable (neither referenced
+    /// nor pinned, so not blocked) and out of the evictable set, and, uncached, stays out of it:
+    /// none of the steps those cases need, each a load and a branch per evicted block. Returns
+    /// the parent, if any, for `detach_child_counts` (the victim was not blocked).
+    #[inline(always)]
+    fn uncache_victim(&mut self, block: BlockId) -> Option<BlockId> {
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(meta.cached && meta.evictable() && !meta.in_set);
+        meta.cached = false;
+        let parent = meta.parent.take();
+        // A lent child is blocked (module docs): never a victim.
+        debug_assert!(!self.lent.contains_key(&block));
+        self.num_cached -= 1;
+        parent
+    }
+
     /// Pins a cached block once more.
     pub fn pin(&mut self, block: BlockId) {
         let meta = &mut self.blocks[block as usize];
@@ -1012,14 +1028,11 @@ impl BlockPool {
             if moved_to.is_none() {
                 // The victim is out of the set and, uncached, stays out (a cached block is
                 // never a duplicate): the set changes only if its parent's counts move.
-                let parent = self.uncache_leaving_parent::<false>(block);
+                let parent = self.uncache_victim(block);
                 self.hand_out_one(block);
                 blocks.push(block);
-                if let Some((parent, was_blocked)) = parent {
-                    if was_blocked {
-                        smallest = None;
-                    }
-                    self.detach_child_counts(parent, was_blocked);
+                if let Some(parent) = parent {
+                    self.detach_child_counts(parent, false);
                     next = self.next_in_chain(parent, &mut smallest);
                 }
             } else {
