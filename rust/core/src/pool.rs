@@ -560,6 +560,37 @@ impl BlockPool {
         self.mark_cached(block, parent);
     }
 
+    /// `mark_cached_at` of a block published under the block its holder published just before
+    /// it (a commit's fresh run, `request/publish.rs`), with its `chain_hint` (`None`: none).
+    /// The parent is cached, held and so blocked, and not a duplicate; the block is held: the
+    /// block becomes blocked, the parent's state does not change and neither joins the
+    /// evictable set, so none of the general case's checks are needed (`mark_cached_at` and
+    /// `set_chain_hint` leave the same state: `mark_cached_under_held_matches_the_general_case`).
+    #[inline(always)] // once per block of a fresh run
+    pub fn mark_cached_under_held(
+        &mut self,
+        block: BlockId,
+        parent: BlockId,
+        tick: u64,
+        priority: i32,
+        chain_hint: Option<BlockId>,
+    ) {
+        let parent_meta = &mut self.blocks[parent as usize];
+        debug_assert!(parent_meta.cached && parent_meta.ref_count > 0);
+        debug_assert!(parent_meta.duplicate_group.is_none() && !parent_meta.in_set);
+        parent_meta.cached_children += 1;
+        parent_meta.blocked_children += 1;
+        let meta = &mut self.blocks[block as usize];
+        debug_assert!(!meta.cached && meta.ref_count > 0 && !meta.in_set);
+        meta.last_access = tick;
+        meta.priority = meta.priority.max(priority);
+        meta.cached = true;
+        meta.parent = Some(parent);
+        meta.chain_hint = chain_hint.unwrap_or(NO_BLOCK);
+        self.num_cached += 1;
+        self.num_blocked += 1;
+    }
+
     /// Marks a held, uncached block as cached under `parent` (a cached block, or none for a
     /// first block).
     #[inline(always)] // once per published block (`mark_cached_at`), as `add_child`
@@ -1678,6 +1709,46 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// `mark_cached_under_held` (a fresh run's one call per block) leaves the pool exactly
+        /// as `mark_cached_at` and `set_chain_hint` do, under a block published just before by
+        /// the same holder, over pools left by random steps.
+        #[test]
+        fn mark_cached_under_held_matches_the_general_case(
+            ops in proptest::collection::vec(op(), 0..40),
+            parent in proptest::option::of(0usize..64),
+            tick in 0u64..200,
+            priority in -1i32..2,
+            hint in proptest::option::of(0u32..24),
+        ) {
+            let mut pool = BlockPool::new(24).unwrap();
+            let held = run_ops(&mut pool, ops)?;
+            if pool.available(2) < 2 {
+                return Ok(());
+            }
+            let plan = pool.plan_eviction(2usize.saturating_sub(pool.num_free()));
+            let cached: Vec<BlockId> = pool
+                .cached_blocks()
+                .into_iter()
+                .filter(|b| !plan.contains(b))
+                .collect();
+            let parent = parent
+                .filter(|_| !cached.is_empty())
+                .map(|i| cached[i % cached.len()]);
+            // A fresh run's first two blocks: the first published as a commit's general loop
+            // does, the second under it.
+            let (blocks, _) = pool.allocate(2).unwrap();
+            pool.mark_cached_at(blocks[0], parent, tick, priority);
+            let mut expected = pool.clone();
+            expected.mark_cached_at(blocks[1], Some(blocks[0]), tick, priority);
+            if let Some(hint) = hint {
+                expected.set_chain_hint(blocks[1], hint);
+            }
+            pool.mark_cached_under_held(blocks[1], blocks[0], tick, priority, hint);
+            proptest::prop_assert_eq!(&pool, &expected);
+            pool.check_invariants();
+            drop(held);
+        }
+
         /// `mark_cached_at` (a publish's one call) leaves the pool exactly as `mark_cached`
         /// then `touch` did, over pools left by random steps, with or without a cached parent.
         #[test]

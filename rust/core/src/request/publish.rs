@@ -455,16 +455,17 @@ impl PrefixCache {
             let anchor = self
                 .table
                 .insert_first_child(key, &entry, parent.block, &guard);
-            inner
-                .pool
-                .mark_cached_at(own_block, Some(parent.block), inner.tick, run.priority);
-            if run.own_chain {
-                if let Some(previous) = position.checked_sub(CHAIN_HINT_DISTANCE) {
-                    inner
-                        .pool
-                        .set_chain_hint(own_block, run.block_table[previous]);
-                }
-            }
+            let chain_hint = position
+                .checked_sub(CHAIN_HINT_DISTANCE)
+                .filter(|_| run.own_chain)
+                .map(|previous| run.block_table[previous]);
+            inner.pool.mark_cached_under_held(
+                own_block,
+                parent.block,
+                inner.tick,
+                run.priority,
+                chain_hint,
+            );
             inner.events.stored(
                 own_block,
                 Some(parent.block),
