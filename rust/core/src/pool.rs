@@ -768,7 +768,7 @@ impl BlockPool {
     }
 
     /// `detach_child` but for the evictable set, which the caller brings in step.
-    #[inline(always)] // every eviction takes it, as `uncache_leaving_parent`
+    #[inline(always)] // every eviction takes it, as `uncache_victim`
     fn detach_child_counts(&mut self, parent: BlockId, child_blocked: bool) {
         let parent_meta = &mut self.blocks[parent as usize];
         // `clear` goes in id order and may uncache a parent before its children: an uncached
@@ -883,24 +883,10 @@ impl BlockPool {
         Some(heir)
     }
 
-    /// Removes a block from the cached state (eviction or `clear`). A block nobody references
-    /// goes back to the free list; a referenced one stays private until its last release.
+    /// Removes a block from the cached state (`clear`, a duplicate's eviction, `plan_eviction`'s
+    /// copy; `allocate`'s victims take `uncache_victim`). A block nobody references goes back
+    /// to the free list; a referenced one stays private until its last release.
     pub fn uncache(&mut self, block: BlockId) {
-        if let Some((parent, was_blocked)) = self.uncache_leaving_parent::<true>(block) {
-            // Eviction takes only leaves, so here the parent is still cached (or a duplicate).
-            self.detach_child(parent, was_blocked);
-        }
-    }
-
-    /// `uncache` but for its parent's counts: returns the parent, if any, and whether `block`
-    /// was blocked, for `detach_child` (or `allocate`'s chain walk) to finish with. A freed
-    /// block goes on the free list if `LIST`; `allocate` passes `false` and hands its victims
-    /// out directly (a victim is never referenced), without a push and a drain each.
-    #[inline(always)] // every eviction takes it: no call, no register saves (PROFILE.md)
-    fn uncache_leaving_parent<const LIST: bool>(
-        &mut self,
-        block: BlockId,
-    ) -> Option<(BlockId, bool)> {
         let meta = &mut self.blocks[block as usize];
         debug_assert!(meta.cached);
         let was_blocked = meta.blocked();
@@ -908,7 +894,6 @@ impl BlockPool {
         if was_blocked {
             self.num_blocked -= 1;
         }
-        // `lent` is almost always empty: no probe then, on a path every eviction takes.
         if !self.lent.is_empty() {
             if let Some(spare) = self.lent.remove(&block) {
                 // Only `clear` uncaches a blocked block: the spare's record of it goes too.
@@ -924,15 +909,19 @@ impl BlockPool {
         self.num_cached -= 1;
         let freed = meta.ref_count == 0;
         self.refresh(block);
-        if LIST && freed {
+        if freed {
             self.free.push(block);
         }
-        parent.map(|parent| (parent, was_blocked))
+        if let Some(parent) = parent {
+            // Eviction takes only leaves, so here the parent is still cached (or a duplicate).
+            self.detach_child(parent, was_blocked);
+        }
     }
 
-    /// `uncache_leaving_parent` for an eviction victim, which is evictable (neither referenced
-    /// nor pinned, so not blocked) and out of the evictable set, and, uncached, stays out of it:
-    /// none of the steps those cases need, each a load and a branch per evicted block. Returns
+    /// `uncache` for an eviction victim, which is evictable (neither referenced nor pinned, so
+    /// not blocked), out of the evictable set and, uncached, stays out of it; `allocate` hands it
+    /// out rather than listing it: none of `uncache`'s steps for the other cases, each a load and
+    /// a branch per evicted block. Returns
     /// the parent, if any, for `detach_child_counts` (the victim was not blocked).
     #[inline(always)]
     fn uncache_victim(&mut self, block: BlockId) -> Option<BlockId> {
@@ -1722,21 +1711,11 @@ mod tests {
         ) {
             let mut pool = BlockPool::new(24).unwrap();
             let held = run_ops(&mut pool, ops)?;
-            if pool.available(2) < 2 {
-                return Ok(());
-            }
-            let plan = pool.plan_eviction(2usize.saturating_sub(pool.num_free()));
-            let cached: Vec<BlockId> = pool
-                .cached_blocks()
-                .into_iter()
-                .filter(|b| !plan.contains(b))
-                .collect();
-            let parent = parent
-                .filter(|_| !cached.is_empty())
-                .map(|i| cached[i % cached.len()]);
             // A fresh run's first two blocks: the first published as a commit's general loop
             // does, the second under it.
-            let (blocks, _) = pool.allocate(2).unwrap();
+            let Some((blocks, parent)) = allocate_under(&mut pool, 2, parent) else {
+                return Ok(());
+            };
             pool.mark_cached_at(blocks[0], parent, tick, priority);
             let mut expected = pool.clone();
             expected.mark_cached_at(blocks[1], Some(blocks[0]), tick, priority);
@@ -1760,19 +1739,9 @@ mod tests {
         ) {
             let mut pool = BlockPool::new(24).unwrap();
             let held = run_ops(&mut pool, ops)?;
-            if pool.available(1) < 1 {
+            let Some((blocks, parent)) = allocate_under(&mut pool, 1, parent) else {
                 return Ok(());
-            }
-            let plan = pool.plan_eviction(1usize.saturating_sub(pool.num_free()));
-            let cached: Vec<BlockId> = pool
-                .cached_blocks()
-                .into_iter()
-                .filter(|b| !plan.contains(b))
-                .collect();
-            let parent = parent
-                .filter(|_| !cached.is_empty())
-                .map(|i| cached[i % cached.len()]);
-            let (blocks, _) = pool.allocate(1).unwrap();
+            };
             let mut expected = pool.clone();
             expected.mark_cached(blocks[0], parent);
             expected.touch(blocks[0], tick, priority);
@@ -1781,6 +1750,32 @@ mod tests {
             pool.check_invariants();
             drop(held);
         }
+    }
+
+    /// Allocates `count` blocks, if the pool can supply them, and picks their parent: the
+    /// cached block `choice` names among those the allocation does not evict (none if `None`
+    /// or there is none).
+    fn allocate_under(
+        pool: &mut BlockPool,
+        count: usize,
+        choice: Option<usize>,
+    ) -> Option<(Vec<BlockId>, Option<BlockId>)> {
+        if pool.available(count) < count {
+            return None;
+        }
+        let plan = pool.plan_eviction(count.saturating_sub(pool.num_free()));
+        let cached: Vec<BlockId> = pool
+            .cached_blocks()
+            .into_iter()
+            .filter(|b| !plan.contains(b))
+            .collect();
+        let parent = choice
+            .filter(|_| !cached.is_empty())
+            .map(|i| cached[i % cached.len()]);
+        let (blocks, _) = pool
+            .allocate(count)
+            .expect("the obtainable count promised the blocks");
+        Some((blocks, parent))
     }
 
     /// Applies `ops` (`eviction_follows_the_plan`) to `pool`, checking every eviction against

@@ -97,15 +97,7 @@ impl Table {
             }
         } else if parent.indexed_children.load(Ordering::Relaxed) == 0 {
             // No child of this parent exists, so the key is not this parent's already.
-            self.claim(entry.block);
-            self.write(key, entry, Some(parent_block), true);
-            parent.child.store(entry.block + 1, Ordering::Release);
-            self.count_entries(1);
-            return Insertion::Inserted(Anchor {
-                id: entry.id,
-                block: entry.block,
-                key,
-            });
+            return Insertion::Inserted(self.insert_first_child(key, entry, parent_block));
         }
         let inserted = self.insert_indexed(key, entry, Some(parent_block));
         if matches!(inserted, Insertion::Inserted(_)) {
@@ -117,9 +109,10 @@ impl Table {
         inserted
     }
 
-    /// Publishes `entry` as the linked child of the entry in `parent_block`, which the caller
-    /// published itself in this writer section and which has had no child since (so no key is
-    /// this parent's yet: nothing to probe). Writer only; the caller checks `links`.
+    /// Publishes `entry` as the linked child of the entry in `parent_block`, which has no child,
+    /// linked or indexed (so no key is this parent's yet: nothing to probe): `insert` finds that
+    /// out, a commit's fresh run knows it (the parent is the entry it published just before).
+    /// Writer only; the caller checks `links`.
     #[inline(always)] // once per block of a fresh run
     pub fn insert_first_child(
         &self,
