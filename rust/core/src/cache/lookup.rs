@@ -127,20 +127,35 @@ impl PrefixCache {
         let mut parent: Option<Anchor> = None;
         let mut extras_buffer = Vec::new();
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            // The linked child's slot and token row are read while its key is hashed, so the
-            // miss overlaps the hashing (`Table::prefetch_child`); a first block, or one past a
-            // branch, is found through the index.
-            if let Some(last) = &parent {
-                self.table.prefetch_child(last.block);
-            }
             let block_extras = block_extras(extras, index, bs, &mut extras_buffer);
-            key = self.hasher.block(buffer, key, chunk, block_extras);
-            let found = match &parent {
-                Some(last) => {
-                    self.table
-                        .get_verified_child(last, &key, chunk, block_extras, &guard)
+            // Down a run, the linked child verifies without a key and carries its own
+            // (`Table::get_linked_child`): matched blocks are not hashed. A first block, a
+            // branch or the end of the hit goes through the index, with the key.
+            let linked = parent.as_ref().and_then(|last| {
+                self.table
+                    .get_linked_child(last, chunk, block_extras, &guard)
+            });
+            let found = match (linked, &parent) {
+                (Some(anchor), _) => {
+                    debug_assert_eq!(
+                        anchor.key,
+                        self.hasher.block(buffer, key, chunk, block_extras),
+                        "a linked child's stored key is the one its chain computes"
+                    );
+                    Some(anchor)
                 }
-                None => {
+                (None, Some(last)) => {
+                    let child_key = self.hasher.block(buffer, key, chunk, block_extras);
+                    self.table.get_verified(
+                        &child_key,
+                        &Parent::Entry(last.id),
+                        chunk,
+                        block_extras,
+                        &guard,
+                    )
+                }
+                (None, None) => {
+                    key = self.hasher.block(buffer, key, chunk, block_extras);
                     self.table
                         .get_verified(&key, &Parent::Root(root), chunk, block_extras, &guard)
                 }
@@ -148,6 +163,7 @@ impl PrefixCache {
             match found {
                 Some(anchor) => {
                     on_hit(anchor);
+                    key = anchor.key;
                     parent = Some(anchor);
                 }
                 None => return,

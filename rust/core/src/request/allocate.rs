@@ -211,19 +211,39 @@ impl PrefixCache {
         let mut anchors: Vec<Anchor> = Vec::with_capacity(num_full);
         let mut extras_buffer = Vec::new();
         for p in 0..num_full {
-            // The entry's slot and token row are read while its key is hashed: a walk follows
-            // links one block at a time, so the miss then overlaps the hashing instead of
-            // following it. Prefetch hints, no effect on any answer (`Table::prefetch_child`).
-            match anchors.last() {
-                Some(last) => self.table.prefetch_child(last.block),
-                None => {
-                    if let Some(key) = request.keys.first() {
-                        self.table.prefetch_entry(key);
-                    }
-                }
-            }
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
             let block_extras = block_extras(&request.extras, p, bs, &mut extras_buffer);
+            if let Some(last) = anchors.last() {
+                // Down a run: the linked child verifies without a key, and its slot holds the
+                // key this request would compute (`Table::get_linked_child`), so matched blocks
+                // are not hashed.
+                if let Some(anchor) = self
+                    .table
+                    .get_linked_child(last, chunk, block_extras, &guard)
+                {
+                    if p == request.keys.len() {
+                        debug_assert_eq!(
+                            anchor.key,
+                            self.hasher.block(
+                                &mut inner.scratch,
+                                request.keys[p - 1],
+                                chunk,
+                                block_extras
+                            ),
+                            "a linked child's stored key is the one its chain computes"
+                        );
+                        request.keys.push(anchor.key);
+                    }
+                    debug_assert_eq!(request.keys[p], anchor.key);
+                    anchors.push(anchor);
+                    continue;
+                }
+            } else if let Some(key) = request.keys.first() {
+                // The first block's entry is read while the rest of the call runs up to the
+                // probe. A prefetch hint, no effect on any answer.
+                self.table.prefetch_entry(key);
+            }
+            // A first block, a branch or the end of the hit: through the index, with the key.
             if p == request.keys.len() {
                 table_key(
                     &self.hasher,
@@ -236,17 +256,14 @@ impl PrefixCache {
                 );
             }
             let key = &request.keys[p];
-            let found = match anchors.last() {
-                Some(last) => self
-                    .table
-                    .get_verified_child(last, key, chunk, block_extras, &guard),
-                None => {
-                    let root = Parent::Root(request.root);
-                    self.table
-                        .get_verified(key, &root, chunk, block_extras, &guard)
-                }
+            let parent = match anchors.last() {
+                Some(last) => Parent::Entry(last.id),
+                None => Parent::Root(request.root),
             };
-            match found {
+            match self
+                .table
+                .get_verified(key, &parent, chunk, block_extras, &guard)
+            {
                 Some(anchor) => anchors.push(anchor),
                 None => return anchors,
             }

@@ -845,10 +845,25 @@ impl Table {
         tokens: &[u32],
         extras: &[u8],
     ) -> Verified<Anchor> {
+        self.verify_keyed(block, Some(key), parent, tokens, extras)
+    }
+
+    /// `verify`, with the key compared only when given (`None`: a linked child, whose key is a
+    /// function of what is verified, `runs.rs`); the anchor carries the key the slot holds.
+    #[inline(always)]
+    fn verify_keyed(
+        &self,
+        block: BlockId,
+        key: Option<&TableKey>,
+        parent: &Parent,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Verified<Anchor> {
         let slot = &self.slots[block as usize];
         let seq = slot.seq.load(Ordering::Acquire);
         let id = slot.id.load(Ordering::Relaxed);
-        if seq % 2 == 1 || id == 0 || slot.key() != *key {
+        let stored = slot.key();
+        if seq % 2 == 1 || id == 0 || key.is_some_and(|key| stored != *key) {
             return Verified::OtherKey;
         }
         let parent_ok = match parent {
@@ -884,7 +899,7 @@ impl Table {
             Verified::Yes(Anchor {
                 id,
                 block,
-                key: *key,
+                key: stored,
             })
         } else {
             Verified::No

@@ -13,10 +13,11 @@
 //! (`Parent::Root`), and so every entry of a sliding-window cache, are always indexed, as are a
 //! parent's later children (branches).
 //!
-//! A lookup verifies block *i*, then reads its `child` and verifies the block it names exactly
-//! as it would a block an index word names (key, parent entry id, tokens, extras, under that
-//! slot's own sequence lock); on no link or a mismatch it probes the index
-//! (`get_verified_child`). So a link is a hint like an index word: one to a slot being
+//! A lookup verifies block *i*, then reads its `child` and verifies the block it names as it
+//! would a block an index word names (parent entry id, tokens, extras, under that slot's own
+//! sequence lock), but for the key, which it takes from the slot instead of hashing the block
+//! (`get_linked_child` says why that is exact); on no link or a mismatch it hashes the block
+//! and probes the index. So a link is a hint like an index word: one to a slot being
 //! rewritten, or read from a parent slot reused since, names an entry whose parent id cannot be
 //! the one looked for (entry ids are never reused) and reads as no entry. Duplicates stay exact:
 //! a parent's child with a given key is its linked child or in the index, and a publish looks
@@ -42,27 +43,8 @@ use std::sync::atomic::Ordering;
 
 use super::{index_hash, index_word, word_block, word_hash};
 use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
-use crate::prefetch::prefetch;
 
 impl Table {
-    /// Starts the memory reads a `get_verified_child` of the entry in `parent_block` will need:
-    /// the linked child's slot and token row (the parent's slot was just read, so its link is
-    /// at hand). Prefetch hints (`prefetch.rs`): no effect on any answer.
-    #[inline]
-    pub fn prefetch_child(&self, parent_block: BlockId) {
-        if let Some(slot) = self.slots.get(parent_block as usize) {
-            if let Some(child) = slot.child.load(Ordering::Relaxed).checked_sub(1) {
-                let child = child as usize;
-                if let Some(slot) = self.slots.get(child) {
-                    prefetch(slot);
-                }
-                if let Some(cell) = self.tokens.get(self.row_start(child as BlockId)) {
-                    prefetch(cell);
-                }
-            }
-        }
-    }
-
     /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
     /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
     /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
@@ -301,16 +283,52 @@ impl Table {
         tokens: &[u32],
         extras: &[u8],
     ) -> Option<Anchor> {
-        let want = Parent::Entry(parent.id);
-        if let Some(slot) = self.slots.get(parent.block as usize) {
-            if let Some(child) = slot.child.load(Ordering::Acquire).checked_sub(1) {
-                if (child as usize) < self.slots.len() {
-                    if let Verified::Yes(anchor) = self.verify(child, key, &want, tokens, extras) {
-                        return Some(anchor);
-                    }
-                }
-            }
+        self.linked_child(parent, Some(key), tokens, extras)
+            .or_else(|| self.get_verified(key, &Parent::Entry(parent.id), tokens, extras))
+    }
+
+    /// The child `parent`'s slot links, if it verifies against `tokens` and `extras` (parent
+    /// entry id, exact tokens, extras, under its own sequence lock), without a key to compare:
+    /// the anchor carries the key its slot holds. `None`: no link, a slot being rewritten, or
+    /// other content (a branch; then `get_verified` with the key looks in the index).
+    ///
+    /// Why no key is needed: a table key is a function of the parent's key, the tokens and the
+    /// extras (`key.rs`), and every key in the table was computed by the cache from the chain
+    /// its entry was published under. What is verified here pins all three: the tokens and
+    /// extras compared, and the parent, whose entry id (never reused) is the one the walker
+    /// verified a step earlier, back to a first block verified with its key and full root
+    /// key. So the stored key is the key the walker would compute: a walk down a cached chain
+    /// follows links without hashing the blocks it matches (the hash was a quarter of a hit's
+    /// instructions: PROFILE.md, issue 24, round 15), and only a branch or the first block
+    /// past the hit is hashed. Lock-free.
+    #[must_use]
+    #[inline]
+    pub fn get_linked_child(
+        &self,
+        parent: &Anchor,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Option<Anchor> {
+        self.linked_child(parent, None, tokens, extras)
+    }
+
+    /// The child `parent`'s slot links, verified (with `key` when given).
+    #[inline(always)]
+    fn linked_child(
+        &self,
+        parent: &Anchor,
+        key: Option<&TableKey>,
+        tokens: &[u32],
+        extras: &[u8],
+    ) -> Option<Anchor> {
+        let slot = self.slots.get(parent.block as usize)?;
+        let child = slot.child.load(Ordering::Acquire).checked_sub(1)?;
+        if child as usize >= self.slots.len() {
+            return None;
         }
-        self.get_verified(key, &want, tokens, extras)
+        match self.verify_keyed(child, key, &Parent::Entry(parent.id), tokens, extras) {
+            Verified::Yes(anchor) => Some(anchor),
+            Verified::No | Verified::OtherKey => None,
+        }
     }
 }

@@ -54,15 +54,14 @@ mod lock_free {
             self.0.get(key).is_some_and(|entry| entry.block == block)
         }
         #[inline]
-        pub(crate) fn get_verified_child(
+        pub(crate) fn get_linked_child(
             &self,
             parent: &Anchor,
-            key: &TableKey,
             tokens: &[u32],
             extras: &[u8],
             _guard: &TableGuard,
         ) -> Option<Anchor> {
-            self.0.get_verified_child(parent, key, tokens, extras)
+            self.0.get_linked_child(parent, tokens, extras)
         }
         #[inline]
         pub(crate) fn get_verified(
@@ -117,10 +116,6 @@ mod lock_free {
         #[inline]
         pub(crate) fn prefetch_slot(&self, block: BlockId) {
             self.0.prefetch_slot(block);
-        }
-        #[inline]
-        pub(crate) fn prefetch_child(&self, parent_block: BlockId) {
-            self.0.prefetch_child(parent_block);
         }
         #[inline]
         pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
@@ -259,26 +254,21 @@ mod model {
                 .verifies(parent, tokens, extras)
                 .then(|| slot.entry.anchor(*key))
         }
-        pub(crate) fn get_verified_child(
+        pub(crate) fn get_linked_child(
             &self,
             parent: &Anchor,
-            key: &TableKey,
             tokens: &[u32],
             extras: &[u8],
-            guard: &TableGuard,
+            _guard: &TableGuard,
         ) -> Option<Anchor> {
             let want = Parent::Entry(parent.id);
             // Two loads, as in the real table: the link, then the slot it names.
-            let child = self.read().child.get(&parent.block).copied();
-            if let Some(child) = child {
-                let state = self.read();
-                if let Some(slot) = state.slots.get(&child) {
-                    if slot.key == *key && slot.entry.verifies(&want, tokens, extras) {
-                        return Some(slot.entry.anchor(*key));
-                    }
-                }
-            }
-            self.get_verified(key, &want, tokens, extras, guard)
+            let child = self.read().child.get(&parent.block).copied()?;
+            let state = self.read();
+            let slot = state.slots.get(&child)?;
+            slot.entry
+                .verifies(&want, tokens, extras)
+                .then(|| slot.entry.anchor(slot.key))
         }
         pub(crate) fn insert(
             &self,
@@ -445,7 +435,6 @@ mod model {
         pub(crate) fn prefetch(&self, _key: &TableKey, _block: Option<BlockId>, _indexed: bool) {}
         pub(crate) fn prefetch_removal(&self, _block: BlockId) {}
         pub(crate) fn prefetch_slot(&self, _block: BlockId) {}
-        pub(crate) fn prefetch_child(&self, _parent_block: BlockId) {}
         pub(crate) fn published(&self, block: BlockId, _guard: &TableGuard) -> Option<Anchor> {
             let state = self.read();
             let slot = state.slots.get(&block)?;

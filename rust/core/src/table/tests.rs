@@ -404,8 +404,20 @@ proptest::proptest! {
                 };
                 if let Some(found) = found {
                     // Its parent lives (or it is a root): a lookup must reach it.
-                    proptest::prop_assert_eq!(found, Some(Anchor { id: p.id, block: block as BlockId, key: p.key }));
+                    let expected = Some(Anchor { id: p.id, block: block as BlockId, key: p.key });
+                    proptest::prop_assert_eq!(found, expected);
                     proptest::prop_assert!(table.reachable(block as BlockId));
+                    if let Parent::Entry(pid) = p.parent {
+                        // Without a key: its parent's linked child, with its key, or nothing.
+                        let pb = block_of(&held, pid).unwrap();
+                        let parent = Anchor { id: pid, block: pb as BlockId, key: held[pb].as_ref().unwrap().key };
+                        let linked = table.get_linked_child(&parent, &p.tokens, &[]);
+                        if table.child_of(pb as BlockId) == Some(block as BlockId) {
+                            proptest::prop_assert_eq!(linked, expected);
+                        } else {
+                            proptest::prop_assert_eq!(linked, None);
+                        }
+                    }
                 }
                 let entry = table.entry(block as BlockId).unwrap();
                 proptest::prop_assert_eq!((entry.id, entry.parent), (p.id, p.parent));
@@ -419,11 +431,65 @@ proptest::proptest! {
                             table.get_verified_child(&parent, &gone.key, &gone.tokens, &[]).is_some(),
                             again
                         );
+                        // Without a key, a removed content is found only where it lives again.
+                        if let Some(linked) = table.get_linked_child(&parent, &gone.tokens, &[]) {
+                            proptest::prop_assert!(again);
+                            proptest::prop_assert_eq!(linked.key, gone.key);
+                        }
                     }
                 }
             }
         }
     }
+}
+
+#[test]
+fn a_link_is_followed_only_from_the_parent_entry_it_was_published_under() {
+    // A reader holds the anchor of entry 1 in block 0; meanwhile 1 and its linked child go, and
+    // block 0 takes other content (entry 3) whose linked child (4) has the child's old tokens.
+    // Entry 4's KV was computed after other tokens: reached from the old anchor it would be a
+    // wrong hit, and only the parent id check stands in the way (the tokens match, and
+    // `get_linked_child` compares no key).
+    let table = Table::new(4, 2).unwrap();
+    let root = Parent::Root(BlockKey([7; 32]));
+    let publish = |id: u64, block: BlockId, parent: Parent, tokens: &[u32], key: u128| {
+        let new = NewEntry {
+            id,
+            block,
+            parent,
+            tokens,
+            extras: &[],
+        };
+        let parent_block = matches!(parent, Parent::Entry(_)).then_some(0);
+        match table.insert(TableKey(key), &new, parent_block) {
+            Insertion::Inserted(anchor) => anchor,
+            other => panic!("entry {id} not inserted: {other:?}"),
+        }
+    };
+    let old_parent = publish(1, 0, root, &[1, 2], 10);
+    let child = publish(2, 1, Parent::Entry(1), &[5, 6], 11);
+    assert_eq!(table.child_of(0), Some(1));
+    assert_eq!(
+        table.get_linked_child(&old_parent, &[5, 6], &[]),
+        Some(child)
+    );
+    table.remove(1);
+    table.remove(0);
+    let new_parent = publish(3, 0, root, &[8, 9], 12);
+    let other_child = publish(4, 1, Parent::Entry(3), &[5, 6], 13);
+    assert_eq!(table.child_of(0), Some(1));
+    assert_eq!(table.get_linked_child(&old_parent, &[5, 6], &[]), None);
+    assert_eq!(
+        table.get_verified_child(&old_parent, &TableKey(13), &[5, 6], &[]),
+        None
+    );
+    assert_eq!(
+        table.get_linked_child(&new_parent, &[5, 6], &[]),
+        Some(other_child)
+    );
+    // Other tokens or other extras under the right parent: no entry either.
+    assert_eq!(table.get_linked_child(&new_parent, &[5, 7], &[]), None);
+    assert_eq!(table.get_linked_child(&new_parent, &[5, 6], &[1]), None);
 }
 
 #[test]
@@ -472,6 +538,13 @@ fn readers_following_links_racing_unlink_relink_and_moves_never_see_a_wrong_entr
                                 if seen == 1 {
                                     found_any.fetch_add(1, Ordering::Relaxed);
                                 }
+                            }
+                            // The same without a key: the slot's own key comes with it.
+                            if let Some(found) =
+                                table.get_linked_child(&guess, &tokens_of(child), &[])
+                            {
+                                assert_eq!(found.id, child, "entry {child} alone has this content");
+                                assert_eq!(found.key, key_of(child));
                             }
                         }
                     }
