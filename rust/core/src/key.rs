@@ -142,6 +142,19 @@ fn push_tokens(buffer: &mut Vec<u8>, tokens: &[u32]) {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct TableKey(pub u128);
 
+impl TableKey {
+    /// What a linked entry published without its key holds instead (`table/runs.rs`, on keys
+    /// hashed only where the index needs them). Never trusted as a key: whoever needs the key
+    /// of such a block hashes its own tokens. A real key equal to it is merely recomputed.
+    pub const UNKNOWN: TableKey = TableKey(0);
+
+    /// Whether this is a key, not `UNKNOWN`.
+    #[must_use]
+    pub fn is_known(self) -> bool {
+        self != Self::UNKNOWN
+    }
+}
+
 /// Computes table keys for one cache: a random seed, and the number of leading bits kept.
 #[derive(Clone, Copy, Debug)]
 pub struct TableHasher {

@@ -123,47 +123,64 @@ impl PrefixCache {
     ) {
         let bs = self.config.block_size;
         let guard = self.table.guard();
+        // The key of block `known - 1` (the root's for 0): blocks are hashed only where the
+        // index needs a key, from the last known one on (`PrefixCache::extend_keys`).
         let mut key = self.hasher.root(&root);
+        let mut known = 0;
         let mut parent: Option<Anchor> = None;
         let mut extras_buffer = Vec::new();
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
-            let block_extras = block_extras(extras, index, bs, &mut extras_buffer);
-            // Down a run, the linked child verifies without a key and carries its own
-            // (`Table::get_linked_child`): matched blocks are not hashed. A first block, a
-            // branch or the end of the hit goes through the index, with the key.
-            let linked = parent.as_ref().and_then(|last| {
-                self.table
-                    .get_linked_child(last, chunk, block_extras, &guard)
-            });
-            let found = match (linked, &parent) {
-                (Some(anchor), _) => {
-                    debug_assert_eq!(
-                        anchor.key,
-                        self.hasher.block(buffer, key, chunk, block_extras),
-                        "a linked child's stored key is the one its chain computes"
-                    );
-                    Some(anchor)
+            if let Some(last) = &parent {
+                // Down a run, the linked child verifies without a key and carries its own or
+                // none (`Table::get_linked_child`): matched blocks are not hashed.
+                let this_extras = block_extras(extras, index, bs, &mut extras_buffer);
+                if let Some(anchor) = self
+                    .table
+                    .get_linked_child(last, chunk, this_extras, &guard)
+                {
+                    if known == index && anchor.key.is_known() {
+                        debug_assert_eq!(
+                            anchor.key,
+                            self.hasher.block(buffer, key, chunk, this_extras),
+                            "a linked child's stored key is the one its chain computes"
+                        );
+                        key = anchor.key;
+                        known += 1;
+                    }
+                    on_hit(anchor);
+                    parent = Some(anchor);
+                    continue;
                 }
-                (None, Some(last)) => {
-                    let child_key = self.hasher.block(buffer, key, chunk, block_extras);
-                    self.table.get_verified(
-                        &child_key,
-                        &Parent::Entry(last.id),
-                        chunk,
-                        block_extras,
-                        &guard,
-                    )
+                if !self.table.may_have_indexed_children(last, &guard) {
+                    return;
                 }
-                (None, None) => {
-                    key = self.hasher.block(buffer, key, chunk, block_extras);
-                    self.table
-                        .get_verified(&key, &Parent::Root(root), chunk, block_extras, &guard)
-                }
+            }
+            // A first block or a branch: through the index, with the key.
+            for (p, earlier) in tokens
+                .chunks_exact(bs)
+                .enumerate()
+                .take(index + 1)
+                .skip(known)
+            {
+                key = self.hasher.block(
+                    buffer,
+                    key,
+                    earlier,
+                    block_extras(extras, p, bs, &mut extras_buffer),
+                );
+            }
+            known = index + 1;
+            let this_extras = block_extras(extras, index, bs, &mut extras_buffer);
+            let want = match &parent {
+                Some(last) => Parent::Entry(last.id),
+                None => Parent::Root(root),
             };
-            match found {
+            match self
+                .table
+                .get_verified(&key, &want, chunk, this_extras, &guard)
+            {
                 Some(anchor) => {
                     on_hit(anchor);
-                    key = anchor.key;
                     parent = Some(anchor);
                 }
                 None => return,

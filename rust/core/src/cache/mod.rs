@@ -57,13 +57,13 @@ use crossbeam_utils::CachePadded;
 
 use crate::error::{CacheError, Result};
 use crate::events::Events;
-use crate::key::{BlockKey, RequestExtras, TableHasher};
+use crate::key::{BlockKey, RequestExtras, TableHasher, TableKey};
 use crate::pins::Pins;
 use crate::pool::{BlockId, BlockPool, Evicted};
 use crate::request::Requests;
 use crate::stats::CacheStats;
 use crate::sync::{ContextCell, Mutex};
-use crate::table::SharedTable;
+use crate::table::{Parent, SharedTable};
 
 pub use crate::request::{BeginResult, RequestId, Slots};
 
@@ -479,6 +479,66 @@ impl PrefixCache {
             inner
                 .requests
                 .check_sliding(window, self.config.block_size, self.config.num_blocks);
+        }
+        self.check_table_keys(&inner);
+    }
+
+    /// Every key a slot holds is the key its chain computes, and only a linked entry holds
+    /// `UNKNOWN` (published without its key: `table/runs.rs`), so a walk may take a linked
+    /// child's key from its slot instead of hashing the block. Checked from each entry's
+    /// tokens, extras and parent chain, for entries whose chain is cached back to its first
+    /// block; in caches with links (full-width keys), not sliding ones (keyed on SHA-256).
+    fn check_table_keys(&self, inner: &Inner) {
+        if !self.table.links() || self.config.sliding_window.is_some() {
+            return;
+        }
+        let guard = self.table.guard();
+        let num_blocks = inner.pool.num_blocks() as BlockId;
+        let by_id: std::collections::HashMap<u64, BlockId> = (0..num_blocks)
+            .filter_map(|block| self.table.published(block, &guard))
+            .map(|anchor| (anchor.id, anchor.block))
+            .collect();
+        // The chain key of each block checked so far (`None`: its chain is not all cached).
+        let mut chain_keys: std::collections::HashMap<BlockId, Option<TableKey>> =
+            std::collections::HashMap::new();
+        let mut scratch = Vec::new();
+        for block in 0..num_blocks {
+            // Up to a block already checked or a first block, then down again.
+            let mut path = Vec::new();
+            let mut cursor = Some(block);
+            let mut key = None;
+            while let Some(at) = cursor {
+                if let Some(&known) = chain_keys.get(&at) {
+                    key = known;
+                    break;
+                }
+                let Some(entry) = self.table.entry(at, &guard) else {
+                    break;
+                };
+                cursor = match entry.parent {
+                    Parent::Root(root) => {
+                        key = Some(self.hasher.root(&root));
+                        None
+                    }
+                    Parent::Entry(id) => by_id.get(&id).copied(),
+                };
+                path.push((at, entry));
+            }
+            for (at, entry) in path.into_iter().rev() {
+                key = key.map(|parent| {
+                    self.hasher
+                        .block(&mut scratch, parent, &entry.tokens, &entry.extras)
+                });
+                let stored = self.table.published(at, &guard).map(|anchor| anchor.key);
+                let linked = self.table.link_of(at, &guard).is_some();
+                if let (Some(key), Some(stored)) = (key, stored) {
+                    assert!(
+                        stored == key || (linked && !stored.is_known()),
+                        "table key of block {at}: {stored:?} stored, {key:?} computed"
+                    );
+                }
+                chain_keys.insert(at, key);
+            }
         }
     }
 

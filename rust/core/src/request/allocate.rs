@@ -12,7 +12,6 @@
 //!   (`last_token_shared`). One token instead of a block, for a runner that honours that.
 
 use super::drafts::no_pending_drafts;
-use super::keys::table_key;
 use super::{release_tail_first, with_request, Request};
 use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
@@ -209,60 +208,69 @@ impl PrefixCache {
         // (~4% of its begin+commit+finish). Sizing it lazily, at the first hit, measured no
         // better on misses (callgrind).
         let mut anchors: Vec<Anchor> = Vec::with_capacity(num_full);
+        // The first matched position whose slot holds no key, while the walk has not hashed it.
+        let mut first_unknown = None;
         let mut extras_buffer = Vec::new();
         for p in 0..num_full {
             let chunk = &request.tokens[p * bs..(p + 1) * bs];
             let block_extras = block_extras(&request.extras, p, bs, &mut extras_buffer);
-            if let Some(last) = anchors.last() {
-                // Down a run: the linked child verifies without a key, and its slot holds the
-                // key this request would compute (`Table::get_linked_child`), so matched blocks
-                // are not hashed.
-                if let Some(anchor) = self
-                    .table
-                    .get_linked_child(last, chunk, block_extras, &guard)
-                {
-                    if p == request.keys.len() {
-                        debug_assert_eq!(
-                            anchor.key,
-                            self.hasher.block(
-                                &mut inner.scratch,
-                                request.keys[p - 1],
-                                chunk,
-                                block_extras
-                            ),
-                            "a linked child's stored key is the one its chain computes"
-                        );
-                        request.keys.push(anchor.key);
-                    }
-                    debug_assert_eq!(request.keys[p], anchor.key);
-                    anchors.push(anchor);
-                    continue;
-                }
-            } else if let Some(key) = request.keys.first() {
-                // The first block's entry is read while the rest of the call runs up to the
-                // probe. A prefetch hint, no effect on any answer.
-                self.table.prefetch_entry(key);
-            }
-            // A first block, a branch or the end of the hit: through the index, with the key.
-            if p == request.keys.len() {
-                table_key(
-                    &self.hasher,
-                    &mut inner.scratch,
-                    &mut request.keys,
-                    &request.root,
-                    chunk,
-                    block_extras,
-                    p,
-                );
-            }
-            let key = &request.keys[p];
             let parent = match anchors.last() {
-                Some(last) => Parent::Entry(last.id),
-                None => Parent::Root(request.root),
+                Some(last) => {
+                    // Down a run: the linked child verifies without a key, and its slot holds
+                    // its key or none (`Table::get_linked_child`), so matched blocks are not
+                    // hashed; the request keeps a key it learns this way.
+                    if let Some(anchor) =
+                        self.table
+                            .get_linked_child(last, chunk, block_extras, &guard)
+                    {
+                        if !anchor.key.is_known() {
+                            first_unknown.get_or_insert(p);
+                        }
+                        if p == request.keys.len() && anchor.key.is_known() {
+                            debug_assert_eq!(
+                                anchor.key,
+                                self.hasher.block(
+                                    &mut inner.scratch,
+                                    request.keys[p - 1],
+                                    chunk,
+                                    block_extras
+                                ),
+                                "a linked child's stored key is the one its chain computes"
+                            );
+                            request.keys.push(anchor.key);
+                        }
+                        anchors.push(anchor);
+                        continue;
+                    }
+                    if !self.table.may_have_indexed_children(last, &guard) {
+                        // No other child: the hit ends here, and nothing was hashed for it.
+                        return anchors;
+                    }
+                    Parent::Entry(last.id)
+                }
+                None => {
+                    if let Some(key) = request.keys.first() {
+                        // The first block's entry is read while the rest of the call runs up
+                        // to the probe. A prefetch hint, no effect on any answer.
+                        self.table.prefetch_entry(key);
+                    }
+                    Parent::Root(request.root)
+                }
             };
+            // A first block, or a branch: through the index, with the key. The keys hashed on
+            // the way are left in the hit's slots that hold none.
+            let key = self.extend_keys(
+                &mut inner.scratch,
+                &mut request.keys,
+                (&request.root, &request.tokens, &request.extras),
+                p,
+            );
+            if let Some(from) = first_unknown.take() {
+                self.fill_keys(&mut anchors[from..], &request.keys[from..p]);
+            }
             match self
                 .table
-                .get_verified(key, &parent, chunk, block_extras, &guard)
+                .get_verified(&key, &parent, chunk, block_extras, &guard)
             {
                 Some(anchor) => anchors.push(anchor),
                 None => return anchors,

@@ -1,16 +1,24 @@
 //! The block keys a request keeps.
 //!
-//! ## Keys, computed once
-//! A request keeps the table key of each full block it has hashed (`keys`), in order: the
-//! first match, each commit, re-matching after `preempt` and exporting SHA-256 keys extend
-//! them, never rehash. A reset (`clear`, `set_context`) changes every key; a waiting request
-//! notices at its next match and starts over under the new context.
+//! ## Keys, computed at most once, where the index needs them
+//! A request keeps the table key of each leading full block it knows (`keys`), in order. A
+//! block's key is needed only to probe or enter the index: a first block, a branch (a
+//! parent with more than one child), a table without links. A walk down a cached run and a
+//! commit that extends a chain need none (`table/runs.rs`, on keys), so a request hashes its
+//! blocks only up to the last position where it meets the index (`extend_keys`, from the last
+//! key it knows), takes a matched block's key from its slot when the slot holds one, and
+//! leaves the keys it hashed in its matched blocks' slots that held none (`fill_keys`), so a
+//! block is hashed at most once while cached. Nothing is rehashed: re-matching after `preempt`
+//! and each commit extend the same list. A reset (`clear`, `set_context`) changes every key; a
+//! waiting request notices at its next match and starts over under the new context.
 
 use super::with_request;
 use crate::cache::{block_extras, Inner, PrefixCache};
 use crate::error::Result;
-use crate::key::{block_key_with, BlockKey, TableHasher, TableKey};
+use crate::key::{block_key_with, BlockKey, RequestExtras, TableKey};
+
 use crate::request::{Request, RequestId};
+use crate::table::Anchor;
 
 impl PrefixCache {
     /// SHA-256 keys of every full block of a request's verified tokens (see `block_keys`),
@@ -37,6 +45,49 @@ impl PrefixCache {
         })
     }
 
+    /// The table key of block `position` of a request, from `keys` (the keys it has hashed,
+    /// a prefix of its blocks') when known, else hashed from the last known one on, each key
+    /// on the way kept. `origin`: the request's root key, tokens and extras. Keys are hashed
+    /// only where the index needs them (`table/runs.rs`), so this may hash a whole hit that
+    /// was matched through links: never more than hashing every block up front did.
+    pub(crate) fn extend_keys(
+        &self,
+        scratch: &mut Vec<u8>,
+        keys: &mut Vec<TableKey>,
+        (root, tokens, extras): (&BlockKey, &[u32], &RequestExtras),
+        position: usize,
+    ) -> TableKey {
+        if let Some(&key) = keys.get(position) {
+            return key;
+        }
+        let bs = self.config.block_size;
+        let mut previous = match keys.last() {
+            Some(&key) => key,
+            None => self.hasher.root(root),
+        };
+        let mut extras_buffer = Vec::new();
+        for p in keys.len()..=position {
+            let chunk = &tokens[p * bs..(p + 1) * bs];
+            let block_extras = block_extras(extras, p, bs, &mut extras_buffer);
+            previous = self.hasher.block(scratch, previous, chunk, block_extras);
+            keys.push(previous);
+        }
+        previous
+    }
+
+    /// Leaves each of `keys` (the keys of `anchors`' positions, in order) in the slot of an
+    /// anchor that holds none, and in the anchor (`Table::fill_key`): the blocks a request
+    /// hashed at a branch are not hashed again by the next request down the same chain.
+    pub(super) fn fill_keys(&self, anchors: &mut [Anchor], keys: &[TableKey]) {
+        let guard = self.table.guard();
+        for (anchor, &key) in anchors.iter_mut().zip(keys) {
+            if !anchor.key.is_known() {
+                self.table.fill_key(anchor, key, &guard);
+                anchor.key = key;
+            }
+        }
+    }
+
     /// A waiting request keyed under an older epoch starts over under the current one.
     pub(super) fn refresh_epoch(&self, inner: &Inner, request: &mut Request) {
         if request.epoch != inner.epoch {
@@ -47,29 +98,4 @@ impl PrefixCache {
             request.cacheable = true;
         }
     }
-}
-
-/// The table key of block `position` of `tokens`, from `keys` when already computed, else
-/// computed from the previous one and appended. Positions are visited in order, so `position`
-/// is at most `keys.len()`.
-pub(super) fn table_key(
-    hasher: &TableHasher,
-    scratch: &mut Vec<u8>,
-    keys: &mut Vec<TableKey>,
-    root: &BlockKey,
-    chunk: &[u32],
-    block_extras: &[u8],
-    position: usize,
-) -> TableKey {
-    if let Some(&key) = keys.get(position) {
-        return key;
-    }
-    debug_assert_eq!(position, keys.len());
-    let parent = match position {
-        0 => hasher.root(root),
-        _ => keys[position - 1],
-    };
-    let key = hasher.block(scratch, parent, chunk, block_extras);
-    keys.push(key);
-    key
 }

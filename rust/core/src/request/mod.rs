@@ -18,7 +18,7 @@
 //!    the rest; `truncate` drops any unpublished tail. Blocks left without tokens go back.
 //! 5. `preempt` drops every reference the request holds and forgets its KV: its committed
 //!    blocks stay cached (evictable), so the next `allocate_slots` re-matches them, usually as
-//!    a hit, from the block keys the request kept (no rehashing).
+//!    a hit, from the block keys the request kept (no rehashing) and its cached chain's links.
 //! 6. `finish` drops its references and forgets it. Its cached blocks stay, evictable in LRU
 //!    order; its private blocks go back to the free list.
 //!
@@ -34,7 +34,7 @@
 //! The parts, each with its own invariants:
 //! - `allocate.rs`: matching a waiting request's cached prefix and making room for its tokens;
 //! - `drafts.rs`: draft tokens, `accept_drafts` and `truncate`;
-//! - `keys.rs`: the block keys a request keeps, computed once;
+//! - `keys.rs`: the block keys a request keeps, each computed at most once, where needed;
 //! - `publish.rs`: `commit`, and how blocks are published.
 
 mod allocate;
@@ -136,7 +136,8 @@ pub(crate) struct Request {
     priority: i32,
     /// The canonical cached entry of each committed position, in order (see the module docs).
     pub(crate) anchors: Vec<Anchor>,
-    /// Table key of each leading full block hashed so far (prefix-closed, never rehashed).
+    /// Table key of each leading full block known so far (prefix-closed, never rehashed):
+    /// hashed where the index needs one, or read from a linked child's slot (`keys.rs`).
     keys: Vec<TableKey>,
     /// SHA-256 key of each leading full block exported so far.
     export_keys: Vec<BlockKey>,

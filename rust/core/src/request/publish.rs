@@ -2,10 +2,13 @@
 //!
 //! ## Publishing, and two inserts of the same key
 //! A request remembers, as *anchors*, the canonical entry of each position it has committed, in
-//! order; a commit extends them. For the next position it takes the table key (chained on the
-//! previous one) and inserts an entry for its own block with one probe of the table:
+//! order; a commit extends them. For the next position it inserts an entry for its own block.
+//! When the previous anchor's entry has no child yet, the block is published as its first,
+//! linked child, with no key needed (`table/runs.rs`, on keys). Otherwise it takes the table
+//! key (chained on the previous one, hashed from the last key the request knows) and probes
+//! the table once:
 //! - the key is free: the block is published, child of the previous anchor's block;
-//! - the key holds an entry that verifies (same parent entry, tokens and extras): another
+//! - the previous anchor's linked child, or the key's entry, verifies (same parent entry, tokens and extras): another
 //!   sequence published this block first. That copy stays canonical and becomes the anchor, so
 //!   later positions chain on it; this request's own copy stays private and is freed when the
 //!   request finishes (deduplication);
@@ -202,39 +205,31 @@ impl PrefixCache {
                 target,
             );
         }
-        // Every key to publish, kept by the request (computed once, chained on keys whatever
-        // the table holds); then the table reads of the next few positions (their slots and
+        // Keys are hashed only where the index needs them (`table/runs.rs`, on keys): a first
+        // block, a branch, a table without links. A child published as its parent's first,
+        // linked child takes the key the request knows already, or none: a commit that only
+        // extends a chain hashes nothing. The request keeps what it hashed (`keys`, a prefix
+        // of its blocks' keys), and the table reads of the next few positions (their slots and
         // token rows; an index word only where the entry may be indexed) start together so
         // their cache misses overlap.
-        // Sized once: a long miss would otherwise regrow (and copy) both lists several times.
-        request
-            .keys
-            .reserve(target.saturating_sub(request.keys.len()));
+        // Sized once: a long miss would otherwise regrow (and copy) the list several times.
         request
             .anchors
             .reserve(target.saturating_sub(request.anchors.len()));
-        // `table_key` for each new position, the previous key kept at hand: every position
-        // here is past the memo, so no memo check and no call per block (PROFILE.md, round 7).
-        let first_new = request.keys.len();
         let mut extras_buffer = Vec::new();
-        if first_new < target {
-            let mut previous = match request.keys.last() {
-                Some(&key) => key,
-                None => self.hasher.root(&request.root),
-            };
-            let tokens = &request.tokens[first_new * bs..target * bs];
-            for (p, chunk) in (first_new..).zip(tokens.chunks_exact(bs)) {
-                let block_extras = block_extras(&request.extras, p, bs, &mut extras_buffer);
-                previous = self
-                    .hasher
-                    .block(&mut inner.scratch, previous, chunk, block_extras);
-                request.keys.push(previous);
-            }
+        let links = self.table.links();
+        if request.anchors.is_empty() && target > 0 {
+            // A first block is always indexed: its key is prefetched with the rest.
+            self.extend_keys(
+                &mut inner.scratch,
+                &mut request.keys,
+                (&request.root, &request.tokens, &request.extras),
+                0,
+            );
         }
         // Sliced once to the positions this commit covers, so each block's reads below index
         // within a length the loop's condition bounds (`position < target`).
         let block_table = &request.block_table[..target];
-        let keys = &request.keys[..target];
         let tokens = &request.tokens[..target * bs];
         let mut prefetched_to = 0;
         let fresh_runs = !sliding && self.table.links();
@@ -252,15 +247,15 @@ impl PrefixCache {
             };
             if position >= prefetched_to {
                 prefetched_to = target.min(position + LOOKAHEAD);
-                for p in position..prefetched_to {
-                    // A run's later blocks are linked, not indexed: no index word to read.
-                    self.table
-                        .prefetch(&keys[p], Some(block_table[p]), p == 0 || sliding);
+                for (p, &block) in (position..).zip(&block_table[position..prefetched_to]) {
+                    // A run's later blocks are linked, not indexed: no index word to read (a
+                    // first block's key is known, and a sliding cache knows every key).
+                    let key = request.keys.get(p).unwrap_or(&TableKey::UNKNOWN);
+                    self.table.prefetch(key, Some(block), p == 0 || sliding);
                 }
             }
             let chunk = &tokens[position * bs..(position + 1) * bs];
             let block_extras = block_extras(&request.extras, position, bs, &mut extras_buffer);
-            let key = keys[position];
             let own_block = block_table[position];
             // The parent entry built in place in the new entry: a `Parent` is 40 bytes, and
             // built apart it was copied in for every block (PROFILE.md, round 7).
@@ -278,14 +273,11 @@ impl PrefixCache {
             if inner.pool.is_cached(own_block) {
                 // A shared block of the request's own hit (reuse-last-block full hits), or a
                 // block `commit_blocks` was passed that is already cached. Fine if it is
-                // exactly this entry; it cannot stand anywhere else.
-                let published = self
-                    .table
-                    .published(own_block, &guard)
-                    .filter(|anchor| anchor.key == key);
-                match published.and_then(|_| self.table.entry(own_block, &guard)) {
-                    Some(e) if e.verifies(&entry.parent, chunk, block_extras) => {
-                        let anchor = e.anchor(key);
+                // exactly this entry (its parent, tokens and extras: then its key is this
+                // position's too); it cannot stand anywhere else.
+                let published = self.table.published(own_block, &guard);
+                match published.zip(self.table.entry(own_block, &guard)) {
+                    Some((anchor, e)) if e.verifies(&entry.parent, chunk, block_extras) => {
                         inner.pool.touch(anchor.block, inner.tick, request.priority);
                         request.anchors.push(anchor);
                         continue;
@@ -296,6 +288,34 @@ impl PrefixCache {
                     }
                 }
             }
+            let key = if sliding
+                || !links
+                || !self
+                    .table
+                    .takes_first_child(&entry.parent, parent_block, &guard)
+            {
+                let known = request.keys.len();
+                let key = self.extend_keys(
+                    &mut inner.scratch,
+                    &mut request.keys,
+                    (&request.root, &request.tokens, &request.extras),
+                    position,
+                );
+                if known < position && !sliding {
+                    // Left in the slots of the request's matched blocks that hold none.
+                    self.fill_keys(
+                        &mut request.anchors[known..],
+                        &request.keys[known..position],
+                    );
+                }
+                key
+            } else {
+                request
+                    .keys
+                    .get(position)
+                    .copied()
+                    .unwrap_or(TableKey::UNKNOWN)
+            };
             let anchor = match self.table.insert(key, &entry, parent_block, &guard) {
                 Insertion::Inserted(anchor) => {
                     inner.next_entry += 1;
@@ -333,7 +353,7 @@ impl PrefixCache {
                     request.anchors.push(anchor);
                     if fresh_runs {
                         let run = FreshRun {
-                            keys,
+                            keys: &request.keys,
                             block_table,
                             tokens,
                             root: &request.root,
@@ -383,8 +403,9 @@ impl PrefixCache {
     }
 }
 
-/// What `publish_fresh_run` reads of the request: its keys, block table and tokens sliced to
-/// the positions the commit covers, and what every entry and event of it names.
+/// What `publish_fresh_run` reads of the request: the keys it has hashed (a prefix of its
+/// blocks'), its block table and tokens sliced to the positions the commit covers, and what
+/// every entry and event of it names.
 struct FreshRun<'a> {
     keys: &'a [TableKey],
     block_table: &'a [BlockId],
@@ -425,14 +446,13 @@ impl PrefixCache {
         // Zipped, so no position is bounds-checked in the loop; the entry ids and the counter
         // are settled once at the end.
         let blocks = run.block_table.get(start..).unwrap_or_default();
-        let keys = run.keys.get(start..).unwrap_or_default();
         let chunks = run
             .tokens
             .get(start * bs..)
             .unwrap_or_default()
             .chunks_exact(bs);
         let mut published = 0;
-        for ((&own_block, &key), chunk) in blocks.iter().zip(keys).zip(chunks) {
+        for (&own_block, chunk) in blocks.iter().zip(chunks) {
             let position = start + published;
             if inner.pool.is_cached(own_block) {
                 break;
@@ -440,10 +460,13 @@ impl PrefixCache {
             if position >= *prefetched_to {
                 *prefetched_to = target.min(position + LOOKAHEAD);
                 for p in position..*prefetched_to {
+                    // Linked: the key is not read.
                     self.table
-                        .prefetch(&run.keys[p], Some(run.block_table[p]), false);
+                        .prefetch(&TableKey::UNKNOWN, Some(run.block_table[p]), false);
                 }
             }
+            // A linked child needs no key: the one the request hashed already, if it did.
+            let key = run.keys.get(position).copied().unwrap_or(TableKey::UNKNOWN);
             let block_extras = block_extras(run.extras, position, bs, extras_buffer);
             let entry = NewEntry {
                 id: first_id + published as u64,

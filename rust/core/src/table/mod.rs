@@ -262,6 +262,8 @@ struct Slot {
     seq: AtomicU64,
     /// Id of the entry in this slot; 0 when there is none.
     id: AtomicU64,
+    /// The entry's table key; `TableKey::UNKNOWN` in a linked entry published without one
+    /// (`runs.rs`, on keys), until a request that hashed it fills it in.
     key: [AtomicU64; 2],
     /// The parent entry's id, or 0 for a first block (whose root key is the block's
     /// `Table::roots` entry, written and read under this slot's sequence lock).
@@ -622,6 +624,11 @@ impl Table {
         entry: &NewEntry<'_>,
         parent_block: Option<BlockId>,
     ) -> Insertion {
+        // An indexed entry always holds its key (`runs.rs`, on keys).
+        debug_assert!(
+            !self.links || key.is_known(),
+            "an indexed entry without its key"
+        );
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {

@@ -30,6 +30,20 @@
 //! published just before, which has no child yet: `insert_first_child` links it without looking
 //! for a child that cannot exist.
 //!
+//! ## Keys, hashed only where the index needs them
+//! A table key is a function of the parent's key, the block's tokens and its extras (`key.rs`),
+//! and a linked child is found and verified by its parent entry id, tokens and extras without
+//! one (`get_linked_child`). So a key is needed only to probe or enter the index: a first
+//! block, a branch (a parent whose linked child is other content and which may have indexed
+//! children), a table without links. A linked entry is published with the key its request
+//! knows, or with `TableKey::UNKNOWN`; a walk that reaches a branch hashes its own blocks from
+//! the last key it knows and, under the mutex, leaves those keys in the slots that held none
+//! (`fill_key`), so each block is hashed at most once while cached. An indexed entry always
+//! holds its key. `check_invariants` checks every key a slot holds against its chain. A miss
+//! that extends a chain (a new conversation turn, a fresh prompt past its first block) then
+//! hashes nothing but its first block: the per-block hash was a fifth of a miss's
+//! instructions and a quarter of a hit's (PROFILE.md, issue 24, round 15).
+//!
 //! Every writer-side field (`up`, `linked`, `indexed_children`) names a parent by block and is
 //! trusted only while that block still holds the parent's entry id (`up_slot`): an entry can
 //! move (`move_entry` carries its link along and repoints its linked child), and in vLLM's free
@@ -39,7 +53,7 @@
 //! The slot fields these rules use (`child`, `up`, `linked`, `indexed_children`) are declared
 //! with the others in `mod.rs`; the sequence lock they ride on is described there.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 
 use super::{index_hash, index_word, word_block, word_hash};
 use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
@@ -69,13 +83,14 @@ impl Table {
         };
         let child = parent.child.load(Ordering::Relaxed);
         if child != 0 {
+            // The same content as the linked child is that entry, whatever key either holds
+            // (`get_linked_child`); other content is a branch, published through the index.
+            // The writer's own slot: never odd, never rewritten while it reads.
             let child = child - 1;
-            if self.slot_key(child) == key {
-                // The writer's own slot: never odd, never rewritten while it reads.
-                return match self.verify(child, &key, &entry.parent, entry.tokens, entry.extras) {
-                    Verified::Yes(anchor) => Insertion::Present(anchor),
-                    Verified::No | Verified::OtherKey => Insertion::Collision,
-                };
+            if let Verified::Yes(anchor) =
+                self.verify_keyed(child, None, &entry.parent, entry.tokens, entry.extras)
+            {
+                return Insertion::Present(anchor);
             }
         } else if parent.indexed_children.load(Ordering::Relaxed) == 0 {
             // No child of this parent exists, so the key is not this parent's already.
@@ -119,6 +134,55 @@ impl Table {
             block: entry.block,
             key,
         }
+    }
+
+    /// Writes `key` into the slot of the entry `anchor` names if it holds none (a linked entry
+    /// published without one), under the slot's sequence lock: a request that hashed a hit's
+    /// keys at a branch leaves them for the next request down the same chain, so each block
+    /// is hashed at most once while cached (module docs, on keys). The caller vouches that
+    /// `key` is the one the entry's chain computes (`check_invariants` checks it). Writer only.
+    pub fn fill_key(&self, anchor: &Anchor, key: TableKey) {
+        let Some(slot) = self.slots.get(anchor.block as usize) else {
+            return;
+        };
+        if slot.id.load(Ordering::Relaxed) != anchor.id || slot.key().is_known() {
+            return;
+        }
+        debug_assert!(slot.linked.load(Ordering::Relaxed));
+        let seq = slot.seq.load(Ordering::Relaxed);
+        slot.seq.store(seq + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.key[0].store(key.0 as u64, Ordering::Relaxed);
+        slot.key[1].store((key.0 >> 64) as u64, Ordering::Relaxed);
+        slot.seq.store(seq + 2, Ordering::Release);
+    }
+
+    /// Whether `insert` of a child of `parent` (held in `parent_block`) publishes it as the
+    /// parent's first, linked child: links are on, the block holds the parent and it has no
+    /// child, linked or indexed. Such a child needs no key (`UNKNOWN` will do: module docs,
+    /// on keys); any other insert probes the index, with the key. Writer only.
+    #[must_use]
+    #[inline]
+    pub fn takes_first_child(&self, parent: &Parent, parent_block: Option<BlockId>) -> bool {
+        self.parent_slot(parent, parent_block)
+            .is_some_and(|(_, slot)| {
+                slot.child.load(Ordering::Relaxed) == 0
+                    && slot.indexed_children.load(Ordering::Relaxed) == 0
+            })
+    }
+
+    /// Whether a child of the entry `parent` names may sit in the index: for the writer, never
+    /// false while one does (the count only errs high); for a lock-free reader, a hint, read
+    /// while the slot may change under it, which can only make a lookup stop short (a
+    /// shorter cached prefix is always a correct answer), never match a wrong entry.
+    #[must_use]
+    #[inline]
+    pub fn may_have_indexed_children(&self, parent: &Anchor) -> bool {
+        !self.links
+            || self
+                .slots
+                .get(parent.block as usize)
+                .is_some_and(|slot| slot.indexed_children.load(Ordering::Relaxed) != 0)
     }
 
     /// The slot holding the parent entry `parent` names, if it is in `block` and children may

@@ -88,6 +88,26 @@ mod lock_free {
         pub(crate) fn links(&self) -> bool {
             self.0.links()
         }
+        #[inline]
+        pub(crate) fn takes_first_child(
+            &self,
+            parent: &Parent,
+            parent_block: Option<BlockId>,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.0.takes_first_child(parent, parent_block)
+        }
+        pub(crate) fn fill_key(&self, anchor: &Anchor, key: TableKey, _guard: &TableGuard) {
+            self.0.fill_key(anchor, key);
+        }
+        #[inline]
+        pub(crate) fn may_have_indexed_children(
+            &self,
+            parent: &Anchor,
+            _guard: &TableGuard,
+        ) -> bool {
+            self.0.may_have_indexed_children(parent)
+        }
         #[inline(always)]
         pub(crate) fn insert_first_child(
             &self,
@@ -309,8 +329,17 @@ mod model {
                     )
                 };
                 match child {
-                    Some(child) if self.read().slots[&child].key == key => return found(child),
-                    Some(_) => {}
+                    Some(child) => {
+                        // The same content as the linked child is that entry, whatever its key.
+                        let state = self.read();
+                        let linked = &state.slots[&child];
+                        if linked
+                            .entry
+                            .verifies(&entry.parent, entry.tokens, entry.extras)
+                        {
+                            return Insertion::Present(linked.entry.anchor(linked.key));
+                        }
+                    }
                     None if indexed == 0 => {
                         self.write().slots.insert(
                             entry.block,
@@ -346,6 +375,41 @@ mod model {
         }
         pub(crate) fn links(&self) -> bool {
             self.links
+        }
+        pub(crate) fn fill_key(&self, anchor: &Anchor, key: TableKey, _guard: &TableGuard) {
+            let mut state = self.write();
+            if let Some(slot) = state.slots.get_mut(&anchor.block) {
+                if slot.entry.id == anchor.id && !slot.key.is_known() {
+                    slot.key = key;
+                }
+            }
+        }
+        pub(crate) fn takes_first_child(
+            &self,
+            parent: &Parent,
+            parent_block: Option<BlockId>,
+            _guard: &TableGuard,
+        ) -> bool {
+            let state = self.read();
+            self.links
+                && state
+                    .parent_slot(parent, parent_block)
+                    .is_some_and(|block| {
+                        !state.child.contains_key(&block)
+                            && state.slots[&block].indexed_children == 0
+                    })
+        }
+        pub(crate) fn may_have_indexed_children(
+            &self,
+            parent: &Anchor,
+            _guard: &TableGuard,
+        ) -> bool {
+            !self.links
+                || self
+                    .read()
+                    .slots
+                    .get(&parent.block)
+                    .is_some_and(|slot| slot.indexed_children != 0)
         }
         /// `insert` of a block whose parent has no child: always published.
         pub(crate) fn insert_first_child(
