@@ -624,11 +624,6 @@ impl Table {
         entry: &NewEntry<'_>,
         parent_block: Option<BlockId>,
     ) -> Insertion {
-        // An indexed entry always holds its key (`runs.rs`, on keys).
-        debug_assert!(
-            !self.links || key.is_known(),
-            "an indexed entry without its key"
-        );
         let hash = index_hash(key);
         let mut i = hash as usize & self.mask;
         loop {
