@@ -20,7 +20,7 @@ import re
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from prefixkv.errors import InvalidInputError, MissingDependencyError
 from prefixkv.text.chat import (
@@ -33,6 +33,9 @@ from prefixkv.text.chat import (
     message_text,
     segment_at,
 )
+
+# A lone UTF-16 surrogate: possible in a Python str, not in UTF-8 text.
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 __all__ = [
     "ByteTokenizer",
@@ -267,20 +270,34 @@ class HFTokenizer:
         return None if token_id is None else int(token_id)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self._encoding(text).ids)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], Offsets]:
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        encoding = self._encoding(text)
         return list(encoding.ids), [(int(s), int(e)) for s, e in encoding.offsets]
 
     def encode_with_starts(self, text: str) -> tuple[list[int], array[int]]:
         """Token ids and each token's start in `text` (see `ByteTokenizer.encode_with_starts`)."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        encoding = self._encoding(text)
         starts = array(_position_type(text), (int(start) for start, _ in encoding.offsets))
         return list(encoding.ids), starts
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def _encoding(self, text: str) -> Any:
+        """`tokenizers`' encoding of `text`; a lone UTF-16 surrogate, which is not text UTF-8
+        can hold (the library raises a bare `TypeError`), is refused by position."""
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:
+            bad = _LONE_SURROGATE.search(text)
+            if bad is None:
+                raise
+            raise InvalidInputError(
+                f"text holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at position "
+                f"{bad.start()}: not text a tokenizer can encode"
+            ) from None
 
     def digest(self) -> str:
         return self._digest

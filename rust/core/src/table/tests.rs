@@ -1,3 +1,9 @@
+//! The table's tests: unit tests, property tests against plain models and threads racing the
+//! writer.
+//!
+//! size: one protocol (the slots' sequence locks, the index, the links and their keys) whose
+//! tests share its helpers and models; split by kind they would repeat them.
+
 use std::hash::BuildHasher;
 
 use super::*;
