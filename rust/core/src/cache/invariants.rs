@@ -91,7 +91,8 @@ impl PrefixCache {
     /// `UNKNOWN` (published without its key: `table/runs.rs`), so a walk may take a linked
     /// child's key from its slot instead of hashing the block. Checked from each entry's
     /// tokens, extras and parent chain, for entries whose chain is cached back to its first
-    /// block; in caches with links (full-width keys), not sliding ones (keyed on SHA-256).
+    /// block (that an indexed entry holds a key, for every entry); in caches with links
+    /// (full-width keys), not sliding ones (keyed on SHA-256).
     fn check_table_keys(&self, inner: &Inner) {
         // Not under loom: each read of its stand-in table is a step loom would interleave
         // with the other threads; the real table's tests check it after every step.
@@ -104,6 +105,14 @@ impl PrefixCache {
             .filter_map(|block| self.table.published(block, &guard))
             .map(|anchor| (anchor.id, anchor.block))
             .collect();
+        for &block in by_id.values() {
+            let anchor = self.table.published(block, &guard);
+            assert!(
+                anchor.is_some_and(|anchor| anchor.key.is_known())
+                    || self.table.link_of(block, &guard).is_some(),
+                "indexed entry of block {block} without its key"
+            );
+        }
         // The chain key of each block checked so far (`None`: its chain is not all cached).
         let mut chain_keys: HashMap<BlockId, Option<TableKey>> = HashMap::new();
         let mut scratch = Vec::new();

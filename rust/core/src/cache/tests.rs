@@ -582,3 +582,32 @@ fn a_prompt_repeated_whole_hands_its_last_block_down_its_duplicates() {
         }
     }
 }
+
+#[test]
+fn a_recommit_past_cached_blocks_under_truncated_keys_fills_no_key() {
+    // One-bit keys (no links, so every entry is indexed, and half the keys are 0, the value
+    // that stands for "no key" in a linked slot). Committing a longer chain over blocks already
+    // cached hashes the positions it passes; none of their indexed slots may take that as a
+    // key to fill in (`Table::fill_key` debug-asserted a linked slot here).
+    for seed in 0..16 {
+        let c = PrefixCache::with_table_seed(
+            CacheConfig {
+                key_bits: 1,
+                ..CacheConfig::new(8, 1)
+            },
+            context_fingerprint(b"unit"),
+            seed,
+        )
+        .unwrap();
+        let blocks = c.allocate(3).unwrap();
+        let tokens = [4, 5, 6];
+        let first = c
+            .commit_blocks(&tokens[..2], &blocks[..2], b"", &no_extras(), 0)
+            .unwrap();
+        let all = c
+            .commit_blocks(&tokens, &blocks, b"", &no_extras(), 0)
+            .unwrap();
+        assert_eq!(all[..first.len()], first[..]);
+        c.check_invariants();
+    }
+}

@@ -192,9 +192,10 @@ impl PrefixCache {
     /// Matches a waiting request's cached prefix under the mutex, from its kept keys.
     ///
     /// As in `match_chain`: the first block is found through the index, each later one through
-    /// its parent's link (or the index, at a branch), verified in place (`table/mod.rs`, on
-    /// runs). Keys are taken from the request's memo or computed and kept there: its commit
-    /// publishes under them.
+    /// its parent's link (or the index, at a branch), verified in place (`table/runs.rs`). Keys
+    /// are taken from the request's memo or a linked child's slot, or hashed where the index
+    /// needs one and kept there; keys hashed at a branch are left in the matched slots that
+    /// held none (`fill_keys`).
     fn match_request(&self, inner: &mut Inner, request: &mut Request) -> Vec<Anchor> {
         self.refresh_epoch(inner, request);
         let bs = self.config.block_size;
@@ -293,7 +294,8 @@ impl PrefixCache {
     }
 
     /// What allocating `num_new` (None: every known token not yet computed) plus `lookahead`
-    /// slots for `request` would take. Touches nothing but the request's key memo.
+    /// slots for `request` would take. Touches nothing but the request's key memo and the keys
+    /// of matched slots that held none (`match_request`).
     fn plan(
         &self,
         inner: &mut Inner,

@@ -7,8 +7,8 @@
 //! commit that extends a chain need none (`table/runs.rs`, on keys), so a request hashes its
 //! blocks only up to the last position where it meets the index (`extend_keys`, from the last
 //! key it knows), takes a matched block's key from its slot when the slot holds one, and
-//! leaves the keys it hashed in its matched blocks' slots that held none (`fill_keys`), so a
-//! block is hashed at most once while cached. Nothing is rehashed: re-matching after `preempt`
+//! leaves the keys it hashed in its matched blocks' slots that held none (`fill_keys`), so the
+//! next request down the same chain does not hash them again. Nothing is rehashed: re-matching after `preempt`
 //! and each commit extend the same list. A reset (`clear`, `set_context`) changes every key; a
 //! waiting request notices at its next match and starts over under the new context.
 

@@ -301,7 +301,7 @@ impl PrefixCache {
                     (&request.root, &request.tokens, &request.extras),
                     position,
                 );
-                if known < position && !sliding {
+                if known < position && links && !sliding {
                     // Left in the slots of the request's matched blocks that hold none.
                     self.fill_keys(
                         &mut request.anchors[known..],
@@ -376,7 +376,12 @@ impl PrefixCache {
                     request.cacheable = false;
                     return;
                 }
-                Insertion::Present(existing) => {
+                Insertion::Present(mut existing) => {
+                    if links && !sliding && key.is_known() && !existing.key.is_known() {
+                        // A linked child found by its content: the key hashed for it is its own.
+                        self.table.fill_key(&existing, key, &guard);
+                        existing.key = key;
+                    }
                     let duplicate = request.own_chain;
                     let new_duplicate = !duplicate
                         || inner

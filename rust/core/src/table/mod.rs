@@ -139,7 +139,8 @@ pub enum Insertion {
     /// The key was free: the entry is published.
     Inserted(Anchor),
     /// The key holds an entry that verifies against the new one (same parent, tokens and
-    /// extras): another sequence published this block first. Nothing was written.
+    /// extras), or the parent's linked child does, whatever key it holds (`runs.rs`): another
+    /// sequence published this block first. Nothing was written.
     Present(Anchor),
     /// The key holds other content: a hash collision. Nothing was written.
     Collision,
@@ -153,7 +154,8 @@ pub struct Anchor {
     pub id: u64,
     /// The block holding its KV.
     pub block: BlockId,
-    /// Its table key.
+    /// Its table key, or `TableKey::UNKNOWN` for a linked entry published without one
+    /// (`runs.rs`, on keys).
     pub key: TableKey,
 }
 
@@ -278,8 +280,10 @@ struct Slot {
     /// Writer only: the block (plus one; 0: none) that held this entry's parent entry when it
     /// was published (or moved), checked against that slot's id before any use.
     up: AtomicU32,
-    /// Writer only: how many children of this entry may sit in the index (never fewer than do):
-    /// while none may, a new child needs no index probe to be known new.
+    /// Written by the writer only: how many children of this entry may sit in the index (never
+    /// fewer than do): while none may, a new child needs no index probe to be known new, and a
+    /// walk whose linked child does not match stops there (lock-free readers take it as a
+    /// hint, `Table::may_have_indexed_children`).
     indexed_children: AtomicU32,
     /// Writer only: true when this entry is reached through its parent's `child`, not the index.
     linked: AtomicBool,
@@ -470,7 +474,7 @@ impl Table {
     }
 
     /// The *indexed* entry published under `key`, as an owned snapshot, or `None`. A linked
-    /// child has no index word: it is found from its parent (`get_verified_child`) or by its
+    /// child has no index word: it is found from its parent (`get_linked_child`) or by its
     /// block (`entry`), which is how the cache reaches every entry. Lock-free.
     #[must_use]
     pub fn get(&self, key: &TableKey) -> Option<Entry> {
@@ -824,7 +828,7 @@ impl Table {
 
     /// The indexed entry published under `key` if it verifies against `parent`, `tokens` and
     /// `extras` (`Entry::verifies`), compared in place; `None` for a miss or a collision. For a
-    /// block after the first, `get_verified_child` also finds a linked one. Lock-free.
+    /// block after the first, `get_linked_child` finds a linked one. Lock-free.
     #[must_use]
     #[inline]
     pub fn get_verified(

@@ -20,10 +20,11 @@
 //! and probes the index. So a link is a hint like an index word: one to a slot being
 //! rewritten, or read from a parent slot reused since, names an entry whose parent id cannot be
 //! the one looked for (entry ids are never reused) and reads as no entry. Duplicates stay exact:
-//! a parent's child with a given key is its linked child or in the index, and a publish looks
-//! in both unless the parent has no child at all. What the table no longer knows is whether a
-//! *linked* child's key is held elsewhere in the index with other content: a collision of
-//! 128-bit keys, which verification makes harmless. Truncated test keys (`key_bits`), whose
+//! a parent's child with given content is its linked child (compared by content, whatever key
+//! it holds) or in the index under its key, and a publish looks in both unless the parent has
+//! no child at all. What the table no longer knows is whether a *linked* child's key is held
+//! elsewhere in the index with other content: a collision of 128-bit keys, which verification
+//! makes harmless. Truncated test keys (`key_bits`), whose
 //! collisions the reference models count, keep every entry indexed (`Table::with_links`).
 //!
 //! A commit's fresh run (`request/publish.rs`) publishes each block under the entry it
@@ -38,13 +39,16 @@
 //! children), a table without links. A linked entry is published with the key its request
 //! knows, or with `TableKey::UNKNOWN`; a walk that reaches a branch hashes its own blocks from
 //! the last key it knows and, under the mutex, leaves those keys in the slots that held none
-//! (`fill_key`), so each block is hashed at most once while cached. An indexed entry always
+//! (`fill_key`), so the next request down that chain does not hash them again (a lock-free
+//! lookup, which writes nothing, and a commit that meets a run it duplicates may still hash
+//! a run more than once). An indexed entry always
 //! holds its key. `check_invariants` checks every key a slot holds against its chain. A miss
 //! that extends a chain (a new conversation turn, a fresh prompt past its first block) then
 //! hashes nothing but its first block: the per-block hash was a fifth of a miss's
 //! instructions and a quarter of a hit's (PROFILE.md, issue 24, round 15).
 //!
-//! Every writer-side field (`up`, `linked`, `indexed_children`) names a parent by block and is
+//! Every writer-side field (`up`, `linked`, `indexed_children`, the last also read by lock-free
+//! walks as a hint) names a parent by block and is
 //! trusted only while that block still holds the parent's entry id (`up_slot`): an entry can
 //! move (`move_entry` carries its link along and repoints its linked child), and in vLLM's free
 //! order a child can outlive its parent, whose block is then reused; the child's later removal
@@ -59,9 +63,11 @@ use super::{index_hash, index_word, word_block, word_hash};
 use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
 
 impl Table {
-    /// Publishes `entry` under `key` unless the key is taken; then says whether the entry
-    /// holding it verifies against `entry`, compared in place (no snapshot, no copy of the
-    /// new entry: a miss publishes one block per call). Writer only (the cache's mutex).
+    /// Publishes `entry` under `key` unless the key is taken, or the parent's linked child holds
+    /// the same content (compared whatever key it holds); then says whether the entry found
+    /// verifies against `entry`, compared in place (no snapshot, no copy of the new entry: a
+    /// miss publishes one block per call). `key` may be `TableKey::UNKNOWN` only when the entry
+    /// becomes the parent's first child (`takes_first_child`). Writer only (the cache's mutex).
     ///
     /// # Panics
     /// If the key is free but `entry.block` already holds a published entry: a block holds one
@@ -138,17 +144,21 @@ impl Table {
 
     /// Writes `key` into the slot of the entry `anchor` names if it holds none (a linked entry
     /// published without one), under the slot's sequence lock: a request that hashed a hit's
-    /// keys at a branch leaves them for the next request down the same chain, so each block
-    /// is hashed at most once while cached (module docs, on keys). The caller vouches that
+    /// keys at a branch leaves them for the next request down the same chain, which then does
+    /// not hash them again (module docs, on keys). The caller vouches that
     /// `key` is the one the entry's chain computes (`check_invariants` checks it). Writer only.
     pub fn fill_key(&self, anchor: &Anchor, key: TableKey) {
         let Some(slot) = self.slots.get(anchor.block as usize) else {
             return;
         };
-        if slot.id.load(Ordering::Relaxed) != anchor.id || slot.key().is_known() {
+        // Only a linked entry is ever published without its key: an indexed one holds its key,
+        // which a truncated test key (`key_bits`) may make equal to `UNKNOWN`.
+        if slot.id.load(Ordering::Relaxed) != anchor.id
+            || !slot.linked.load(Ordering::Relaxed)
+            || slot.key().is_known()
+        {
             return;
         }
-        debug_assert!(slot.linked.load(Ordering::Relaxed));
         let seq = slot.seq.load(Ordering::Relaxed);
         slot.seq.store(seq + 1, Ordering::Relaxed);
         fence(Ordering::Release);

@@ -379,7 +379,7 @@ mod model {
         pub(crate) fn fill_key(&self, anchor: &Anchor, key: TableKey, _guard: &TableGuard) {
             let mut state = self.write();
             if let Some(slot) = state.slots.get_mut(&anchor.block) {
-                if slot.entry.id == anchor.id && !slot.key.is_known() {
+                if slot.entry.id == anchor.id && slot.linked && !slot.key.is_known() {
                     slot.key = key;
                 }
             }
