@@ -124,16 +124,16 @@ impl PrefixCache {
         let bs = self.config.block_size;
         let guard = self.table.guard();
         // The key of block `known - 1` (the root's for 0): blocks are hashed only where the
-        // index needs a key, from the last known one on (`PrefixCache::extend_keys`).
+        // index needs a key, from the last known one on (`PrefixCache::hash_blocks`).
         let mut key = self.hasher.root(&root);
         let mut known = 0;
         let mut parent: Option<Anchor> = None;
         let mut extras_buffer = Vec::new();
         for (index, chunk) in tokens.chunks_exact(bs).enumerate() {
+            let this_extras = block_extras(extras, index, bs, &mut extras_buffer);
             if let Some(last) = &parent {
                 // Down a run, the linked child verifies without a key and carries its own or
                 // none (`Table::get_linked_child`): matched blocks are not hashed.
-                let this_extras = block_extras(extras, index, bs, &mut extras_buffer);
                 if let Some(anchor) = self
                     .table
                     .get_linked_child(last, chunk, this_extras, &guard)
@@ -156,21 +156,8 @@ impl PrefixCache {
                 }
             }
             // A first block or a branch: through the index, with the key.
-            for (p, earlier) in tokens
-                .chunks_exact(bs)
-                .enumerate()
-                .take(index + 1)
-                .skip(known)
-            {
-                key = self.hasher.block(
-                    buffer,
-                    key,
-                    earlier,
-                    block_extras(extras, p, bs, &mut extras_buffer),
-                );
-            }
+            key = self.hash_blocks(buffer, key, (tokens, extras), known..=index, |_| {});
             known = index + 1;
-            let this_extras = block_extras(extras, index, bs, &mut extras_buffer);
             let want = match &parent {
                 Some(last) => Parent::Entry(last.id),
                 None => Parent::Root(root),

@@ -60,17 +60,41 @@ impl PrefixCache {
         if let Some(&key) = keys.get(position) {
             return key;
         }
-        let bs = self.config.block_size;
-        let mut previous = match keys.last() {
+        let previous = match keys.last() {
             Some(&key) => key,
             None => self.hasher.root(root),
         };
+        let from = keys.len();
+        self.hash_blocks(
+            scratch,
+            previous,
+            (tokens, extras),
+            from..=position,
+            |key| {
+                keys.push(key);
+            },
+        )
+    }
+
+    /// Hashes the blocks `range` of `tokens` in order, chained on from `previous` (the key of
+    /// the block before the first, or the root's), calling `each` with each key; returns the
+    /// last one (`previous` for an empty range). The one loop that hashes a prompt's blocks
+    /// for a match or a commit (`extend_keys`, the lock-free `match_chain`).
+    pub(crate) fn hash_blocks(
+        &self,
+        scratch: &mut Vec<u8>,
+        mut previous: TableKey,
+        (tokens, extras): (&[u32], &RequestExtras),
+        range: std::ops::RangeInclusive<usize>,
+        mut each: impl FnMut(TableKey),
+    ) -> TableKey {
+        let bs = self.config.block_size;
         let mut extras_buffer = Vec::new();
-        for p in keys.len()..=position {
+        for p in range {
             let chunk = &tokens[p * bs..(p + 1) * bs];
             let block_extras = block_extras(extras, p, bs, &mut extras_buffer);
             previous = self.hasher.block(scratch, previous, chunk, block_extras);
-            keys.push(previous);
+            each(previous);
         }
         previous
     }

@@ -254,15 +254,6 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
         let block = (state % BLOCKS) as usize;
         let other = ((state >> 8) % BLOCKS) as usize;
         match (owner[block], owner[other]) {
-            (Some(id), _) if state & 6 == 2 => {
-                // A key left by a request that hashed it (a no-op on a slot that holds one).
-                let anchor = Anchor {
-                    id,
-                    block: block as BlockId,
-                    key: TableKey::UNKNOWN,
-                };
-                table.fill_key(&anchor, key_of(id));
-            }
             (Some(_), None) if state & 1 == 0 => {
                 assert!(table.move_entry(block as BlockId, other as BlockId));
                 owner[other] = owner[block].take();
