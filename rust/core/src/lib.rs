@@ -20,14 +20,16 @@
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`] and [`KvGroups`].
 
-// Safe Rust: the workspace denies `unsafe`; the core's one exception is the prefetch hint
-// (`prefetch.rs`, which cannot touch memory), the binding's is `rust/py/src/convert.rs`.
+// Safe Rust: the workspace denies `unsafe`; the core's two exceptions are hints that change no
+// byte of memory: the prefetch (`prefetch.rs`) and the huge-page advice (`hugepages.rs`). The
+// binding's is `rust/py/src/convert.rs`.
 #![deny(unsafe_code)]
 
 pub mod cache;
 pub mod error;
 pub mod events;
 pub mod groups;
+mod hugepages;
 #[cfg(not(loom))]
 pub mod index;
 pub mod key;

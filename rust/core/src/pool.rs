@@ -244,18 +244,17 @@ impl BlockPool {
 
     /// A pool of `num_blocks` free blocks; `OutOfBlocks` if the metadata does not fit in memory.
     pub fn new(num_blocks: u32) -> Result<Self> {
-        let too_big = |_| CacheError::OutOfBlocks {
+        let too_big = || CacheError::OutOfBlocks {
             needed: num_blocks as usize,
             available: 0,
         };
-        let mut blocks = Vec::new();
-        blocks
-            .try_reserve_exact(num_blocks as usize)
-            .map_err(too_big)?;
+        // Huge pages where the system allows (`hugepages.rs`): evictions and publishes touch
+        // this array at random, a line per block.
+        let mut blocks = crate::hugepages::reserve(num_blocks as usize).ok_or_else(too_big)?;
         blocks.resize(num_blocks as usize, BlockMeta::default());
         let mut free = Vec::new();
         free.try_reserve_exact(num_blocks as usize)
-            .map_err(too_big)?;
+            .map_err(|_| too_big())?;
         free.extend((0..num_blocks).rev());
         Ok(Self {
             blocks,

@@ -353,10 +353,10 @@ impl Table {
     }
 }
 
-/// `len` values made by `make`, or `None` if the allocation fails (never an abort).
+/// `len` values made by `make`, or `None` if the allocation fails (never an abort); a large
+/// array's memory is backed by huge pages where the system allows (`hugepages.rs`).
 fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
-    let mut values = Vec::new();
-    values.try_reserve_exact(len).ok()?;
+    let mut values = crate::hugepages::reserve(len)?;
     values.extend(std::iter::repeat_with(make).take(len));
     Some(values.into_boxed_slice())
 }

@@ -1,0 +1,85 @@
+//! Huge pages for the core's large per-block arrays: the second place the core uses `unsafe`.
+//!
+//! A cache of a few hundred thousand blocks keeps tens of MiB of per-block arrays (the table's
+//! slots, token rows and index, the pool's metadata), and a request touches them at random,
+//! block by block. With 4 KiB pages nearly every such touch also misses the TLB: the page walk
+//! comes before the cache miss, and a prefetch that misses the TLB must walk too. Backed by
+//! 2 MiB pages, the same arrays need a few dozen TLB entries instead of thousands
+//! (`benches/PROFILE.md`, issue 24, round 16).
+//!
+//! Linux backs memory with huge pages only where asked (`madvise(MADV_HUGEPAGE)`; the
+//! default `transparent_hugepage` mode of most distributions is `madvise`), and only at the
+//! first touch of each 2 MiB range: so an array is reserved, advised while untouched, and
+//! filled after. The advice is a hint: where the kernel has no huge page to give, or huge pages
+//! are disabled, or on other systems, nothing changes but the speed.
+
+/// Arrays smaller than this are left as they are: a couple of huge pages save little, and each
+/// advised range splits the allocator's mapping.
+const MIN_ADVISED_BYTES: usize = 4 << 20;
+
+/// An empty `Vec` with room for exactly `len` values, its memory advised to be backed by huge
+/// pages before anything is written to it; `None` if the allocation fails (never an abort).
+/// The caller fills it (`extend`, within the reserved capacity: no reallocation).
+pub(crate) fn reserve<T>(len: usize) -> Option<Vec<T>> {
+    let mut values: Vec<T> = Vec::new();
+    values.try_reserve_exact(len).ok()?;
+    let bytes = values.capacity().saturating_mul(std::mem::size_of::<T>());
+    if bytes >= MIN_ADVISED_BYTES {
+        advise(values.as_ptr().cast::<u8>() as usize, bytes);
+    }
+    Some(values)
+}
+
+/// Asks the kernel to back the whole 4 KiB pages of `[start, start + len)` with huge pages.
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+fn advise(start: usize, len: usize) {
+    const PAGE: usize = 4096;
+    // Only pages wholly inside the range: the advice then covers no byte the caller does not
+    // own (the allocator may keep other allocations in the pages at either end).
+    let first = start.next_multiple_of(PAGE);
+    let end = (start + len) / PAGE * PAGE;
+    if end <= first {
+        return;
+    }
+    // Safety: `madvise` with `MADV_HUGEPAGE` changes no byte of memory and no permission; it
+    // only marks the pages (here all inside one live allocation of the caller's) as eligible
+    // for huge pages. It fails harmlessly (EINVAL) where the kernel lacks transparent huge
+    // pages; the result is ignored because the advice is only a hint.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", not(loom), not(miri))))]
+fn advise(_start: usize, _len: usize) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_gives_an_empty_vec_with_the_exact_room() {
+        for len in [0, 1, 1000, (MIN_ADVISED_BYTES / 8) + 3] {
+            let values: Vec<u64> = reserve(len).expect("small enough to allocate");
+            assert!(values.is_empty());
+            assert_eq!(values.capacity(), len);
+        }
+    }
+
+    #[test]
+    fn reserve_refuses_an_impossible_size_without_aborting() {
+        assert!(reserve::<u64>(usize::MAX / 4).is_none());
+    }
+
+    #[test]
+    fn an_advised_array_reads_back_what_was_written() {
+        let len = 3 * MIN_ADVISED_BYTES / 8;
+        let mut values: Vec<u64> = reserve(len).expect("allocates");
+        values.extend((0..len as u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        assert!(values
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    }
+}
