@@ -1072,6 +1072,16 @@ impl BlockPool {
         Ok((blocks, evicted))
     }
 
+    /// Asks for `block`'s metadata line ahead of a publish that reads and writes it (a
+    /// commit's fresh run reads each block's `cached` flag, then marks it cached): a hint, so
+    /// a batch of them overlaps. No effect on any answer.
+    #[inline(always)]
+    pub fn prefetch_meta(&self, block: BlockId) {
+        if let Some(meta) = self.blocks.get(block as usize) {
+            prefetch(meta);
+        }
+    }
+
     /// Records `ahead` as the block `CHAIN_HINT_DISTANCE` positions up cached `block`'s chain
     /// (`BlockMeta::chain_hint`): a hint for eviction's read-ahead, never for an answer.
     #[inline(always)] // once per published block, its metadata line at hand

@@ -464,10 +464,11 @@ impl PrefixCache {
             }
             if position >= *prefetched_to {
                 *prefetched_to = target.min(position + LOOKAHEAD);
-                for p in position..*prefetched_to {
-                    // Linked: the key is not read.
-                    self.table
-                        .prefetch(&TableKey::UNKNOWN, Some(run.block_table[p]), false);
+                for &block in &run.block_table[position..*prefetched_to] {
+                    // Linked: the key is not read. The block's metadata line too: the loop
+                    // reads it first (`is_cached`), and it is cold after the forward pass.
+                    self.table.prefetch(&TableKey::UNKNOWN, Some(block), false);
+                    inner.pool.prefetch_meta(block);
                 }
             }
             // A linked child needs no key: the one the request hashed already, if it did.
