@@ -1,4 +1,4 @@
-//! A cache-line prefetch hint: the one place the core uses `unsafe`.
+//! A cache-line prefetch hint: one of the core's two uses of `unsafe` (with `hugepages.rs`).
 //!
 //! The tables and the pool's metadata are tens of MiB on production traffic, and the lines a
 //! request touches are mostly cold. Starting their reads a few blocks ahead lets the misses
