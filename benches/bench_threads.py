@@ -438,6 +438,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{c['first_together_per_second']:,.0f} / {c['second_together_per_second']:,.0f}",
                 f"{c['ratio']:.2f}× ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})",
                 f"{c['ratio_over_free_control']:.2f}",
+                f"{c['ratio_over_short_control']:.2f}" if "ratio_over_short_control" in c else "–",
                 f"{c['cores_alone']:.2f} → {c['cores_together']:.2f}",
                 " / ".join(f"{e:.2f}" for e in c["efficiency_together"]),
             ]
@@ -450,7 +451,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"OMP_NUM_THREADS={result['omp_num_threads']}. *speedup*: rate together ÷ rate alone, "
         "summed over the two threads (2.0: both at full speed; median over rounds, range in "
         "brackets). *÷ control*: the speedup divided by the GIL-releasing control's in the same "
-        "round (what the machine's load let two threads reach), median over rounds. *cores*: "
+        "round (what the machine's load let two threads reach), median over rounds; *÷ 5 µs "
+        "control*: the same against the control whose calls release the GIL for ~5 µs, as long "
+        "as a lookup does (what the interpreter lets two threads reach at that grain). *cores*: "
         "CPU seconds the process got per wall second, one thread alone (mean of the two) → both "
         "threads together; with two idle cores it would go from 1 to 2. *work per CPU-second*: "
         "each thread's work per second of its own CPU time together ÷ alone (median over "
@@ -480,6 +483,7 @@ def markdown(result: dict[str, Any]) -> str:
                 "together /s (each)",
                 "speedup",
                 "÷ control",
+                "÷ 5 µs control",
                 "cores alone → together",
                 "work per CPU-second together ÷ alone (each)",
             ],

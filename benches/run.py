@@ -94,7 +94,9 @@ def plot_threads(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 2.8), dpi=80)
     names = list(result["configs"])
     ratios = [result["configs"][n]["ratio"] for n in names]
-    ax.barh(range(len(names)), ratios, color=["C0", "C1", "C7", "C7"][: len(names)])
+    # The cache's pairs in colours of their own, every control in grey.
+    colours = ["C7" if n.startswith("control") else f"C{i}" for i, n in enumerate(names)]
+    ax.barh(range(len(names)), ratios, color=colours)
     ax.set_yticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=7)
     ax.axvline(1.8, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("2-thread ÷ 1-thread throughput (median over rounds)")
@@ -232,10 +234,14 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
                 short = c.get("ratio_over_short_control")
                 add(
                     f"two threads ≥1.8× one ({name}; ÷ the GIL-releasing control"
-                    + (", and ÷ the one releasing it for ~5 µs a call," if short else "")
+                    + (
+                        ", and ÷ the one releasing it for ~5 µs a call,"
+                        if short is not None
+                        else ""
+                    )
                     + " in brackets)",
                     f"{c['ratio']:.2f}× ({c['ratio_over_free_control']:.2f}"
-                    + (f"; {short:.2f}" if short else "")
+                    + (f"; {short:.2f}" if short is not None else "")
                     + ")",
                     c["ratio"] >= 1.8,
                 )

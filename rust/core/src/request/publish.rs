@@ -459,9 +459,7 @@ impl PrefixCache {
         let mut published = 0;
         for (&own_block, chunk) in blocks.iter().zip(chunks) {
             let position = start + published;
-            if inner.pool.is_cached(own_block) {
-                break;
-            }
+            // Before the `is_cached` read below, so the window's first line is asked for too.
             if position >= *prefetched_to {
                 *prefetched_to = target.min(position + LOOKAHEAD);
                 for &block in &run.block_table[position..*prefetched_to] {
@@ -470,6 +468,9 @@ impl PrefixCache {
                     self.table.prefetch(&TableKey::UNKNOWN, Some(block), false);
                     inner.pool.prefetch_meta(block);
                 }
+            }
+            if inner.pool.is_cached(own_block) {
+                break;
             }
             // A linked child needs no key: the one the request hashed already, if it did.
             let key = run.keys.get(position).copied().unwrap_or(TableKey::UNKNOWN);
