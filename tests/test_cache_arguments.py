@@ -7,6 +7,8 @@ cannot retire or commit some other request by accident.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -423,3 +425,35 @@ def test_a_hit_that_grew_since_start_position_leaves_room_for_the_tokens() -> No
     slots = cache.allocate_slots("C", 6)
     assert (slots.num_computed_tokens, slots.num_cached_tokens) == (8, 8)
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("value", ["", "yes", "true", "2", " 1"])
+def test_a_bad_huge_pages_setting_is_refused_by_name(monkeypatch, value: str) -> None:
+    """`PREFIXKV_HUGE_PAGES` (rust/core/src/hugepages.rs) is 0 or 1: anything else is refused
+    when a cache is built, naming the variable and the value, rather than read as either."""
+    monkeypatch.setenv("PREFIXKV_HUGE_PAGES", value)
+    with pytest.raises(
+        InvalidInputError, match="PREFIXKV_HUGE_PAGES must be 0.*got " + re.escape(f'"{value}"')
+    ):
+        PrefixCache(8, block_size=BS)
+
+
+def test_huge_pages_on_or_off_give_the_same_answers(monkeypatch) -> None:
+    """70,000 blocks: the table's slots and token rows pass the 4 MiB from which the core
+    advises huge pages. The setting may change where the arrays sit, never what they hold."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50_000, int(n)) for n in rng.integers(1, 400, 40)]
+    answers = []
+    for value in ("1", "0"):
+        monkeypatch.setenv("PREFIXKV_HUGE_PAGES", value)
+        cache = PrefixCache(70_000, block_size=BS)
+        seen = []
+        for prompt in prompts + prompts[::-1]:
+            request = cache.begin(prompt)
+            seen.append((request.num_cached_tokens, cache.lookup(prompt).num_cached_tokens))
+            cache.commit(request, len(prompt))
+            cache.finish(request)
+        cache.check_invariants()
+        answers.append(seen)
+    assert answers[0] == answers[1]
+    assert any(hit for hit, _ in answers[0])

@@ -13,22 +13,54 @@
 //! range (so up to 2 MiB at either end of an array stays on 4 KiB pages): an array is reserved,
 //! advised while untouched, and filled after. Under `always` the advice changes nothing, under
 //! `never` it is ignored. A hint either way: where the kernel has no huge page to give, or on
-//! other systems, nothing changes but the speed. The cost is at construction: the kernel may
-//! compact memory to find the huge pages, so a large cache's first construction in a process
-//! can take longer (0.14–0.33 s against 0.03 s for 203k blocks on the test machine).
+//! other systems, nothing changes but the speed.
+//!
+//! The cost is at construction, where the arrays are filled: each huge page is allocated and
+//! cleared at its first touch. On the project's test VM that took up to ~20 ms a huge page
+//! where the memory was fresh (the hypervisor backs it on first use; `/proc/vmstat` showed no
+//! compaction or reclaim), so a 1M-block cache took 1.6–2.4 s to build and a 4M-block one 8–9 s,
+//! against 0.15 s and 0.7–1.0 s on 4 KiB pages; where freed huge pages were at hand, 0.03–0.05 s
+//! for 1M blocks, faster than on 4 KiB pages. A process that builds large caches often and
+//! briefly sets `PREFIXKV_HUGE_PAGES=0` ([`ENV`]); `1`, or unset, is the default; any other
+//! value is refused by name when a cache is built.
+
+/// The environment variable that turns the advice off (`0`) or on (`1`, the default).
+pub const ENV: &str = "PREFIXKV_HUGE_PAGES";
 
 /// Arrays smaller than this are left as they are: a couple of huge pages save little, and each
 /// advised range splits the allocator's mapping.
 const MIN_ADVISED_BYTES: usize = 4 << 20;
 
+/// Whether the large arrays are advised, from [`ENV`]'s value (`None`: unset); the message
+/// names the variable and the value when it is neither `0` nor `1`.
+pub(crate) fn parse(value: Option<&str>) -> Result<bool, String> {
+    match value {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(other) => Err(format!(
+            "{ENV} must be 0 (4 KiB pages) or 1 (huge pages, the default), got {other:?}"
+        )),
+    }
+}
+
+/// [`parse`] of the process's environment (a value that is not Unicode is refused too).
+pub(crate) fn from_env() -> Result<bool, String> {
+    match std::env::var(ENV) {
+        Ok(value) => parse(Some(&value)),
+        Err(std::env::VarError::NotPresent) => parse(None),
+        Err(std::env::VarError::NotUnicode(value)) => parse(Some(&value.to_string_lossy())),
+    }
+}
+
 /// An empty `Vec` with room for exactly `len` values, its memory advised to be backed by huge
-/// pages before anything is written to it; `None` if the allocation fails (never an abort).
+/// pages before anything is written to it (unless [`ENV`] turns that off; a cache refuses a
+/// bad value before it reserves anything); `None` if the allocation fails (never an abort).
 /// The caller fills it (`extend`, within the reserved capacity: no reallocation).
 pub(crate) fn reserve<T>(len: usize) -> Option<Vec<T>> {
     let mut values: Vec<T> = Vec::new();
     values.try_reserve_exact(len).ok()?;
     let bytes = values.capacity().saturating_mul(std::mem::size_of::<T>());
-    if bytes >= MIN_ADVISED_BYTES {
+    if bytes >= MIN_ADVISED_BYTES && from_env().unwrap_or(true) {
         advise(values.as_ptr().cast::<u8>() as usize, bytes);
     }
     Some(values)
@@ -68,6 +100,20 @@ mod tests {
             let values: Vec<u64> = reserve(len).expect("small enough to allocate");
             assert!(values.is_empty());
             assert_eq!(values.capacity(), len);
+        }
+    }
+
+    #[test]
+    fn the_setting_is_0_or_1_and_anything_else_is_refused_by_name() {
+        assert_eq!(parse(None), Ok(true));
+        assert_eq!(parse(Some("1")), Ok(true));
+        assert_eq!(parse(Some("0")), Ok(false));
+        for bad in ["", "yes", "true", "01", " 1", "on"] {
+            let message = parse(Some(bad)).expect_err(bad);
+            assert!(
+                message.contains(ENV) && message.contains(&format!("{bad:?}")),
+                "{message}"
+            );
         }
     }
 

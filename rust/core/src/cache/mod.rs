@@ -268,6 +268,8 @@ impl PrefixCache {
                 "key_bits must be in 1..=128".into(),
             ));
         }
+        // A bad value is refused here, before anything is reserved (`hugepages.rs`).
+        crate::hugepages::from_env().map_err(CacheError::InvalidInput)?;
         let num_blocks = config.num_blocks as usize;
         let bytes = check_up_front_bytes(&config)?;
         // Refused by the figure, never as `OutOfBlocks`: no block was asked for.
