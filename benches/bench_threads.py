@@ -14,7 +14,11 @@ with a fresh suffix each (a partial hit, then the suffix's blocks published, evi
 Two scheduler shapes: `begin` / `commit` / `finish` of the whole prompt, and vLLM's step calls
 (`add_request`, `allocate_slots` and `commit` in 2,048-token chunks, then 16 decode steps of
 `append_tokens` / `allocate_slots` / `commit`, `finish`), whose decode steps keep the GIL
-(`rust/py/src/gil.rs`).
+(`rust/py/src/gil.rs`). The first shape also runs with its prompts built before the timed
+loop (a ring of 256, each fresh again by the time it comes back: 256 requests evict the whole
+cache many times over), as an engine's scheduler receives prompts already tokenized: built in
+the loop, numpy's concatenation of each prompt holds the GIL for about half of what the
+scheduler holds.
 
 The machine has 2 cores shared with other processes, so "two threads on two idle cores" is
 not something a run here can promise. Two controls run in the same rounds, through the same
@@ -70,6 +74,8 @@ CHUNK_TOKENS = 2048
 DECODE_STEPS = 16
 PROBE_LENGTHS = (4096, 8192, 12288, 16384)
 REQUEST_LENGTHS = (4096, 8192, 12288, 16384)
+#: Prompts the scheduler's second form cycles through, built before the timed loop.
+PREBUILT_PROMPTS = 256
 
 #: A unit of work: called repeatedly by one thread; returns how many units it did.
 Task = Callable[[], int]
@@ -148,6 +154,16 @@ class Workload:
                 self.probes.append(tokens)
         self.next_probe = 0
         self.next_request = 0
+        # The prompts built before the timed loop (module docs), with their own random stream
+        # so the in-loop prompts are the same as without them.
+        ring_rng = np.random.default_rng(seed + 2)
+        self.prebuilt = [
+            np.concatenate([self.system, self.pool[start : start + n - SYSTEM_TOKENS]])
+            for i in range(PREBUILT_PROMPTS)
+            for n in [REQUEST_LENGTHS[i % len(REQUEST_LENGTHS)]]
+            for start in [int(ring_rng.integers(0, len(self.pool) - n))]
+        ]
+        self.next_prebuilt = 0
         self.requests_done = 0
         self.out_of_blocks = 0
 
@@ -173,7 +189,14 @@ class Workload:
         return 1
 
     def begin_commit_finish(self) -> int:
-        tokens = self._request_tokens()
+        return self._serve_request(self._request_tokens())
+
+    def begin_commit_finish_prebuilt(self) -> int:
+        tokens = self.prebuilt[self.next_prebuilt % PREBUILT_PROMPTS]
+        self.next_prebuilt += 1
+        return self._serve_request(tokens)
+
+    def _serve_request(self, tokens: np.ndarray) -> int:
         try:
             request = self.cache.begin(tokens)
         except OutOfBlocksError:
@@ -253,6 +276,10 @@ def _gil_held_shares(work: Workload) -> dict[str, dict[str, float]]:
         "scheduler begin/commit/finish (4k-16k tokens)": (
             [request_python, small_cycle],
             work.begin_commit_finish,
+        ),
+        "scheduler begin/commit/finish, prompts built before": (
+            [lambda: as_token_ids(work.prebuilt[0]), small_cycle],
+            work.begin_commit_finish_prebuilt,
         ),
     }
     unpacked = as_token_ids(probe)
@@ -338,6 +365,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     other = Workload(seed=5)
     pairs: dict[str, tuple[Task, Task]] = {
         "router lookup + scheduler begin/commit/finish": (work.probe, work.begin_commit_finish),
+        "router lookup + scheduler begin/commit/finish, prompts built before": (
+            work.probe,
+            work.begin_commit_finish_prebuilt,
+        ),
         "control: the same two tasks, each on its own cache": (
             work.probe,
             other.begin_commit_finish,

@@ -396,8 +396,7 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
                 "",
                 f"Section 2 (threads) is from a separate `run.py --only threads` on "
                 f"{data['threads_from']['date']} (load average {data['threads_from']['load_start']:.1f} "
-                f"/ {data['threads_from']['load_end']:.1f}): two threads need two idle cores, "
-                "which the rest of this run, beside other jobs, did not have.",
+                f"/ {data['threads_from']['load_end']:.1f}), run apart from the rest.",
             ]
             if "threads_from" in data
             else []
