@@ -157,12 +157,7 @@ class Workload:
         # The prompts built before the timed loop (module docs), with their own random stream
         # so the in-loop prompts are the same as without them.
         ring_rng = np.random.default_rng(seed + 2)
-        self.prebuilt = [
-            np.concatenate([self.system, self.pool[start : start + n - SYSTEM_TOKENS]])
-            for i in range(PREBUILT_PROMPTS)
-            for n in [REQUEST_LENGTHS[i % len(REQUEST_LENGTHS)]]
-            for start in [int(ring_rng.integers(0, len(self.pool) - n))]
-        ]
+        self.prebuilt = [self._prompt(i, ring_rng) for i in range(PREBUILT_PROMPTS)]
         self.next_prebuilt = 0
         self.requests_done = 0
         self.out_of_blocks = 0
@@ -177,9 +172,14 @@ class Workload:
             self.cache.unpin(pin)
 
     def _request_tokens(self) -> np.ndarray:
-        n = REQUEST_LENGTHS[self.next_request % len(REQUEST_LENGTHS)]
         self.next_request += 1
-        start = int(self.rng.integers(0, len(self.pool) - n))
+        return self._prompt(self.next_request - 1, self.rng)
+
+    def _prompt(self, index: int, rng: np.random.Generator) -> np.ndarray:
+        """Request `index`'s prompt: the system prompt, then a window of the pool at a random
+        offset drawn from `rng`, `REQUEST_LENGTHS` tokens in all by turn."""
+        n = REQUEST_LENGTHS[index % len(REQUEST_LENGTHS)]
+        start = int(rng.integers(0, len(self.pool) - n))
         return np.concatenate([self.system, self.pool[start : start + n - SYSTEM_TOKENS]])
 
     def probe(self) -> int:

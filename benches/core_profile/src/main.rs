@@ -545,24 +545,10 @@ fn memory_bound(path: &str) {
     );
 }
 
-/// `n` zeroed lines, on huge pages where the system allows: reserved, advised while untouched,
-/// then written (the order `prefixkv_core`'s `hugepages.rs` follows for the cache's arrays).
+/// `n` zeroed lines, on huge pages where the system allows, as the cache's arrays are
+/// (`prefixkv_core::hugepages::reserve`, `PREFIXKV_HUGE_PAGES` included).
 fn huge_lines(n: usize) -> Vec<Line> {
-    let mut lines: Vec<Line> = Vec::with_capacity(n);
-    #[cfg(target_os = "linux")]
-    {
-        let (start, len) = (lines.as_ptr() as usize, n * std::mem::size_of::<Line>());
-        let first = start.next_multiple_of(4096);
-        let end = (start + len) / 4096 * 4096;
-        if end > first {
-            // Safety: the pages advised lie inside `lines`' allocation; the advice changes no
-            // byte of memory (a hint, its result ignored).
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
+    let mut lines: Vec<Line> = prefixkv_core::hugepages::reserve(n).expect("stand-in arrays");
     lines.resize(n, Line::default());
     lines
 }

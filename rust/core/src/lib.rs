@@ -17,6 +17,7 @@
 //! - [`pins`]: keeping a prefix from eviction.
 //! - [`events`]: KV events (stored, removed, cleared) recorded for routers.
 //! - [`index`]: a prefix index over many instances' events, for routers.
+//! - [`hugepages`]: huge pages for the large per-block arrays (`PREFIXKV_HUGE_PAGES`).
 //!
 //! The Python binding (`rust/py`) is a thin layer over [`PrefixCache`] and [`KvGroups`].
 
@@ -29,7 +30,7 @@ pub mod cache;
 pub mod error;
 pub mod events;
 pub mod groups;
-mod hugepages;
+pub mod hugepages;
 #[cfg(not(loom))]
 pub mod index;
 pub mod key;
