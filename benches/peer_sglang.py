@@ -69,6 +69,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
+from workloads import SyntheticTrace, peer_grid, replay_grid
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -238,6 +239,31 @@ def replay(
     }
 
 
+def synthetic(quick: bool, seed: int, passes: int) -> dict[str, np.ndarray]:
+    """The synthetic traces of `workloads.PEER_GRID` (`bench_synthetic_peers.py`), each replayed
+    `passes` times whole and `passes` times with the compiled core's calls timed apart: per
+    request, the least whole time (``total_ns``) and the least core time (``core_ns``)."""
+    grid = peer_grid(quick)
+
+    def whole(trace: SyntheticTrace) -> dict[str, np.ndarray]:
+        run = replay(trace)  # type: ignore[arg-type]
+        return {"total_ns": sum(run[f"{p}_ns"] for p in PHASES), "cached": run["cached"]}
+
+    def core(trace: SyntheticTrace) -> dict[str, np.ndarray]:
+        run = replay(trace, core_split=True)  # type: ignore[arg-type]
+        return {"core_ns": run["core_ns"], "cached": run["cached"]}
+
+    return {
+        **replay_grid(whole, grid, seed, passes),
+        **{
+            key.replace("__cached", "__cached_core_split"): value
+            for key, value in replay_grid(core, grid, seed, passes).items()
+        },
+        "version": np.array(SGLANG_VERSION),
+        "backend": np.array(TREE_CORES["rust"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -254,10 +280,21 @@ def main() -> None:
         default="rust",
         help="SGLang's tree core backend (default: rust, SGLang's own default)",
     )
+    parser.add_argument(
+        "--synthetic",
+        type=int,
+        metavar="PASSES",
+        help="replay the synthetic traces of workloads.PEER_GRID (bench_synthetic_peers.py), "
+        "each PASSES times whole and PASSES times with the core split, instead of the production "
+        "trace",
+    )
     args = parser.parse_args()
     if args.core_split and args.tree_core != "rust":
         parser.error("--core-split times the compiled core's binding: --tree-core rust only")
     torch.set_num_threads(1)  # one thread, as prefixkv; run with OMP_NUM_THREADS=1 too
+    if args.synthetic:
+        np.savez(args.out, **synthetic(args.quick, args.seed, args.synthetic))
+        return
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()
     trace = production_trace(params, seed=args.seed)
     np.savez(args.out, **replay(trace, core_split=args.core_split, tree_core=args.tree_core))

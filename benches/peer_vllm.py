@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
+from workloads import SyntheticTrace, peer_grid, replay_grid
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -100,12 +101,37 @@ def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
     }
 
 
+def synthetic(quick: bool, seed: int, passes: int) -> dict[str, np.ndarray]:
+    """The synthetic traces of `workloads.PEER_GRID` (`bench_synthetic_peers.py`), each replayed
+    `passes` times: per request, the least whole time (``total_ns``: the request with its
+    block hashes, then the manager's calls) and the cached tokens."""
+
+    def whole(trace: SyntheticTrace) -> dict[str, np.ndarray]:
+        run = replay(trace)  # type: ignore[arg-type]
+        return {"total_ns": run["hash_ns"] + run["manager_ns"], "cached": run["cached"]}
+
+    return {
+        **replay_grid(whole, peer_grid(quick), seed, passes),
+        "version": np.array(vllm.__version__),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--synthetic",
+        type=int,
+        metavar="PASSES",
+        help="replay the synthetic traces of workloads.PEER_GRID (bench_synthetic_peers.py), "
+        "each PASSES times, instead of the production trace",
+    )
     args = parser.parse_args()
+    if args.synthetic:
+        np.savez(args.out, **synthetic(args.quick, args.seed, args.synthetic))
+        return
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()
     np.savez(args.out, **replay(production_trace(params, seed=args.seed)))
 

@@ -2,8 +2,8 @@
 
     python benches/run.py                 # everything (~10 minutes on 2 cores)
     python benches/run.py --quick         # a ~1-minute pass with smaller sizes
-    python benches/run.py --only overhead # one section (overhead, production, threads, compute,
-                                          # copies, memory, core); repeatable
+    python benches/run.py --only overhead # one section (overhead, production, synthetic,
+                                          # threads, compute, copies, memory, core); repeatable
 
 Every figure is a ratio against a baseline timed in the same run (see README.md).
 """
@@ -27,10 +27,11 @@ import bench_copies
 import bench_memory
 import bench_overhead
 import bench_production
+import bench_synthetic_peers
 import bench_threads
 from common import BENCH_DIR, RESULTS_DIR, machine, md_table, set_clock, write_json
 
-SECTIONS = ["overhead", "production", "threads", "compute", "copies", "memory", "core"]
+SECTIONS = ["overhead", "production", "synthetic", "threads", "compute", "copies", "memory", "core"]
 PROFILE_DIR = BENCH_DIR / "core_profile"
 
 
@@ -208,6 +209,19 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
                 f"production-shaped replay: ≥5× the fastest peer per request ({name}), mean and p99",
                 f"mean {peer['mean']:.2f}×, p99 {peer['p99']:.2f}×",
                 min(peer["mean"], peer["p99"]) >= 5.0,
+            )
+    if "synthetic" in results:
+        synthetic = results["synthetic"]
+        for peer, label in bench_synthetic_peers.PEER_LABELS.items():
+            mean = bench_synthetic_peers.worst(synthetic, peer, "mean")
+            p99 = bench_synthetic_peers.worst(synthetic, peer, "p99")
+            if mean is None or p99 is None:
+                continue
+            add(
+                f"synthetic traces (1d): ≥{bench_synthetic_peers.AIM:.0f}× the peer per request "
+                f"({label}), every trace, mean and p99",
+                f"worst mean {mean[0]:.2f}× ({mean[1]}), worst p99 {p99[0]:.2f}× ({p99[1]})",
+                min(mean[0], p99[0]) >= bench_synthetic_peers.AIM,
             )
     core_lines = (results.get("core") or {}).get("lines", [])
     for line in core_lines:
@@ -446,6 +460,12 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
             None,
         ),
         (
+            "synthetic",
+            "1d. Synthetic traces beside the peers (issue 24)",
+            bench_synthetic_peers.markdown,
+            None,
+        ),
+        (
             "threads",
             "2. A router and a scheduler on two threads",
             bench_threads.markdown,
@@ -517,6 +537,7 @@ def main() -> None:
     runners = {
         "overhead": bench_overhead.run,
         "production": bench_production.run,
+        "synthetic": bench_synthetic_peers.run,
         "threads": bench_threads.run,
         "compute": bench_compute.run,
         "copies": bench_copies.run,

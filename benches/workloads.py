@@ -7,6 +7,7 @@ size, and how many leading requests only warm the cache and are not timed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,3 +141,72 @@ GENERATORS = {
     "unrelated": unrelated,
     "pressure": pressure,
 }
+
+#: The synthetic traces replayed beside the peers (`bench_synthetic_peers.py`): workload,
+#: prompt length, timed requests. Fewer requests for longer prompts keep each pass under a
+#: second or two for the slowest peer.
+PEER_GRID = [
+    (name, length, requests)
+    for name in GENERATORS
+    for length, requests in ((1_024, 300), (4_096, 200), (16_384, 60))
+]
+
+
+def peer_grid(quick: bool) -> list[tuple[str, int, int]]:
+    """`PEER_GRID`, or a quarter of its requests (at least 16) with `quick`."""
+    return [(n, length, max(16, r // 4) if quick else r) for n, length, r in PEER_GRID]
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_prompt_tokens: int
+
+
+class SyntheticTrace:
+    """A `Workload` in the shape the peers' replays read a production trace
+    (`production_workload.ProductionTrace`): `requests()` yielding objects with `.tokens`,
+    `num_blocks()`, `num_requests` and `params.max_prompt_tokens`."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.num_requests = len(workload.prompts)
+        self.params = _Limits(max(len(p) for p in workload.prompts))
+
+    def requests(self) -> Iterator[_Prompt]:
+        return (_Prompt(p) for p in self.workload.prompts)
+
+    def num_blocks(self) -> int:
+        return self.workload.num_blocks
+
+
+def synthetic_trace(name: str, length: int, requests: int, seed: int = 0) -> SyntheticTrace:
+    """Workload `name` of `GENERATORS` as a `SyntheticTrace`."""
+    return SyntheticTrace(GENERATORS[name](length, requests, seed=seed))
+
+
+def replay_grid(
+    replay: Callable[[SyntheticTrace], dict[str, np.ndarray]],
+    grid: list[tuple[str, int, int]],
+    seed: int,
+    passes: int,
+) -> dict[str, np.ndarray]:
+    """Every trace of `grid` through `replay` (a fresh cache each call) `passes` times: per
+    request, the least time of any pass for each `*_ns` series (the same request in the same
+    cache state each pass, so the least is the one the machine's load touched least), and the
+    cached tokens, which every pass must agree on. Keys are ``name__length__key``."""
+    out: dict[str, np.ndarray] = {}
+    for name, length, requests in grid:
+        runs = [replay(synthetic_trace(name, length, requests, seed)) for _ in range(passes)]
+        for run in runs[1:]:
+            if not np.array_equal(run["cached"], runs[0]["cached"]):
+                raise AssertionError(f"{name} {length}: two passes cached different tokens")
+        for key in runs[0]:
+            series = [run[key] for run in runs]
+            value = np.min(series, axis=0) if key.endswith("_ns") else series[0]
+            out[f"{name}__{length}__{key}"] = value
+    return out

@@ -1,0 +1,222 @@
+"""Section 1d: the synthetic traces (issue 24) through prefixkv and through the peers' block managers.
+
+Section 1 times the synthetic workloads of `workloads.py` against plain Python and the hash
+floor; issue 24 also reads them against the fastest peer per request. Here every trace of
+`workloads.PEER_GRID` (agent, query first, chat, unrelated, pressure; 1k, 4k and 16k-token
+prompts) is replayed, with the same seed, through:
+
+- ``prefixkv``: ``PrefixCache.begin`` + ``commit(all prompt tokens)`` + ``finish`` (numpy ids),
+  as in sections 1 and 1c;
+- SGLang (``--sglang-python`` or $PREFIXKV_SGLANG_PYTHON; `peer_sglang.py --synthetic`): its
+  radix cache on its compiled tree core, the whole request as its scheduler runs it, and the
+  compiled core's calls alone (a second replay with the binding timed);
+- vLLM (``--vllm-python`` or $PREFIXKV_VLLM_PYTHON; `peer_vllm.py --synthetic`): its
+  `KVCacheManager`, the request with its block hashes and the manager's calls.
+
+Each replay starts from a fresh cache, and each is run `PASSES` times, in every process alike;
+a request's figure is its least time over the passes (the same request in the same cache state
+each time, so the least is the one the machine's other load touched least). The first requests
+of a workload that only warm the cache are not reported. vLLM must cache the same tokens as
+prefixkv on every request (the run fails otherwise); SGLang evicts whole radix nodes, so its
+hits are reported beside prefixkv's, with the share of requests that agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import clock_name, gc_paused, md_table, time_request, write_json
+from workloads import SyntheticTrace, peer_grid, replay_grid, synthetic_trace
+
+from prefixkv import PrefixCache
+
+#: Replays of every trace, in every process: a request's figure is its least time over them.
+PASSES = 3
+#: The aim issue 24 sets on the synthetic traces: this many times the fastest peer.
+AIM = 10.0
+
+
+class HitMismatch(AssertionError):
+    """vLLM and prefixkv cached different tokens on a request of a synthetic trace."""
+
+
+def _prefixkv(trace: SyntheticTrace) -> dict[str, np.ndarray]:
+    cache = PrefixCache(trace.num_blocks(), block_size=16)
+    ns, cached = [], []
+    with gc_paused():
+        for request in trace.requests():
+            took, hit = time_request(cache, request.tokens)
+            ns.append(took)
+            cached.append(hit)
+    return {"total_ns": np.array(ns, dtype=np.int64), "cached": np.array(cached, dtype=np.int64)}
+
+
+def _peer(python: str, script: str, quick: bool, seed: int) -> dict[str, np.ndarray]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [python, str(Path(__file__).with_name(script)), "--seed", str(seed)]
+        command += ["--quick"] * quick + ["--synthetic", str(PASSES), "--out", str(out)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        with np.load(out) as peer:
+            return {key: peer[key] for key in peer.files}
+
+
+def _stats_us(ns: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": float(ns.mean()) / 1e3,
+        "p50": float(np.percentile(ns, 50)) / 1e3,
+        "p99": float(np.percentile(ns, 99)) / 1e3,
+    }
+
+
+def run(
+    quick: bool = False,
+    seed: int = 0,
+    vllm_python: str | None = None,
+    sglang_python: str | None = None,
+) -> dict[str, Any]:
+    """`vllm_python` / `sglang_python`: a Python with vLLM / SGLang (default:
+    $PREFIXKV_VLLM_PYTHON / $PREFIXKV_SGLANG_PYTHON; a peer without one is left out)."""
+    grid = peer_grid(quick)
+    load = os.getloadavg()[0]
+    ours = replay_grid(_prefixkv, grid, seed, PASSES)
+    vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
+    sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
+    vllm = _peer(vllm_python, "peer_vllm.py", quick, seed) if vllm_python else None
+    sglang = _peer(sglang_python, "peer_sglang.py", quick, seed) if sglang_python else None
+    rows = []
+    for name, length, requests in grid:
+        key = f"{name}__{length}__"
+        workload = synthetic_trace(name, length, requests, seed).workload
+        warmup = workload.warmup
+        lengths = np.array([len(p) for p in workload.prompts])
+        hit = ours[key + "cached"]
+        row: dict[str, Any] = {
+            "workload": name,
+            "length": length,
+            "requests": int(len(hit) - warmup),
+            "hit_rate": float(hit[warmup:].sum() / lengths[warmup:].sum()),
+            "prefixkv_us": _stats_us(ours[key + "total_ns"][warmup:]),
+        }
+        peers: dict[str, dict[str, float]] = {}
+        if vllm is not None:
+            if not np.array_equal(vllm[key + "cached"], hit):
+                raise HitMismatch(f"{name} {length}: vLLM and prefixkv cached different tokens")
+            peers["vllm"] = _stats_us(vllm[key + "total_ns"][warmup:])
+        if sglang is not None:
+            peers["sglang"] = _stats_us(sglang[key + "total_ns"][warmup:])
+            peers["sglang_core"] = _stats_us(sglang[key + "core_ns"][warmup:])
+            row["sglang_requests_equal"] = float(
+                (sglang[key + "cached"][warmup:] == hit[warmup:]).mean()
+            )
+        row["peers_us"] = peers
+        row["peer_vs_prefixkv"] = {
+            peer: {stat: s[stat] / row["prefixkv_us"][stat] for stat in s}
+            for peer, s in peers.items()
+        }
+        rows.append(row)
+    return {
+        "quick": quick,
+        "seed": seed,
+        "passes": PASSES,
+        "clock": clock_name(),
+        "rows": rows,
+        "vllm_version": str(vllm["version"]) if vllm is not None else None,
+        "sglang_version": str(sglang["version"]) if sglang is not None else None,
+        "load_average_before": load,
+        "load_average_after": os.getloadavg()[0],
+    }
+
+
+#: The peers' columns: key in a row's ``peers_us``, label.
+PEER_LABELS = {
+    "sglang": "SGLang, whole request",
+    "sglang_core": "SGLang, its compiled core's calls alone",
+    "vllm": "vLLM KVCacheManager, whole request",
+}
+
+
+def worst(result: dict[str, Any], peer: str, stat: str) -> tuple[float, str] | None:
+    """The lowest peer ÷ prefixkv over the traces, and which trace, for `peer` and `stat`."""
+    found = [
+        (row["peer_vs_prefixkv"][peer][stat], f"{row['workload']} {row['length']:,}")
+        for row in result["rows"]
+        if peer in row["peer_vs_prefixkv"]
+    ]
+    return min(found) if found else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    peers = [p for p in PEER_LABELS if any(p in r["peers_us"] for r in result["rows"])]
+    versions = []
+    if result["sglang_version"]:
+        versions.append(f"SGLang {result['sglang_version']} (compiled tree core)")
+    if result["vllm_version"]:
+        versions.append(f"vLLM {result['vllm_version']}")
+    out = [
+        f"Seed {result['seed']}; each trace replayed {result['passes']} times from a fresh cache "
+        "in every process, a request's figure its least time over the passes; µs of "
+        f"{result['clock']} time per request, warm-up requests left out. Peers: "
+        f"{', '.join(versions) or 'none'}. vLLM cached the same tokens as prefixkv on every "
+        "request where it ran; *SGLang agrees* is the share of requests on which SGLang's hit "
+        f"equals prefixkv's. Load average {result['load_average_before']:.1f} before, "
+        f"{result['load_average_after']:.1f} after.\n",
+    ]
+    headers = ["trace", "prompt", "requests", "hit", "prefixkv µs (mean / p99)"]
+    for peer in peers:
+        headers += [f"{PEER_LABELS[peer]} µs (mean / p99)", "÷ prefixkv (mean / p99)"]
+    if "sglang" in peers:
+        headers.append("SGLang agrees")
+    rows = []
+    for row in result["rows"]:
+        ours = row["prefixkv_us"]
+        line = [
+            row["workload"],
+            f"{row['length']:,}",
+            row["requests"],
+            f"{row['hit_rate']:.0%}",
+            f"{ours['mean']:,.1f} / {ours['p99']:,.1f}",
+        ]
+        for peer in peers:
+            s = row["peers_us"].get(peer)
+            r = row["peer_vs_prefixkv"].get(peer)
+            line += (
+                [f"{s['mean']:,.1f} / {s['p99']:,.1f}", f"{r['mean']:.1f}× / {r['p99']:.1f}×"]
+                if s
+                else ["–", "–"]
+            )
+        if "sglang" in peers:
+            line.append(f"{row.get('sglang_requests_equal', 0):.0%}")
+        rows.append(line)
+    out.append(md_table(headers, rows))
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", help="a Python with vLLM (default $PREFIXKV_VLLM_PYTHON)")
+    parser.add_argument(
+        "--sglang-python", help="a Python with SGLang (default $PREFIXKV_SGLANG_PYTHON)"
+    )
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args()
+    result = run(args.quick, args.seed, args.vllm_python, args.sglang_python)
+    if args.json:
+        write_json(args.json, result)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
