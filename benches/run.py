@@ -198,6 +198,22 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
                     sglang["core_vs_prefixkv"],
                 )
             )
+            least = sglang.get("least")
+            if least:
+                peers.append(
+                    (
+                        f"SGLang {sglang['version']}, whole request, least of "
+                        f"{least['passes']} passes each",
+                        least["sglang_vs_prefixkv"],
+                    )
+                )
+                peers.append(
+                    (
+                        f"SGLang {sglang['version']}, its compiled core's calls alone, least of "
+                        f"{least['passes']} passes each",
+                        least["core_vs_prefixkv"],
+                    )
+                )
             peers.append(
                 (
                     f"SGLang {sglang['version']} on its Python tree core",

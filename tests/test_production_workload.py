@@ -104,3 +104,15 @@ def test_working_set_is_the_distinct_blocks_a_cache_that_never_evicts_holds() ->
         cache.finish(held)
     assert cache.evictions == 0
     assert len(cache._table) == working_set
+
+
+def test_prefixkv_alone_replays_to_the_same_hits_and_keeps_the_least_time() -> None:
+    trace = production_trace(SMALL, seed=0)
+    raw = bench_production.replay(trace)
+    least = bench_production.least_prefixkv_ns(trace, 2, raw["every_hit"])
+    assert least.shape == (trace.num_requests,) and (least > 0).all()
+    # Another trace's hits (a wrong expectation) are refused, not compared silently.
+    wrong = raw["every_hit"].copy()
+    wrong[np.flatnonzero(wrong)[0]] += bench_production.BLOCK_SIZE
+    with pytest.raises(bench_production.HitMismatch, match="prefixkv alone"):
+        bench_production.least_prefixkv_ns(trace, 1, wrong)

@@ -55,3 +55,19 @@ def test_under_pressure_it_evicts_without_leaking_pages() -> None:
     assert (theirs["cached"] % BLOCK_SIZE == 0).all()
     for phase in peer_sglang.PHASES:
         assert (theirs[f"{phase}_ns"] > 0).all()
+
+
+def test_least_of_passes_takes_each_request_s_least_and_refuses_other_hits() -> None:
+    def run(scale: int, cached: list[int], core: bool) -> dict[str, np.ndarray]:
+        phases = {f"{p}_ns": np.array([1, 2, 3]) * scale for p in peer_sglang.PHASES}
+        extra = {"core_ns": np.array([5, 1, 5]) * scale} if core else {}
+        return {**phases, **extra, "cached": np.array(cached)}
+
+    n = len(peer_sglang.PHASES)
+    runs = [run(3, [0, 16, 0], True), run(1, [0, 16, 0], True), run(2, [0, 16, 0], True)]
+    least = peer_sglang.least_of(runs)
+    assert least["least_total_ns"].tolist() == [n, 2 * n, 3 * n]
+    assert least["least_core_ns"].tolist() == [5, 1, 5]
+    assert "least_core_ns" not in peer_sglang.least_of([run(1, [0], False)])
+    with pytest.raises(peer_sglang.PeerError, match="cached different tokens"):
+        peer_sglang.least_of([run(1, [0, 16, 0], False), run(1, [0, 0, 0], False)])
