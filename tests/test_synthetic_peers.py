@@ -67,3 +67,12 @@ def test_prefixkv_alone_reports_every_trace_with_its_hits(monkeypatch: pytest.Mo
         assert row["prefixkv_us"]["mean"] > 0 and row["peers_us"] == {}
         assert bench_synthetic_peers.worst(result, "sglang", "mean") is None
     assert "| agent | 256 |" in bench_synthetic_peers.markdown(result)
+
+
+def test_two_grids_of_prefixkv_combine_to_the_least_and_refuse_other_hits() -> None:
+    a = {"agent__64__total_ns": np.array([5, 1]), "agent__64__cached": np.array([0, 48])}
+    b = {"agent__64__total_ns": np.array([3, 4]), "agent__64__cached": np.array([0, 48])}
+    assert bench_synthetic_peers._least(a, b)["agent__64__total_ns"].tolist() == [3, 1]
+    b["agent__64__cached"] = np.array([0, 32])
+    with pytest.raises(bench_synthetic_peers.HitMismatch, match="cached different tokens"):
+        bench_synthetic_peers._least(a, b)
