@@ -27,7 +27,7 @@ every request, or the run fails) and ``--sglang-python`` (`peer_sglang.py`: SGLa
 `UnifiedRadixCache` on its compiled tree core, which evicts whole radix nodes, so its hits are
 reported beside prefixkv's with the share of requests that agree, never required equal).
 SGLang replays the trace `PEER_PASSES` times (whole, and again with its core's calls timed),
-and prefixkv alone as often: beside the first pass's figures, each side's per-request least
+and prefixkv alone as often (before and after SGLang's): beside the first pass's figures, each side's per-request least
 time over its passes is compared too, so a few requests slowed in one pass (by the machine's
 other load, or inside the peer) do not make the ratio.
 """
@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +51,16 @@ from common import (
     machine,
     md_table,
     now,
+    peer_npz,
+    replay_alone,
+    stats_us,
     time_request,
     time_request_phases,
     write_json,
 )
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
 from python_baseline import PyPrefixCache
+from workloads import HitMismatch
 
 from prefixkv import PrefixCache
 from prefixkv.cache import as_token_ids, key_extras
@@ -72,11 +74,6 @@ WARMUP_FRACTION = 0.1
 #: Replays of the trace, each from a fresh cache, for the least-of-passes comparison with
 #: SGLang: a request's least time over them, on both sides.
 PEER_PASSES = 3
-
-
-class HitMismatch(AssertionError):
-    """prefixkv (numpy or list input), the Python baseline or vLLM disagreed on a request's
-    cached tokens."""
 
 
 def replay(trace: ProductionTrace) -> dict[str, Any]:
@@ -187,30 +184,18 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
 
 def least_prefixkv_ns(trace: ProductionTrace, passes: int, every_hit: np.ndarray) -> np.ndarray:
     """Per request, prefixkv's least time over `passes` replays of `trace` alone (numpy ids,
-    each replay from a fresh cache), which must cache what `replay` cached (`every_hit`)."""
+    each replay from a fresh cache, nothing run between requests), which must cache what
+    `replay` cached (`every_hit`)."""
     least: np.ndarray | None = None
     for _ in range(passes):
         cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
-        ns, hits = [], []
-        with gc_paused():
-            for request in trace.requests():
-                took, hit = time_request(cache, request.tokens)
-                ns.append(took)
-                hits.append(hit)
+        times, hits = replay_alone(cache, (request.tokens for request in trace.requests()))
         if not np.array_equal(hits, every_hit):
             raise HitMismatch("a replay of prefixkv alone cached other tokens than the first")
-        times = np.array(ns, dtype=np.int64)
         least = times if least is None else np.minimum(least, times)
-    assert least is not None
+    if least is None:
+        raise ValueError(f"passes must be at least 1, not {passes}")
     return least
-
-
-def _stats_us(samples: np.ndarray) -> dict[str, float]:
-    return {
-        "mean": float(samples.mean()) / 1e3,
-        "p50": float(np.percentile(samples, 50)) / 1e3,
-        "p99": float(np.percentile(samples, 99)) / 1e3,
-    }
 
 
 def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
@@ -218,7 +203,7 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
     lengths = raw["lengths"]
     cached = raw["cached"]
     timed = raw["requests_timed"]
-    us = {name: _stats_us(samples) for name, samples in raw["ns"].items()}
+    us = {name: stats_us(samples) for name, samples in raw["ns"].items()}
     ratio = {
         stat: {
             "prefixkv_vs_floor": us["prefixkv"][stat] / us["floor"][stat],
@@ -232,7 +217,7 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
     for high in BANDS:
         mask = (lengths > low) & (lengths <= high)
         if mask.any():
-            band_us = {name: _stats_us(s[mask]) for name, s in raw["ns"].items()}
+            band_us = {name: stats_us(s[mask]) for name, s in raw["ns"].items()}
             bands.append(
                 {
                     "tokens": [low, high],
@@ -277,7 +262,7 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
         "python_evictions_per_request": raw["evictions"][1] / timed,
         "hits_identical": True,  # replay() raises HitMismatch otherwise
         "us": us,
-        "prefixkv_phases_us": {k: _stats_us(v) for k, v in raw["phases_ns"].items()},
+        "prefixkv_phases_us": {k: stats_us(v) for k, v in raw["phases_ns"].items()},
         "ratios": ratio,
         "bands": bands,
     }
@@ -286,13 +271,7 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
 def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> dict[str, Any]:
     """Replays the same trace through vLLM's `KVCacheManager` in `vllm_python` (peer_vllm.py,
     a separate process: vLLM lives in its own environment) and compares hits request by request."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.npz"
-        command = [vllm_python, str(Path(__file__).with_name("peer_vllm.py")), "--seed", str(seed)]
-        command += ["--quick"] * quick + ["--out", str(out)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        with np.load(out) as peer:
-            data = {key: peer[key] for key in peer.files}
+    data = peer_npz(vllm_python, "peer_vllm.py", "--seed", str(seed), *["--quick"] * quick)
     ours = raw["every_hit"]
     if len(data["cached"]) != len(ours):
         raise HitMismatch(f"vLLM replayed {len(data['cached'])} requests, prefixkv {len(ours)}")
@@ -306,14 +285,14 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
     warmup = raw["warmup"]
     hashing, manager = data["hash_ns"][warmup:], data["manager_ns"][warmup:]
     total = hashing + manager
-    ours_us = _stats_us(raw["ns"]["prefixkv"])
-    total_us = _stats_us(total)
+    ours_us = stats_us(raw["ns"]["prefixkv"])
+    total_us = stats_us(total)
     return {
         "version": str(data["version"]),
         "hits_identical": True,
         "us": {
-            "request_and_hashes": _stats_us(hashing),
-            "manager": _stats_us(manager),
+            "request_and_hashes": stats_us(hashing),
+            "manager": stats_us(manager),
             "total": total_us,
         },
         "vllm_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
@@ -321,13 +300,9 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
 
 
 def _sglang_replay(sglang_python: str, quick: bool, seed: int, *extra: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.npz"
-        command = [sglang_python, str(Path(__file__).with_name("peer_sglang.py"))]
-        command += ["--seed", str(seed)] + ["--quick"] * quick + ["--out", str(out), *extra]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        with np.load(out) as peer:
-            return {key: peer[key] for key in peer.files}
+    return peer_npz(
+        sglang_python, "peer_sglang.py", "--seed", str(seed), *["--quick"] * quick, *extra
+    )
 
 
 def sglang_peer(
@@ -340,11 +315,15 @@ def sglang_peer(
     A second replay (`--core-split`) times the compiled tree core's calls alone; its wrapper
     costs a Python call per core call, so that pass gives the core's time, not the totals. A
     third runs SGLang's pure-Python tree core (`--tree-core python`) for comparison."""
+    ours = raw["every_hit"]
+    # prefixkv's passes alone come before and after SGLang's (which runs its own in a row), so
+    # a slow stretch of the shared machine cannot fall on one side alone.
+    ours_least = least_prefixkv_ns(trace, PEER_PASSES - 1, ours)
     passes = ("--passes", str(PEER_PASSES))
     data = _sglang_replay(sglang_python, quick, seed, *passes)
     split = _sglang_replay(sglang_python, quick, seed, "--core-split", *passes)
     python_core = _sglang_replay(sglang_python, quick, seed, "--tree-core", "python")
-    ours = raw["every_hit"]
+    ours_least = np.minimum(ours_least, least_prefixkv_ns(trace, 1, ours))[raw["warmup"] :]
     theirs = data["cached"]
     if len(theirs) != len(ours):
         raise HitMismatch(f"SGLang replayed {len(theirs)} requests, prefixkv {len(ours)}")
@@ -357,10 +336,10 @@ def sglang_peer(
     core = split["core_ns"][warmup:]
     python_total = sum(python_core[f"{name}_ns"][warmup:] for name in phases)
     ours_ns = raw["ns"]["prefixkv"]
-    ours_us = _stats_us(ours_ns)
-    total_us = _stats_us(total)
-    core_us = _stats_us(core)
-    python_us = _stats_us(python_total)
+    ours_us = stats_us(ours_ns)
+    total_us = stats_us(total)
+    core_us = stats_us(core)
+    python_us = stats_us(python_total)
     timed_lengths = lengths[warmup:]
 
     def hit_rates(cached: np.ndarray) -> dict[str, float]:
@@ -391,20 +370,19 @@ def sglang_peer(
         low = high
     # Least of PEER_PASSES replays on both sides: a few requests slowed by the machine's other
     # load (or a peer's own hiccup) can make one replay's mean (PROFILE.md, round 16).
-    ours_least = least_prefixkv_ns(trace, PEER_PASSES, ours)[warmup:]
     least_us = {
-        "prefixkv": _stats_us(ours_least),
-        "total": _stats_us(data["least_total_ns"][warmup:]),
-        "core": _stats_us(split["least_core_ns"][warmup:]),
+        "prefixkv": stats_us(ours_least),
+        "total": stats_us(data["least_total_ns"][warmup:]),
+        "core": stats_us(split["least_core_ns"][warmup:]),
     }
     least = {
         "passes": PEER_PASSES,
         "us": least_us,
         "sglang_vs_prefixkv": {
-            stat: least_us["total"][stat] / least_us["prefixkv"][stat] for stat in ours_us
+            stat: least_us["total"][stat] / value for stat, value in least_us["prefixkv"].items()
         },
         "core_vs_prefixkv": {
-            stat: least_us["core"][stat] / least_us["prefixkv"][stat] for stat in ours_us
+            stat: least_us["core"][stat] / value for stat, value in least_us["prefixkv"].items()
         },
     }
     return {
@@ -419,7 +397,7 @@ def sglang_peer(
         "evicted_pages_per_request": float(data["evicted_tokens"][warmup:].mean()) / BLOCK_SIZE,
         "us": {
             "total": total_us,
-            **{name: _stats_us(v) for name, v in phases.items()},
+            **{name: stats_us(v) for name, v in phases.items()},
             "core": core_us,
             "python_core": python_us,
         },
@@ -533,17 +511,17 @@ def markdown(result: dict[str, Any]) -> str:
         ]:
             rows.append([label, *(fmt_ratio(sglang[key][stat]) for stat in ("mean", "p50", "p99"))])
         least = sglang["least"]
-        n = least["passes"]
+        passes = least["passes"]
         for key, label in [
-            ("prefixkv", f"prefixkv (numpy), least of {n} passes"),
-            ("total", f"SGLang, whole request, least of {n} passes"),
-            ("core", f"SGLang's compiled core alone, least of {n} passes"),
+            ("prefixkv", f"prefixkv (numpy), least of {passes} passes"),
+            ("total", f"SGLang, whole request, least of {passes} passes"),
+            ("core", f"SGLang's compiled core alone, least of {passes} passes"),
         ]:
-            s = least["us"][key]
-            rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
+            us = least["us"][key]
+            rows.append([label, f"{us['mean']:,.1f}", f"{us['p50']:,.1f}", f"{us['p99']:,.1f}"])
         for key, label in [
-            ("sglang_vs_prefixkv", f"SGLang ÷ prefixkv, least of {n} passes each"),
-            ("core_vs_prefixkv", f"SGLang's core alone ÷ prefixkv, least of {n} passes each"),
+            ("sglang_vs_prefixkv", f"SGLang ÷ prefixkv, least of {passes} passes each"),
+            ("core_vs_prefixkv", f"SGLang's core alone ÷ prefixkv, least of {passes} passes each"),
         ]:
             rows.append([label, *(fmt_ratio(least[key][stat]) for stat in ("mean", "p50", "p99"))])
     phases = result["prefixkv_phases_us"]

@@ -9,7 +9,8 @@ prompts) is replayed, with the same seed, through:
   as in sections 1 and 1c;
 - SGLang (``--sglang-python`` or $PREFIXKV_SGLANG_PYTHON; `peer_sglang.py --synthetic`): its
   radix cache on its compiled tree core, the whole request as its scheduler runs it, and the
-  compiled core's calls alone (a second replay with the binding timed);
+  compiled core's calls alone (a second replay with the binding timed, less what the timing
+  itself adds: `peer_sglang.TimedBinding`);
 - vLLM (``--vllm-python`` or $PREFIXKV_VLLM_PYTHON; `peer_vllm.py --synthetic`): its
   `KVCacheManager`, the request with its block hashes and the manager's calls.
 
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import clock_name, gc_paused, md_table, time_request, write_json
-from workloads import SyntheticTrace, peer_grid, replay_grid, synthetic_trace
+from common import clock_name, md_table, peer_npz, replay_alone, stats_us, write_json
+from workloads import (
+    BLOCK_SIZE,
+    HitMismatch,
+    SyntheticTrace,
+    least_over_passes,
+    peer_grid,
+    replay_grid,
+    synthetic_trace,
+)
 
 from prefixkv import PrefixCache
 
@@ -47,52 +54,15 @@ PASSES = 3
 AIM = 10.0
 
 
-class HitMismatch(AssertionError):
-    """Two replays of a synthetic trace that must agree (vLLM and prefixkv, or two passes of
-    prefixkv) cached different tokens on a request."""
-
-
 def _prefixkv(trace: SyntheticTrace) -> dict[str, np.ndarray]:
-    cache = PrefixCache(trace.num_blocks(), block_size=16)
-    ns, cached = [], []
-    with gc_paused():
-        for request in trace.requests():
-            took, hit = time_request(cache, request.tokens)
-            ns.append(took)
-            cached.append(hit)
-    return {"total_ns": np.array(ns, dtype=np.int64), "cached": np.array(cached, dtype=np.int64)}
+    cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
+    ns, cached = replay_alone(cache, (request.tokens for request in trace.requests()))
+    return {"total_ns": ns, "cached": cached}
 
 
 def _peer(python: str, script: str, quick: bool, seed: int) -> dict[str, np.ndarray]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peer.npz"
-        command = [python, str(Path(__file__).with_name(script)), "--seed", str(seed)]
-        command += ["--quick"] * quick + ["--synthetic", str(PASSES), "--out", str(out)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        with np.load(out) as peer:
-            return {key: peer[key] for key in peer.files}
-
-
-def _least(first: dict[str, np.ndarray], later: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Two `replay_grid` results of the same grid as one: the least of each `*_ns` series, and
-    the cached tokens, which must agree."""
-    out = {}
-    for key, value in first.items():
-        if key.endswith("_ns"):
-            out[key] = np.minimum(value, later[key])
-        elif not np.array_equal(value, later[key]):
-            raise HitMismatch(f"{key}: two replays of prefixkv cached different tokens")
-        else:
-            out[key] = value
-    return out
-
-
-def _stats_us(ns: np.ndarray) -> dict[str, float]:
-    return {
-        "mean": float(ns.mean()) / 1e3,
-        "p50": float(np.percentile(ns, 50)) / 1e3,
-        "p99": float(np.percentile(ns, 99)) / 1e3,
-    }
+    extra = ["--quick"] * quick
+    return peer_npz(python, script, "--seed", str(seed), *extra, "--synthetic", str(PASSES))
 
 
 def run(
@@ -112,7 +82,8 @@ def run(
     sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
     vllm = _peer(vllm_python, "peer_vllm.py", quick, seed) if vllm_python else None
     sglang = _peer(sglang_python, "peer_sglang.py", quick, seed) if sglang_python else None
-    ours = _least(before, replay_grid(_prefixkv, grid, seed, 1))
+    after = replay_grid(_prefixkv, grid, seed, 1)
+    ours = least_over_passes([before, after], "prefixkv's passes")
     rows = []
     for name, length, requests in grid:
         key = f"{name}__{length}__"
@@ -125,23 +96,26 @@ def run(
             "length": length,
             "requests": int(len(hit) - warmup),
             "hit_rate": float(hit[warmup:].sum() / lengths[warmup:].sum()),
-            "prefixkv_us": _stats_us(ours[key + "total_ns"][warmup:]),
+            "prefixkv_us": stats_us(ours[key + "total_ns"][warmup:]),
         }
         peers: dict[str, dict[str, float]] = {}
         if vllm is not None:
             if not np.array_equal(vllm[key + "cached"], hit):
                 raise HitMismatch(f"{name} {length}: vLLM and prefixkv cached different tokens")
-            peers["vllm"] = _stats_us(vllm[key + "total_ns"][warmup:])
+            peers["vllm"] = stats_us(vllm[key + "total_ns"][warmup:])
         if sglang is not None:
-            peers["sglang"] = _stats_us(sglang[key + "total_ns"][warmup:])
-            peers["sglang_core"] = _stats_us(sglang[key + "core_ns"][warmup:])
-            row["sglang_requests_equal"] = float(
-                (sglang[key + "cached"][warmup:] == hit[warmup:]).mean()
-            )
+            theirs = sglang[key + "cached"]
+            if len(theirs) != len(hit):
+                raise HitMismatch(f"{name} {length}: SGLang replayed {len(theirs)} requests")
+            if not np.array_equal(sglang[key + "cached_core_split"], theirs):
+                raise HitMismatch(f"{name} {length}: SGLang's two replays cached differently")
+            peers["sglang"] = stats_us(sglang[key + "total_ns"][warmup:])
+            peers["sglang_core"] = stats_us(sglang[key + "core_ns"][warmup:])
+            row["sglang_requests_equal"] = float((theirs[warmup:] == hit[warmup:]).mean())
         row["peers_us"] = peers
         row["peer_vs_prefixkv"] = {
-            peer: {stat: s[stat] / row["prefixkv_us"][stat] for stat in s}
-            for peer, s in peers.items()
+            peer: {stat: us[stat] / row["prefixkv_us"][stat] for stat in us}
+            for peer, us in peers.items()
         }
         rows.append(row)
     return {
@@ -207,11 +181,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"{ours['mean']:,.1f} / {ours['p99']:,.1f}",
         ]
         for peer in peers:
-            s = row["peers_us"].get(peer)
-            r = row["peer_vs_prefixkv"].get(peer)
+            us = row["peers_us"].get(peer)
+            ratio = row["peer_vs_prefixkv"].get(peer)
             line += (
-                [f"{s['mean']:,.1f} / {s['p99']:,.1f}", f"{r['mean']:.1f}× / {r['p99']:.1f}×"]
-                if s
+                [
+                    f"{us['mean']:,.1f} / {us['p99']:,.1f}",
+                    f"{ratio['mean']:.1f}× / {ratio['p99']:.1f}×",
+                ]
+                if us and ratio
                 else ["–", "–"]
             )
         if "sglang" in peers:

@@ -19,12 +19,16 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -74,6 +78,50 @@ def time_request_phases(cache: Any, tokens: Any) -> tuple[int, int, int, int]:
     cache.finish(request)
     t3 = now()
     return t1 - t0, t2 - t1, t3 - t2, request.num_cached_tokens
+
+
+def replay_alone(cache: Any, prompts: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Every prompt through `cache` (`time_request`) with the collector paused, nothing else
+    run between requests: per request, the time and the cached tokens."""
+    ns, hits = [], []
+    with gc_paused():
+        for tokens in prompts:
+            took, hit = time_request(cache, tokens)
+            ns.append(took)
+            hits.append(hit)
+    return np.array(ns, dtype=np.int64), np.array(hits, dtype=np.int64)
+
+
+def stats_us(samples: np.ndarray) -> dict[str, float]:
+    """Mean, p50 and p99 of per-request samples in ns, in µs."""
+    return {
+        "mean": float(samples.mean()) / 1e3,
+        "p50": float(np.percentile(samples, 50)) / 1e3,
+        "p99": float(np.percentile(samples, 99)) / 1e3,
+    }
+
+
+class PeerFailed(RuntimeError):
+    """A peer's replay (its own process and Python) exited with an error; its stderr's end is
+    in the message."""
+
+
+def peer_npz(python: str, script: str, *args: str) -> dict[str, np.ndarray]:
+    """Runs `benches/<script>` in the Python at `python` (a peer's own environment) with `args`
+    and ``--out FILE``, and returns the arrays it saved there."""
+    if clock_name() != "cpu":
+        # The peers time with the thread's CPU clock: a wall-clock run would compare two clocks.
+        raise ValueError("the peers time CPU time: run the sections with peers with --clock cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.npz"
+        command = [python, str(BENCH_DIR / script), *args, "--out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise PeerFailed(
+                f"{script} exited with {done.returncode}: {done.stderr[-2000:].strip()}"
+            )
+        with np.load(out) as peer:
+            return {key: peer[key] for key in peer.files}
 
 
 def median_ns(

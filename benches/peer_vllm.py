@@ -16,11 +16,14 @@ Per request, as vLLM's scheduler does it for a prompt scheduled whole:
 The pool has one block more than prefixkv's, because vLLM keeps block 0 as its null block.
 
     /work/venvs/vllm/bin/python benches/peer_vllm.py [--quick] [--seed 0] --out peer.npz
+    /work/venvs/vllm/bin/python benches/peer_vllm.py [--quick] [--seed 0] --synthetic PASSES \\
+        --out peer.npz                         # the synthetic traces (bench_synthetic_peers.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 import warnings
@@ -30,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
-from workloads import SyntheticTrace, peer_grid, replay_grid
+from production_workload import BLOCK_SIZE, TraceParams, production_trace
+from workloads import SyntheticTrace, Trace, peer_grid, replay_grid
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -45,7 +48,7 @@ with warnings.catch_warnings():
     from vllm.v1.request import Request
 
 
-def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
+def replay(trace: Trace) -> dict[str, np.ndarray]:
     """Every request of `trace` through a fresh `KVCacheManager`: per-request times and hits."""
     params = trace.params
     spec = FullAttentionSpec(
@@ -68,31 +71,37 @@ def replay(trace: ProductionTrace) -> dict[str, np.ndarray]:
     sampling = SamplingParams(max_tokens=1)
     clock = time.thread_time_ns
     hash_ns, manager_ns, cached = [], [], []
-    for index, request in enumerate(trace.requests()):
-        prompt = request.tokens.tolist()  # vLLM holds prompts as lists of ints
-        t0 = clock()
-        vllm_request = Request(
-            request_id=str(index),
-            prompt_token_ids=prompt,
-            sampling_params=sampling,
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-        t1 = clock()
-        blocks, num_computed, _ = manager.get_computed_blocks(vllm_request)
-        allocated = manager.allocate_slots(
-            vllm_request,
-            len(prompt) - num_computed,
-            num_new_computed_tokens=num_computed,
-            new_computed_blocks=blocks,
-        )
-        if allocated is None:
-            raise MemoryError(f"request {index}: vLLM's pool cannot fit {len(prompt)} tokens")
-        manager.free(vllm_request)
-        t2 = clock()
-        hash_ns.append(t1 - t0)
-        manager_ns.append(t2 - t1)
-        cached.append(num_computed)
+    # The collector paused, as prefixkv's and SGLang's replays run (`common.gc_paused`).
+    gc.collect()
+    gc.disable()
+    try:
+        for index, request in enumerate(trace.requests()):
+            prompt = request.tokens.tolist()  # vLLM holds prompts as lists of ints
+            t0 = clock()
+            vllm_request = Request(
+                request_id=str(index),
+                prompt_token_ids=prompt,
+                sampling_params=sampling,
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+            t1 = clock()
+            blocks, num_computed, _ = manager.get_computed_blocks(vllm_request)
+            allocated = manager.allocate_slots(
+                vllm_request,
+                len(prompt) - num_computed,
+                num_new_computed_tokens=num_computed,
+                new_computed_blocks=blocks,
+            )
+            if allocated is None:
+                raise MemoryError(f"request {index}: vLLM's pool cannot fit {len(prompt)} tokens")
+            manager.free(vllm_request)
+            t2 = clock()
+            hash_ns.append(t1 - t0)
+            manager_ns.append(t2 - t1)
+            cached.append(num_computed)
+    finally:
+        gc.enable()
     return {
         "hash_ns": np.array(hash_ns, dtype=np.int64),
         "manager_ns": np.array(manager_ns, dtype=np.int64),
@@ -107,7 +116,7 @@ def synthetic(quick: bool, seed: int, passes: int) -> dict[str, np.ndarray]:
     block hashes, then the manager's calls) and the cached tokens."""
 
     def whole(trace: SyntheticTrace) -> dict[str, np.ndarray]:
-        run = replay(trace)  # type: ignore[arg-type]
+        run = replay(trace)
         return {"total_ns": run["hash_ns"] + run["manager_ns"], "cached": run["cached"]}
 
     return {
@@ -129,7 +138,9 @@ def main() -> None:
         "each PASSES times, instead of the production trace",
     )
     args = parser.parse_args()
-    if args.synthetic:
+    if args.synthetic is not None:
+        if args.synthetic < 1:
+            parser.error("--synthetic PASSES must be at least 1")
         np.savez(args.out, **synthetic(args.quick, args.seed, args.synthetic))
         return
     params = TraceParams().scaled(0.2) if args.quick else TraceParams()

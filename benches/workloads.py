@@ -7,8 +7,9 @@ size, and how many leading requests only warm the cache and are not timed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -157,6 +158,36 @@ def peer_grid(quick: bool) -> list[tuple[str, int, int]]:
     return [(n, length, max(16, r // 4) if quick else r) for n, length, r in PEER_GRID]
 
 
+class HitMismatch(AssertionError):
+    """Two replays that must agree (two passes of one cache over one trace, or prefixkv and a
+    peer that caches exactly as it does) cached different tokens on a request."""
+
+
+class TraceRequest(Protocol):
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+
+class TraceLimits(Protocol):
+    @property
+    def max_prompt_tokens(self) -> int: ...
+
+
+class Trace(Protocol):
+    """What the peers' replays read of a trace: `production_workload.ProductionTrace`, or a
+    synthetic workload through `SyntheticTrace`."""
+
+    @property
+    def num_requests(self) -> int: ...
+
+    @property
+    def params(self) -> TraceLimits: ...
+
+    def requests(self) -> Iterable[TraceRequest]: ...
+
+    def num_blocks(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class _Prompt:
     tokens: np.ndarray
@@ -168,9 +199,8 @@ class _Limits:
 
 
 class SyntheticTrace:
-    """A `Workload` in the shape the peers' replays read a production trace
-    (`production_workload.ProductionTrace`): `requests()` yielding objects with `.tokens`,
-    `num_blocks()`, `num_requests` and `params.max_prompt_tokens`."""
+    """A `Workload` as a `Trace`, the form in which the peers' replays read the production
+    trace."""
 
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
@@ -189,24 +219,38 @@ def synthetic_trace(name: str, length: int, requests: int, seed: int = 0) -> Syn
     return SyntheticTrace(GENERATORS[name](length, requests, seed=seed))
 
 
+def least_over_passes(runs: list[dict[str, np.ndarray]], what: str) -> dict[str, np.ndarray]:
+    """Replays of one trace (each from a fresh cache) as one: per request, the least of each
+    `*_ns` series over them (the same request in the same cache state each time, so the least is
+    the one the machine's other load touched least); every other series must agree, the cached
+    tokens first (`HitMismatch` naming `what` otherwise)."""
+    if not runs:
+        raise ValueError(f"{what}: no replay to take the least of")
+    out: dict[str, np.ndarray] = {}
+    for key in runs[0]:
+        series = [run[key] for run in runs]
+        if key.endswith("_ns"):
+            out[key] = np.min(series, axis=0)
+        elif any(not np.array_equal(s, series[0]) for s in series[1:]):
+            raise HitMismatch(f"{what}: two passes cached different tokens ({key})")
+        else:
+            out[key] = series[0]
+    return out
+
+
 def replay_grid(
     replay: Callable[[SyntheticTrace], dict[str, np.ndarray]],
     grid: list[tuple[str, int, int]],
     seed: int,
     passes: int,
 ) -> dict[str, np.ndarray]:
-    """Every trace of `grid` through `replay` (a fresh cache each call) `passes` times: per
-    request, the least time of any pass for each `*_ns` series (the same request in the same
-    cache state each pass, so the least is the one the machine's load touched least), and the
-    cached tokens, which every pass must agree on. Keys are ``name__length__key``."""
+    """Every trace of `grid` through `replay` (a fresh cache each call) `passes` times, as
+    `least_over_passes` combines them. Keys are ``name__length__key``."""
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, not {passes}")
     out: dict[str, np.ndarray] = {}
     for name, length, requests in grid:
         runs = [replay(synthetic_trace(name, length, requests, seed)) for _ in range(passes)]
-        for run in runs[1:]:
-            if not np.array_equal(run["cached"], runs[0]["cached"]):
-                raise AssertionError(f"{name} {length}: two passes cached different tokens")
-        for key in runs[0]:
-            series = [run[key] for run in runs]
-            value = np.min(series, axis=0) if key.endswith("_ns") else series[0]
+        for key, value in least_over_passes(runs, f"{name} {length}").items():
             out[f"{name}__{length}__{key}"] = value
     return out

@@ -106,13 +106,25 @@ def test_working_set_is_the_distinct_blocks_a_cache_that_never_evicts_holds() ->
     assert len(cache._table) == working_set
 
 
-def test_prefixkv_alone_replays_to_the_same_hits_and_keeps_the_least_time() -> None:
+def test_prefixkv_alone_replays_to_the_same_hits_and_keeps_the_least_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     trace = production_trace(SMALL, seed=0)
     raw = bench_production.replay(trace)
     least = bench_production.least_prefixkv_ns(trace, 2, raw["every_hit"])
     assert least.shape == (trace.num_requests,) and (least > 0).all()
+    # Each request's least over the passes, whichever pass it came from.
+    n = trace.num_requests
+    times = iter([np.arange(n, 0, -1), np.arange(1, n + 1), np.full(n, n // 2)])
+    hits = raw["every_hit"]
+    monkeypatch.setattr(
+        bench_production, "replay_alone", lambda cache, prompts: (next(times), hits)
+    )
+    expected = np.minimum(np.minimum(np.arange(n, 0, -1), np.arange(1, n + 1)), n // 2)
+    assert bench_production.least_prefixkv_ns(trace, 3, hits).tolist() == expected.tolist()
     # Another trace's hits (a wrong expectation) are refused, not compared silently.
-    wrong = raw["every_hit"].copy()
+    wrong = hits.copy()
     wrong[np.flatnonzero(wrong)[0]] += bench_production.BLOCK_SIZE
+    times = iter([np.arange(n)])
     with pytest.raises(bench_production.HitMismatch, match="prefixkv alone"):
         bench_production.least_prefixkv_ns(trace, 1, wrong)

@@ -46,8 +46,10 @@ def test_the_grid_refuses_passes_that_cached_differently() -> None:
     def replay(trace: workloads.SyntheticTrace) -> dict[str, np.ndarray]:
         return {"total_ns": np.array([1, 1]), "cached": next(hits)}
 
-    with pytest.raises(AssertionError, match="cached different tokens"):
+    with pytest.raises(workloads.HitMismatch, match="cached different tokens"):
         workloads.replay_grid(replay, [("agent", 64, 1)], seed=0, passes=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        workloads.replay_grid(replay, [("agent", 64, 1)], seed=0, passes=0)
 
 
 def test_prefixkv_alone_reports_every_trace_with_its_hits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,8 +59,8 @@ def test_prefixkv_alone_reports_every_trace_with_its_hits(monkeypatch: pytest.Mo
     result = bench_synthetic_peers.run()
     rows = {r["workload"]: r for r in result["rows"]}
     assert list(rows) == [name for name, _, _ in SMALL_GRID]
-    # Built to hit: the agent's shared 95% of blocks, none of unrelated prompts, a chat turn
-    # its history; the timed requests exclude the warm-up.
+    # Built to hit: the agent's shared prefix (95% of 16 blocks, rounded to 15), none of
+    # unrelated prompts, a chat turn its history; the timed requests exclude the warm-up.
     assert rows["agent"]["hit_rate"] == pytest.approx(240 / 256)
     assert rows["unrelated"]["hit_rate"] == 0
     assert 0.5 < rows["chat"]["hit_rate"] < 1
@@ -69,10 +71,42 @@ def test_prefixkv_alone_reports_every_trace_with_its_hits(monkeypatch: pytest.Mo
     assert "| agent | 256 |" in bench_synthetic_peers.markdown(result)
 
 
-def test_two_grids_of_prefixkv_combine_to_the_least_and_refuse_other_hits() -> None:
-    a = {"agent__64__total_ns": np.array([5, 1]), "agent__64__cached": np.array([0, 48])}
-    b = {"agent__64__total_ns": np.array([3, 4]), "agent__64__cached": np.array([0, 48])}
-    assert bench_synthetic_peers._least(a, b)["agent__64__total_ns"].tolist() == [3, 1]
-    b["agent__64__cached"] = np.array([0, 32])
-    with pytest.raises(bench_synthetic_peers.HitMismatch, match="cached different tokens"):
-        bench_synthetic_peers._least(a, b)
+def test_peers_are_compared_request_by_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merge in `run`: each peer's timed requests against prefixkv's, vLLM's hits required
+    equal to prefixkv's, SGLang's two replays required to agree with each other."""
+    monkeypatch.setattr(workloads, "PEER_GRID", SMALL_GRID[:2])
+    ours = workloads.replay_grid(bench_synthetic_peers._prefixkv, SMALL_GRID[:2], 0, 1)
+
+    def fake_peer(scale: int, sglang: bool) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {"version": np.array("0.0")}
+        for name, length, _ in SMALL_GRID[:2]:
+            key = f"{name}__{length}__"
+            hits = ours[key + "cached"]
+            out[key + "total_ns"] = np.full(len(hits), scale * 1_000)
+            out[key + "cached"] = hits.copy()
+            if sglang:
+                out[key + "core_ns"] = np.full(len(hits), 1_000)
+                out[key + "cached_core_split"] = hits.copy()
+        return out
+
+    peers = {"peer_vllm.py": fake_peer(100, False), "peer_sglang.py": fake_peer(50, True)}
+    monkeypatch.setattr(
+        bench_synthetic_peers, "_peer", lambda python, script, quick, seed: peers[script]
+    )
+    result = bench_synthetic_peers.run(vllm_python="v", sglang_python="s")
+    for row in result["rows"]:
+        ours_mean = row["prefixkv_us"]["mean"]
+        assert row["peers_us"]["vllm"]["mean"] == pytest.approx(100)
+        assert row["peer_vs_prefixkv"]["vllm"]["mean"] == pytest.approx(100 / ours_mean)
+        assert row["peer_vs_prefixkv"]["sglang"]["mean"] == pytest.approx(50 / ours_mean)
+        assert row["peer_vs_prefixkv"]["sglang_core"]["mean"] == pytest.approx(1 / ours_mean)
+        assert row["sglang_requests_equal"] == 1.0
+    assert bench_synthetic_peers.worst(result, "vllm", "mean") is not None
+    # A vLLM hit that differs from prefixkv's fails the run; so do SGLang's replays disagreeing.
+    peers["peer_vllm.py"]["agent__256__cached"][-1] += 16
+    with pytest.raises(workloads.HitMismatch, match="vLLM and prefixkv"):
+        bench_synthetic_peers.run(vllm_python="v", sglang_python="s")
+    peers["peer_vllm.py"]["agent__256__cached"][-1] -= 16
+    peers["peer_sglang.py"]["agent__256__cached_core_split"][-1] += 16
+    with pytest.raises(workloads.HitMismatch, match="two replays"):
+        bench_synthetic_peers.run(vllm_python="v", sglang_python="s")

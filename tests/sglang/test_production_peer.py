@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 
 import peer_sglang
+import workloads
 from production_workload import BLOCK_SIZE, TraceParams, production_trace
 
 from prefixkv import PrefixCache
@@ -58,16 +59,25 @@ def test_under_pressure_it_evicts_without_leaking_pages() -> None:
 
 
 def test_least_of_passes_takes_each_request_s_least_and_refuses_other_hits() -> None:
-    def run(scale: int, cached: list[int], core: bool) -> dict[str, np.ndarray]:
-        phases = {f"{p}_ns": np.array([1, 2, 3]) * scale for p in peer_sglang.PHASES}
-        extra = {"core_ns": np.array([5, 1, 5]) * scale} if core else {}
-        return {**phases, **extra, "cached": np.array(cached)}
+    """The least whole request is the least of each replay's sum of phases (not the sum of each
+    phase's least), and the least core time is per request across replays."""
+    match, alloc, insert, release = peer_sglang.PHASES
+    # Request 0 is fastest in replay 0, request 1 in replay 1; each replay's phases peak apart.
+    first = {match: [1, 9], alloc: [1, 9], insert: [5, 0], release: [0, 0]}
+    second = {match: [9, 1], alloc: [0, 1], insert: [0, 1], release: [9, 0]}
 
-    n = len(peer_sglang.PHASES)
-    runs = [run(3, [0, 16, 0], True), run(1, [0, 16, 0], True), run(2, [0, 16, 0], True)]
-    least = peer_sglang.least_of(runs)
-    assert least["least_total_ns"].tolist() == [n, 2 * n, 3 * n]
-    assert least["least_core_ns"].tolist() == [5, 1, 5]
-    assert "least_core_ns" not in peer_sglang.least_of([run(1, [0], False)])
-    with pytest.raises(peer_sglang.PeerError, match="cached different tokens"):
-        peer_sglang.least_of([run(1, [0, 16, 0], False), run(1, [0, 0, 0], False)])
+    def run(phases: dict[str, list[int]], core: list[int], cached: list[int]) -> dict:  # type: ignore[type-arg]
+        return {
+            **{f"{p}_ns": np.array(v) for p, v in phases.items()},
+            "core_ns": np.array(core),
+            "cached": np.array(cached),
+        }
+
+    least = peer_sglang.least_of([run(first, [4, 1], [0, 16]), run(second, [2, 3], [0, 16])])
+    # Sums: replay 0 is [7, 18], replay 1 is [18, 3]; the per-phase minima would sum to [1, 2].
+    assert least["least_total_ns"].tolist() == [7, 3]
+    assert least["least_core_ns"].tolist() == [2, 1]
+    no_core = {k: v for k, v in run(first, [0, 0], [0, 16]).items() if k != "core_ns"}
+    assert "least_core_ns" not in peer_sglang.least_of([no_core])
+    with pytest.raises(workloads.HitMismatch, match="cached different tokens"):
+        peer_sglang.least_of([run(first, [1, 1], [0, 16]), run(first, [1, 1], [0, 0])])
