@@ -60,7 +60,7 @@ from common import (
 )
 from production_workload import BLOCK_SIZE, ProductionTrace, TraceParams, production_trace
 from python_baseline import PyPrefixCache
-from workloads import HitMismatch
+from workloads import HitMismatch, least_over_passes
 
 from prefixkv import PrefixCache
 from prefixkv.cache import as_token_ids, key_extras
@@ -183,19 +183,13 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
 
 
 def least_prefixkv_ns(trace: ProductionTrace, passes: int, every_hit: np.ndarray) -> np.ndarray:
-    """Per request, prefixkv's least time over `passes` replays of `trace` alone (numpy ids,
-    each replay from a fresh cache, nothing run between requests), which must cache what
-    `replay` cached (`every_hit`)."""
-    least: np.ndarray | None = None
-    for _ in range(passes):
-        cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
-        times, hits = replay_alone(cache, (request.tokens for request in trace.requests()))
-        if not np.array_equal(hits, every_hit):
-            raise HitMismatch("a replay of prefixkv alone cached other tokens than the first")
-        least = times if least is None else np.minimum(least, times)
-    if least is None:
-        raise ValueError(f"passes must be at least 1, not {passes}")
-    return least
+    """Per request, prefixkv's least time over `passes` replays of `trace` alone
+    (`common.replay_alone`, `workloads.least_over_passes`), which must cache what `replay`
+    cached (`every_hit`)."""
+    least = least_over_passes([replay_alone(trace) for _ in range(passes)], "prefixkv alone")
+    if not np.array_equal(least["cached"], every_hit):
+        raise HitMismatch("a replay of prefixkv alone cached other tokens than the first")
+    return least["total_ns"]
 
 
 def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:

@@ -37,27 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import clock_name, md_table, peer_npz, replay_alone, stats_us, write_json
 from workloads import (
-    BLOCK_SIZE,
     HitMismatch,
-    SyntheticTrace,
     least_over_passes,
     peer_grid,
     replay_grid,
     synthetic_trace,
 )
 
-from prefixkv import PrefixCache
-
 #: Replays of every trace, in every process: a request's figure is its least time over them.
 PASSES = 3
 #: The aim issue 24 sets on the synthetic traces: this many times the fastest peer.
 AIM = 10.0
-
-
-def _prefixkv(trace: SyntheticTrace) -> dict[str, np.ndarray]:
-    cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
-    ns, cached = replay_alone(cache, (request.tokens for request in trace.requests()))
-    return {"total_ns": ns, "cached": cached}
 
 
 def _peer(python: str, script: str, quick: bool, seed: int) -> dict[str, np.ndarray]:
@@ -77,12 +67,12 @@ def run(
     load = os.getloadavg()[0]
     # prefixkv's passes before and after the peers' (which run theirs in a row in their own
     # process), so a slow stretch of the shared machine cannot fall on its side alone.
-    before = replay_grid(_prefixkv, grid, seed, PASSES - 1)
+    before = replay_grid(replay_alone, grid, seed, PASSES - 1)
     vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
     sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
     vllm = _peer(vllm_python, "peer_vllm.py", quick, seed) if vllm_python else None
     sglang = _peer(sglang_python, "peer_sglang.py", quick, seed) if sglang_python else None
-    after = replay_grid(_prefixkv, grid, seed, 1)
+    after = replay_grid(replay_alone, grid, seed, 1)
     ours = least_over_passes([before, after], "prefixkv's passes")
     rows = []
     for name, length, requests in grid:

@@ -23,12 +23,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from workloads import BLOCK_SIZE
+
+from prefixkv import PrefixCache
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -80,16 +83,19 @@ def time_request_phases(cache: Any, tokens: Any) -> tuple[int, int, int, int]:
     return t1 - t0, t2 - t1, t3 - t2, request.num_cached_tokens
 
 
-def replay_alone(cache: Any, prompts: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Every prompt through `cache` (`time_request`) with the collector paused, nothing else
-    run between requests: per request, the time and the cached tokens."""
+def replay_alone(trace: Any) -> dict[str, np.ndarray]:
+    """Every request of `trace` (a `workloads.Trace`) through a fresh `PrefixCache` of the
+    trace's size (`time_request`, numpy ids), the collector paused and nothing else run between
+    requests: per request, the time (``total_ns``) and the cached tokens (``cached``), the
+    series `workloads.least_over_passes` combines."""
+    cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
     ns, hits = [], []
     with gc_paused():
-        for tokens in prompts:
-            took, hit = time_request(cache, tokens)
+        for request in trace.requests():
+            took, hit = time_request(cache, request.tokens)
             ns.append(took)
             hits.append(hit)
-    return np.array(ns, dtype=np.int64), np.array(hits, dtype=np.int64)
+    return {"total_ns": np.array(ns, dtype=np.int64), "cached": np.array(hits, dtype=np.int64)}
 
 
 def stats_us(samples: np.ndarray) -> dict[str, float]:

@@ -118,7 +118,7 @@ def test_prefixkv_alone_replays_to_the_same_hits_and_keeps_the_least_time(
     times = iter([np.arange(n, 0, -1), np.arange(1, n + 1), np.full(n, n // 2)])
     hits = raw["every_hit"]
     monkeypatch.setattr(
-        bench_production, "replay_alone", lambda cache, prompts: (next(times), hits)
+        bench_production, "replay_alone", lambda trace: {"total_ns": next(times), "cached": hits}
     )
     expected = np.minimum(np.minimum(np.arange(n, 0, -1), np.arange(1, n + 1)), n // 2)
     assert bench_production.least_prefixkv_ns(trace, 3, hits).tolist() == expected.tolist()

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 import bench_synthetic_peers
+import common
 import workloads
 
 SMALL_GRID = [("agent", 256, 6), ("unrelated", 256, 6), ("chat", 256, 16), ("pressure", 256, 12)]
@@ -75,7 +76,7 @@ def test_peers_are_compared_request_by_request(monkeypatch: pytest.MonkeyPatch) 
     """The merge in `run`: each peer's timed requests against prefixkv's, vLLM's hits required
     equal to prefixkv's, SGLang's two replays required to agree with each other."""
     monkeypatch.setattr(workloads, "PEER_GRID", SMALL_GRID[:2])
-    ours = workloads.replay_grid(bench_synthetic_peers._prefixkv, SMALL_GRID[:2], 0, 1)
+    ours = workloads.replay_grid(common.replay_alone, SMALL_GRID[:2], 0, 1)
 
     def fake_peer(scale: int, sglang: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {"version": np.array("0.0")}

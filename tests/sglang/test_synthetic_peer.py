@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 
-import bench_synthetic_peers
+import common
 import peer_sglang
 import workloads
 
@@ -26,7 +26,7 @@ def test_sglang_caches_what_prefixkv_caches_where_nothing_is_evicted(
 ) -> None:
     monkeypatch.setattr(workloads, "PEER_GRID", GRID)
     theirs = peer_sglang.synthetic(quick=False, seed=3, passes=2)
-    ours = workloads.replay_grid(bench_synthetic_peers._prefixkv, GRID, seed=3, passes=1)
+    ours = workloads.replay_grid(common.replay_alone, GRID, seed=3, passes=1)
     for name, length, _ in GRID:
         key = f"{name}__{length}__"
         assert np.array_equal(theirs[key + "cached"], ours[key + "cached"]), name

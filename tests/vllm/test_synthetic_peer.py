@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 
-import bench_synthetic_peers
+import common
 import workloads
 
 with warnings.catch_warnings():
@@ -28,7 +28,7 @@ def test_vllm_caches_what_prefixkv_caches_on_every_synthetic_request(
 ) -> None:
     monkeypatch.setattr(workloads, "PEER_GRID", GRID)
     theirs = peer_vllm.synthetic(quick=False, seed=1, passes=2)
-    ours = workloads.replay_grid(bench_synthetic_peers._prefixkv, GRID, seed=1, passes=1)
+    ours = workloads.replay_grid(common.replay_alone, GRID, seed=1, passes=1)
     for name, length, _ in GRID:
         key = f"{name}__{length}__"
         assert np.array_equal(theirs[key + "cached"], ours[key + "cached"]), name
