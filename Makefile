@@ -14,9 +14,11 @@ test: install
 	scripts/install_redis.sh
 	$(PYTHON) -m pytest
 
-## Rust unit and integration tests of the core (no Python needed).
+## Rust unit and integration tests of the core (no Python needed), and the test of the
+## run-table stand-in in benches/core_profile (its own crate: the design's exactness claim).
 rust-test:
 	cargo test --workspace
+	cargo test --manifest-path benches/core_profile/Cargo.toml
 
 ## Long Rust stress tests (`#[ignore]`d in the default run), in release: their own CI step.
 rust-stress:

@@ -6,6 +6,9 @@
 
 use std::time::Instant;
 
+mod run_queue;
+mod run_segments;
+
 use prefixkv_core::key::TableKey;
 use prefixkv_core::table::{NewEntry, Parent, Table};
 use prefixkv_core::{
@@ -193,6 +196,52 @@ fn fixed_requests(count: usize, len: usize, shared: usize) {
 
 /// One request's begin + commit + finish (not inlined: `requests` mode's callgrind toggle).
 #[inline(never)]
+/// `requests`' shapes (prompts of `len` tokens sharing their first `shared`) through the core
+/// and the run table with vLLM's free order (`run_segments.rs`), alternating request by request:
+/// mean CPU µs a request each, and the hits checked equal.
+fn run_table_requests(count: usize, len: usize, shared: usize) {
+    let num_blocks = 200_000;
+    let cache = PrefixCache::new(
+        CacheConfig::new(num_blocks, BLOCK_SIZE),
+        context_fingerprint(b"x"),
+    )
+    .expect("cache");
+    let mut table = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+    let prefix = tokens(1, shared);
+    let prompts: Vec<Vec<u32>> = (0..count)
+        .map(|i| {
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(i as u64 + 7, len - shared));
+            prompt
+        })
+        .collect();
+    let mut ns = [0u128; 2];
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut cached = [0usize; 2];
+        for k in 0..2 {
+            let mut block_table = Vec::new();
+            let (cost, hit) = if (i + k) % 2 == 0 {
+                replay_request(&cache, prompt)
+            } else {
+                run_segments_request(&mut table, prompt, &mut block_table)
+            };
+            let side = (i + k) % 2;
+            ns[side] += cost.iter().sum::<u128>();
+            cached[side] = hit;
+        }
+        assert_eq!(
+            cached[0], cached[1],
+            "request {i}: the two caches hit differently"
+        );
+    }
+    println!(
+        "{{\"len\": {len}, \"shared\": {shared}, \"core_us\": {:.2}, \"run_segments_us\": {:.2}, \"ratio\": {:.2}}}",
+        ns[0] as f64 / count as f64 / 1e3,
+        ns[1] as f64 / count as f64 / 1e3,
+        ns[0] as f64 / ns[1] as f64,
+    );
+}
+
 fn one_request(cache: &PrefixCache, prompt: &[u32]) {
     let r = cache
         .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
@@ -422,6 +471,145 @@ fn replay(path: &str, rounds: usize) {
 #[repr(align(64))]
 struct Line([u64; 8]);
 
+/// `replay_request` that also hands back the block table.
+fn core_request(
+    cache: &PrefixCache,
+    prompt: &[u32],
+    block_table: &mut Vec<u32>,
+) -> ([u128; 3], usize) {
+    let t0 = thread_ns();
+    let r = cache
+        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
+        .expect("begin");
+    let t1 = thread_ns();
+    cache.commit(&r.request_id, prompt.len()).expect("commit");
+    let t2 = thread_ns();
+    cache.finish(&r.request_id).expect("finish");
+    let t3 = thread_ns();
+    *block_table = r.block_table;
+    ([t1 - t0, t2 - t1, t3 - t2], r.num_cached_tokens)
+}
+
+fn run_segments_request(
+    table: &mut run_segments::RunSegments,
+    prompt: &[u32],
+    block_table: &mut Vec<u32>,
+) -> ([u128; 3], usize) {
+    let t0 = thread_ns();
+    let mut r = table.begin(prompt.to_vec());
+    let t1 = thread_ns();
+    let cached = r.cached_blocks * BLOCK_SIZE;
+    table.commit(&mut r);
+    let t2 = thread_ns();
+    block_table.clone_from(&r.blocks);
+    let t2b = thread_ns();
+    table.finish(std::hint::black_box(r));
+    let t3 = thread_ns();
+    ([t1 - t0, t2 - t1, t3 - t2b], cached)
+}
+
+fn run_queue_request(
+    table: &mut run_queue::RunQueue,
+    prompt: &[u32],
+    block_table: &mut Vec<u32>,
+) -> ([u128; 3], usize) {
+    let t0 = thread_ns();
+    let mut r = table.begin(prompt.to_vec());
+    let t1 = thread_ns();
+    let cached = r.cached_blocks * BLOCK_SIZE;
+    table.commit(&mut r);
+    let t2 = thread_ns();
+    block_table.clone_from(&r.blocks);
+    let t2b = thread_ns();
+    table.finish(std::hint::black_box(r));
+    let t3 = thread_ns();
+    ([t1 - t0, t2 - t1, t3 - t2b], cached)
+}
+
+/// `run-table TRACE [ROUNDS]`: the production trace through the real core and through the two
+/// run-table stand-ins (`run_segments.rs`: the core's eviction order queued by run;
+/// `run_queue.rs`: vLLM's per-block free queue under the same runs), request by request in
+/// rotating order so load from other processes hits each alike. Per side: mean, p50 and p99 µs
+/// a request (CPU time), its phases, the 64k+ requests' phases, the hit rate, and how many
+/// requests got other hits or another block table than the core's (0 for `run_segments`: the
+/// same blocks in the same order).
+fn run_table_replay(path: &str, rounds: usize) {
+    const SIDES: usize = 3;
+    let names = ["core", "run_segments", "run_queue"];
+    let (num_blocks, warmup, prompts) = read_trace(path);
+    let context = context_fingerprint(b"bench");
+    for _ in 0..rounds {
+        let cache =
+            PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
+        let mut segments = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+        let mut queue = run_queue::RunQueue::new(num_blocks, BLOCK_SIZE);
+        // Per side: (phases, prompt length) of each timed request.
+        let mut rows: [Vec<([u128; 3], usize)>; SIDES] = Default::default();
+        let mut hits = [0usize; SIDES];
+        // Requests (warm-up included) whose hit, and whose block table, differ from the core's.
+        let mut hits_differ = [0usize; SIDES];
+        let mut tables_differ = [0usize; SIDES];
+        let mut prompt_tokens = 0usize;
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut costs = [([0u128; 3], 0usize); SIDES];
+            let mut tables: [Vec<u32>; SIDES] = Default::default();
+            for k in 0..SIDES {
+                let side = (i + k) % SIDES;
+                let into = &mut tables[side];
+                costs[side] = match side {
+                    0 => core_request(&cache, prompt, into),
+                    1 => run_segments_request(&mut segments, prompt, into),
+                    _ => run_queue_request(&mut queue, prompt, into),
+                };
+            }
+            for side in 1..SIDES {
+                tables_differ[side] += usize::from(tables[side] != tables[0]);
+                hits_differ[side] += usize::from(costs[side].1 != costs[0].1);
+            }
+            if i >= warmup {
+                prompt_tokens += prompt.len();
+                for side in 0..SIDES {
+                    hits[side] += costs[side].1;
+                    rows[side].push((costs[side].0, prompt.len()));
+                }
+            }
+        }
+        let evictions = [cache.stats().evictions, segments.evictions, queue.evictions];
+        for side in 0..SIDES {
+            let mut totals: Vec<u128> = rows[side].iter().map(|r| r.0.iter().sum()).collect();
+            let n = totals.len() as f64;
+            let mean = totals.iter().sum::<u128>() as f64 / n / 1e3;
+            totals.sort_unstable();
+            let phase = |k: usize| rows[side].iter().map(|r| r.0[k]).sum::<u128>() as f64 / n / 1e3;
+            let long: Vec<[u128; 3]> = rows[side]
+                .iter()
+                .filter(|r| r.1 >= 65_536)
+                .map(|r| r.0)
+                .collect();
+            let long_phase = |k: usize| {
+                long.iter().map(|r| r[k]).sum::<u128>() as f64 / long.len().max(1) as f64 / 1e3
+            };
+            println!(
+                "{{\"side\": \"{}\", \"mean_us\": {:.1}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"phases_us\": [{:.1}, {:.1}, {:.1}], \"64k+_phases_us\": [{:.1}, {:.1}, {:.1}], \"hit_rate\": {:.5}, \"evictions\": {}, \"hits_differ\": {}, \"block_tables_differ\": {}}}",
+                names[side],
+                mean,
+                percentile(&totals, 0.5) / 1e3,
+                percentile(&totals, 0.99) / 1e3,
+                phase(0),
+                phase(1),
+                phase(2),
+                long_phase(0),
+                long_phase(1),
+                long_phase(2),
+                hits[side] as f64 / prompt_tokens as f64,
+                evictions[side],
+                hits_differ[side],
+                tables_differ[side],
+            );
+        }
+    }
+}
+
 /// `memory-bound TRACE`: what the production replay would cost a per-block design that did
 /// nothing but touch the cache lines it must (a lower bound for any table with a metadata line,
 /// a slot and a token row per block, like prefixkv's). The trace goes through the real cache
@@ -563,6 +751,18 @@ fn main() {
         if mode == "replay" {
             let path = args.get(2).expect("replay TRACE [ROUNDS]");
             replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
+            return;
+        }
+        if mode == "run-table" {
+            let path = args.get(2).expect("run-table TRACE [ROUNDS]");
+            run_table_replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
+            return;
+        }
+        if mode == "run-table-requests" {
+            let arg = |i: usize, default: usize| {
+                args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+            };
+            run_table_requests(arg(2, 2000), arg(3, 1024), arg(4, 0));
             return;
         }
         if mode == "requests" {
