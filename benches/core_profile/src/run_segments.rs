@@ -47,6 +47,18 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 const NONE: u32 = u32::MAX;
 
+/// Tokens of a block (the stand-in's only block size, the usual one).
+const ROW_TOKENS: usize = 16;
+
+/// A block's token row, two tokens to an atomic word, on a line of its own: the core's layout
+/// (`table/mod.rs`), which lock-free readers compare word by word.
+#[repr(align(64))]
+struct Row([AtomicU64; ROW_TOKENS / 2]);
+
+fn pack(pair: &[u32]) -> u64 {
+    u64::from(pair[0]) | (u64::from(pair[1]) << 32)
+}
+
 /// The keys of the root map are already hashes: use them as they are.
 #[derive(Default)]
 pub struct Identity(u64);
@@ -107,7 +119,7 @@ pub struct RunSegments {
     /// A run's children by the parent run's last block and the child's first block's tokens
     /// (a split keeps the parent's last block with the tail, which takes the children).
     branches: HashMap<u64, u32, BuildHasherDefault<Identity>>,
-    rows: Vec<u32>,
+    rows: Vec<Row>,
     segments: Vec<Segment>,
     free_segments: Vec<u32>,
     head: u32,
@@ -124,15 +136,18 @@ pub struct RunSegments {
 
 impl RunSegments {
     pub fn new(num_blocks: u32, block_size: usize) -> Self {
+        assert_eq!(block_size, ROW_TOKENS, "16-token blocks only");
         let mut me = Self {
             block_size,
             runs: Vec::new(),
             free_runs: Vec::new(),
             roots: HashMap::default(),
             branches: HashMap::default(),
-            // Non-zero, so every page is written now (the core's arrays are touched at
-            // construction too), not on a request's first use.
-            rows: vec![u32::MAX; num_blocks as usize * block_size],
+            // Written now (the core's arrays are touched at construction too), not on a
+            // request's first use.
+            rows: (0..num_blocks)
+                .map(|_| Row(std::array::from_fn(|_| AtomicU64::new(u64::MAX))))
+                .collect(),
             segments: Vec::new(),
             free_segments: Vec::new(),
             head: NONE,
@@ -172,14 +187,37 @@ impl RunSegments {
             .blocks
             .last()
             .expect("a parent has blocks");
-        let key = self.branch_key(last, self.row(first));
+        let key = self.branch_key(last, &self.row_tokens(first));
         self.branches.insert(key, child);
         self.runs[parent as usize].children.push(child);
     }
 
-    fn row(&self, block: u32) -> &[u32] {
-        let bs = self.block_size;
-        &self.rows[block as usize * bs..(block as usize + 1) * bs]
+    /// Whether `block`'s token row holds `tokens`, read as a lock-free reader must (word by
+    /// word, atomically; the run's sequence lock is checked after), as the core's
+    /// `row_equals` does.
+    fn row_equals(&self, block: u32, tokens: &[u32]) -> bool {
+        let cells = &self.rows[block as usize].0;
+        cells
+            .iter()
+            .zip(tokens.chunks_exact(2))
+            .fold(true, |ok, (cell, pair)| {
+                ok & (cell.load(Ordering::Relaxed) == pack(pair))
+            })
+    }
+
+    fn row_tokens(&self, block: u32) -> [u32; ROW_TOKENS] {
+        let cells = &self.rows[block as usize].0;
+        std::array::from_fn(|i| (cells[i / 2].load(Ordering::Relaxed) >> (32 * (i % 2))) as u32)
+    }
+
+    fn write_row(&self, block: u32, tokens: &[u32]) {
+        for (cell, pair) in self.rows[block as usize]
+            .0
+            .iter()
+            .zip(tokens.chunks_exact(2))
+        {
+            cell.store(pack(pair), Ordering::Relaxed);
+        }
     }
 
     fn new_run(&mut self, parent: u32) -> u32 {
@@ -285,7 +323,7 @@ impl RunSegments {
                 let matched = mine
                     .chunks_exact(bs)
                     .zip(&r.blocks[..take])
-                    .take_while(|(a, &b)| *a == self.row(b))
+                    .take_while(|(a, &b)| self.row_equals(b, a))
                     .count();
                 fence(Ordering::Acquire);
                 if matched == 0 || r.seq.load(Ordering::Relaxed) != seq {
@@ -457,11 +495,7 @@ impl RunSegments {
                     .expect("found above");
                 let spare_block = self.segments[spare_id as usize].spare;
                 let canonical = self.runs[run as usize].blocks[k as usize];
-                let bs = self.block_size;
-                self.rows.copy_within(
-                    canonical as usize * bs..(canonical as usize + 1) * bs,
-                    spare_block as usize * bs,
-                );
+                self.write_row(spare_block, &self.row_tokens(canonical));
                 self.moves += 1;
                 self.write_begin(run);
                 self.runs[run as usize].blocks[k as usize] = spare_block;
@@ -500,7 +534,7 @@ impl RunSegments {
                 .blocks
                 .last()
                 .expect("a parent has blocks");
-            let key = self.branch_key(last, self.row(first));
+            let key = self.branch_key(last, &self.row_tokens(first));
             if self.branches.get(&key) == Some(&run) {
                 self.branches.remove(&key);
             }
@@ -551,7 +585,7 @@ impl RunSegments {
             .chunks_exact(bs)
             .zip(&request.blocks[at..full])
         {
-            self.rows[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(chunk);
+            self.write_row(b, chunk);
         }
         if target != run && run != NONE {
             self.add_child(run, target, request.blocks[at]);
@@ -589,7 +623,7 @@ impl RunSegments {
             }
         };
         let candidate = *self.runs[found.0 as usize].blocks.get(found.1 as usize)?;
-        (self.row(candidate) == block).then_some(found)
+        self.row_equals(candidate, block).then_some(found)
     }
 
     /// Cuts `run` after `at` blocks: the tail becomes a child run that takes the children and
