@@ -98,6 +98,9 @@ struct Run {
     segments: Vec<u32>,
     /// Spares of this run's blocks: (position, segment).
     spares: Vec<(u32, u32)>,
+    /// The run a split gave this run's former tail to (what a request holding past the split
+    /// point continues into).
+    continued: u32,
     root_key: u64,
 }
 
@@ -106,7 +109,6 @@ pub struct SegmentRequest {
     held: Vec<(u32, u32)>,
     pub blocks: Vec<u32>,
     pub cached_blocks: usize,
-    attach: (u32, u32),
     /// A full hit's recomputed last block, a duplicate of this run's block at this position.
     duplicate: Option<(u32, u32)>,
 }
@@ -132,6 +134,8 @@ pub struct RunSegments {
     /// Branches inside a run, and entries a spare inherited (what the test must exercise).
     pub splits: u64,
     pub moves: u64,
+    /// Holds that crossed a split made while they were held (`resolve`).
+    pub continuations: std::cell::Cell<u64>,
 }
 
 impl RunSegments {
@@ -158,6 +162,7 @@ impl RunSegments {
             evictions: 0,
             splits: 0,
             moves: 0,
+            continuations: std::cell::Cell::new(0),
         };
         me.free.shrink_to_fit();
         me
@@ -232,11 +237,13 @@ impl RunSegments {
                 children: Vec::new(),
                 segments: Vec::new(),
                 spares: Vec::new(),
+                continued: NONE,
                 root_key: 0,
             });
             (self.runs.len() - 1) as u32
         };
         self.runs[index as usize].parent = parent;
+        self.runs[index as usize].continued = NONE;
         index
     }
 
@@ -307,7 +314,6 @@ impl RunSegments {
         let full = tokens.len() / bs;
         let mut held: Vec<(u32, u32)> = Vec::new();
         let mut blocks: Vec<u32> = Vec::with_capacity(tokens.len().div_ceil(bs));
-        let mut attach = (NONE, 0u32);
         if full > 0 {
             let mut next = self
                 .roots
@@ -331,7 +337,6 @@ impl RunSegments {
                 }
                 blocks.extend_from_slice(&r.blocks[..matched]);
                 held.push((next, matched as u32));
-                attach = (next, matched as u32);
                 let at = blocks.len();
                 if matched < r.blocks.len() || at == full {
                     break;
@@ -358,8 +363,6 @@ impl RunSegments {
             if last.1 == 0 {
                 held.pop();
             }
-            // The recomputed block goes after the last block still held.
-            attach = held.last().copied().unwrap_or((NONE, 0));
         }
         for &(run, upto) in &held {
             self.acquire(run, upto);
@@ -372,7 +375,6 @@ impl RunSegments {
             held,
             blocks,
             cached_blocks: cached,
-            attach,
             duplicate: None,
         }
     }
@@ -553,7 +555,10 @@ impl RunSegments {
         if full == at {
             return;
         }
-        let (run, matched) = request.attach;
+        // What the request holds, as the runs are now (another request may have split them),
+        // and where its blocks go: after the last block it holds.
+        request.held = self.resolve(&request.held);
+        let (run, matched) = request.held.last().copied().unwrap_or((NONE, 0));
         if full - at == 1 {
             // A full hit's recomputed last block, if its canonical copy is still cached right
             // after what the request holds: it stays private (the core deduplicates it at
@@ -604,6 +609,27 @@ impl RunSegments {
         request.cached_blocks = full;
     }
 
+    /// A request's holds `(run, first blocks)` as the runs are now: a split since hands the
+    /// blocks past it to the run that continues the old one (`continued`), which the holder's
+    /// own reference keeps alive.
+    fn resolve(&self, held: &[(u32, u32)]) -> Vec<(u32, u32)> {
+        let mut out = Vec::with_capacity(held.len());
+        for &(mut run, mut upto) in held {
+            loop {
+                let len = self.runs[run as usize].blocks.len() as u32;
+                if upto <= len {
+                    out.push((run, upto));
+                    break;
+                }
+                out.push((run, len));
+                self.continuations.set(self.continuations.get() + 1);
+                upto -= len;
+                run = self.runs[run as usize].continued;
+            }
+        }
+        out
+    }
+
     /// The cached block with tokens `block` right after the first `matched` blocks of `run`
     /// (`NONE`: at the root), as (run, position).
     fn cached_after(&self, run: u32, matched: u32, block: &[u32]) -> Option<(u32, u32)> {
@@ -638,7 +664,9 @@ impl RunSegments {
         let children = std::mem::take(&mut r.children);
         let all = std::mem::take(&mut r.segments);
         let spares = std::mem::take(&mut r.spares);
+        let continued = std::mem::replace(&mut r.continued, tail);
         self.write_end(run);
+        self.runs[tail as usize].continued = continued;
         let at32 = at as u32;
         // Queued blocks lie past the branch (the request that branches holds what precedes
         // it); only a spare of an earlier block stays.
@@ -684,7 +712,7 @@ impl RunSegments {
         }
         self.free.extend_from_slice(private);
         self.free_count += private.len();
-        for &(run, upto) in request.held.iter().rev() {
+        for &(run, upto) in self.resolve(&request.held).iter().rev() {
             let r = &mut self.runs[run as usize];
             for count in &mut r.refs[..upto as usize] {
                 *count -= 1;
@@ -816,6 +844,112 @@ mod tests {
             seen[3] += runs.moves;
         }
         eprintln!("hit tokens, evictions, splits, spare moves: {seen:?}");
+        assert!(only.is_some() || seen.iter().all(|&n| n > 100), "{seen:?}");
+    }
+
+    /// Requests in flight together (up to four begun, committed and finished in a random
+    /// interleaving) get the core's blocks too: a run split while another request holds past
+    /// the branch, a run extended while another holds its old end, eviction around held runs.
+    /// A new prompt shares only what the core has cached when it begins, then fresh tokens no
+    /// other prompt has, so no two requests compute the same block (duplicates are beyond this
+    /// stand-in: `benches/PROFILE.md`, round 18).
+    #[test]
+    fn requests_in_flight_together_get_the_cores_blocks() {
+        let only: Option<u64> = std::env::var("SEED").ok().and_then(|s| s.parse().ok());
+        // Summed over seeds: hit tokens, evictions, splits, holds that crossed a split.
+        let mut seen = [0u64; 4];
+        for seed in 0..600u64 {
+            if only.is_some_and(|o| o != seed) {
+                continue;
+            }
+            let num_blocks = [64u32, 128, 400][seed as usize % 3];
+            let cache = PrefixCache::new(
+                CacheConfig::new(num_blocks, BLOCK_SIZE),
+                context_fingerprint(b"t"),
+            )
+            .expect("cache");
+            let mut runs = RunSegments::new(num_blocks, BLOCK_SIZE);
+            let mut draw = Draw(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let mut finished: Vec<Vec<u32>> = Vec::new();
+            let mut next_fresh = 100_000u32;
+            // (core's id, the stand-in's request, prompt, committed)
+            let mut in_flight: Vec<(
+                prefixkv_core::RequestId,
+                super::SegmentRequest,
+                Vec<u32>,
+                bool,
+            )> = Vec::new();
+            for step in 0..400 {
+                let choice = if step >= 360 { 3 } else { draw.below(3) };
+                if choice == 0 && in_flight.len() < 4 {
+                    let mut prompt = Vec::new();
+                    if !finished.is_empty() && draw.below(4) != 0 {
+                        let base = &finished[draw.below(finished.len())];
+                        let cached = cache
+                            .lookup(base, b"", &RequestExtras::default())
+                            .expect("lookup")
+                            .num_cached_tokens;
+                        let cut = if draw.below(2) == 0 {
+                            cached
+                        } else {
+                            draw.below(cached + 1)
+                        };
+                        prompt.extend_from_slice(&base[..cut]);
+                    }
+                    for _ in 0..=draw.below(200) {
+                        prompt.push(next_fresh);
+                        next_fresh += 1;
+                    }
+                    let Ok(core) =
+                        cache.begin(None, prompt.clone(), b"", RequestExtras::default(), 0)
+                    else {
+                        continue; // not enough blocks: the core changed nothing
+                    };
+                    let mine = runs.begin(prompt.clone());
+                    assert_eq!(
+                        (mine.cached_blocks * BLOCK_SIZE, &mine.blocks),
+                        (core.num_cached_tokens, &core.block_table),
+                        "seed {seed}, step {step}: begin"
+                    );
+                    seen[0] += core.num_cached_tokens as u64;
+                    in_flight.push((core.request_id, mine, prompt, false));
+                } else if choice == 1 || choice == 3 {
+                    let open: Vec<usize> =
+                        (0..in_flight.len()).filter(|&i| !in_flight[i].3).collect();
+                    if open.is_empty() {
+                        if choice == 3 && in_flight.is_empty() {
+                            break;
+                        }
+                        if choice == 1 {
+                            continue;
+                        }
+                    } else {
+                        let (id, mine, prompt, committed) =
+                            &mut in_flight[open[draw.below(open.len())]];
+                        cache.commit(id, prompt.len()).expect("commit");
+                        runs.commit(mine);
+                        *committed = true;
+                        continue;
+                    }
+                }
+                if choice >= 2 {
+                    let done: Vec<usize> =
+                        (0..in_flight.len()).filter(|&i| in_flight[i].3).collect();
+                    if done.is_empty() {
+                        continue;
+                    }
+                    let (id, mine, prompt, _) = in_flight.swap_remove(done[draw.below(done.len())]);
+                    cache.finish(&id).expect("finish");
+                    runs.finish(mine);
+                    finished.push(prompt);
+                }
+            }
+            assert_eq!(runs.evictions, cache.stats().evictions, "seed {seed}");
+            seen[1] += runs.evictions;
+            seen[2] += runs.splits;
+            seen[3] += runs.continuations.get();
+        }
+        eprintln!("hit tokens, evictions, splits, holds across splits: {seen:?}");
         assert!(only.is_some() || seen.iter().all(|&n| n > 100), "{seen:?}");
     }
 }
