@@ -758,6 +758,24 @@ fn main() {
             run_table_replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
             return;
         }
+        if mode == "run-table-alone" {
+            let path = args.get(2).expect("run-table-alone TRACE");
+            let (num_blocks, _, prompts) = read_trace(path);
+            let mut table = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+            let mut into = Vec::new();
+            let mut total = 0u128;
+            for prompt in &prompts {
+                total += run_segments_request(&mut table, prompt, &mut into)
+                    .0
+                    .iter()
+                    .sum::<u128>();
+            }
+            println!(
+                "{:.1} us a request",
+                total as f64 / prompts.len() as f64 / 1e3
+            );
+            return;
+        }
         if mode == "run-table-requests" {
             let arg = |i: usize, default: usize| {
                 args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default)
