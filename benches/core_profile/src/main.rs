@@ -194,11 +194,9 @@ fn fixed_requests(count: usize, len: usize, shared: usize) {
     );
 }
 
-/// One request's begin + commit + finish (not inlined: `requests` mode's callgrind toggle).
-#[inline(never)]
 /// `requests`' shapes (prompts of `len` tokens sharing their first `shared`) through the core
-/// and the run table with vLLM's free order (`run_segments.rs`), alternating request by request:
-/// mean CPU µs a request each, and the hits checked equal.
+/// and the run-table stand-in (`run_segments.rs`), alternating request by request: mean CPU µs
+/// a request each; every request's block table checked equal.
 fn run_table_requests(count: usize, len: usize, shared: usize) {
     let num_blocks = 200_000;
     let cache = PrefixCache::new(
@@ -217,22 +215,18 @@ fn run_table_requests(count: usize, len: usize, shared: usize) {
         .collect();
     let mut ns = [0u128; 2];
     for (i, prompt) in prompts.iter().enumerate() {
-        let mut cached = [0usize; 2];
+        let mut got: [(usize, Vec<u32>); 2] = Default::default();
         for k in 0..2 {
-            let mut block_table = Vec::new();
-            let (cost, hit) = if (i + k) % 2 == 0 {
-                replay_request(&cache, prompt)
-            } else {
-                run_segments_request(&mut table, prompt, &mut block_table)
-            };
             let side = (i + k) % 2;
+            let (cost, hit) = if side == 0 {
+                core_request(&cache, prompt, &mut got[0].1)
+            } else {
+                run_segments_request(&mut table, prompt, &mut got[1].1)
+            };
             ns[side] += cost.iter().sum::<u128>();
-            cached[side] = hit;
+            got[side].0 = hit;
         }
-        assert_eq!(
-            cached[0], cached[1],
-            "request {i}: the two caches hit differently"
-        );
+        assert_eq!(got[0], got[1], "request {i}: the two caches differ");
     }
     println!(
         "{{\"len\": {len}, \"shared\": {shared}, \"core_us\": {:.2}, \"run_segments_us\": {:.2}, \"ratio\": {:.2}}}",
@@ -242,6 +236,8 @@ fn run_table_requests(count: usize, len: usize, shared: usize) {
     );
 }
 
+/// One request's begin + commit + finish (not inlined: `requests` mode's callgrind toggle).
+#[inline(never)]
 fn one_request(cache: &PrefixCache, prompt: &[u32]) {
     let r = cache
         .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)

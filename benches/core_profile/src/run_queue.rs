@@ -61,7 +61,8 @@ pub struct RunQueue {
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     roots: HashMap<u64, u32, BuildHasherDefault<Identity>>,
-    /// A run's children by (parent run, first block's tokens), as `run_segments.rs` finds them.
+    /// A run's children by (parent run, first block's tokens); `run_segments.rs` keys them by
+    /// the parent's last block instead, which a split leaves with the children.
     branches: HashMap<u64, u32, BuildHasherDefault<Identity>>,
     meta: Vec<BlockMeta>,
     rows: Vec<u32>,
@@ -328,7 +329,7 @@ impl RunQueue {
         }
     }
 
-    /// Makes `run` and everything under it unreachable.
+    /// Makes `run` unreachable (the runs under it, reached only through it, are too).
     fn detach(&mut self, run: u32) {
         let r = &mut self.runs[run as usize];
         r.parent = NONE;
@@ -359,14 +360,29 @@ impl RunQueue {
             return;
         }
         let (run, matched) = request.attach;
-        if run != NONE {
-            // A full hit's recomputed last block is the run's next block: it stays private
-            // (the core deduplicates it at commit) and goes back to the pool at finish.
-            let r = &self.runs[run as usize];
-            let next = matched as usize;
-            if next < r.blocks.len() && full - at == 1 {
-                let b = r.blocks[next] as usize;
-                if self.rows[b * bs..(b + 1) * bs] == request.tokens[at * bs..full * bs] {
+        // A full hit's recomputed last block, if its canonical copy is still cached right after
+        // what the request holds (the run's next block, a child's first, or a first block):
+        // it stays private (the core deduplicates it at commit) and goes back at finish.
+        let block = &request.tokens[at * bs..full * bs];
+        if full - at == 1 {
+            let canonical = if run == NONE {
+                self.roots.get(&self.first_key(block)).map(|&r| (r, 0))
+            } else if (matched as usize) < self.runs[run as usize].blocks.len() {
+                Some((run, matched))
+            } else {
+                self.branches
+                    .get(&self.branch_key(run, block))
+                    .copied()
+                    .filter(|&c| self.runs[c as usize].parent == run)
+                    .map(|c| (c, 0))
+            };
+            if let Some((r, k)) = canonical {
+                if self.runs[r as usize]
+                    .blocks
+                    .get(k as usize)
+                    .map(|&b| self.row(b))
+                    == Some(block)
+                {
                     return;
                 }
             }
