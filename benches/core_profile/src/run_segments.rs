@@ -91,12 +91,17 @@ struct Segment {
     /// For a spare: its record in `RunSegments::dups` (`run`, `lo` and `hi` unused);
     /// `NONE` for a run's blocks.
     dup: u32,
+    /// When it joined the order: blocks released by one finish share a tick, and among
+    /// those the lowest block id goes first (the core's eviction key).
+    tick: u64,
     prev: u32,
     next: u32,
 }
 
-/// A duplicate: a full hit's private copy of a cached block (its canonical copy), recorded at
-/// commit. While its request holds it, it waits; at finish it becomes a spare (`segment`).
+/// A duplicate: a request's own copy of a block another request published first (its canonical
+/// copy), recorded at commit (a full hit's recomputed last block, or blocks two requests in
+/// flight computed alike). While its request holds it, it waits; at finish it becomes a spare
+/// (`segment`).
 /// If the canonical copy is evicted first, the earliest recorded duplicate of it takes its
 /// place in the run, held or spare, as the core's pool moves the entry (`inherited` then
 /// tells the holder's finish to release it as the run's block).
@@ -108,6 +113,10 @@ struct Dup {
     /// Its spare's segment, once its request has finished; `NONE` while held.
     segment: u32,
     inherited: bool,
+    /// The block its request published right after it, which hangs after `pos` with this
+    /// copy, not the canonical one, as its parent in the core's pool (so the canonical copy
+    /// can be evicted, the entry moving here); `NONE` if none, or once that block is gone.
+    successor: u32,
 }
 
 struct Run {
@@ -126,13 +135,22 @@ struct Run {
     root_key: u64,
 }
 
+/// What a request holds, in its block table's order.
+#[derive(Clone, Copy, Debug)]
+enum Held {
+    /// Blocks `from..to` of a run (as the run was when taken: `resolve`).
+    Blocks { run: u32, from: u32, to: u32 },
+    /// Its own copy of a cached block (a duplicate record).
+    Copy(u32),
+}
+
 pub struct SegmentRequest {
     tokens: Vec<u32>,
-    held: Vec<(u32, u32)>,
+    held: Vec<Held>,
     pub blocks: Vec<u32>,
     pub cached_blocks: usize,
-    /// A full hit's recomputed last block: its duplicate record.
-    duplicate: Option<u32>,
+    /// Full blocks committed (the rest of the table is private).
+    committed: usize,
 }
 
 pub struct RunSegments {
@@ -153,6 +171,8 @@ pub struct RunSegments {
     /// Blocks holding no entry, taken before any eviction, top first (the core's free list).
     free: Vec<u32>,
     free_count: usize,
+    /// The release clock: one tick per finish, one more for its spares.
+    tick: u64,
     seed: u64,
     pub evictions: u64,
     /// Branches inside a run (what the tests must exercise).
@@ -187,6 +207,7 @@ impl RunSegments {
             tail: NONE,
             free: (0..num_blocks).rev().collect(),
             free_count: num_blocks as usize,
+            tick: 0,
             seed: 0x7072_6566_6978_6b76,
             evictions: 0,
             splits: 0,
@@ -296,6 +317,7 @@ impl RunSegments {
             lo,
             hi,
             dup,
+            tick: self.tick,
             prev: self.tail,
             next: NONE,
         };
@@ -370,6 +392,7 @@ impl RunSegments {
         let full = tokens.len() / bs;
         let mut held: Vec<(u32, u32)> = Vec::new();
         let mut blocks: Vec<u32> = Vec::with_capacity(tokens.len().div_ceil(bs));
+        // `held` here: (run, first n blocks), the match's prefixes.
         if full > 0 {
             let mut next = self
                 .roots
@@ -428,10 +451,13 @@ impl RunSegments {
         self.allocate(fresh, &mut blocks);
         SegmentRequest {
             tokens,
-            held,
+            held: held
+                .into_iter()
+                .map(|(run, to)| Held::Blocks { run, from: 0, to })
+                .collect(),
             blocks,
             cached_blocks: cached,
-            duplicate: None,
+            committed: 0,
         }
     }
 
@@ -457,13 +483,8 @@ impl RunSegments {
     /// Takes a reference on the run's first `upto` blocks; those that were free leave the
     /// queue (a prefix of a segment's range is the end it is popped last from).
     fn acquire(&mut self, run: u32, upto: u32) {
-        let r = &mut self.runs[run as usize];
-        let was_free = r.refs[upto as usize - 1] == 0;
-        for count in &mut r.refs[..upto as usize] {
+        for count in &mut self.runs[run as usize].refs[..upto as usize] {
             *count += 1;
-        }
-        if !was_free {
-            return;
         }
         let mut i = 0;
         while i < self.runs[run as usize].segments.len() {
@@ -482,8 +503,91 @@ impl RunSegments {
         }
     }
 
-    /// Takes `count` blocks: the free list's first, top first, then from the queue's front,
-    /// evicting what they hold (a run's tail, truncated in one step), as the core's pool does.
+    /// Whether segment `id` can give a block now, and which (its key's last part): a spare
+    /// always; a run's blocks from the top, if that is the run's last block with no child
+    /// (a truncation) or has a duplicate to take its entry (a replacement). Otherwise it is
+    /// blocked (the core's leaf rule) and keeps its place until it is not.
+    fn next_victim(&self, id: u32) -> Option<u32> {
+        let s = &self.segments[id as usize];
+        if s.dup != NONE {
+            return Some(self.dups[s.dup as usize].block);
+        }
+        let top = s.hi - 1;
+        self.evictable(s.run, top)
+            .then(|| self.runs[s.run as usize].blocks[top as usize])
+    }
+
+    /// Whether block `pos` of `run` is a leaf of the core's pool: every block hanging right
+    /// after it (the run's next block, or its children's first blocks at its end) is a
+    /// duplicate's successor, whose pool parent is that copy.
+    fn evictable(&self, run: u32, pos: u32) -> bool {
+        let r = &self.runs[run as usize];
+        let hanging = if (pos as usize) + 1 < r.blocks.len() {
+            1
+        } else {
+            r.children.len()
+        };
+        let successors = r
+            .dups
+            .iter()
+            .map(|&d| self.dups[d as usize])
+            .filter(|d| d.pos == pos && !d.inherited && d.successor != NONE)
+            .count();
+        hanging == successors
+    }
+
+    /// Block `block`, at `pos` of `run`, goes: a duplicate whose successor it was has none.
+    fn forget_successor(&mut self, run: u32, pos: u32, block: u32) {
+        let (owner, at) = if pos > 0 {
+            (run, pos - 1)
+        } else {
+            let parent = self.runs[run as usize].parent;
+            if parent == NONE {
+                return;
+            }
+            (parent, self.runs[parent as usize].blocks.len() as u32 - 1)
+        };
+        for i in 0..self.runs[owner as usize].dups.len() {
+            let d = self.runs[owner as usize].dups[i] as usize;
+            if self.dups[d].pos == at && self.dups[d].successor == block {
+                self.dups[d].successor = NONE;
+            }
+        }
+    }
+
+    /// The segment to take from next, and whether another of the same tick could give a
+    /// block too (then one block at a time: the core takes the lowest id among them).
+    fn pick(&self) -> (u32, bool) {
+        let mut id = self.head;
+        let mut best: Option<(u32, u32, u64)> = None; // (segment, block, tick)
+        let mut rivals = false;
+        while id != NONE {
+            let s = &self.segments[id as usize];
+            if let Some((_, _, tick)) = best {
+                if s.tick != tick {
+                    break;
+                }
+            }
+            if let Some(block) = self.next_victim(id) {
+                match best {
+                    None => best = Some((id, block, s.tick)),
+                    Some((_, b, tick)) => {
+                        rivals = true;
+                        if block < b {
+                            best = Some((id, block, tick));
+                        }
+                    }
+                }
+            }
+            id = s.next;
+        }
+        let (id, _, _) = best.expect("the obtainable count promised a block");
+        (id, rivals)
+    }
+
+    /// Takes `count` blocks: the free list's first, top first, then from the order's front,
+    /// evicting what they hold (a run's tail, truncated in one step, or an entry moved into a
+    /// duplicate), as the core's pool does.
     fn allocate(&mut self, count: usize, into: &mut Vec<u32>) {
         assert!(
             count <= self.free_count,
@@ -493,18 +597,10 @@ impl RunSegments {
         into.extend(self.free.drain(self.free.len() - listed..).rev());
         self.free_count -= listed;
         let mut need = (count - listed) as u32;
-        let mut id = self.head;
-        // Whether a blocked segment was passed: an eviction may unblock it, and being older
-        // it then goes first, so the walk starts over.
-        let mut skipped = false;
         while need > 0 {
+            let (id, rivals) = self.pick();
             let Segment {
-                run,
-                lo,
-                hi,
-                dup,
-                next,
-                ..
+                run, lo, hi, dup, ..
             } = self.segments[id as usize];
             if dup != NONE {
                 // A spare goes like any free block; its canonical copy keeps the entry.
@@ -513,81 +609,91 @@ impl RunSegments {
                 self.free_count -= 1;
                 self.drop_segment(id);
                 self.drop_dup(dup);
-                id = next;
                 continue;
             }
+            let top = hi - 1;
             let r = &self.runs[run as usize];
-            if hi as usize != r.blocks.len() || !r.children.is_empty() {
-                // Blocked: a later block of its run (one a duplicate took over) or a child is
-                // still there; it keeps its place and goes once they have (the core's leaf
-                // rule).
-                skipped = true;
-                id = next;
-                continue;
-            }
-            // Down to the first position a duplicate would take over.
-            let floor = r
-                .dups
-                .iter()
-                .map(|&d| self.dups[d as usize])
-                .filter(|d| !d.inherited && d.pos >= lo && d.pos < hi)
-                .map(|d| d.pos)
-                .max();
-            let stop = floor.map_or(lo, |k| k + 1).max(hi - need.min(hi - lo));
-            let take = hi - stop;
-            let first = r.blocks[0];
-            self.write_begin(run);
-            let r = &mut self.runs[run as usize];
-            into.extend(r.blocks.drain(stop as usize..).rev());
-            r.refs.truncate(stop as usize);
-            self.write_end(run);
-            self.evictions += u64::from(take);
-            need -= take;
-            self.free_count -= take as usize;
-            self.segments[id as usize].hi = stop;
-            if need > 0 && stop > lo && floor == Some(stop - 1) {
-                // The canonical copy at `k` goes; its earliest duplicate takes the entry, with
-                // the canonical copy's place in the order if it is a spare, held by its
+            if self.earliest_dup(run, top).is_some() {
+                // The canonical copy at `top` goes; its earliest duplicate takes the entry,
+                // with the canonical copy's place in the order if it is a spare, held by its
                 // request otherwise.
-                let k = stop - 1;
-                let dup = self.earliest_dup(run, k).expect("found above");
-                let Dup {
-                    block: copy,
-                    segment,
-                    ..
-                } = self.dups[dup as usize];
-                let canonical = self.runs[run as usize].blocks[k as usize];
-                self.write_row(copy, &self.row_tokens(canonical));
-                self.write_begin(run);
-                self.runs[run as usize].blocks[k as usize] = copy;
-                self.write_end(run);
-                into.push(canonical);
+                self.replace(run, top, into);
                 need -= 1;
                 self.free_count -= 1;
-                self.segments[id as usize].hi = k;
-                if segment == NONE {
-                    self.runs[run as usize].refs[k as usize] = 1;
-                    // Still listed with the run (a split moves it): its request's finish
-                    // releases it as the run's block.
-                    self.dups[dup as usize].inherited = true;
-                    self.held_moves += 1;
-                } else {
-                    let s = &mut self.segments[segment as usize];
-                    (s.run, s.lo, s.hi, s.dup) = (run, k, k + 1, NONE);
-                    self.runs[run as usize].segments.push(segment);
-                    self.drop_dup(dup);
-                    self.moves += 1;
+                self.segments[id as usize].hi = top;
+            } else {
+                // Down to the first position a duplicate would take over.
+                let floor = r
+                    .dups
+                    .iter()
+                    .map(|&d| self.dups[d as usize])
+                    .filter(|d| !d.inherited && d.pos >= lo && d.pos < hi)
+                    .map(|d| d.pos + 1)
+                    .max()
+                    .unwrap_or(lo);
+                let most = if rivals { 1 } else { need };
+                let stop = floor.max(hi - most.min(hi - lo));
+                let take = hi - stop;
+                let first = r.blocks[0];
+                for pos in stop..hi {
+                    let block = self.runs[run as usize].blocks[pos as usize];
+                    self.forget_successor(run, pos, block);
+                }
+                self.write_begin(run);
+                let r = &mut self.runs[run as usize];
+                into.extend(r.blocks.drain(stop as usize..).rev());
+                r.refs.truncate(stop as usize);
+                self.write_end(run);
+                self.evictions += u64::from(take);
+                need -= take;
+                self.free_count -= take as usize;
+                self.segments[id as usize].hi = stop;
+                if self.runs[run as usize].blocks.is_empty() {
+                    let s = self.segments[id as usize];
+                    if s.lo == s.hi {
+                        self.drop_segment(id);
+                    }
+                    self.unhook(run, first);
+                    continue;
                 }
             }
             let s = self.segments[id as usize];
             if s.lo == s.hi {
                 self.drop_segment(id);
             }
-            if self.runs[run as usize].blocks.is_empty() {
-                self.unhook(run, first);
-            }
-            id = if skipped { self.head } else { next };
-            skipped = false;
+        }
+    }
+
+    /// Evicts block `pos` of `run`, which has a duplicate: the earliest one takes the entry
+    /// (its token row copied), as the core's pool moves it.
+    fn replace(&mut self, run: u32, pos: u32, into: &mut Vec<u32>) {
+        let dup = self
+            .earliest_dup(run, pos)
+            .expect("a duplicate to take the entry");
+        let Dup {
+            block: copy,
+            segment,
+            ..
+        } = self.dups[dup as usize];
+        let canonical = self.runs[run as usize].blocks[pos as usize];
+        self.forget_successor(run, pos, canonical);
+        self.write_row(copy, &self.row_tokens(canonical));
+        self.write_begin(run);
+        self.runs[run as usize].blocks[pos as usize] = copy;
+        self.write_end(run);
+        into.push(canonical);
+        if segment == NONE {
+            self.runs[run as usize].refs[pos as usize] = 1;
+            // Still listed with the run (a split moves it): its request's finish releases it
+            // as the run's block.
+            self.dups[dup as usize].inherited = true;
+            self.held_moves += 1;
+        } else {
+            let s = &mut self.segments[segment as usize];
+            (s.run, s.lo, s.hi, s.dup) = (run, pos, pos + 1, NONE);
+            self.runs[run as usize].segments.push(segment);
+            self.drop_dup(dup);
+            self.moves += 1;
         }
     }
 
@@ -619,54 +725,67 @@ impl RunSegments {
         self.free_runs.push(run);
     }
 
-    /// Publishes the request's fresh full blocks after what it matched.
+    /// Publishes the request's full blocks past what it matched. A block another request
+    /// published first (the run's next block, a child's first, a first block) is a duplicate:
+    /// recorded, the request keeps its own copy (the core's deduplication), and its later
+    /// blocks chain on the canonical one. The rest go after the last: the run grows in place
+    /// if it ends there with no child, is split if it goes on, or gets a new child.
     pub fn commit(&mut self, request: &mut SegmentRequest) {
         let bs = self.block_size;
         let full = request.tokens.len() / bs;
-        let at = request.cached_blocks;
-        if full == at {
+        let mut at = request.cached_blocks.max(request.committed);
+        request.committed = request.committed.max(full);
+        if full <= at {
             return;
         }
-        // What the request holds, as the runs are now (another request may have split them),
-        // and where its blocks go: after the last block it holds.
+        // What the request holds, as the runs are now (another request may have split them).
         request.held = self.resolve(&request.held);
-        let (run, matched) = request.held.last().copied().unwrap_or((NONE, 0));
-        if full - at == 1 {
-            // A full hit's recomputed last block, if its canonical copy is still cached right
-            // after what the request holds: it stays private (the core deduplicates it at
-            // commit) and becomes a spare at finish.
-            if let Some((canonical_run, pos)) =
-                self.cached_after(run, matched, &request.tokens[at * bs..full * bs])
-            {
-                let record = Dup {
-                    run: canonical_run,
-                    pos,
-                    block: request.blocks[at],
-                    segment: NONE,
-                    inherited: false,
-                };
-                let dup = if let Some(d) = self.free_dups.pop() {
-                    self.dups[d as usize] = record;
-                    d
-                } else {
-                    self.dups.push(record);
-                    (self.dups.len() - 1) as u32
-                };
-                self.runs[canonical_run as usize].dups.push(dup);
-                request.duplicate = Some(dup);
-                return;
+        let (mut run, mut end) = match request.held.last() {
+            None => (NONE, 0),
+            Some(&Held::Blocks { run, to, .. }) => (run, to),
+            Some(&Held::Copy(dup)) => {
+                let d = self.dups[dup as usize];
+                (d.run, d.pos + 1)
             }
+        };
+        while at < full {
+            let block = &request.tokens[at * bs..(at + 1) * bs];
+            let Some((canonical_run, pos)) = self.cached_after(run, end, block) else {
+                break;
+            };
+            let record = Dup {
+                run: canonical_run,
+                pos,
+                block: request.blocks[at],
+                segment: NONE,
+                inherited: false,
+                successor: NONE,
+            };
+            let dup = if let Some(d) = self.free_dups.pop() {
+                self.dups[d as usize] = record;
+                d
+            } else {
+                self.dups.push(record);
+                (self.dups.len() - 1) as u32
+            };
+            self.runs[canonical_run as usize].dups.push(dup);
+            request.held.push(Held::Copy(dup));
+            (run, end) = (canonical_run, pos + 1);
+            at += 1;
+        }
+        if at == full {
+            return;
         }
         let target = if run == NONE {
-            let key = self.first_key(&request.tokens[..bs]);
+            let key = self.first_key(&request.tokens[at * bs..(at + 1) * bs]);
             let new = self.new_run(NONE);
             self.runs[new as usize].root_key = key;
             let before = self.roots.insert(key, new);
             debug_assert!(before.is_none(), "a first block's key taken");
             new
         } else {
-            if (matched as usize) < self.runs[run as usize].blocks.len() {
-                self.split(run, matched as usize);
+            if (end as usize) < self.runs[run as usize].blocks.len() {
+                self.split(run, end as usize);
             }
             if self.runs[run as usize].children.is_empty() {
                 run
@@ -685,33 +804,48 @@ impl RunSegments {
         }
         self.write_begin(target);
         let t = &mut self.runs[target as usize];
+        let from = t.blocks.len() as u32;
         t.blocks.extend_from_slice(&request.blocks[at..full]);
         t.refs.resize(t.blocks.len(), 1);
+        let to = t.blocks.len() as u32;
         self.write_end(target);
-        let upto = self.runs[target as usize].blocks.len() as u32;
-        if target == run {
-            request.held.last_mut().expect("attached to a held run").1 = upto;
-        } else {
-            request.held.push((target, upto));
+        if let Some(&Held::Copy(dup)) = request.held.last() {
+            self.dups[dup as usize].successor = request.blocks[at];
         }
-        request.cached_blocks = full;
+        request.held.push(Held::Blocks {
+            run: target,
+            from,
+            to,
+        });
     }
 
-    /// A request's holds `(run, first blocks)` as the runs are now: a split since hands the
-    /// blocks past it to the run that continues the old one (`continued`), which the holder's
-    /// own reference keeps alive.
-    fn resolve(&self, held: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    /// A request's holds as the runs are now: a split since a hold was taken hands the blocks
+    /// past it to the run that continues the old one (`continued`), which the holder's own
+    /// references keep alive.
+    fn resolve(&self, held: &[Held]) -> Vec<Held> {
         let mut out = Vec::with_capacity(held.len());
-        for &(mut run, mut upto) in held {
+        for &item in held {
+            let Held::Blocks {
+                mut run,
+                mut from,
+                mut to,
+            } = item
+            else {
+                out.push(item);
+                continue;
+            };
             loop {
                 let len = self.runs[run as usize].blocks.len() as u32;
-                if upto <= len {
-                    out.push((run, upto));
+                if to <= len {
+                    out.push(Held::Blocks { run, from, to });
                     break;
                 }
-                out.push((run, len));
+                if from < len {
+                    out.push(Held::Blocks { run, from, to: len });
+                }
                 self.continuations.set(self.continuations.get() + 1);
-                upto -= len;
+                from = from.saturating_sub(len);
+                to -= len;
                 run = self.runs[run as usize].continued;
                 debug_assert_ne!(run, NONE, "a hold past a run's end crossed a split");
             }
@@ -788,53 +922,68 @@ impl RunSegments {
         self.add_child(run, tail, first);
     }
 
-    /// Releases what the request held, tail first as the core's `finish` does: its private
-    /// blocks to the free list; its duplicate's block if that took over its canonical copy's
-    /// entry (the table's last block, first); per run (deepest first) the blocks whose count
-    /// falls to 0, as one segment; then its duplicate, still one, as a spare after everything.
+    /// Releases what the request held, as the core's `finish` does: its private blocks to the
+    /// free list (in table order); its cached blocks last to first, on one tick, each run's
+    /// consecutive blocks whose count falls to 0 as one segment (its duplicates that took their
+    /// canonical copy's entry among them, as that block); then its other duplicates as spares,
+    /// one tick later.
     pub fn finish(&mut self, request: SegmentRequest) {
-        let published = request.cached_blocks;
-        let mut private = &request.blocks[published..];
-        if request.duplicate.is_some() {
-            private = &private[1..];
-        }
+        let private = &request.blocks[request.committed.max(request.cached_blocks)..];
         self.free.extend_from_slice(private);
         self.free_count += private.len();
-        let mut spare = None;
-        if let Some(dup) = request.duplicate {
-            let Dup {
-                run,
-                pos,
-                inherited,
-                ..
-            } = self.dups[dup as usize];
-            if inherited {
-                let count = &mut self.runs[run as usize].refs[pos as usize];
-                *count -= 1;
-                if *count == 0 {
-                    self.push_segment(run, pos, pos + 1, NONE);
+        self.tick += 1;
+        let mut open: Option<(u32, u32, u32)> = None;
+        let mut spares = Vec::new();
+        for item in self.resolve(&request.held).into_iter().rev() {
+            match item {
+                Held::Blocks { run, from, to } => {
+                    for pos in (from..to).rev() {
+                        self.release(run, pos, &mut open);
+                    }
                 }
-                self.drop_dup(dup);
-            } else {
-                spare = Some(dup);
+                Held::Copy(dup) => {
+                    let Dup {
+                        run,
+                        pos,
+                        inherited,
+                        ..
+                    } = self.dups[dup as usize];
+                    if inherited {
+                        self.release(run, pos, &mut open);
+                        self.drop_dup(dup);
+                    } else {
+                        spares.push(dup);
+                    }
+                }
             }
         }
-        for &(run, upto) in self.resolve(&request.held).iter().rev() {
-            let r = &mut self.runs[run as usize];
-            for count in &mut r.refs[..upto as usize] {
-                *count -= 1;
-            }
-            let zero_from = r.refs[..upto as usize]
-                .iter()
-                .rposition(|&c| c != 0)
-                .map_or(0, |i| i + 1) as u32;
-            if zero_from < upto {
-                self.push_segment(run, zero_from, upto, NONE);
+        if let Some((run, lo, hi)) = open {
+            self.push_segment(run, lo, hi, NONE);
+        }
+        if !spares.is_empty() {
+            self.tick += 1;
+            for dup in spares {
+                self.dups[dup as usize].segment = self.push_segment(NONE, 0, 0, dup);
             }
         }
-        if let Some(dup) = spare {
-            // After everything else (the core touches spares last).
-            self.dups[dup as usize].segment = self.push_segment(NONE, 0, 0, dup);
+    }
+
+    /// Drops one reference to block `pos` of `run`; a block that falls free joins the open
+    /// segment if it is the block below it in the same run, else opens one (pushing the last).
+    fn release(&mut self, run: u32, pos: u32, open: &mut Option<(u32, u32, u32)>) {
+        let count = &mut self.runs[run as usize].refs[pos as usize];
+        *count -= 1;
+        if *count != 0 {
+            return;
+        }
+        match open {
+            Some((r, lo, _)) if *r == run && *lo == pos + 1 => *lo = pos,
+            _ => {
+                if let Some((r, lo, hi)) = open.take() {
+                    self.push_segment(r, lo, hi, NONE);
+                }
+                *open = Some((run, pos, pos + 1));
+            }
         }
     }
 }
