@@ -11,9 +11,8 @@
 //! writer bumps a run's sequence-lock stamp around changes of its blocks and the match reads
 //! it as a reader would (this prices the stores and loads; with no other thread it is not a
 //! reader protocol: split and recycling are not stamped). What it leaves out: other threads,
-//! events, extras, salts, sliding windows, groups, pins, priorities, the step API's
-//! incremental calls, the low-level `release`, and duplicates other than a full hit's (two
-//! requests in flight computing the same block).
+//! events, extras, salts, sliding windows, groups, pins, priorities, preemption, the step
+//! API's incremental calls and the low-level `release`.
 //!
 //! ## The eviction order, per run
 //! The core evicts in vLLM's order of release: blocks holding no entry first (its free list,
@@ -36,17 +35,23 @@
 //! blocks)`; a split leaves the run a `continued` link to the run that took its tail, so a
 //! hold made before the split is read through it (`resolve`).
 //!
-//! ## Full hits and duplicates
-//! A full hit recomputes its last block into a private copy, which the core records at commit
-//! as a duplicate of the cached (canonical) block and, at finish, keeps as a *spare*: in the
-//! order after the request's other blocks, taken like any free block while the canonical copy
-//! lives. If the canonical copy is evicted first, the earliest recorded duplicate takes its
-//! entry: a spare then takes the canonical copy's place in the run and the spare's place in
-//! the order becomes that block's; a duplicate still held takes the place in the run, held,
-//! and its request's finish releases it as the run's block. Either way the run's earlier
-//! segments are *blocked* (their run no longer ends where they end) until that block goes:
-//! allocation passes them and comes back to them, oldest first, as the core's leaf rule does.
-//! Duplicate records follow their canonical copies through splits.
+//! ## Duplicates
+//! A block another request published first (a full hit's recomputed last block, or blocks two
+//! requests in flight computed alike) is recorded at commit as a *duplicate* of the cached
+//! (canonical) block; the request keeps its own copy and chains on: its next block is the
+//! copy's *successor*, whose parent in the core's pool is the copy, not the canonical block.
+//! At finish a duplicate becomes a *spare*, in the order after the request's other blocks,
+//! taken like any free block while the canonical copy lives. A block is evictable when it is a
+//! leaf of the core's pool: every block hanging right after it is some duplicate's successor
+//! (`evictable`). Evicting a canonical block that has duplicates moves its entry into the
+//! earliest recorded one (`replace`): a spare takes its place in the run and its place in the
+//! order, under the canonical block's parent; a duplicate still held takes the place in the
+//! run, held, and its request's finish releases it as the run's block. So a replacement can
+//! happen in the middle of a run, and reference counts can rise along a run (a block held
+//! through a copy after free ones); a truncation stays at a run's tail. Blocks a run no longer
+//! ends where a segment ends wait, *blocked*, and allocation comes back to them, oldest first;
+//! among blocks released by one finish (one tick), the lowest block id goes first (the core's
+//! eviction key). Duplicate records follow their canonical copies through splits.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -180,6 +185,9 @@ pub struct RunSegments {
     /// Entries a duplicate inherited: a spare, or one its request still held.
     pub moves: u64,
     pub held_moves: u64,
+    /// Duplicates recorded, and those with a successor (two requests computing alike).
+    pub copies: u64,
+    pub copies_with_successor: u64,
     /// Steps `resolve` took across a split (a hold made before it; commit and finish each
     /// count theirs).
     pub continuations: std::cell::Cell<u64>,
@@ -213,6 +221,8 @@ impl RunSegments {
             splits: 0,
             moves: 0,
             held_moves: 0,
+            copies: 0,
+            copies_with_successor: 0,
             continuations: std::cell::Cell::new(0),
         };
         me.free.shrink_to_fit();
@@ -343,6 +353,35 @@ impl RunSegments {
         id
     }
 
+    /// Puts a segment of `tail`'s blocks `lo..hi` just before segment `id` in the order, with
+    /// its tick (the blocks were counted free already).
+    fn insert_before(&mut self, id: u32, tail: u32, lo: u32, hi: u32, tick: u64) -> u32 {
+        let prev = self.segments[id as usize].prev;
+        let segment = Segment {
+            run: tail,
+            lo,
+            hi,
+            dup: NONE,
+            tick,
+            prev,
+            next: id,
+        };
+        let new = if let Some(new) = self.free_segments.pop() {
+            self.segments[new as usize] = segment;
+            new
+        } else {
+            self.segments.push(segment);
+            (self.segments.len() - 1) as u32
+        };
+        if prev == NONE {
+            self.head = new;
+        } else {
+            self.segments[prev as usize].next = new;
+        }
+        self.segments[id as usize].prev = new;
+        new
+    }
+
     /// Unlinks an emptied segment (or a taken spare's) from the queue and from its run's list.
     fn drop_segment(&mut self, id: u32) {
         let Segment {
@@ -466,14 +505,28 @@ impl RunSegments {
         let mut out = String::new();
         for (i, r) in self.runs.iter().enumerate() {
             if !r.blocks.is_empty() {
-                out += &format!(" run{i}{:?}", r.blocks);
+                let dups: Vec<_> = r
+                    .dups
+                    .iter()
+                    .map(|&d| {
+                        let d = self.dups[d as usize];
+                        (d.pos, d.block, d.successor as i64, d.inherited)
+                    })
+                    .collect();
+                out += &format!(
+                    " run{i}(p{} c{:?}){:?}refs{:?}dups{:?}",
+                    r.parent as i64, r.children, r.blocks, r.refs, dups
+                );
             }
         }
         let mut id = self.head;
         out += "\n      queue:";
         while id != NONE {
             let s = self.segments[id as usize];
-            out += &format!(" ({},{},{},{})", s.run as i64, s.lo, s.hi, s.dup as i64);
+            out += &format!(
+                " ({},{},{},d{},t{})",
+                s.run as i64, s.lo, s.hi, s.dup as i64, s.tick
+            );
             id = s.next;
         }
         out += &format!(" free {:?}", self.free);
@@ -522,21 +575,23 @@ impl RunSegments {
     /// duplicate's successor, whose pool parent is that copy.
     fn evictable(&self, run: u32, pos: u32) -> bool {
         let r = &self.runs[run as usize];
-        let hanging = if (pos as usize) + 1 < r.blocks.len() {
-            1
-        } else {
-            r.children.len()
+        let under_a_copy = |block: u32| {
+            r.dups.iter().any(|&d| {
+                let d = &self.dups[d as usize];
+                d.pos == pos && !d.inherited && d.successor == block
+            })
         };
-        let successors = r
-            .dups
-            .iter()
-            .map(|&d| self.dups[d as usize])
-            .filter(|d| d.pos == pos && !d.inherited && d.successor != NONE)
-            .count();
-        hanging == successors
+        if (pos as usize) + 1 < r.blocks.len() {
+            under_a_copy(r.blocks[pos as usize + 1])
+        } else {
+            r.children
+                .iter()
+                .all(|&c| under_a_copy(self.runs[c as usize].blocks[0]))
+        }
     }
 
-    /// Block `block`, at `pos` of `run`, goes: a duplicate whose successor it was has none.
+    /// Block `block`, at `pos` of `run` (or a duplicate there), goes: a duplicate whose
+    /// successor it was has none.
     fn forget_successor(&mut self, run: u32, pos: u32, block: u32) {
         let (owner, at) = if pos > 0 {
             (run, pos - 1)
@@ -604,7 +659,11 @@ impl RunSegments {
             } = self.segments[id as usize];
             if dup != NONE {
                 // A spare goes like any free block; its canonical copy keeps the entry.
-                into.push(self.dups[dup as usize].block);
+                let Dup {
+                    run, pos, block, ..
+                } = self.dups[dup as usize];
+                self.forget_successor(run, pos, block);
+                into.push(block);
                 need -= 1;
                 self.free_count -= 1;
                 self.drop_segment(id);
@@ -681,6 +740,19 @@ impl RunSegments {
         self.write_begin(run);
         self.runs[run as usize].blocks[pos as usize] = copy;
         self.write_end(run);
+        if pos as usize + 1 == self.runs[run as usize].blocks.len() {
+            // The run's children are found by its last block, which this was.
+            for i in 0..self.runs[run as usize].children.len() {
+                let child = self.runs[run as usize].children[i];
+                let first = self.row_tokens(self.runs[child as usize].blocks[0]);
+                let old = self.branch_key(canonical, &first);
+                if self.branches.get(&old) == Some(&child) {
+                    self.branches.remove(&old);
+                }
+                let before = self.branches.insert(self.branch_key(copy, &first), child);
+                debug_assert!(before.is_none(), "a branch key taken");
+            }
+        }
         into.push(canonical);
         if segment == NONE {
             self.runs[run as usize].refs[pos as usize] = 1;
@@ -689,6 +761,9 @@ impl RunSegments {
             self.dups[dup as usize].inherited = true;
             self.held_moves += 1;
         } else {
+            // A spare's holder is gone: it takes the canonical copy's place under the same
+            // parent (the core's pool), not under the copy before it.
+            self.forget_successor(run, pos, copy);
             let s = &mut self.segments[segment as usize];
             (s.run, s.lo, s.hi, s.dup) = (run, pos, pos + 1, NONE);
             self.runs[run as usize].segments.push(segment);
@@ -748,6 +823,8 @@ impl RunSegments {
                 (d.run, d.pos + 1)
             }
         };
+        let first_copy = request.held.len();
+        let copies_from = at;
         while at < full {
             let block = &request.tokens[at * bs..(at + 1) * bs];
             let Some((canonical_run, pos)) = self.cached_after(run, end, block) else {
@@ -772,6 +849,20 @@ impl RunSegments {
             request.held.push(Held::Copy(dup));
             (run, end) = (canonical_run, pos + 1);
             at += 1;
+        }
+        // Each copy's successor is the request's next block, a copy too or published below:
+        // its parent in the core's pool.
+        for (i, item) in request.held[first_copy..].iter().enumerate() {
+            if let Held::Copy(dup) = *item {
+                let next = copies_from + i + 1;
+                self.copies += 1;
+                self.copies_with_successor += u64::from(next < full);
+                self.dups[dup as usize].successor = if next < full {
+                    request.blocks[next]
+                } else {
+                    NONE
+                };
+            }
         }
         if at == full {
             return;
@@ -809,9 +900,6 @@ impl RunSegments {
         t.refs.resize(t.blocks.len(), 1);
         let to = t.blocks.len() as u32;
         self.write_end(target);
-        if let Some(&Held::Copy(dup)) = request.held.last() {
-            self.dups[dup as usize].successor = request.blocks[at];
-        }
         request.held.push(Held::Blocks {
             run: target,
             from,
@@ -891,14 +979,30 @@ impl RunSegments {
         self.write_end(run);
         self.runs[tail as usize].continued = continued;
         let at32 = at as u32;
-        // Queued blocks lie past the branch: the request that branches holds what precedes it.
-        for &id in &segments {
-            let s = &mut self.segments[id as usize];
-            assert!(s.lo >= at32, "queued blocks lie past a branch");
-            s.run = tail;
-            s.lo -= at32;
-            s.hi -= at32;
+        // Queued blocks past the branch go with the tail; a segment across it is cut in two,
+        // the tail's part just before the rest (it is popped first). (Queued blocks before the
+        // branch: a request that copied them branches there, holding its own copies.)
+        let mut stay = Vec::new();
+        let mut moved_segments = Vec::new();
+        for id in segments {
+            let Segment { lo, hi, tick, .. } = self.segments[id as usize];
+            if hi <= at32 {
+                stay.push(id);
+            } else if lo >= at32 {
+                let s = &mut self.segments[id as usize];
+                s.run = tail;
+                s.lo -= at32;
+                s.hi -= at32;
+                moved_segments.push(id);
+            } else {
+                let part = self.insert_before(id, tail, 0, hi - at32, tick);
+                self.segments[id as usize].hi = at32;
+                moved_segments.push(part);
+                stay.push(id);
+            }
         }
+        self.runs[run as usize].segments = stay;
+        let segments = moved_segments;
         // Duplicates follow their canonical copies.
         let (moved, kept): (Vec<u32>, Vec<u32>) = dups
             .into_iter()
@@ -936,11 +1040,7 @@ impl RunSegments {
         let mut spares = Vec::new();
         for item in self.resolve(&request.held).into_iter().rev() {
             match item {
-                Held::Blocks { run, from, to } => {
-                    for pos in (from..to).rev() {
-                        self.release(run, pos, &mut open);
-                    }
-                }
+                Held::Blocks { run, from, to } => self.release_blocks(run, from, to, &mut open),
                 Held::Copy(dup) => {
                     let Dup {
                         run,
@@ -968,22 +1068,42 @@ impl RunSegments {
         }
     }
 
-    /// Drops one reference to block `pos` of `run`; a block that falls free joins the open
-    /// segment if it is the block below it in the same run, else opens one (pushing the last).
+    /// Drops one reference to block `pos` of `run` (`release_blocks` of one block).
     fn release(&mut self, run: u32, pos: u32, open: &mut Option<(u32, u32, u32)>) {
-        let count = &mut self.runs[run as usize].refs[pos as usize];
-        *count -= 1;
-        if *count != 0 {
-            return;
+        self.release_blocks(run, pos, pos + 1, open);
+    }
+
+    /// Drops one reference to blocks `from..to` of `run`; the blocks that fall free join the
+    /// open segment, highest first, each stretch of them contiguous with it, else open one
+    /// (pushing the last). Counts are decremented in one pass and the free stretches found by
+    /// scanning, not block by block: usually the whole range is one stretch.
+    fn release_blocks(&mut self, run: u32, from: u32, to: u32, open: &mut Option<(u32, u32, u32)>) {
+        let refs = &mut self.runs[run as usize].refs[from as usize..to as usize];
+        for count in refs.iter_mut() {
+            *count -= 1;
         }
-        match open {
-            Some((r, lo, _)) if *r == run && *lo == pos + 1 => *lo = pos,
-            _ => {
-                if let Some((r, lo, hi)) = open.take() {
-                    self.push_segment(r, lo, hi, NONE);
+        let mut hi = to;
+        while hi > from {
+            let refs = &self.runs[run as usize].refs[from as usize..hi as usize];
+            let Some(top) = refs.iter().rposition(|&c| c == 0) else {
+                break;
+            };
+            let top = from + top as u32 + 1;
+            let lo = from
+                + self.runs[run as usize].refs[from as usize..top as usize]
+                    .iter()
+                    .rposition(|&c| c != 0)
+                    .map_or(0, |i| i as u32 + 1);
+            match open {
+                Some((r, open_lo, _)) if *r == run && *open_lo == top => *open_lo = lo,
+                _ => {
+                    if let Some((r, l, h)) = open.take() {
+                        self.push_segment(r, l, h, NONE);
+                    }
+                    *open = Some((run, lo, top));
                 }
-                *open = Some((run, pos, pos + 1));
             }
+            hi = lo;
         }
     }
 }
@@ -1107,17 +1227,21 @@ mod tests {
     /// Requests in flight together (up to four begun, committed and finished in a random
     /// interleaving) get the core's blocks too: a run split while another request holds past
     /// the branch, a run extended while another holds its old end, eviction around held runs,
-    /// full hits in flight (their duplicates recorded at commit, taking their canonical copy's
-    /// entry while held or as spares). A new prompt shares only what the core has cached when it
-    /// begins, then (but for a full hit) fresh tokens no other prompt has, so no two requests
-    /// compute the same block otherwise (those duplicates are beyond this stand-in).
+    /// full hits in flight, and duplicates: a new prompt copies part of a finished prompt or of
+    /// one still in flight (so two requests may compute the same blocks, and whichever commits
+    /// second records them as copies and chains on), with or without fresh tokens after.
     #[test]
     fn requests_in_flight_together_get_the_cores_blocks() {
         let only: Option<u64> = std::env::var("SEED").ok().and_then(|s| s.parse().ok());
         // Summed over seeds: hit tokens, evictions, splits, steps across splits, entries a
-        // spare took over, entries a held duplicate took over.
-        let mut seen = [0u64; 6];
-        for seed in 0..600u64 {
+        // spare took over, entries a held duplicate took over, duplicates recorded, and those
+        // with a successor.
+        let mut seen = [0u64; 8];
+        let seeds: u64 = std::env::var("SEEDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(600);
+        for seed in 0..seeds {
             if only.is_some_and(|o| o != seed) {
                 continue;
             }
@@ -1142,26 +1266,37 @@ mod tests {
                 let choice = if step >= 360 { 3 } else { draw.below(3) };
                 if choice == 0 && in_flight.len() < 4 {
                     let mut prompt = Vec::new();
-                    let mut full_hit = false;
-                    if !finished.is_empty() && draw.below(4) != 0 {
-                        let base = &finished[draw.below(finished.len())];
+                    let mut fresh_tail = true;
+                    let bases = finished.len() + in_flight.len();
+                    if bases > 0 && draw.below(4) != 0 {
+                        let pick = draw.below(bases);
+                        let base = if pick < finished.len() {
+                            &finished[pick]
+                        } else {
+                            &in_flight[pick - finished.len()].2
+                        };
                         let found = cache
                             .lookup(base, b"", &RequestExtras::default())
                             .expect("lookup");
-                        // A third of these resend exactly the blocks cached now: a full hit,
-                        // whose recomputed last block is a duplicate (several may be in
-                        // flight at once).
-                        full_hit = !found.blocks.is_empty() && draw.below(3) == 0;
-                        let cut = if full_hit {
-                            found.blocks.len() * BLOCK_SIZE
-                        } else if draw.below(2) == 0 {
-                            found.num_cached_tokens
-                        } else {
-                            draw.below(found.num_cached_tokens + 1)
+                        let cut = match draw.below(4) {
+                            // Exactly the blocks cached now: a full hit, whose recomputed last
+                            // block is a duplicate (several may be in flight at once).
+                            0 if !found.blocks.is_empty() => {
+                                fresh_tail = false;
+                                found.blocks.len() * BLOCK_SIZE
+                            }
+                            1 => found.num_cached_tokens,
+                            // Anywhere: past what is cached, this request computes blocks
+                            // another in flight may compute too, and whichever commits
+                            // second makes duplicates.
+                            _ => {
+                                fresh_tail = draw.below(2) == 0;
+                                draw.below(base.len() + 1)
+                            }
                         };
                         prompt.extend_from_slice(&base[..cut]);
                     }
-                    if !full_hit {
+                    if fresh_tail || prompt.is_empty() {
                         for _ in 0..=draw.below(200) {
                             prompt.push(next_fresh);
                             next_fresh += 1;
@@ -1173,6 +1308,18 @@ mod tests {
                         continue; // not enough blocks: the core changed nothing
                     };
                     let mine = runs.begin(prompt.clone());
+                    if std::env::var_os("SHOW").is_some() {
+                        eprintln!(
+                            "{step}: begin #{} len {} core {} {:?}\n   mine {} {:?}\n   {}",
+                            in_flight.len(),
+                            prompt.len(),
+                            core.num_cached_tokens,
+                            core.block_table,
+                            mine.cached_blocks * BLOCK_SIZE,
+                            mine.blocks,
+                            runs.dump()
+                        );
+                    }
                     assert_eq!(
                         (mine.cached_blocks * BLOCK_SIZE, &mine.blocks),
                         (core.num_cached_tokens, &core.block_table),
@@ -1195,6 +1342,14 @@ mod tests {
                             &mut in_flight[open[draw.below(open.len())]];
                         cache.commit(id, prompt.len()).expect("commit");
                         runs.commit(mine);
+                        if std::env::var_os("SHOW").is_some() {
+                            eprintln!(
+                                "{step}: commit {:?} held {:?}\n   {}",
+                                mine.blocks,
+                                mine.held,
+                                runs.dump()
+                            );
+                        }
                         *committed = true;
                         continue;
                     }
@@ -1207,6 +1362,9 @@ mod tests {
                     }
                     let (id, mine, prompt, _) = in_flight.swap_remove(done[draw.below(done.len())]);
                     cache.finish(&id).expect("finish");
+                    if std::env::var_os("SHOW").is_some() {
+                        eprintln!("{step}: finish {:?}", mine.blocks);
+                    }
                     runs.finish(mine);
                     finished.push(prompt);
                 }
@@ -1217,9 +1375,12 @@ mod tests {
             seen[3] += runs.continuations.get();
             seen[4] += runs.moves;
             seen[5] += runs.held_moves;
+            seen[6] += runs.copies;
+            seen[7] += runs.copies_with_successor;
         }
         eprintln!(
-            "hit tokens, evictions, splits, steps across splits, spare and held moves: {seen:?}"
+            "hit tokens, evictions, splits, steps across splits, spare and held moves, \
+             duplicates, with successors: {seen:?}"
         );
         assert!(only.is_some() || seen.iter().all(|&n| n > 100), "{seen:?}");
     }
