@@ -492,7 +492,9 @@ fn run_segments_request(
     block_table: &mut Vec<u32>,
 ) -> ([u128; 3], usize) {
     let t0 = thread_ns();
-    let mut r = table.begin(prompt.to_vec());
+    let mut r = table
+        .begin(prompt.to_vec())
+        .expect("the trace fits the cache");
     let t1 = thread_ns();
     let cached = r.cached_blocks * BLOCK_SIZE;
     table.commit(&mut r);
