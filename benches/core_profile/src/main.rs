@@ -8,11 +8,14 @@ use std::time::Instant;
 
 mod run_queue;
 mod run_segments;
+mod stand_in;
+
+use stand_in::StandIn;
 
 use prefixkv_core::key::TableKey;
 use prefixkv_core::table::{NewEntry, Parent, Table};
 use prefixkv_core::{
-    block_key, context_fingerprint, root_key, CacheConfig, PrefixCache, RequestExtras,
+    block_key, context_fingerprint, root_key, BeginResult, CacheConfig, PrefixCache, RequestExtras,
 };
 
 const BLOCK_SIZE: usize = 16;
@@ -221,7 +224,7 @@ fn run_table_requests(count: usize, len: usize, shared: usize) {
             let (cost, hit) = if side == 0 {
                 core_request(&cache, prompt, &mut got[0].1)
             } else {
-                run_segments_request(&mut table, prompt, &mut got[1].1)
+                stand_in_request(&mut table, prompt, &mut got[1].1)
             };
             ns[side] += cost.iter().sum::<u128>();
             got[side].0 = hit;
@@ -349,6 +352,13 @@ const BUCKETS: [(usize, &str); 4] = [
 /// the long requests' instructions alone.
 #[inline(never)]
 fn replay_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], usize) {
+    let (phases, r) = timed_request(cache, prompt);
+    (phases, r.num_cached_tokens)
+}
+
+/// Begin, commit and finish of one request, timed: the CPU ns of each and what begin gave.
+#[inline(always)]
+fn timed_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], BeginResult) {
     let t0 = thread_ns();
     let r = cache
         .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
@@ -358,7 +368,7 @@ fn replay_request(cache: &PrefixCache, prompt: &[u32]) -> ([u128; 3], usize) {
     let t2 = thread_ns();
     cache.finish(&r.request_id).expect("finish");
     let t3 = thread_ns();
-    ([t1 - t0, t2 - t1, t3 - t2], r.num_cached_tokens)
+    ([t1 - t0, t2 - t1, t3 - t2], r)
 }
 
 /// `replay_request` for the long prompts (see there).
@@ -473,21 +483,15 @@ fn core_request(
     prompt: &[u32],
     block_table: &mut Vec<u32>,
 ) -> ([u128; 3], usize) {
-    let t0 = thread_ns();
-    let r = cache
-        .begin(None, prompt.to_vec(), b"", RequestExtras::default(), 0)
-        .expect("begin");
-    let t1 = thread_ns();
-    cache.commit(&r.request_id, prompt.len()).expect("commit");
-    let t2 = thread_ns();
-    cache.finish(&r.request_id).expect("finish");
-    let t3 = thread_ns();
+    let (phases, r) = timed_request(cache, prompt);
     *block_table = r.block_table;
-    ([t1 - t0, t2 - t1, t3 - t2], r.num_cached_tokens)
+    (phases, r.num_cached_tokens)
 }
 
-fn run_segments_request(
-    table: &mut run_segments::RunSegments,
+/// One request through a run-table stand-in, timed as `replay_request` times the core's (the
+/// block table copied out untimed); the cached tokens.
+fn stand_in_request<T: StandIn>(
+    table: &mut T,
     prompt: &[u32],
     block_table: &mut Vec<u32>,
 ) -> ([u128; 3], usize) {
@@ -496,28 +500,11 @@ fn run_segments_request(
         .begin(prompt.to_vec())
         .expect("the trace fits the cache");
     let t1 = thread_ns();
-    let cached = r.cached_blocks * BLOCK_SIZE;
+    let cached = T::cached_blocks(&r) * BLOCK_SIZE;
     table.commit(&mut r);
     let t2 = thread_ns();
-    block_table.clone_from(&r.blocks);
-    let t2b = thread_ns();
-    table.finish(std::hint::black_box(r));
-    let t3 = thread_ns();
-    ([t1 - t0, t2 - t1, t3 - t2b], cached)
-}
-
-fn run_queue_request(
-    table: &mut run_queue::RunQueue,
-    prompt: &[u32],
-    block_table: &mut Vec<u32>,
-) -> ([u128; 3], usize) {
-    let t0 = thread_ns();
-    let mut r = table.begin(prompt.to_vec());
-    let t1 = thread_ns();
-    let cached = r.cached_blocks * BLOCK_SIZE;
-    table.commit(&mut r);
-    let t2 = thread_ns();
-    block_table.clone_from(&r.blocks);
+    block_table.clear();
+    block_table.extend_from_slice(T::blocks(&r));
     let t2b = thread_ns();
     table.finish(std::hint::black_box(r));
     let t3 = thread_ns();
@@ -556,8 +543,8 @@ fn run_table_replay(path: &str, rounds: usize) {
                 let into = &mut tables[side];
                 costs[side] = match side {
                     0 => core_request(&cache, prompt, into),
-                    1 => run_segments_request(&mut segments, prompt, into),
-                    _ => run_queue_request(&mut queue, prompt, into),
+                    1 => stand_in_request(&mut segments, prompt, into),
+                    _ => stand_in_request(&mut queue, prompt, into),
                 };
             }
             for side in 1..SIDES {
@@ -763,7 +750,7 @@ fn main() {
             let mut into = Vec::new();
             let mut total = 0u128;
             for prompt in &prompts {
-                total += run_segments_request(&mut table, prompt, &mut into)
+                total += stand_in_request(&mut table, prompt, &mut into)
                     .0
                     .iter()
                     .sum::<u128>();

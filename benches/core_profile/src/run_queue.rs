@@ -18,13 +18,9 @@
 //! queue literally (blocks holding no entry wait in it too; no spares), so its hits differ from
 //! the core's on a few requests of the production trace. One thread, no events, no extras.
 
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
-use crate::run_segments::Identity;
-
-const NONE: u32 = u32::MAX;
+use crate::stand_in::{block_key, Index, StandIn, NONE};
 
 /// Per block: one 24-byte record (reference count, queue links, owning run and position).
 #[derive(Clone, Copy)]
@@ -60,16 +56,15 @@ pub struct RunQueue {
     block_size: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    roots: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    roots: Index,
     /// A run's children by (parent run, first block's tokens); `run_segments.rs` keys them by
     /// the parent's last block instead, which a split leaves with the children.
-    branches: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    branches: Index,
     meta: Vec<BlockMeta>,
     rows: Vec<u32>,
     head: u32,
     tail: u32,
     free_count: usize,
-    seed: u64,
     pub evictions: u64,
 }
 
@@ -90,38 +85,20 @@ impl RunQueue {
             block_size,
             runs: Vec::new(),
             free_runs: Vec::new(),
-            roots: HashMap::default(),
-            branches: HashMap::default(),
+            roots: Index::default(),
+            branches: Index::default(),
             meta,
             rows: vec![u32::MAX; n * block_size],
             head: 0,
             tail: num_blocks - 1,
             free_count: n,
-            seed: 0x7072_6566_6978_6b76,
             evictions: 0,
         }
     }
 
-    fn first_key(&self, block: &[u32]) -> u64 {
-        let mut bytes = [0u8; 64];
-        for (b, t) in bytes.chunks_exact_mut(4).zip(block) {
-            b.copy_from_slice(&t.to_le_bytes());
-        }
-        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[..4 * block.len()], self.seed)
-    }
-
-    fn branch_key(&self, parent: u32, tokens: &[u32]) -> u64 {
-        let mut bytes = [0u8; 68];
-        bytes[..4].copy_from_slice(&parent.to_le_bytes());
-        for (b, t) in bytes[4..].chunks_exact_mut(4).zip(tokens) {
-            b.copy_from_slice(&t.to_le_bytes());
-        }
-        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[..4 + 4 * tokens.len()], self.seed)
-    }
-
     /// Indexes `child`, whose first block is `first`, under `parent` (or drops it: `None`).
     fn index_child(&mut self, parent: u32, child: u32, first: u32, add: bool) {
-        let key = self.branch_key(parent, self.row(first));
+        let key = block_key(Some(parent), self.row(first));
         if add {
             self.branches.insert(key, child);
         } else if self.branches.get(&key) == Some(&child) {
@@ -220,7 +197,7 @@ impl RunQueue {
         if full > 0 {
             let mut next = self
                 .roots
-                .get(&self.first_key(&tokens[..bs]))
+                .get(&block_key(None, &tokens[..bs]))
                 .copied()
                 .unwrap_or(NONE);
             while next != NONE {
@@ -249,7 +226,7 @@ impl RunQueue {
                 let here = next;
                 next = self
                     .branches
-                    .get(&self.branch_key(here, want))
+                    .get(&block_key(Some(here), want))
                     .copied()
                     .filter(|&c| self.runs[c as usize].parent == here)
                     .unwrap_or(NONE);
@@ -366,12 +343,12 @@ impl RunQueue {
         let block = &request.tokens[at * bs..full * bs];
         if full - at == 1 {
             let canonical = if run == NONE {
-                self.roots.get(&self.first_key(block)).map(|&r| (r, 0))
+                self.roots.get(&block_key(None, block)).map(|&r| (r, 0))
             } else if (matched as usize) < self.runs[run as usize].blocks.len() {
                 Some((run, matched))
             } else {
                 self.branches
-                    .get(&self.branch_key(run, block))
+                    .get(&block_key(Some(run), block))
                     .copied()
                     .filter(|&c| self.runs[c as usize].parent == run)
                     .map(|c| (c, 0))
@@ -390,7 +367,7 @@ impl RunQueue {
         // The run matched last may have lost blocks since begin only if they were free; the
         // request holds what it matched, so the run still has at least `matched` blocks.
         let target = if run == NONE {
-            let key = self.first_key(&request.tokens[..bs]);
+            let key = block_key(None, &request.tokens[..bs]);
             let new = self.new_run(NONE);
             self.runs[new as usize].root_key = key;
             self.roots.insert(key, new);
@@ -463,5 +440,24 @@ impl RunQueue {
                 self.enqueue(b);
             }
         }
+    }
+}
+
+impl StandIn for RunQueue {
+    type Request = QueueRequest;
+    fn begin(&mut self, tokens: Vec<u32>) -> Option<QueueRequest> {
+        Some(RunQueue::begin(self, tokens))
+    }
+    fn commit(&mut self, request: &mut QueueRequest) {
+        RunQueue::commit(self, request);
+    }
+    fn finish(&mut self, request: QueueRequest) {
+        RunQueue::finish(self, request);
+    }
+    fn blocks(request: &QueueRequest) -> &[u32] {
+        &request.blocks
+    }
+    fn cached_blocks(request: &QueueRequest) -> usize {
+        request.cached_blocks
     }
 }

@@ -55,11 +55,9 @@
 //! among blocks released by one finish (one tick), the lowest block id goes first (the core's
 //! eviction key). Duplicate records follow their canonical copies through splits.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
-const NONE: u32 = u32::MAX;
+use crate::stand_in::{block_key, slab_put, Index, StandIn, NONE};
 
 /// Tokens of a block (the stand-in's only block size, the usual one).
 const ROW_TOKENS: usize = 16;
@@ -71,22 +69,6 @@ struct Row([AtomicU64; ROW_TOKENS / 2]);
 
 fn pack(pair: &[u32]) -> u64 {
     u64::from(pair[0]) | (u64::from(pair[1]) << 32)
-}
-
-/// The keys of the root map are already hashes: use them as they are.
-#[derive(Default)]
-pub struct Identity(u64);
-
-impl Hasher for Identity {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, _: &[u8]) {
-        unreachable!("only u64 keys")
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
 }
 
 /// A stretch of the eviction order: blocks `lo..hi` of `run`, highest first, or a spare.
@@ -164,10 +146,10 @@ pub struct RunSegments {
     block_size: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    roots: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    roots: Index,
     /// A run's children by the parent run's last block and the child's first block's tokens
     /// (a split keeps the parent's last block with the tail, which takes the children).
-    branches: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    branches: Index,
     rows: Vec<Row>,
     segments: Vec<Segment>,
     free_segments: Vec<u32>,
@@ -180,7 +162,6 @@ pub struct RunSegments {
     free_count: usize,
     /// The release clock: one tick per finish, one more for its spares.
     tick: u64,
-    seed: u64,
     pub evictions: u64,
     /// Branches inside a run (what the tests must exercise).
     pub splits: u64,
@@ -204,8 +185,8 @@ impl RunSegments {
             block_size,
             runs: Vec::new(),
             free_runs: Vec::new(),
-            roots: HashMap::default(),
-            branches: HashMap::default(),
+            roots: Index::default(),
+            branches: Index::default(),
             // Written now (the core's arrays are touched at construction too), not on a
             // request's first use.
             rows: (0..num_blocks)
@@ -220,7 +201,6 @@ impl RunSegments {
             free: (0..num_blocks).rev().collect(),
             free_count: num_blocks as usize,
             tick: 0,
-            seed: 0x7072_6566_6978_6b76,
             evictions: 0,
             splits: 0,
             moves: 0,
@@ -232,23 +212,6 @@ impl RunSegments {
         }
     }
 
-    fn first_key(&self, block: &[u32]) -> u64 {
-        let mut bytes = [0u8; 64];
-        for (b, t) in bytes.chunks_exact_mut(4).zip(block) {
-            b.copy_from_slice(&t.to_le_bytes());
-        }
-        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[..4 * block.len()], self.seed)
-    }
-
-    fn branch_key(&self, parent_last: u32, block: &[u32]) -> u64 {
-        let mut bytes = [0u8; 68];
-        bytes[..4].copy_from_slice(&parent_last.to_le_bytes());
-        for (b, t) in bytes[4..].chunks_exact_mut(4).zip(block) {
-            b.copy_from_slice(&t.to_le_bytes());
-        }
-        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[..4 + 4 * block.len()], self.seed)
-    }
-
     /// Makes `child`, whose first block is `first` (its token row written), a child of
     /// `parent`.
     fn add_child(&mut self, parent: u32, child: u32, first: u32) {
@@ -256,7 +219,7 @@ impl RunSegments {
             .blocks
             .last()
             .expect("a parent has blocks");
-        let key = self.branch_key(last, &self.row_tokens(first));
+        let key = block_key(Some(last), &self.row_tokens(first));
         let before = self.branches.insert(key, child);
         // A new child's first block is none of its siblings' (the match would have followed
         // that sibling), so its key is free but for a 64-bit hash collision.
@@ -334,13 +297,7 @@ impl RunSegments {
             prev: self.tail,
             next: NONE,
         };
-        let id = if let Some(id) = self.free_segments.pop() {
-            self.segments[id as usize] = segment;
-            id
-        } else {
-            self.segments.push(segment);
-            (self.segments.len() - 1) as u32
-        };
+        let id = slab_put(&mut self.segments, &mut self.free_segments, segment);
         if self.tail == NONE {
             self.head = id;
         } else {
@@ -369,13 +326,7 @@ impl RunSegments {
             prev,
             next: id,
         };
-        let new = if let Some(new) = self.free_segments.pop() {
-            self.segments[new as usize] = segment;
-            new
-        } else {
-            self.segments.push(segment);
-            (self.segments.len() - 1) as u32
-        };
+        let new = slab_put(&mut self.segments, &mut self.free_segments, segment);
         if prev == NONE {
             self.head = new;
         } else {
@@ -439,7 +390,7 @@ impl RunSegments {
         if full > 0 {
             let mut next = self
                 .roots
-                .get(&self.first_key(&tokens[..bs]))
+                .get(&block_key(None, &tokens[..bs]))
                 .copied()
                 .unwrap_or(NONE);
             while next != NONE {
@@ -470,7 +421,7 @@ impl RunSegments {
                 let here = next;
                 next = self
                     .branches
-                    .get(&self.branch_key(*r.blocks.last().expect("not empty"), want))
+                    .get(&block_key(Some(*r.blocks.last().expect("not empty")), want))
                     .copied()
                     .filter(|&c| self.runs[c as usize].parent == here)
                     .unwrap_or(NONE);
@@ -738,11 +689,11 @@ impl RunSegments {
             for i in 0..self.runs[run as usize].children.len() {
                 let child = self.runs[run as usize].children[i];
                 let first = self.row_tokens(self.runs[child as usize].blocks[0]);
-                let old = self.branch_key(canonical, &first);
+                let old = block_key(Some(canonical), &first);
                 if self.branches.get(&old) == Some(&child) {
                     self.branches.remove(&old);
                 }
-                let before = self.branches.insert(self.branch_key(copy, &first), child);
+                let before = self.branches.insert(block_key(Some(copy), &first), child);
                 debug_assert!(before.is_none(), "a branch key taken");
                 self.rekeys += 1;
             }
@@ -783,7 +734,7 @@ impl RunSegments {
                 .blocks
                 .last()
                 .expect("a parent has blocks");
-            let key = self.branch_key(last, &self.row_tokens(first));
+            let key = block_key(Some(last), &self.row_tokens(first));
             if self.branches.get(&key) == Some(&run) {
                 self.branches.remove(&key);
             }
@@ -832,13 +783,7 @@ impl RunSegments {
                 inherited: false,
                 successor: NONE,
             };
-            let dup = if let Some(d) = self.free_dups.pop() {
-                self.dups[d as usize] = record;
-                d
-            } else {
-                self.dups.push(record);
-                (self.dups.len() - 1) as u32
-            };
+            let dup = slab_put(&mut self.dups, &mut self.free_dups, record);
             self.runs[canonical_run as usize].dups.push(dup);
             request.held.push(Held::Copy(dup));
             (run, end) = (canonical_run, pos + 1);
@@ -862,7 +807,7 @@ impl RunSegments {
             return;
         }
         let target = if run == NONE {
-            let key = self.first_key(&request.tokens[at * bs..(at + 1) * bs]);
+            let key = block_key(None, &request.tokens[at * bs..(at + 1) * bs]);
             let new = self.new_run(NONE);
             self.runs[new as usize].root_key = key;
             let before = self.roots.insert(key, new);
@@ -939,14 +884,14 @@ impl RunSegments {
     /// (`NONE`: at the root), as (run, position).
     fn cached_after(&self, run: u32, matched: u32, block: &[u32]) -> Option<(u32, u32)> {
         let found = if run == NONE {
-            (*self.roots.get(&self.first_key(block))?, 0)
+            (*self.roots.get(&block_key(None, block))?, 0)
         } else {
             let r = &self.runs[run as usize];
             if (matched as usize) < r.blocks.len() {
                 (run, matched)
             } else {
                 let last = *r.blocks.last()?;
-                let child = *self.branches.get(&self.branch_key(last, block))?;
+                let child = *self.branches.get(&block_key(Some(last), block))?;
                 if self.runs[child as usize].parent != run {
                     return None;
                 }
@@ -1099,6 +1044,25 @@ impl RunSegments {
             }
             hi = lo;
         }
+    }
+}
+
+impl StandIn for RunSegments {
+    type Request = SegmentRequest;
+    fn begin(&mut self, tokens: Vec<u32>) -> Option<SegmentRequest> {
+        RunSegments::begin(self, tokens)
+    }
+    fn commit(&mut self, request: &mut SegmentRequest) {
+        RunSegments::commit(self, request);
+    }
+    fn finish(&mut self, request: SegmentRequest) {
+        RunSegments::finish(self, request);
+    }
+    fn blocks(request: &SegmentRequest) -> &[u32] {
+        &request.blocks
+    }
+    fn cached_blocks(request: &SegmentRequest) -> usize {
+        request.cached_blocks
     }
 }
 
