@@ -117,9 +117,12 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
     let key_of = |id: u64| TableKey(u128::from(id % 48) << 122);
     let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Readers that have found an entry: the writer goes on until both have (a release build
+    // can finish its steps before a reader thread first runs).
+    let found = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (table, stop) = (table.clone(), stop.clone());
+            let (table, stop, found) = (table.clone(), stop.clone(), found.clone());
             std::thread::spawn(move || {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -131,6 +134,9 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
                             assert_eq!(key_of(e.id), key_of(slot));
                             assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
                             assert_eq!(e.parent, Parent::Entry(e.id ^ 1));
+                            if seen == 0 {
+                                found.fetch_add(1, Ordering::Relaxed);
+                            }
                             seen += 1;
                         }
                     }
@@ -143,7 +149,10 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
     let mut live = std::collections::HashSet::new();
     // From 2: `id ^ 1` must name a real entry, and entry id 0 is no entry (a slot stores
     // a parent of 0 as "a root"), so id 1 would read back with a root parent.
-    for id in 2..200_000u64 {
+    for id in 2u64.. {
+        if id >= 200_000 && found.load(Ordering::Relaxed) == 2 {
+            break;
+        }
         let block = (id % 32) as BlockId;
         if let Some(old) = owner[block as usize].take() {
             table.prefetch_removal(block);
@@ -223,9 +232,12 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
     let key_of = |id: u64| TableKey(u128::from(id % 24 + 1) << 100);
     let tokens_of = |id: u64| [id as u32, (id >> 1) as u32, 3 * id as u32, !(id as u32)];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Readers that have found an entry: the writer goes on until both have (a release build
+    // can finish its steps before a reader thread first runs).
+    let found = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (table, stop) = (table.clone(), stop.clone());
+            let (table, stop, found) = (table.clone(), stop.clone(), found.clone());
             std::thread::spawn(move || {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -234,6 +246,9 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
                             assert_eq!(key_of(e.id), key_of(k));
                             assert_eq!(&e.tokens[..], &tokens_of(e.id)[..]);
                             assert_eq!(e.parent, Parent::Entry(e.id ^ 1));
+                            if seen == 0 {
+                                found.fetch_add(1, Ordering::Relaxed);
+                            }
                             seen += 1;
                         }
                     }
@@ -247,7 +262,10 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
     let mut live = std::collections::HashSet::new();
     let mut state = 99u64;
     let mut next_id = 2u64;
-    for _ in 0..200_000 {
+    for step in 0u64.. {
+        if step >= 200_000 && found.load(Ordering::Relaxed) == 2 {
+            break;
+        }
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
