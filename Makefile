@@ -25,9 +25,11 @@ rust-stress:
 	cargo test -p prefixkv-core --release -- --ignored
 
 ## loom models of the real cache: lock-free lookups racing release / evict / refill and
-## set_context, refcount ownership checked (own target dir: another cfg).
+## set_context, refcount ownership checked; and of the run table's sequence locks, readers
+## racing truncate / split / replace / reuse (own target dir: another cfg).
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p prefixkv-core --test loom_pool --release
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p prefixkv-core --test loom_runs --release
 
 lint:
 	cargo fmt --all --check

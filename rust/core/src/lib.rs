@@ -10,6 +10,8 @@
 //! - [`cache`]: [`PrefixCache`] built from the three: its shared state, who may change a
 //!   refcount, lookups, the low-level API and reset.
 //! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
+//! - [`run_table`]: runs of blocks readable without locks, the unit of the table that is to
+//!   replace the per-block one (`benches/PROFILE.md`, issue 24); not yet used by the cache.
 //! - [`sliding`]: sliding-window KV groups: releasing blocks that left the window, and hits
 //!   that need only the window's blocks.
 //! - [`groups`]: [`KvGroups`], the caches of a hybrid model's KV groups driven as one (one hit
@@ -38,6 +40,7 @@ pub mod pins;
 pub mod pool;
 mod prefetch;
 pub mod request;
+pub mod run_table;
 pub mod sliding;
 pub mod stats;
 mod sync;

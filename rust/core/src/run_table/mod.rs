@@ -1,0 +1,414 @@
+//! The run table's reader-visible half: runs of blocks that lock-free readers verify while
+//! the single writer extends, truncates, splits or rewrites them.
+//!
+//! Step 1 of the plan in `benches/PROFILE.md` (issue 24, round 18): the per-block table
+//! (`table/`) pays a slot, a token row and a metadata line for every block it publishes,
+//! evicts or releases; a *run* (a chain of blocks with no branch inside, a radix node) pays
+//! one record, and eviction truncates it from its tail in one store. The stand-in
+//! (`benches/core_profile/src/run_segments.rs`) showed that this unit hands out the core's
+//! block tables, block for block, at 2.6–2.7× less CPU a request on the production trace. This
+//! module is the part of it another thread can see, built so that a reader never takes a lock
+//! and never returns a block that did not hold the prefix it asked for. Not yet used by the
+//! cache: the writer's bookkeeping (holds, the eviction order by segment, duplicates) and the
+//! index of run heads and branches are the plan's next steps.
+//!
+//! ## What a run is, to a reader
+//! A run lives in a *run slot* (`RunSlot`, one cache line) and has:
+//! - an **id**, unique for the life of the table and never reused;
+//! - a **parent**: the full root key (a first run: its first block is a prompt's first block),
+//!   or the parent run's id and the parent's length when this run was hung under it (the run
+//!   continues the parent's first `parent_len` blocks);
+//! - a **length** and its **block ids**, kept in fixed-size chunks of an arena (`CHUNK` ids
+//!   to a chunk, a chunk to a cache line), chained;
+//! - each block's **token row**, stored per block (two tokens to an atomic word, a row to a
+//!   line when the block size allows, as in `table/`), so a hit verifies every token.
+//!
+//! ## One rule that makes run ids safe: a run only grows under one id
+//! A reader that matched run `r` to length `n` and looks for what follows trusts a child only
+//! if the child names `r`'s id and `n` as its parent. That is exact only if, for as long as an
+//! id lives, the run's first `n` blocks keep the content they had. So every writer operation
+//! that *shortens* a run gives it a fresh id (`truncate`, `split`): under one id a run only
+//! grows at its end, and a block replaced in place (`replace`, a duplicate taking over its
+//! canonical copy's place) has the same content. Without the rule a run truncated and grown
+//! again with other tokens would still carry children and readers' expectations of its old
+//! content: a wrong hit, the worst bug this crate can have (the unit test
+//! `a_run_cut_and_grown_again_is_a_new_run` pins it).
+//!
+//! ## Reading without locks
+//! Every field is an atomic, so no read is a data race; consistency comes from a sequence
+//! lock per run slot, the protocol `table/mod.rs` uses per block (Boehm, MSPC 2012). The
+//! writer makes the slot's stamp odd, then (after a release fence) stores the fields, then
+//! makes it even with `Release`; a reader loads it with `Acquire` (giving up on an odd stamp),
+//! reads the fields, the chunks and the token rows, then, after an `Acquire` fence, loads it
+//! again and keeps what it read only if it did not change.
+//!
+//! The block ids and token rows a reader reads are not inside the slot, so the writer keeps
+//! one more rule: **nothing a reader of a run may read is changed while the run's stamp is
+//! unchanged**. Chunks beyond a run's length and the rows of blocks in no run are written
+//! outside any window (no reader of a run reaches them before the stamp that publishes them);
+//! a chunk or a block leaves a run only inside that run's window (truncate, split, replace,
+//! remove), so a reader that read it before sees the stamp move and drops what it read, even
+//! if the chunk or the block's row was rewritten for another run meanwhile. A reader may then
+//! read ids that are not blocks at all (a reused chunk): it checks every id against the pool's
+//! size before using it, and the stamp check throws the result away.
+//!
+//! ## Who writes
+//! One writer at a time, as for the per-block table: the cache's mutex will serialise the
+//! writer operations (`writer.rs`), which also keep the writer-only bookkeeping
+//! (`RunAllocator`: free slots, free chunks, the next id). Readers may run on any thread.
+//!
+//! Under `--cfg loom` the atomics are loom's, so the loom model (`tests/loom_runs.rs`) explores
+//! the real protocol, weak orderings included.
+
+mod writer;
+
+#[cfg(test)]
+mod tests;
+
+pub use writer::RunAllocator;
+
+#[cfg(loom)]
+use loom::sync::atomic::{fence, AtomicU32, AtomicU64};
+use std::sync::atomic::Ordering;
+#[cfg(not(loom))]
+use std::sync::atomic::{fence, AtomicU32, AtomicU64};
+
+use crate::key::BlockKey;
+use crate::pool::BlockId;
+
+/// Block ids to a chunk: 16 `u32`s, one 64-byte line.
+#[cfg(not(loom))]
+pub const CHUNK: usize = 16;
+/// Block ids to a chunk: one under loom, so a model's run of two blocks crosses a chunk link.
+#[cfg(loom)]
+pub const CHUNK: usize = 1;
+
+/// "No chunk" in a chunk's `next` link and a slot's `first_chunk`.
+const NO_CHUNK: u32 = u32::MAX;
+
+/// Bytes of a cache line, where token rows start.
+const LINE: usize = 64;
+
+/// Attempts a reader makes when the writer keeps changing the run it reads, before it reports
+/// no match (a shorter match is always a correct answer for a lock-free probe).
+#[cfg(not(loom))]
+const READ_ROUNDS: usize = 4;
+/// Two under loom: a retry is then explored, and the models stay small enough to be exhaustive.
+#[cfg(loom)]
+const READ_ROUNDS: usize = 2;
+
+/// Where a run's blocks hang.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunParent {
+    /// A first run: its first block is a prompt's first block, computed after this root key
+    /// (context and salt, `key::root_key`).
+    Root(BlockKey),
+    /// A run continuing the first `len` blocks of the run whose id is `id`.
+    Run {
+        /// The parent run's id.
+        id: u64,
+        /// The parent's length when this run was hung under it.
+        len: u32,
+    },
+}
+
+/// A run slot and the run's id in it: what the writer's operations take. The id guards the
+/// slot's reuse (a writer-side check: `writer.rs` asserts it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunRef {
+    /// The slot.
+    pub slot: u32,
+    /// The run's id.
+    pub id: u64,
+}
+
+/// One run as a reader saw it at one instant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunSnapshot {
+    /// The run's id.
+    pub id: u64,
+    /// Where it hangs.
+    pub parent: RunParent,
+    /// Its block ids, in order.
+    pub blocks: Vec<BlockId>,
+}
+
+/// What `RunTable::match_run` found: the run's id and length at the instant it read them,
+/// and how many of its leading blocks hold the prompt's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunMatch {
+    /// The run's id.
+    pub id: u64,
+    /// The run's length.
+    pub len: u32,
+    /// Leading blocks that hold the prompt's blocks.
+    pub matched: u32,
+}
+
+/// One run's record; one aligned cache line.
+#[repr(align(64))]
+struct RunSlot {
+    /// The sequence lock: odd while the writer changes the run.
+    stamp: AtomicU64,
+    /// The run's id; 0 when the slot holds none.
+    id: AtomicU64,
+    /// The parent run's id, or 0 for a first run (whose root key is the slot's `roots` entry,
+    /// read and written under this slot's sequence lock).
+    parent: AtomicU64,
+    /// The parent's length when this run was hung under it (0 for a first run).
+    parent_len: AtomicU32,
+    /// Blocks in the run.
+    len: AtomicU32,
+    /// The chunk holding the first `CHUNK` block ids; `NO_CHUNK` when the slot is empty.
+    first_chunk: AtomicU32,
+}
+
+impl RunSlot {
+    fn new() -> Self {
+        Self {
+            stamp: AtomicU64::new(0),
+            id: AtomicU64::new(0),
+            parent: AtomicU64::new(0),
+            parent_len: AtomicU32::new(0),
+            len: AtomicU32::new(0),
+            first_chunk: AtomicU32::new(NO_CHUNK),
+        }
+    }
+}
+
+/// The runs, their chunks and the blocks' token rows; see the module docs.
+pub struct RunTable {
+    slots: Box<[RunSlot]>,
+    /// Per slot: the root key of a first run, four words (under the slot's sequence lock).
+    roots: Box<[[AtomicU64; 4]]>,
+    /// `CHUNK` block ids per chunk.
+    chunk_blocks: Box<[AtomicU32]>,
+    /// Per chunk: the next chunk of its run, or `NO_CHUNK`.
+    chunk_next: Box<[AtomicU32]>,
+    /// `block_size` token ids per block, two to a word, each row starting on a line when its
+    /// size is a multiple of one (as `table/mod.rs` lays them out).
+    tokens: Box<[AtomicU64]>,
+    num_blocks: usize,
+    block_size: usize,
+    row_words: usize,
+    row_offset: usize,
+}
+
+/// `len` values made by `make`, or `None` if the allocation fails (never an abort).
+fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
+    let mut values = crate::hugepages::reserve(len)?;
+    values.extend(std::iter::repeat_with(make).take(len));
+    Some(values.into_boxed_slice())
+}
+
+/// One word of a token row: the pair's first token in the low half, the second (zero past an
+/// odd row's end) in the high half.
+#[inline(always)]
+fn pack(pair: &[u32]) -> u64 {
+    u64::from(pair[0]) | pair.get(1).map_or(0, |&high| u64::from(high) << 32)
+}
+
+impl RunTable {
+    /// A table for a pool of `num_blocks` blocks of `block_size` tokens, allocated in full now
+    /// (a run holds at least one block, so there are never more runs than blocks, and the
+    /// chunks of all runs fit in `num_blocks + num_blocks / CHUNK + 1`); `None` when the
+    /// memory cannot be had or the sizes are out of range.
+    #[must_use]
+    pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+        if block_size == 0 || num_blocks >= u32::MAX as usize / 2 {
+            return None;
+        }
+        let num_chunks = num_blocks + num_blocks / CHUNK + 1;
+        let row_words = block_size.div_ceil(2);
+        let line_words = LINE / 8;
+        let tokens = filled(
+            num_blocks
+                .checked_mul(row_words)?
+                .checked_add(line_words - 1)?,
+            || AtomicU64::new(0),
+        )?;
+        // Words to skip so that the first row starts on a line (then every row of a size
+        // that is a multiple of a line does too).
+        let row_offset = (line_words - (tokens.as_ptr() as usize / 8) % line_words) % line_words;
+        Some(Self {
+            slots: filled(num_blocks, RunSlot::new)?,
+            roots: filled(num_blocks, || std::array::from_fn(|_| AtomicU64::new(0)))?,
+            chunk_blocks: filled(num_chunks.checked_mul(CHUNK)?, || AtomicU32::new(0))?,
+            chunk_next: filled(num_chunks, || AtomicU32::new(NO_CHUNK))?,
+            tokens,
+            num_blocks,
+            block_size,
+            row_words,
+            row_offset,
+        })
+    }
+
+    /// Tokens per block.
+    #[must_use]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Run slots (one per block of the pool).
+    #[must_use]
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Chunks in the arena.
+    fn num_chunks(&self) -> usize {
+        self.chunk_next.len()
+    }
+
+    /// `block`'s token row.
+    #[inline]
+    fn row(&self, block: BlockId) -> &[AtomicU64] {
+        let start = self.row_offset + block as usize * self.row_words;
+        &self.tokens[start..start + self.row_words]
+    }
+
+    /// Whether `block`'s row holds `tokens` (`block_size` of them), compared without an early
+    /// exit: the caller checks a stamp after.
+    #[inline]
+    fn row_equals(&self, block: BlockId, tokens: &[u32]) -> bool {
+        self.row(block)
+            .iter()
+            .zip(tokens.chunks(2))
+            .fold(true, |same, (cell, pair)| {
+                same & (cell.load(Ordering::Relaxed) == pack(pair))
+            })
+    }
+
+    /// The run in `slot` as one consistent snapshot, or `None` when the slot holds no run (or
+    /// the writer kept changing it). Lock-free.
+    #[must_use]
+    pub fn snapshot(&self, slot: u32) -> Option<RunSnapshot> {
+        let record = self.slots.get(slot as usize)?;
+        for _ in 0..READ_ROUNDS {
+            let stamp = record.stamp.load(Ordering::Acquire);
+            if stamp & 1 == 1 {
+                continue;
+            }
+            let id = record.id.load(Ordering::Relaxed);
+            let parent = self.read_parent(slot, record);
+            let len = record.len.load(Ordering::Relaxed) as usize;
+            let mut blocks = Vec::with_capacity(len.min(self.num_blocks));
+            let whole = self.read_blocks(record, len, |block| {
+                blocks.push(block);
+                true
+            });
+            fence(Ordering::Acquire);
+            if record.stamp.load(Ordering::Relaxed) != stamp {
+                continue;
+            }
+            if id == 0 || !whole {
+                return None;
+            }
+            return Some(RunSnapshot { id, parent, blocks });
+        }
+        None
+    }
+
+    /// Matches the run in `slot` against a prompt's blocks: the run must hang under `parent`,
+    /// and its leading blocks must hold `tokens` block by block (`tokens` holds whole blocks;
+    /// compared up to the shorter of the two). The matched block ids are appended to `blocks`.
+    /// `None` when the slot holds no run, the run hangs elsewhere, or the writer kept changing
+    /// it; then `blocks` is as it was. Lock-free: what it returns is what the run held at one
+    /// instant during the call.
+    pub fn match_run(
+        &self,
+        slot: u32,
+        parent: &RunParent,
+        tokens: &[u32],
+        blocks: &mut Vec<BlockId>,
+    ) -> Option<RunMatch> {
+        let record = self.slots.get(slot as usize)?;
+        let wanted = tokens.len() / self.block_size;
+        let start = blocks.len();
+        for _ in 0..READ_ROUNDS {
+            let stamp = record.stamp.load(Ordering::Acquire);
+            if stamp & 1 == 1 {
+                continue;
+            }
+            let id = record.id.load(Ordering::Relaxed);
+            let hangs = self.read_parent(slot, record) == *parent;
+            let len = record.len.load(Ordering::Relaxed);
+            let mut chunks = tokens.chunks_exact(self.block_size);
+            let mut matched = 0u32;
+            let mut whole = true;
+            if hangs && id != 0 {
+                let mut equal = true;
+                whole = self.read_blocks(record, (len as usize).min(wanted), |block| {
+                    let Some(expected) = chunks.next() else {
+                        return false;
+                    };
+                    equal &= self.row_equals(block, expected);
+                    if equal {
+                        blocks.push(block);
+                        matched += 1;
+                    }
+                    equal
+                });
+            }
+            fence(Ordering::Acquire);
+            if record.stamp.load(Ordering::Relaxed) != stamp {
+                blocks.truncate(start);
+                continue;
+            }
+            if id == 0 || !hangs || !whole {
+                blocks.truncate(start);
+                return None;
+            }
+            return Some(RunMatch { id, len, matched });
+        }
+        None
+    }
+
+    /// The parent fields of the run in `record` (under the caller's stamp).
+    fn read_parent(&self, slot: u32, record: &RunSlot) -> RunParent {
+        let id = record.parent.load(Ordering::Relaxed);
+        if id == 0 {
+            let mut key = [0u8; 32];
+            for (bytes, word) in key.chunks_exact_mut(8).zip(&self.roots[slot as usize]) {
+                bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
+            }
+            RunParent::Root(BlockKey(key))
+        } else {
+            RunParent::Run {
+                id,
+                len: record.parent_len.load(Ordering::Relaxed),
+            }
+        }
+    }
+
+    /// Calls `visit` with the first `count` block ids of the run in `record`, in order, until
+    /// it returns false. Returns false if it met an id or a chunk link out of range, which only
+    /// a read racing the writer can (the caller's stamp check then drops the read).
+    fn read_blocks(
+        &self,
+        record: &RunSlot,
+        count: usize,
+        mut visit: impl FnMut(BlockId) -> bool,
+    ) -> bool {
+        let mut chunk = record.first_chunk.load(Ordering::Relaxed);
+        let mut read = 0;
+        while read < count {
+            if chunk as usize >= self.num_chunks() {
+                return false;
+            }
+            let base = chunk as usize * CHUNK;
+            for cell in &self.chunk_blocks[base..base + CHUNK.min(count - read)] {
+                let block = cell.load(Ordering::Relaxed);
+                if block as usize >= self.num_blocks {
+                    return false;
+                }
+                read += 1;
+                if !visit(block) {
+                    return true;
+                }
+            }
+            chunk = self.chunk_next[chunk as usize].load(Ordering::Relaxed);
+        }
+        true
+    }
+}

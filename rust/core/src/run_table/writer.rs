@@ -1,0 +1,356 @@
+//! The writer's operations on runs: create, extend, truncate, split, replace a block, hang a
+//! run elsewhere, remove. One writer at a time (the caller serialises them); readers run
+//! alongside on any thread.
+//!
+//! Each operation keeps the module rule (`mod.rs`): what a reader of a run may read changes
+//! only after that run's stamp went odd. Rows of blocks joining a run and chunks beyond a
+//! run's length are written before the window that publishes them; chunks leaving a run are
+//! freed after the window that drops them, and whatever reuses them later is stored after that
+//! window's release fence, so a reader that sees the new value sees the stamp moved (the
+//! fence-to-fence argument in `mod.rs`). An operation that shortens a run gives it a fresh id.
+//!
+//! A writer-side misuse (a slot that does not hold the run named, a position out of range,
+//! a block out of the pool) is a bug in the caller, not bad input from a user: it panics with
+//! a message, as the pool does for a double release.
+
+use std::sync::atomic::Ordering;
+
+use super::{fence, RunParent, RunRef, RunSlot, RunTable, CHUNK, NO_CHUNK};
+use crate::pool::BlockId;
+
+/// The writer's own bookkeeping: free slots, free chunks, the next run id, and each slot's last
+/// chunk (so an extension appends in O(1)). Never read by a reader.
+pub struct RunAllocator {
+    free_slots: Vec<u32>,
+    free_chunks: Vec<u32>,
+    /// Run ids start at 1 (0 marks an empty slot) and are never reused.
+    next_id: u64,
+    last_chunk: Vec<u32>,
+}
+
+impl RunAllocator {
+    /// The bookkeeping of an empty `table`.
+    #[must_use]
+    pub fn new(table: &RunTable) -> Self {
+        let slots = u32::try_from(table.num_slots()).expect("RunTable::new bounds the size");
+        let chunks = u32::try_from(table.num_chunks()).expect("RunTable::new bounds the size");
+        Self {
+            // Popped from the end: the lowest slot and chunk first.
+            free_slots: (0..slots).rev().collect(),
+            free_chunks: (0..chunks).rev().collect(),
+            next_id: 1,
+            last_chunk: vec![NO_CHUNK; slots as usize],
+        }
+    }
+
+    /// Runs the table holds.
+    #[must_use]
+    pub fn num_runs(&self) -> usize {
+        self.last_chunk.len() - self.free_slots.len()
+    }
+
+    fn new_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn take_chunk(&mut self) -> u32 {
+        self.free_chunks
+            .pop()
+            .expect("the arena holds every run's chunks (RunTable::new)")
+    }
+}
+
+impl RunSlot {
+    /// Opens the writer's window: the stamp goes odd, and a release fence orders it before
+    /// every store that follows. Returns the stamp to close with.
+    #[inline]
+    fn open(&self) -> u64 {
+        let stamp = self.stamp.load(Ordering::Relaxed);
+        debug_assert_eq!(stamp & 1, 0, "one writer at a time");
+        self.stamp.store(stamp + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        stamp + 2
+    }
+
+    #[inline]
+    fn close(&self, stamp: u64) {
+        self.stamp.store(stamp, Ordering::Release);
+    }
+}
+
+impl RunTable {
+    /// The slot of `run`, checked to hold it.
+    fn record(&self, run: RunRef) -> &RunSlot {
+        let record = &self.slots[run.slot as usize];
+        assert_eq!(
+            record.id.load(Ordering::Relaxed),
+            run.id,
+            "slot {} does not hold run {}",
+            run.slot,
+            run.id
+        );
+        record
+    }
+
+    /// Blocks in `run` (writer side).
+    #[must_use]
+    pub fn run_len(&self, run: RunRef) -> usize {
+        self.record(run).len.load(Ordering::Relaxed) as usize
+    }
+
+    /// `run`'s block ids, in order (writer side).
+    #[must_use]
+    pub fn run_blocks(&self, run: RunRef) -> Vec<BlockId> {
+        let record = self.record(run);
+        let len = record.len.load(Ordering::Relaxed) as usize;
+        let mut blocks = Vec::with_capacity(len);
+        self.read_blocks(record, len, |block| {
+            blocks.push(block);
+            true
+        });
+        blocks
+    }
+
+    /// Writes `block`'s token row. Only for a block in no run: no reader of a run reaches it
+    /// before the window that puts it in one.
+    fn write_row(&self, block: BlockId, tokens: &[u32]) {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        for (cell, pair) in self.row(block).iter().zip(tokens.chunks(2)) {
+            cell.store(super::pack(pair), Ordering::Relaxed);
+        }
+    }
+
+    fn check_blocks(&self, blocks: &[BlockId], tokens: Option<&[u32]>) {
+        assert!(!blocks.is_empty(), "a run holds at least one block");
+        assert!(
+            blocks
+                .iter()
+                .all(|&block| (block as usize) < self.num_blocks),
+            "a block id beyond the pool"
+        );
+        if let Some(tokens) = tokens {
+            assert_eq!(
+                tokens.len(),
+                blocks.len() * self.block_size,
+                "one row of tokens per block"
+            );
+        }
+    }
+
+    /// Stores `blocks` in chunks from position `len` of the run whose last chunk is
+    /// `alloc.last_chunk[slot]` (`NO_CHUNK`: none yet), linking new chunks. Returns the run's
+    /// first chunk when it had none. All of it beyond the run's published length.
+    fn append_ids(
+        &self,
+        alloc: &mut RunAllocator,
+        slot: u32,
+        len: usize,
+        blocks: &[BlockId],
+    ) -> Option<u32> {
+        let mut first = None;
+        let mut chunk = alloc.last_chunk[slot as usize];
+        for (position, &block) in (len..).zip(blocks) {
+            if position % CHUNK == 0 {
+                let next = alloc.take_chunk();
+                self.chunk_next[next as usize].store(NO_CHUNK, Ordering::Relaxed);
+                if chunk == NO_CHUNK {
+                    first = Some(next);
+                } else {
+                    self.chunk_next[chunk as usize].store(next, Ordering::Relaxed);
+                }
+                chunk = next;
+            }
+            self.chunk_blocks[chunk as usize * CHUNK + position % CHUNK]
+                .store(block, Ordering::Relaxed);
+        }
+        alloc.last_chunk[slot as usize] = chunk;
+        first
+    }
+
+    /// Publishes a new run of `blocks` (in no run now) hanging under `parent`, with the token
+    /// rows `tokens` (`block_size` per block). Returns where it lives.
+    pub fn create(
+        &self,
+        alloc: &mut RunAllocator,
+        parent: RunParent,
+        blocks: &[BlockId],
+        tokens: &[u32],
+    ) -> RunRef {
+        self.check_blocks(blocks, Some(tokens));
+        for (&block, row) in blocks.iter().zip(tokens.chunks_exact(self.block_size)) {
+            self.write_row(block, row);
+        }
+        self.create_with_rows(alloc, parent, blocks)
+    }
+
+    /// `create` for blocks whose rows already hold their tokens (a split's tail).
+    fn create_with_rows(
+        &self,
+        alloc: &mut RunAllocator,
+        parent: RunParent,
+        blocks: &[BlockId],
+    ) -> RunRef {
+        let slot = alloc
+            .free_slots
+            .pop()
+            .expect("a run holds a block, so there are never more runs than blocks");
+        let first = self
+            .append_ids(alloc, slot, 0, blocks)
+            .expect("a run starts with a chunk");
+        let id = alloc.new_id();
+        let record = &self.slots[slot as usize];
+        let stamp = record.open();
+        record.id.store(id, Ordering::Relaxed);
+        self.write_parent(slot, record, parent);
+        record.len.store(blocks.len() as u32, Ordering::Relaxed);
+        record.first_chunk.store(first, Ordering::Relaxed);
+        record.close(stamp);
+        RunRef { slot, id }
+    }
+
+    /// The parent fields, inside the caller's window.
+    fn write_parent(&self, slot: u32, record: &RunSlot, parent: RunParent) {
+        match parent {
+            RunParent::Root(key) => {
+                record.parent.store(0, Ordering::Relaxed);
+                record.parent_len.store(0, Ordering::Relaxed);
+                for (word, bytes) in self.roots[slot as usize].iter().zip(key.0.chunks_exact(8)) {
+                    let bytes: [u8; 8] = bytes.try_into().unwrap_or_default();
+                    word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
+                }
+            }
+            RunParent::Run { id, len } => {
+                assert!(id != 0 && len != 0, "a parent run has an id and blocks");
+                record.parent.store(id, Ordering::Relaxed);
+                record.parent_len.store(len, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Appends `blocks` (in no run now) with their rows to `run`'s end. The run keeps its id:
+    /// under one id a run only grows.
+    pub fn extend(
+        &self,
+        alloc: &mut RunAllocator,
+        run: RunRef,
+        blocks: &[BlockId],
+        tokens: &[u32],
+    ) {
+        self.check_blocks(blocks, Some(tokens));
+        let record = self.record(run);
+        for (&block, row) in blocks.iter().zip(tokens.chunks_exact(self.block_size)) {
+            self.write_row(block, row);
+        }
+        let len = record.len.load(Ordering::Relaxed) as usize;
+        let first = self.append_ids(alloc, run.slot, len, blocks);
+        debug_assert!(first.is_none(), "a run in a slot has its first chunk");
+        let stamp = record.open();
+        record
+            .len
+            .store((len + blocks.len()) as u32, Ordering::Relaxed);
+        record.close(stamp);
+    }
+
+    /// Cuts `run` to its first `len` blocks (`0 < len <` its length), under a fresh id (module
+    /// docs: a run only grows under one id), and frees the chunks it no longer needs. The
+    /// blocks cut off are in no run afterwards.
+    pub fn truncate(&self, alloc: &mut RunAllocator, run: RunRef, len: usize) -> RunRef {
+        let record = self.record(run);
+        let old = record.len.load(Ordering::Relaxed) as usize;
+        assert!(0 < len && len < old, "truncate {old} blocks to {len}");
+        let id = alloc.new_id();
+        let stamp = record.open();
+        record.id.store(id, Ordering::Relaxed);
+        record.len.store(len as u32, Ordering::Relaxed);
+        record.close(stamp);
+        // After the window: the kept chunks' tail and the freed chunks.
+        let mut chunk = record.first_chunk.load(Ordering::Relaxed);
+        for _ in 0..(len - 1) / CHUNK {
+            chunk = self.chunk_next[chunk as usize].load(Ordering::Relaxed);
+        }
+        let last = chunk;
+        let mut freed = self.chunk_next[last as usize].swap(NO_CHUNK, Ordering::Relaxed);
+        while freed != NO_CHUNK {
+            alloc.free_chunks.push(freed);
+            freed = self.chunk_next[freed as usize].load(Ordering::Relaxed);
+        }
+        alloc.last_chunk[run.slot as usize] = last;
+        RunRef { slot: run.slot, id }
+    }
+
+    /// Removes `run`: its slot reads as empty, and its blocks are in no run afterwards.
+    pub fn remove(&self, alloc: &mut RunAllocator, run: RunRef) {
+        let record = self.record(run);
+        let first = record.first_chunk.load(Ordering::Relaxed);
+        let stamp = record.open();
+        record.id.store(0, Ordering::Relaxed);
+        record.len.store(0, Ordering::Relaxed);
+        record.first_chunk.store(NO_CHUNK, Ordering::Relaxed);
+        record.close(stamp);
+        let mut freed = first;
+        while freed != NO_CHUNK {
+            alloc.free_chunks.push(freed);
+            freed = self.chunk_next[freed as usize].load(Ordering::Relaxed);
+        }
+        alloc.last_chunk[run.slot as usize] = NO_CHUNK;
+        alloc.free_slots.push(run.slot);
+    }
+
+    /// Splits `run` before position `at` (`0 < at <` its length), as a radix tree splits a
+    /// node where a prompt branches: the head keeps the slot under a fresh id, the tail becomes
+    /// a run of its own hung under the head. Returns both. The caller hangs the old run's
+    /// children under the tail (`set_parent`): until then they name an id no run has, which
+    /// readers take as a miss.
+    pub fn split(&self, alloc: &mut RunAllocator, run: RunRef, at: usize) -> (RunRef, RunRef) {
+        let blocks = self.run_blocks(run);
+        assert!(
+            0 < at && at < blocks.len(),
+            "split {} blocks at {at}",
+            blocks.len()
+        );
+        let head = self.truncate(alloc, run, at);
+        let tail = self.create_with_rows(
+            alloc,
+            RunParent::Run {
+                id: head.id,
+                len: at as u32,
+            },
+            &blocks[at..],
+        );
+        (head, tail)
+    }
+
+    /// Puts `block` (in no run now) in `run`'s place `position`, with the row of the block
+    /// there now: the same content computed twice (a duplicate taking over its canonical
+    /// copy's place). Returns the block it replaced, which is in no run afterwards. The run
+    /// keeps its id: its content does not change.
+    pub fn replace(&self, run: RunRef, position: usize, block: BlockId) -> BlockId {
+        self.check_blocks(&[block], None);
+        let record = self.record(run);
+        let len = record.len.load(Ordering::Relaxed) as usize;
+        assert!(position < len, "position {position} of a run of {len}");
+        let mut chunk = record.first_chunk.load(Ordering::Relaxed);
+        for _ in 0..position / CHUNK {
+            chunk = self.chunk_next[chunk as usize].load(Ordering::Relaxed);
+        }
+        let cell = &self.chunk_blocks[chunk as usize * CHUNK + position % CHUNK];
+        let old = cell.load(Ordering::Relaxed);
+        for (to, from) in self.row(block).iter().zip(self.row(old)) {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        let stamp = record.open();
+        cell.store(block, Ordering::Relaxed);
+        record.close(stamp);
+        old
+    }
+
+    /// Hangs `run` under `parent` (a split moved what it continues to another run).
+    pub fn set_parent(&self, run: RunRef, parent: RunParent) {
+        let record = self.record(run);
+        let stamp = record.open();
+        self.write_parent(run.slot, record, parent);
+        record.close(stamp);
+    }
+}
