@@ -42,6 +42,7 @@ mod prefetch;
 pub mod request;
 pub mod run_table;
 pub mod sliding;
+mod slot_index;
 pub mod stats;
 mod sync;
 pub mod table;

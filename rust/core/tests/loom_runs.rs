@@ -114,7 +114,7 @@ fn a_run_removed_and_its_slot_chunks_and_blocks_reused_is_read_whole_or_not_at_a
     // nothing), never block 1 read from a chunk reused meanwhile, never a row rewritten for
     // the new run beside the old run's id, never the new run's blocks with their old rows.
     model(|| {
-        let table = Arc::new(RunTable::new(2, 1).expect("small"));
+        let table = Arc::new(RunTable::new(2, 1, 7).expect("small"));
         let mut alloc = RunAllocator::new(&table);
         let first = table.create(&mut alloc, UNDER, &[0, 1], &rows(&[10, 11]));
         let reading = reader(&table, first.slot, &[10, 11]);
@@ -142,7 +142,7 @@ fn a_run_cut_and_grown_again_is_read_under_its_new_id() {
     // gives the run a fresh id, and the reader sees [0, 1] under the old id with 11, [0] or
     // [0, 1] under the new id with 21, or nothing.
     model(|| {
-        let table = Arc::new(RunTable::new(2, 1).expect("small"));
+        let table = Arc::new(RunTable::new(2, 1, 7).expect("small"));
         let mut alloc = RunAllocator::new(&table);
         let run = table.create(&mut alloc, UNDER, &[0, 1], &rows(&[10, 11]));
         let reading = reader(&table, run.slot, &[10, 11]);
@@ -173,7 +173,7 @@ fn a_block_replaced_in_a_run_is_read_as_one_block_or_the_other() {
     // reused with other content for a new run: the reader sees [0, 1] or [0, 2], both
     // matching, never block 1 with the new run's row.
     model(|| {
-        let table = Arc::new(RunTable::new(3, 1).expect("small"));
+        let table = Arc::new(RunTable::new(3, 1, 7).expect("small"));
         let mut alloc = RunAllocator::new(&table);
         let run = table.create(&mut alloc, UNDER, &[0, 1], &rows(&[10, 11]));
         let reading = reader(&table, run.slot, &[10, 11]);
@@ -200,7 +200,7 @@ fn a_run_split_is_read_whole_or_as_its_head() {
     // [0, 1] split after its first block: the head keeps the slot under a fresh id and the
     // tail goes to another slot; the reader of the slot sees the whole run or the head.
     model(|| {
-        let table = Arc::new(RunTable::new(2, 1).expect("small"));
+        let table = Arc::new(RunTable::new(2, 1, 7).expect("small"));
         let mut alloc = RunAllocator::new(&table);
         let run = table.create(&mut alloc, UNDER, &[0, 1], &rows(&[10, 11]));
         let reading = reader(&table, run.slot, &[10, 11]);

@@ -75,6 +75,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64};
 
 use crate::key::BlockKey;
 use crate::pool::BlockId;
+use crate::slot_index::{Candidate, SlotIndex};
 
 /// Block ids to a chunk: 16 `u32`s, one 64-byte line.
 #[cfg(not(loom))]
@@ -178,6 +179,12 @@ impl RunSlot {
 
 /// The runs, their chunks and the blocks' token rows; see the module docs.
 pub struct RunTable {
+    /// Where each run is found: a first run by its root key and first block, a run hung under
+    /// another by that parent's id and length and its own first block (`head_hash`,
+    /// `branch_hash`). A hint, as in the per-block table: `find` verifies every candidate.
+    index: SlotIndex,
+    /// Seeds the index hashes, so that prompts cannot be chosen to pile up in one probe run.
+    seed: u64,
     slots: Box<[RunSlot]>,
     /// Per slot: the root key of a first run, four words (under the slot's sequence lock).
     roots: Box<[[AtomicU64; 4]]>,
@@ -214,7 +221,7 @@ impl RunTable {
     /// chunks of all runs fit in `num_blocks + num_blocks / CHUNK + 1`); `None` when the
     /// memory cannot be had or the sizes are out of range.
     #[must_use]
-    pub fn new(num_blocks: usize, block_size: usize) -> Option<Self> {
+    pub fn new(num_blocks: usize, block_size: usize, seed: u64) -> Option<Self> {
         if block_size == 0 || num_blocks >= u32::MAX as usize / 2 {
             return None;
         }
@@ -231,6 +238,8 @@ impl RunTable {
         // that is a multiple of a line does too).
         let row_offset = (line_words - (tokens.as_ptr() as usize / 8) % line_words) % line_words;
         Some(Self {
+            index: SlotIndex::new(num_blocks)?,
+            seed,
             slots: filled(num_blocks, RunSlot::new)?,
             roots: filled(num_blocks, || std::array::from_fn(|_| AtomicU64::new(0)))?,
             chunk_blocks: filled(num_chunks.checked_mul(CHUNK)?, || AtomicU32::new(0))?,
@@ -277,6 +286,68 @@ impl RunTable {
             .fold(true, |same, (cell, pair)| {
                 same & (cell.load(Ordering::Relaxed) == pack(pair))
             })
+    }
+
+    /// The index hash of a first run under `root` whose first block holds `first` (one
+    /// block's tokens).
+    #[must_use]
+    pub fn head_hash(&self, root: &BlockKey, first: &[u32]) -> u32 {
+        self.hash_first(&root.0, first)
+    }
+
+    /// The index hash of a run hung under the first `parent_len` blocks of run `parent_id`,
+    /// whose first block holds `first` (one block's tokens).
+    #[must_use]
+    pub fn branch_hash(&self, parent_id: u64, parent_len: u32, first: &[u32]) -> u32 {
+        let mut prefix = [0u8; 12];
+        prefix[..8].copy_from_slice(&parent_id.to_le_bytes());
+        prefix[8..].copy_from_slice(&parent_len.to_le_bytes());
+        self.hash_first(&prefix, first)
+    }
+
+    /// The index hash of a run hung under `parent` whose first block holds `first`.
+    #[must_use]
+    pub fn hash_of(&self, parent: &RunParent, first: &[u32]) -> u32 {
+        match *parent {
+            RunParent::Root(ref root) => self.head_hash(root, first),
+            RunParent::Run { id, len } => self.branch_hash(id, len, first),
+        }
+    }
+
+    fn hash_first(&self, prefix: &[u8], first: &[u32]) -> u32 {
+        // A block of 16 tokens and a root key: 96 bytes on the stack, one XXH3 call.
+        let mut input = smallvec::SmallVec::<[u8; 128]>::new();
+        input.extend_from_slice(prefix);
+        for token in first {
+            input.extend_from_slice(&token.to_le_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64_with_seed(&input, self.seed) as u32
+    }
+
+    /// Finds the run hung under `parent` whose first block holds the first block of `tokens`
+    /// (whole blocks), through the index under `hash` (`hash_of` that parent and block), and
+    /// matches it against `tokens` as `match_run` does. Returns its slot and the match, with at
+    /// least one block matched, the matched block ids appended to `blocks`; `None` for a miss.
+    /// Lock-free.
+    pub fn find(
+        &self,
+        hash: u32,
+        parent: &RunParent,
+        tokens: &[u32],
+        blocks: &mut Vec<BlockId>,
+    ) -> Option<(u32, RunMatch)> {
+        if tokens.len() < self.block_size {
+            return None;
+        }
+        self.index.probe(hash, |slot| {
+            match self.match_run(slot, parent, tokens, blocks) {
+                Some(found) if found.matched > 0 => Candidate::Found((slot, found)),
+                // Another run with the same 32 bits, or one rewritten meanwhile: probe on
+                // (no run under a parent shares another's first block, so none can be both
+                // this key's and other content).
+                _ => Candidate::Next,
+            }
+        })
     }
 
     /// The run in `slot` as one consistent snapshot, or `None` when the slot holds no run (or

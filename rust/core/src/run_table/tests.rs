@@ -28,7 +28,7 @@ fn rows(values: &[u32]) -> Vec<u32> {
 
 #[test]
 fn a_run_matches_its_rows_block_by_block_and_stops_at_the_first_difference() {
-    let table = RunTable::new(64, BLOCK).expect("small");
+    let table = RunTable::new(64, BLOCK, 7).expect("small");
     let mut alloc = RunAllocator::new(&table);
     let blocks: Vec<BlockId> = (10..50).collect();
     let values: Vec<u32> = (100..140).collect();
@@ -72,7 +72,7 @@ fn a_run_cut_and_grown_again_is_a_new_run() {
     // A reader that matched a run to length 3 and looks for what follows must not find a
     // child hung after the run was cut to 2 and grown to 3 with other content: the cut gives
     // the run a fresh id, so the child names another parent.
-    let table = RunTable::new(16, BLOCK).expect("small");
+    let table = RunTable::new(16, BLOCK, 7).expect("small");
     let mut alloc = RunAllocator::new(&table);
     let run = table.create(&mut alloc, root(1), &[0, 1, 2], &rows(&[10, 11, 12]));
     let before = RunParent::Run { id: run.id, len: 3 };
@@ -103,7 +103,7 @@ fn a_run_cut_and_grown_again_is_a_new_run() {
 
 #[test]
 fn split_hangs_the_tail_under_the_head_and_replace_keeps_the_content() {
-    let table = RunTable::new(64, BLOCK).expect("small");
+    let table = RunTable::new(64, BLOCK, 7).expect("small");
     let mut alloc = RunAllocator::new(&table);
     let blocks: Vec<BlockId> = (0..40).collect();
     let values: Vec<u32> = (200..240).collect();
@@ -129,7 +129,7 @@ fn split_hangs_the_tail_under_the_head_and_replace_keeps_the_content() {
     assert_eq!(matched.map(|m| (m.id, m.matched)), Some((tail.id, 23)));
     assert_eq!(found[3], 50);
     // Hung elsewhere.
-    table.set_parent(tail, root(9));
+    table.set_parent(&mut alloc, tail, root(9));
     assert_eq!(
         table.match_run(tail.slot, &under, &rows(&values[17..]), &mut found),
         None
@@ -138,9 +138,82 @@ fn split_hangs_the_tail_under_the_head_and_replace_keeps_the_content() {
 }
 
 #[test]
+fn runs_are_found_by_their_parent_and_first_block() {
+    let table = RunTable::new(64, BLOCK, 7).expect("small");
+    let mut alloc = RunAllocator::new(&table);
+    let find = |parent: &RunParent, values: &[u32]| {
+        let first = row(values[0]);
+        let mut found = Vec::new();
+        table
+            .find(
+                table.hash_of(parent, &first),
+                parent,
+                &rows(values),
+                &mut found,
+            )
+            .map(|(slot, matched)| (slot, matched.matched, found))
+    };
+    // The same first block under two roots: two runs, each found under its own root.
+    let one = table.create(&mut alloc, root(1), &[0, 1, 2], &rows(&[5, 6, 7]));
+    let two = table.create(&mut alloc, root(2), &[3, 4], &rows(&[5, 8]));
+    assert_eq!(
+        find(&root(1), &[5, 6, 7]),
+        Some((one.slot, 3, vec![0, 1, 2]))
+    );
+    assert_eq!(find(&root(2), &[5, 8, 9]), Some((two.slot, 2, vec![3, 4])));
+    assert_eq!(find(&root(3), &[5, 6, 7]), None);
+    assert_eq!(find(&root(1), &[6, 6, 7]), None);
+    // Two branches under `one`'s end.
+    let under = RunParent::Run { id: one.id, len: 3 };
+    let left = table.create(&mut alloc, under, &[10, 11], &rows(&[20, 21]));
+    let right = table.create(&mut alloc, under, &[12], &rows(&[30]));
+    assert_eq!(find(&under, &[20, 21]), Some((left.slot, 2, vec![10, 11])));
+    assert_eq!(find(&under, &[30, 31]), Some((right.slot, 1, vec![12])));
+    assert_eq!(find(&under, &[40]), None);
+    // A split of `one` after its first block: the tail is found under the head's new id, and
+    // the branches only once hung under the tail.
+    let (head, tail) = table.split(&mut alloc, one, 1);
+    let at = RunParent::Run {
+        id: head.id,
+        len: 1,
+    };
+    assert_eq!(find(&root(1), &[5, 6, 7]), Some((head.slot, 1, vec![0])));
+    assert_eq!(find(&at, &[6, 7]), Some((tail.slot, 2, vec![1, 2])));
+    let moved = RunParent::Run {
+        id: tail.id,
+        len: 2,
+    };
+    assert_eq!(find(&moved, &[20, 21]), None, "not hung under the tail yet");
+    // A reader that matched `one` whole before the split still finds what follows it: the
+    // content that id names did not change, and no run will have that id again.
+    assert_eq!(find(&under, &[20, 21]), Some((left.slot, 2, vec![10, 11])));
+    table.set_parent(&mut alloc, left, moved);
+    table.set_parent(&mut alloc, right, moved);
+    assert_eq!(find(&moved, &[20, 21]), Some((left.slot, 2, vec![10, 11])));
+    assert_eq!(find(&moved, &[30]), Some((right.slot, 1, vec![12])));
+    // Removed: not found, and its slot's next run is found under its own key only.
+    table.remove(&mut alloc, right);
+    assert_eq!(find(&moved, &[30]), None);
+    let again = table.create(&mut alloc, moved, &[12], &rows(&[31]));
+    assert_eq!(again.slot, right.slot);
+    assert_eq!(find(&moved, &[30]), None);
+    assert_eq!(find(&moved, &[31]), Some((again.slot, 1, vec![12])));
+}
+
+#[test]
+#[should_panic(expected = "begin with the same block")]
+#[cfg(debug_assertions)]
+fn two_runs_under_one_parent_with_one_first_block_are_refused() {
+    let table = RunTable::new(8, BLOCK, 7).expect("small");
+    let mut alloc = RunAllocator::new(&table);
+    table.create(&mut alloc, root(1), &[0, 1], &rows(&[5, 6]));
+    table.create(&mut alloc, root(1), &[2], &rows(&[5]));
+}
+
+#[test]
 #[should_panic(expected = "does not hold run")]
 fn an_operation_on_a_run_that_left_its_slot_is_refused() {
-    let table = RunTable::new(8, BLOCK).expect("small");
+    let table = RunTable::new(8, BLOCK, 7).expect("small");
     let mut alloc = RunAllocator::new(&table);
     let run = table.create(&mut alloc, root(1), &[0, 1], &rows(&[1, 2]));
     let cut = table.truncate(&mut alloc, run, 1);
@@ -153,7 +226,7 @@ fn every_run_fits_the_arena_at_its_worst() {
     // As many runs as blocks (one block each), then as few as possible (one run of all), then
     // splits everywhere: the arena never runs out.
     for num_blocks in [1, 15, 16, 17, 100] {
-        let table = RunTable::new(num_blocks, BLOCK).expect("small");
+        let table = RunTable::new(num_blocks, BLOCK, 7).expect("small");
         let mut alloc = RunAllocator::new(&table);
         let ones: Vec<RunRef> = (0..num_blocks as BlockId)
             .map(|block| table.create(&mut alloc, root(1), &[block], &row(block)))
@@ -241,7 +314,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// snapshot and every match with the model's answer after each step.
 fn run_ops(ops: &[Op]) {
     const BLOCKS: usize = 96;
-    let table = RunTable::new(BLOCKS, BLOCK).expect("small");
+    let table = RunTable::new(BLOCKS, BLOCK, 7).expect("small");
     let mut alloc = RunAllocator::new(&table);
     let mut free: Vec<BlockId> = (0..BLOCKS as BlockId).rev().collect();
     let mut runs: Vec<ModelRun> = Vec::new();
@@ -368,6 +441,17 @@ fn run_ops(ops: &[Op]) {
                 assert_eq!(found[1..], blocks);
             }
         }
+        // Every run found through the index under its parent and first block, whole.
+        for model in &runs {
+            let values: Vec<u32> = model.blocks.iter().map(|&(_, value)| value).collect();
+            let mut found = Vec::new();
+            let hash = table.hash_of(&model.parent, &row(values[0]));
+            let got = table.find(hash, &model.parent, &rows(&values), &mut found);
+            assert_eq!(
+                got.map(|(slot, matched)| (slot, matched.matched)),
+                Some((model.run.slot, values.len() as u32))
+            );
+        }
         // Every run as the model has it; ids never reused.
         for model in &runs {
             let snapshot = table.snapshot(model.run.slot).expect("a run");
@@ -413,7 +497,7 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
     // and a mismatch right after (a torn read would show blocks of a freed chunk, rows of a
     // reused block, or a length beside another state's blocks).
     const BLOCKS: usize = 64;
-    let table = Arc::new(RunTable::new(BLOCKS, BLOCK).expect("small"));
+    let table = Arc::new(RunTable::new(BLOCKS, BLOCK, 7).expect("small"));
     let recent: Arc<Mutex<Vec<Logged>>> = Arc::default();
     let done = Arc::new(AtomicBool::new(false));
     // Answers kept by all readers: the writer goes on past its steps until there are enough

@@ -26,6 +26,8 @@ pub struct RunAllocator {
     /// Run ids start at 1 (0 marks an empty slot) and are never reused.
     next_id: u64,
     last_chunk: Vec<u32>,
+    /// Per slot: the index hash its run is found under (its parent and first block).
+    hash: Vec<u32>,
 }
 
 impl RunAllocator {
@@ -40,6 +42,7 @@ impl RunAllocator {
             free_chunks: (0..chunks).rev().collect(),
             next_id: 1,
             last_chunk: vec![NO_CHUNK; slots as usize],
+            hash: vec![0; slots as usize],
         }
     }
 
@@ -113,6 +116,26 @@ impl RunTable {
         blocks
     }
 
+    /// `block`'s tokens, read back from its row (writer side).
+    fn read_row(&self, block: BlockId) -> Vec<u32> {
+        let mut tokens: Vec<u32> = self
+            .row(block)
+            .iter()
+            .flat_map(|cell| {
+                let word = cell.load(Ordering::Relaxed);
+                [word as u32, (word >> 32) as u32]
+            })
+            .collect();
+        tokens.truncate(self.block_size);
+        tokens
+    }
+
+    /// The index hash of a run hung under `parent` whose first block is `first` (its row
+    /// written).
+    fn hash_under(&self, parent: &RunParent, first: BlockId) -> u32 {
+        self.hash_of(parent, &self.read_row(first))
+    }
+
     /// Writes `block`'s token row. Only for a block in no run: no reader of a run reaches it
     /// before the window that puts it in one.
     fn write_row(&self, block: BlockId, tokens: &[u32]) {
@@ -170,7 +193,9 @@ impl RunTable {
     }
 
     /// Publishes a new run of `blocks` (in no run now) hanging under `parent`, with the token
-    /// rows `tokens` (`block_size` per block). Returns where it lives.
+    /// rows `tokens` (`block_size` per block), and indexes it. Returns where it lives. No other
+    /// run under `parent` may begin with the same first block (one content, one run: the
+    /// caller extends or splits the run it matched instead).
     pub fn create(
         &self,
         alloc: &mut RunAllocator,
@@ -207,6 +232,15 @@ impl RunTable {
         record.len.store(blocks.len() as u32, Ordering::Relaxed);
         record.first_chunk.store(first, Ordering::Relaxed);
         record.close(stamp);
+        // Indexed once complete: a reader that finds the word finds the run.
+        let hash = self.hash_under(&parent, blocks[0]);
+        debug_assert!(
+            self.find(hash, &parent, &self.read_row(blocks[0]), &mut Vec::new())
+                .is_none(),
+            "two runs under one parent begin with the same block"
+        );
+        alloc.hash[slot as usize] = hash;
+        self.index.insert(hash, slot);
         RunRef { slot, id }
     }
 
@@ -283,6 +317,10 @@ impl RunTable {
     /// Removes `run`: its slot reads as empty, and its blocks are in no run afterwards.
     pub fn remove(&self, alloc: &mut RunAllocator, run: RunRef) {
         let record = self.record(run);
+        let unindexed = self
+            .index
+            .remove(alloc.hash[run.slot as usize], run.slot, || {});
+        assert!(unindexed, "run {} in slot {} was indexed", run.id, run.slot);
         let first = record.first_chunk.load(Ordering::Relaxed);
         let stamp = record.open();
         record.id.store(0, Ordering::Relaxed);
@@ -301,8 +339,10 @@ impl RunTable {
     /// Splits `run` before position `at` (`0 < at <` its length), as a radix tree splits a
     /// node where a prompt branches: the head keeps the slot under a fresh id, the tail becomes
     /// a run of its own hung under the head. Returns both. The caller hangs the old run's
-    /// children under the tail (`set_parent`): until then they name an id no run has, which
-    /// readers take as a miss.
+    /// children under the tail (`set_parent`): until then a reader that matched head and tail
+    /// misses them, and one that matched the old run whole before the split still finds them,
+    /// which is right (the content the old id names did not change, and the id is never
+    /// given again).
     pub fn split(&self, alloc: &mut RunAllocator, run: RunRef, at: usize) -> (RunRef, RunRef) {
         let blocks = self.run_blocks(run);
         assert!(
@@ -346,11 +386,23 @@ impl RunTable {
         old
     }
 
-    /// Hangs `run` under `parent` (a split moved what it continues to another run).
-    pub fn set_parent(&self, run: RunRef, parent: RunParent) {
+    /// Hangs `run` under `parent` (a split moved what it continues to another run), and
+    /// finds it there.
+    pub fn set_parent(&self, alloc: &mut RunAllocator, run: RunRef, parent: RunParent) {
         let record = self.record(run);
+        let slot = run.slot as usize;
+        let unindexed = self.index.remove(alloc.hash[slot], run.slot, || {});
+        assert!(unindexed, "run {} in slot {} was indexed", run.id, run.slot);
         let stamp = record.open();
         self.write_parent(run.slot, record, parent);
         record.close(stamp);
+        let mut first = Vec::with_capacity(1);
+        self.read_blocks(record, 1, |block| {
+            first.push(block);
+            false
+        });
+        let hash = self.hash_under(&parent, first[0]);
+        alloc.hash[slot] = hash;
+        self.index.insert(hash, run.slot);
     }
 }

@@ -18,10 +18,11 @@
 //!   writes the block's own slot: no allocation, no node, nothing to reclaim later (papaya, the
 //!   map used before, spent a heap node per entry and periodically copied its whole table to
 //!   clear the tombstones that eviction leaves: `benches/PROFILE.md`).
-//! - the **index** is an open-addressing array of `u64` words, at least twice the pool's size,
-//!   probed linearly: each word packs 32 bits of the key's hash (which also give the home slot)
-//!   and the block id. A removal shifts the rest of its probe run back (no tombstones), so probe
-//!   runs stay short however many blocks are evicted and refilled.
+//! - the **index** (`slot_index.rs`, shared with the run table) is an open-addressing array of
+//!   `u64` words, at least twice the pool's size, probed linearly: each word packs 32 bits of
+//!   the key's hash (which also give the home slot) and the block id. A removal shifts the rest
+//!   of its probe run back (no tombstones), so probe runs stay short however many blocks are
+//!   evicted and refilled.
 //!
 //! ## Runs: a child linked from its parent instead of indexed
 //! Most blocks after a request's first are not in the index but linked from their parent's
@@ -75,6 +76,7 @@ use smallvec::SmallVec;
 use crate::key::{BlockKey, TableKey};
 use crate::pool::BlockId;
 use crate::prefetch::prefetch;
+use crate::slot_index::{Candidate, Found, SlotIndex};
 
 /// What a block was computed after.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,20 +239,6 @@ fn index_hash(key: TableKey) -> u32 {
     h as u32
 }
 
-const EMPTY: u64 = 0;
-
-fn index_word(hash: u32, block: BlockId) -> u64 {
-    (u64::from(hash) << 32) | (u64::from(block) + 1)
-}
-
-fn word_hash(word: u64) -> u32 {
-    (word >> 32) as u32
-}
-
-fn word_block(word: u64) -> BlockId {
-    (word as u32).wrapping_sub(1)
-}
-
 /// The published entry of one block (see the module docs: every field is read under the
 /// slot's own sequence lock). One 64-byte cache line, aligned (`slot_fits_one_cache_line`):
 /// a probe, a verify or a publish of a block touches this one line and its token row, not
@@ -301,9 +289,8 @@ const LINE: usize = 64;
 
 /// The lock-free table of published entries, one slot per block (see the module docs).
 pub struct Table {
-    /// Open addressing, linear probing; a power of two at least twice the pool's size.
-    index: Box<[AtomicU64]>,
-    mask: usize,
+    /// Key hashes to the blocks whose slots hold them (`slot_index.rs`).
+    index: SlotIndex,
     slots: Box<[Slot]>,
     /// Per block: the root key of a first block's entry (`Slot::parent` 0), else unused.
     roots: Box<[Root]>,
@@ -320,11 +307,6 @@ pub struct Table {
     /// one: a 16-token row is then exactly one line, where the allocator's 16-byte alignment
     /// split it over two (PROFILE.md, issue 24, round 9).
     row_offset: usize,
-    /// Bumped before and after every backward shift (odd while one runs): a probe that ends
-    /// in a miss while it changed probes again. Every probe reads it and every removal writes
-    /// it, so it has a cache line of its own: beside the fields above, each write would take
-    /// the line holding `index`, `mask` and `slots` from a reader thread's cache too.
-    shifts: CachePadded<AtomicU64>,
     /// Entries, written by every insert and removal, read by no probe: its own line as well.
     len: CachePadded<AtomicUsize>,
     /// Whether children may be linked instead of indexed (full-width keys only: module docs).
@@ -336,10 +318,7 @@ impl Table {
     /// when the figure overflows), so a cache can refuse an absurd size before trying.
     #[must_use]
     pub fn bytes_up_front(num_blocks: usize, block_size: usize) -> Option<usize> {
-        let capacity = num_blocks
-            .checked_mul(2)?
-            .checked_next_power_of_two()?
-            .min(1 << 32);
+        let capacity = SlotIndex::capacity(num_blocks)?;
         let index = capacity.checked_mul(std::mem::size_of::<AtomicU64>())?;
         let per_block = std::mem::size_of::<Slot>()
             + std::mem::size_of::<Root>()
@@ -407,9 +386,6 @@ enum Verified<T> {
     OtherKey,
 }
 
-/// Probe rounds a lookup makes when shifts keep racing it, before it reports a miss.
-const PROBE_ROUNDS: usize = 4;
-
 impl Table {
     /// A table for a pool of `num_blocks` blocks of `block_size` tokens, allocated in full now;
     /// `None` when that memory cannot be had (the cache reports it as `OutOfBlocks`, as it does
@@ -426,7 +402,6 @@ impl Table {
         if num_blocks == 0 || num_blocks > u32::MAX as usize {
             return None;
         }
-        let capacity = (2 * num_blocks).next_power_of_two().min(1 << 32);
         let row_words = block_size.div_ceil(2);
         // Room to start the first row on a line: at most a line's words less one before it.
         let tokens = filled(
@@ -439,8 +414,7 @@ impl Table {
         let misalignment = tokens.as_ptr() as usize % LINE;
         let row_offset = (LINE - misalignment) % LINE / std::mem::size_of::<AtomicU64>();
         Some(Self {
-            index: filled(capacity, || AtomicU64::new(EMPTY))?,
-            mask: capacity - 1,
+            index: SlotIndex::new(num_blocks)?,
             slots: filled(num_blocks, Slot::default)?,
             roots: filled(num_blocks, Root::default)?,
             extras: filled(num_blocks, ArcSwapOption::empty)?,
@@ -448,7 +422,6 @@ impl Table {
             block_size,
             row_words,
             row_offset,
-            shifts: CachePadded::new(AtomicU64::new(0)),
             len: CachePadded::new(AtomicUsize::new(0)),
             links,
         })
@@ -495,8 +468,7 @@ impl Table {
     /// block of its run does not (`runs.rs`).
     pub fn prefetch(&self, key: &TableKey, block: Option<BlockId>, indexed: bool) {
         if indexed || !self.links {
-            let home = index_hash(*key) as usize & self.mask;
-            prefetch(&self.index[home]);
+            self.index.prefetch_home(index_hash(*key));
         }
         if let Some(slot) = block.and_then(|b| self.slots.get(b as usize)) {
             prefetch(slot);
@@ -516,10 +488,8 @@ impl Table {
     /// only wastes a prefetch: no effect on any answer.
     #[inline]
     pub fn prefetch_entry(&self, key: &TableKey) {
-        let hash = index_hash(*key);
-        let word = self.index[hash as usize & self.mask].load(Ordering::Relaxed);
-        if word != EMPTY && word_hash(word) == hash {
-            let block = word_block(word) as usize;
+        if let Some(block) = self.index.home_slot(index_hash(*key)) {
+            let block = block as usize;
             if let Some(slot) = self.slots.get(block) {
                 prefetch(slot);
             }
@@ -558,8 +528,7 @@ impl Table {
                 u128::from(slot.key[0].load(Ordering::Relaxed))
                     | (u128::from(slot.key[1].load(Ordering::Relaxed)) << 64),
             );
-            let home = index_hash(key) as usize & self.mask;
-            prefetch(&self.index[home]);
+            self.index.prefetch_home(index_hash(key));
         }
     }
 
@@ -584,32 +553,12 @@ impl Table {
     /// the run probes again if a backward shift raced it (module docs).
     #[inline]
     fn probe<R>(&self, key: &TableKey, mut visit: impl FnMut(BlockId) -> Verified<R>) -> Option<R> {
-        let hash = index_hash(*key);
-        for _ in 0..PROBE_ROUNDS {
-            let shifts = self.shifts.load(Ordering::Acquire);
-            let mut i = hash as usize & self.mask;
-            // At most half the index is ever in use, so an empty word ends every run; the bound
-            // only makes termination evident.
-            for _ in 0..=self.mask {
-                let word = self.index[i].load(Ordering::Acquire);
-                if word == EMPTY {
-                    break;
-                }
-                if word_hash(word) == hash {
-                    match visit(word_block(word)) {
-                        Verified::Yes(found) => return Some(found),
-                        Verified::No => return None,
-                        Verified::OtherKey => {}
-                    }
-                }
-                i = (i + 1) & self.mask;
-            }
-            fence(Ordering::Acquire);
-            if shifts.is_multiple_of(2) && self.shifts.load(Ordering::Relaxed) == shifts {
-                return None;
-            }
-        }
-        None
+        self.index
+            .probe(index_hash(*key), |block| match visit(block) {
+                Verified::Yes(found) => Candidate::Found(found),
+                Verified::No => Candidate::Stop,
+                Verified::OtherKey => Candidate::Next,
+            })
     }
 
     /// Panics unless `block` holds no published entry (see `insert`).
@@ -629,30 +578,19 @@ impl Table {
         parent_block: Option<BlockId>,
     ) -> Insertion {
         let hash = index_hash(key);
-        let mut i = hash as usize & self.mask;
-        loop {
-            let word = self.index[i].load(Ordering::Relaxed);
-            if word == EMPTY {
-                break;
-            }
-            if word_hash(word) == hash && self.slot_key(word_block(word)) == key {
-                // The writer's own slot: never odd, never rewritten while it reads.
-                return match self.verify(
-                    word_block(word),
-                    &key,
-                    &entry.parent,
-                    entry.tokens,
-                    entry.extras,
-                ) {
+        let position = match self.index.find(hash, |block| self.slot_key(block) == key) {
+            // The writer's own slot: never odd, never rewritten while it reads.
+            Found::Slot(block) => {
+                return match self.verify(block, &key, &entry.parent, entry.tokens, entry.extras) {
                     Verified::Yes(anchor) => Insertion::Present(anchor),
                     Verified::No | Verified::OtherKey => Insertion::Collision,
                 };
             }
-            i = (i + 1) & self.mask;
-        }
+            Found::Free(position) => position,
+        };
         self.claim(entry.block);
         self.write(key, entry, parent_block, false);
-        self.index[i].store(index_word(hash, entry.block), Ordering::Release);
+        self.index.put(position, hash, entry.block);
         self.count_entries(1);
         Insertion::Inserted(Anchor {
             id: entry.id,
@@ -663,47 +601,14 @@ impl Table {
 
     /// Removes `block`'s index word (under `key`) and its entry. Writer only.
     fn remove_indexed(&self, key: &TableKey, block: BlockId) {
-        let hash = index_hash(*key);
-        let mut hole = hash as usize & self.mask;
-        loop {
-            let word = self.index[hole].load(Ordering::Relaxed);
-            if word == EMPTY {
-                debug_assert!(false, "indexed entry of block {block} not in the index");
-                return;
-            }
-            if word_hash(word) == hash && word_block(word) == block {
-                // No entry any more: a reader holding the old word now finds none.
-                self.clear_slot(word_block(word));
-                break;
-            }
-            hole = (hole + 1) & self.mask;
+        // No entry any more before any word moves: a reader holding the old word finds none.
+        let removed = self
+            .index
+            .remove(index_hash(*key), block, || self.clear_slot(block));
+        if !removed {
+            debug_assert!(false, "indexed entry of block {block} not in the index");
+            return;
         }
-        // Backward shift: move later words of the probe run into the hole when their home
-        // slot allows, so no tombstone is left. Readers racing it re-probe (`shifts`).
-        let shifts = self.shifts.load(Ordering::Relaxed);
-        self.shifts.store(shifts + 1, Ordering::Relaxed);
-        fence(Ordering::Release);
-        let mut next = hole;
-        loop {
-            next = (next + 1) & self.mask;
-            let word = self.index[next].load(Ordering::Relaxed);
-            if word == EMPTY {
-                break;
-            }
-            let home = word_hash(word) as usize & self.mask;
-            // The word stays when its home lies cyclically in (hole, next].
-            let stays = if hole <= next {
-                hole < home && home <= next
-            } else {
-                hole < home || home <= next
-            };
-            if !stays {
-                self.index[hole].store(word, Ordering::Relaxed);
-                hole = next;
-            }
-        }
-        self.index[hole].store(EMPTY, Ordering::Relaxed);
-        self.shifts.store(shifts + 2, Ordering::Release);
         self.count_entries(-1);
     }
 

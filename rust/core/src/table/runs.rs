@@ -59,8 +59,8 @@
 
 use std::sync::atomic::{fence, Ordering};
 
-use super::{index_hash, index_word, word_block, word_hash};
-use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified, EMPTY};
+use super::index_hash;
+use super::{Anchor, BlockId, Insertion, NewEntry, Parent, Slot, Table, TableKey, Verified};
 
 impl Table {
     /// Publishes `entry` under `key` unless the key is taken, or the parent's linked child holds
@@ -275,20 +275,8 @@ impl Table {
                 }
             }
         } else {
-            let hash = index_hash(anchor.key);
-            let mut i = hash as usize & self.mask;
-            loop {
-                let word = self.index[i].load(Ordering::Relaxed);
-                assert_ne!(
-                    word, EMPTY,
-                    "indexed entry of block {from} not in the index"
-                );
-                if word_hash(word) == hash && word_block(word) == from {
-                    self.index[i].store(index_word(hash, to), Ordering::Release);
-                    break;
-                }
-                i = (i + 1) & self.mask;
-            }
+            let repointed = self.index.repoint(index_hash(anchor.key), from, to);
+            assert!(repointed, "indexed entry of block {from} not in the index");
         }
         // The linked child now finds its parent in `to` (indexed children keep the old block,
         // which `up_slot` then refuses: their parent's count only ever errs high).
