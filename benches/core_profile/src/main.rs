@@ -239,6 +239,66 @@ fn run_table_requests(count: usize, len: usize, shared: usize) {
     );
 }
 
+/// Lock-free reads of cached prompts: the core's `lookup` (its first block's key, then the walk
+/// down the links verifying each block) against the run table's reader (`run_table`: the
+/// first run found through its index, then verified block by block from the run's chunks)
+/// on the same prompts, each cached as one run. `count` prompts of `len` tokens, read in
+/// rotation so that with many of them the tables' lines are cold, as on production traffic;
+/// the two sides alternate prompt by prompt, CPU time of the thread.
+fn run_table_reader(count: usize, len: usize, rounds: usize) {
+    use prefixkv_core::run_table::{RunAllocator, RunParent, RunTable};
+    let blocks_per = len / BLOCK_SIZE;
+    let num_blocks = (count * blocks_per + 16) as u32;
+    let context = context_fingerprint(b"reader");
+    // Every block of a cached prompt reported, as the run table's reader reports them.
+    let config = CacheConfig {
+        full_hit: prefixkv_core::FullHit::ReuseLastBlock,
+        ..CacheConfig::new(num_blocks, BLOCK_SIZE)
+    };
+    let cache = PrefixCache::new(config, context).expect("cache");
+    let table = RunTable::new(num_blocks as usize, BLOCK_SIZE, 11).expect("run table");
+    let mut alloc = RunAllocator::new(&table);
+    let root = root_key(&context, b"");
+    let prompts: Vec<Vec<u32>> = (0..count).map(|i| tokens(i as u64 + 100, len)).collect();
+    for (i, prompt) in prompts.iter().enumerate() {
+        run_request(&cache, prompt);
+        let ids: Vec<u32> = (0..blocks_per).map(|b| (i * blocks_per + b) as u32).collect();
+        table.create(&mut alloc, RunParent::Root(root), &ids, &prompt[..blocks_per * BLOCK_SIZE]);
+    }
+    let extras = RequestExtras::default();
+    let parent = RunParent::Root(root);
+    let mut ns = [0u128; 2];
+    let mut found = Vec::with_capacity(blocks_per);
+    for round in 0..rounds {
+        for (i, prompt) in prompts.iter().enumerate() {
+            for k in 0..2 {
+                let side = (i + round + k) % 2;
+                let start = thread_ns();
+                let hit = if side == 0 {
+                    cache.lookup(prompt, b"", &extras).expect("lookup").blocks.len()
+                } else {
+                    found.clear();
+                    let hash = table.head_hash(&root, &prompt[..BLOCK_SIZE]);
+                    table
+                        .find(hash, &parent, prompt, &mut found)
+                        .map_or(0, |(_, matched)| matched.matched as usize)
+                };
+                ns[side] += thread_ns() - start;
+                assert_eq!(hit, blocks_per, "prompt {i}: side {side} missed");
+            }
+        }
+    }
+    let reads = (count * rounds) as f64;
+    println!(
+        "{{\"prompts\": {count}, \"len\": {len}, \"core_lookup_us\": {:.2}, \"run_table_us\": {:.2}, \"core_ns_a_block\": {:.1}, \"run_table_ns_a_block\": {:.1}, \"ratio\": {:.2}}}",
+        ns[0] as f64 / reads / 1e3,
+        ns[1] as f64 / reads / 1e3,
+        ns[0] as f64 / reads / blocks_per as f64,
+        ns[1] as f64 / reads / blocks_per as f64,
+        ns[0] as f64 / ns[1] as f64,
+    );
+}
+
 /// One request's begin + commit + finish (not inlined: `requests` mode's callgrind toggle).
 #[inline(never)]
 fn one_request(cache: &PrefixCache, prompt: &[u32]) {
@@ -759,6 +819,13 @@ fn main() {
                 "{:.1} us a request",
                 total as f64 / prompts.len() as f64 / 1e3
             );
+            return;
+        }
+        if mode == "run-table-reader" {
+            let arg = |i: usize, default: usize| {
+                args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+            };
+            run_table_reader(arg(2, 1), arg(3, 16384), arg(4, 200));
             return;
         }
         if mode == "run-table-requests" {

@@ -75,6 +75,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64};
 
 use crate::key::BlockKey;
 use crate::pool::BlockId;
+use crate::prefetch::prefetch;
 use crate::slot_index::{Candidate, SlotIndex};
 
 /// Block ids to a chunk: 16 `u32`s, one 64-byte line.
@@ -280,12 +281,19 @@ impl RunTable {
     /// exit: the caller checks a stamp after.
     #[inline]
     fn row_equals(&self, block: BlockId, tokens: &[u32]) -> bool {
-        self.row(block)
-            .iter()
-            .zip(tokens.chunks(2))
-            .fold(true, |same, (cell, pair)| {
-                same & (cell.load(Ordering::Relaxed) == pack(pair))
-            })
+        let same = |same: bool, (cell, pair): (&AtomicU64, &[u32])| {
+            same & (cell.load(Ordering::Relaxed) == pack(pair))
+        };
+        let cells = self.row(block);
+        // 16-token rows, the usual block size, as fixed-length arrays: unrolled, no bounds
+        // checks (as `table/mod.rs` compares them).
+        match (
+            <&[AtomicU64; 8]>::try_from(cells),
+            <&[u32; 16]>::try_from(tokens),
+        ) {
+            (Ok(cells), Ok(tokens)) => cells.iter().zip(tokens.chunks_exact(2)).fold(true, same),
+            _ => cells.iter().zip(tokens.chunks(2)).fold(true, same),
+        }
     }
 
     /// The index hash of a first run under `root` whose first block holds `first` (one
@@ -404,35 +412,70 @@ impl RunTable {
             let id = record.id.load(Ordering::Relaxed);
             let hangs = self.read_parent(slot, record) == *parent;
             let len = record.len.load(Ordering::Relaxed);
-            let mut chunks = tokens.chunks_exact(self.block_size);
-            let mut matched = 0u32;
-            let mut whole = true;
+            let mut matched = Some(0);
             if hangs && id != 0 {
-                let mut equal = true;
-                whole = self.read_blocks(record, (len as usize).min(wanted), |block| {
-                    let Some(expected) = chunks.next() else {
-                        return false;
-                    };
-                    equal &= self.row_equals(block, expected);
-                    if equal {
-                        blocks.push(block);
-                        matched += 1;
-                    }
-                    equal
-                });
+                matched = self.match_blocks(record, (len as usize).min(wanted), tokens, blocks);
             }
             fence(Ordering::Acquire);
             if record.stamp.load(Ordering::Relaxed) != stamp {
                 blocks.truncate(start);
                 continue;
             }
-            if id == 0 || !hangs || !whole {
+            let Some(matched) = matched.filter(|_| id != 0 && hangs) else {
                 blocks.truncate(start);
                 return None;
-            }
+            };
             return Some(RunMatch { id, len, matched });
         }
         None
+    }
+
+    /// Compares the first `count` blocks of the run in `record` with `tokens`' blocks, in
+    /// order, appending each matching block's id to `blocks` until one differs. Returns the
+    /// blocks matched, or `None` for an id or chunk link out of range (only a read racing the
+    /// writer meets one; the caller's stamp check drops the read). A chunk at a time: its ids
+    /// first, then a prefetch of each of their rows, then the comparisons, so the rows' cache
+    /// misses (scattered over the table on real traffic) overlap across the chunk.
+    #[inline]
+    fn match_blocks(
+        &self,
+        record: &RunSlot,
+        count: usize,
+        tokens: &[u32],
+        blocks: &mut Vec<BlockId>,
+    ) -> Option<u32> {
+        let mut chunk = record.first_chunk.load(Ordering::Relaxed);
+        let mut expected = tokens.chunks_exact(self.block_size);
+        let mut matched = 0;
+        let mut ids = [0 as BlockId; CHUNK];
+        while (matched as usize) < count {
+            let cells = self
+                .chunk_blocks
+                .get(chunk as usize * CHUNK..(chunk as usize + 1) * CHUNK)?;
+            let here = CHUNK.min(count - matched as usize);
+            for (id, cell) in ids[..here].iter_mut().zip(cells) {
+                *id = cell.load(Ordering::Relaxed);
+                if *id as usize >= self.num_blocks {
+                    return None;
+                }
+                prefetch(&self.row(*id)[0]);
+            }
+            chunk = self.chunk_next[chunk as usize].load(Ordering::Relaxed);
+            if let Some(next) = self.chunk_blocks.get(chunk as usize * CHUNK) {
+                prefetch(next);
+            }
+            for &id in &ids[..here] {
+                let Some(want) = expected.next() else {
+                    return Some(matched);
+                };
+                if !self.row_equals(id, want) {
+                    return Some(matched);
+                }
+                blocks.push(id);
+                matched += 1;
+            }
+        }
+        Some(matched)
     }
 
     /// The parent fields of the run in `record` (under the caller's stamp).
