@@ -262,8 +262,15 @@ fn run_table_reader(count: usize, len: usize, rounds: usize) {
     let prompts: Vec<Vec<u32>> = (0..count).map(|i| tokens(i as u64 + 100, len)).collect();
     for (i, prompt) in prompts.iter().enumerate() {
         run_request(&cache, prompt);
-        let ids: Vec<u32> = (0..blocks_per).map(|b| (i * blocks_per + b) as u32).collect();
-        table.create(&mut alloc, RunParent::Root(root), &ids, &prompt[..blocks_per * BLOCK_SIZE]);
+        let ids: Vec<u32> = (0..blocks_per)
+            .map(|b| (i * blocks_per + b) as u32)
+            .collect();
+        table.create(
+            &mut alloc,
+            RunParent::Root(root),
+            &ids,
+            &prompt[..blocks_per * BLOCK_SIZE],
+        );
     }
     let extras = RequestExtras::default();
     let parent = RunParent::Root(root);
@@ -275,7 +282,11 @@ fn run_table_reader(count: usize, len: usize, rounds: usize) {
                 let side = (i + round + k) % 2;
                 let start = thread_ns();
                 let hit = if side == 0 {
-                    cache.lookup(prompt, b"", &extras).expect("lookup").blocks.len()
+                    cache
+                        .lookup(prompt, b"", &extras)
+                        .expect("lookup")
+                        .blocks
+                        .len()
                 } else {
                     found.clear();
                     let hash = table.head_hash(&root, &prompt[..BLOCK_SIZE]);
