@@ -4,15 +4,18 @@
 //! order, which is the step API's contract with vLLM (the tests below compare it with the
 //! core, block table for block table).
 //!
-//! What it keeps of a real cache: a hit verifies every token (the prompt against the blocks'
-//! token rows, which stay per block, as the pool's KV pages do); a first block is found by its
-//! hash, a run's children by their parent's last block and their first block's tokens; a
-//! branch inside a run splits it (the tail becomes a child run, as SGLang splits a node); the
-//! writer bumps a run's sequence-lock stamp around changes of its blocks and the match reads
-//! it as a reader would (this prices the stores and loads; with no other thread it is not a
-//! reader protocol: split and recycling are not stamped). What it leaves out: other threads,
-//! events, extras, salts, sliding windows, groups, pins, priorities, preemption, the step
-//! API's incremental calls and the low-level `release`.
+//! What readers see is the core's own run table (`prefixkv_core::run_table`, step 1 of the
+//! plan in `benches/PROFILE.md`): runs' block ids in its chunks, the blocks' token rows, its
+//! index of runs by parent and first block, its sequence locks; the match goes through
+//! `RunTable::find` as a lock-free reader would, and every change of a run goes through its
+//! writer operations (create, extend, truncate, split, replace, set_parent, remove). So a hit
+//! verifies every token, a first run is found by the root and its first block, a run's children
+//! by the run's id and length and their first block, and a branch inside a run splits it (the
+//! tail becomes a child run, as SGLang splits a node). This file is the writer's half the plan
+//! calls step 2: holds, the eviction order by segments, duplicates; it keeps its own copy of
+//! each run's block ids for them. What it leaves out: other threads, events, extras, salts,
+//! sliding windows, groups, pins, priorities, preemption, the step API's incremental calls
+//! and the low-level `release`.
 //!
 //! ## The eviction order, per run
 //! The core evicts in vLLM's order of release: blocks holding no entry first (its free list,
@@ -55,21 +58,15 @@
 //! among blocks released by one finish (one tick), the lowest block id goes first (the core's
 //! eviction key). Duplicate records follow their canonical copies through splits.
 
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use prefixkv_core::key::BlockKey;
+use prefixkv_core::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
-use crate::stand_in::{block_key, slab_put, Index, StandIn, NONE};
+use crate::stand_in::{slab_put, StandIn, NONE};
 
-/// Tokens of a block (the stand-in's only block size, the usual one).
-const ROW_TOKENS: usize = 16;
-
-/// A block's token row, two tokens to an atomic word, on a line of its own: the core's layout
-/// (`table/mod.rs`), which lock-free readers compare word by word.
-#[repr(align(64))]
-struct Row([AtomicU64; ROW_TOKENS / 2]);
-
-fn pack(pair: &[u32]) -> u64 {
-    u64::from(pair[0]) | (u64::from(pair[1]) << 32)
-}
+/// The root every first run hangs under (the stand-in has no context or salt).
+const ROOT_KEY: BlockKey = BlockKey([0; 32]);
+/// `ROOT_KEY` as a parent.
+const ROOT: RunParent = RunParent::Root(ROOT_KEY);
 
 /// A stretch of the eviction order: blocks `lo..hi` of `run`, highest first, or a spare.
 #[derive(Clone, Copy)]
@@ -109,8 +106,11 @@ struct Dup {
 }
 
 struct Run {
-    seq: AtomicU64,
+    /// Where the core's run table holds this run's block ids and rows, which readers see
+    /// (`None` while the run is being built or once recycled).
+    shared: Option<RunRef>,
     parent: u32,
+    /// The writer's copy of the block ids (the run table's chunks hold the same).
     blocks: Vec<u32>,
     refs: Vec<u32>,
     children: Vec<u32>,
@@ -121,7 +121,6 @@ struct Run {
     /// The run a split gave this run's former tail to (what a request holding past the split
     /// point continues into).
     continued: u32,
-    root_key: u64,
 }
 
 /// What a request holds, in its block table's order.
@@ -146,11 +145,13 @@ pub struct RunSegments {
     block_size: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    roots: Index,
-    /// A run's children by the parent run's last block and the child's first block's tokens
-    /// (a split keeps the parent's last block with the tail, which takes the children).
-    branches: Index,
-    rows: Vec<Row>,
+    /// The core's run table (`prefixkv_core::run_table`): runs' block ids in chunks, the
+    /// blocks' token rows, the index of runs by parent and first block; what a lock-free
+    /// reader reads.
+    table: RunTable,
+    alloc: RunAllocator,
+    /// The stand-in's run for each of the table's slots.
+    by_slot: Vec<u32>,
     segments: Vec<Segment>,
     free_segments: Vec<u32>,
     dups: Vec<Dup>,
@@ -168,8 +169,9 @@ pub struct RunSegments {
     /// Entries a duplicate inherited: a spare, or one its request still held.
     pub moves: u64,
     pub held_moves: u64,
-    /// Children re-keyed when a replacement changed their parent's last block.
-    pub rekeys: u64,
+    /// Replacements of a run's last block while children hang under it (they must stay found:
+    /// the run table finds them by the run's id and length, not its last block).
+    pub ends_replaced_under_children: u64,
     /// Duplicates recorded, and those with a successor (two requests computing alike).
     pub copies: u64,
     pub copies_with_successor: u64,
@@ -180,18 +182,15 @@ pub struct RunSegments {
 
 impl RunSegments {
     pub fn new(num_blocks: u32, block_size: usize) -> Self {
-        assert_eq!(block_size, ROW_TOKENS, "16-token blocks only");
+        let table = RunTable::new(num_blocks as usize, block_size, 0x7072_6566).expect("memory");
+        let alloc = RunAllocator::new(&table);
         Self {
             block_size,
             runs: Vec::new(),
             free_runs: Vec::new(),
-            roots: Index::default(),
-            branches: Index::default(),
-            // Written now (the core's arrays are touched at construction too), not on a
-            // request's first use.
-            rows: (0..num_blocks)
-                .map(|_| Row(std::array::from_fn(|_| AtomicU64::new(u64::MAX))))
-                .collect(),
+            by_slot: vec![NONE; table.num_slots()],
+            table,
+            alloc,
             segments: Vec::new(),
             free_segments: Vec::new(),
             dups: Vec::new(),
@@ -205,53 +204,42 @@ impl RunSegments {
             splits: 0,
             moves: 0,
             held_moves: 0,
-            rekeys: 0,
+            ends_replaced_under_children: 0,
             copies: 0,
             copies_with_successor: 0,
             continuations: std::cell::Cell::new(0),
         }
     }
 
-    /// Makes `child`, whose first block is `first` (its token row written), a child of
-    /// `parent`.
-    fn add_child(&mut self, parent: u32, child: u32, first: u32) {
-        let last = *self.runs[parent as usize]
-            .blocks
-            .last()
-            .expect("a parent has blocks");
-        let key = block_key(Some(last), &self.row_tokens(first));
-        let before = self.branches.insert(key, child);
-        // A new child's first block is none of its siblings' (the match would have followed
-        // that sibling), so its key is free but for a 64-bit hash collision.
-        debug_assert!(before.is_none(), "a branch key taken");
+    /// Makes `child` a child of `parent` (the run table indexed it when it was created).
+    fn add_child(&mut self, parent: u32, child: u32) {
         self.runs[parent as usize].children.push(child);
     }
 
-    /// Whether `block`'s token row holds `tokens`, read as a lock-free reader must (word by
-    /// word, atomically; the run's sequence lock is checked after), as the core's
-    /// `row_equals` does.
-    fn row_equals(&self, block: u32, tokens: &[u32]) -> bool {
-        let cells = &self.rows[block as usize].0;
-        cells
-            .iter()
-            .zip(tokens.chunks_exact(2))
-            .fold(true, |ok, (cell, pair)| {
-                ok & (cell.load(Ordering::Relaxed) == pack(pair))
-            })
+    /// Where `run`'s blocks hang, as the run table knows it.
+    fn shared_parent(&self, run: u32) -> RunParent {
+        let parent = self.runs[run as usize].parent;
+        if parent == NONE {
+            ROOT
+        } else {
+            let p = &self.runs[parent as usize];
+            RunParent::Run {
+                id: p.shared.expect("a parent is in the table").id,
+                len: p.blocks.len() as u32,
+            }
+        }
     }
 
-    fn row_tokens(&self, block: u32) -> [u32; ROW_TOKENS] {
-        let cells = &self.rows[block as usize].0;
-        std::array::from_fn(|i| (cells[i / 2].load(Ordering::Relaxed) >> (32 * (i % 2))) as u32)
-    }
-
-    fn write_row(&self, block: u32, tokens: &[u32]) {
-        for (cell, pair) in self.rows[block as usize]
-            .0
-            .iter()
-            .zip(tokens.chunks_exact(2))
-        {
-            cell.store(pack(pair), Ordering::Relaxed);
+    /// Publishes `run`'s blocks to the run table (new) or appends to them, with `tokens`.
+    fn publish(&mut self, run: u32, blocks: &[u32], tokens: &[u32]) {
+        match self.runs[run as usize].shared {
+            Some(shared) => self.table.extend(&mut self.alloc, shared, blocks, tokens),
+            None => {
+                let parent = self.shared_parent(run);
+                let shared = self.table.create(&mut self.alloc, parent, blocks, tokens);
+                self.runs[run as usize].shared = Some(shared);
+                self.by_slot[shared.slot as usize] = run;
+            }
         }
     }
 
@@ -260,7 +248,7 @@ impl RunSegments {
             i
         } else {
             self.runs.push(Run {
-                seq: AtomicU64::new(0),
+                shared: None,
                 parent: NONE,
                 blocks: Vec::new(),
                 refs: Vec::new(),
@@ -268,22 +256,12 @@ impl RunSegments {
                 segments: Vec::new(),
                 dups: Vec::new(),
                 continued: NONE,
-                root_key: 0,
             });
             (self.runs.len() - 1) as u32
         };
         self.runs[index as usize].parent = parent;
         self.runs[index as usize].continued = NONE;
         index
-    }
-
-    fn write_begin(&self, run: u32) {
-        self.runs[run as usize].seq.fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::Release);
-    }
-
-    fn write_end(&self, run: u32) {
-        self.runs[run as usize].seq.fetch_add(1, Ordering::Release);
     }
 
     /// Appends a segment at the queue's back: blocks `lo..hi` of `run`, or (`dup`) a spare.
@@ -388,43 +366,35 @@ impl RunSegments {
         let mut blocks: Vec<u32> = Vec::with_capacity(tokens.len().div_ceil(bs));
         // `held` here: (run, first n blocks), the match's prefixes.
         if full > 0 {
-            let mut next = self
-                .roots
-                .get(&block_key(None, &tokens[..bs]))
-                .copied()
-                .unwrap_or(NONE);
-            while next != NONE {
-                let r = &self.runs[next as usize];
-                let seq = r.seq.load(Ordering::Acquire);
+            // Through the run table, as a lock-free reader would (its index, then each run's
+            // chunks and rows under the run's stamp): the first run by the root and the first
+            // block, each next one by the run it continues and its own first block.
+            let mut parent = ROOT;
+            let mut hash = self.table.head_hash(&ROOT_KEY, &tokens[..bs]);
+            loop {
                 let at = blocks.len();
-                let take = r.blocks.len().min(full - at);
-                let mine = &tokens[at * bs..(at + take) * bs];
-                let matched = mine
-                    .chunks_exact(bs)
-                    .zip(&r.blocks[..take])
-                    .take_while(|(a, &b)| self.row_equals(b, a))
-                    .count();
-                fence(Ordering::Acquire);
-                if matched == 0 || seq & 1 == 1 || r.seq.load(Ordering::Relaxed) != seq {
+                let Some((slot, found)) =
+                    self.table
+                        .find(hash, &parent, &tokens[at * bs..full * bs], &mut blocks)
+                else {
                     break;
-                }
-                blocks.extend_from_slice(&r.blocks[..matched]);
-                held.push((next, matched as u32));
+                };
+                let run = self.by_slot[slot as usize];
+                held.push((run, found.matched));
                 let at = blocks.len();
-                if matched < r.blocks.len() || at == full {
+                if found.matched < found.len
+                    || at == full
+                    || self.runs[run as usize].children.is_empty()
+                {
                     break;
                 }
-                if r.children.is_empty() {
-                    break;
-                }
-                let want = &tokens[at * bs..(at + 1) * bs];
-                let here = next;
-                next = self
-                    .branches
-                    .get(&block_key(Some(*r.blocks.last().expect("not empty")), want))
-                    .copied()
-                    .filter(|&c| self.runs[c as usize].parent == here)
-                    .unwrap_or(NONE);
+                parent = RunParent::Run {
+                    id: found.id,
+                    len: found.len,
+                };
+                hash = self
+                    .table
+                    .branch_hash(found.id, found.len, &tokens[at * bs..(at + 1) * bs]);
             }
         }
         if blocks.len() == full && full * bs == tokens.len() && full > 0 {
@@ -637,16 +607,19 @@ impl RunSegments {
                 let stop = floor.max(hi - most.min(hi - lo));
                 let take = hi - stop;
                 debug_assert_eq!(hi as usize, r.blocks.len(), "truncation takes a run's tail");
-                let first = r.blocks[0];
                 for pos in stop..hi {
                     let block = self.runs[run as usize].blocks[pos as usize];
                     self.forget_as_successor(run, pos, block);
                 }
-                self.write_begin(run);
                 let r = &mut self.runs[run as usize];
                 into.extend(r.blocks.drain(stop as usize..).rev());
                 r.refs.truncate(stop as usize);
-                self.write_end(run);
+                if stop > 0 {
+                    // A leaf (its tail goes first), so no run hangs under it: the fresh id
+                    // the truncation gives it is no child's concern.
+                    let shared = r.shared.expect("a run with blocks is in the table");
+                    r.shared = Some(self.table.truncate(&mut self.alloc, shared, stop as usize));
+                }
                 self.evictions += u64::from(take);
                 need -= take;
                 self.free_count -= take as usize;
@@ -656,7 +629,7 @@ impl RunSegments {
                     if s.lo == s.hi {
                         self.drop_segment(id);
                     }
-                    self.unhook(run, first);
+                    self.unhook(run);
                     continue;
                 }
             }
@@ -680,23 +653,15 @@ impl RunSegments {
         } = self.dups[dup as usize];
         let canonical = self.runs[run as usize].blocks[pos as usize];
         self.forget_as_successor(run, pos, canonical);
-        self.write_row(copy, &self.row_tokens(canonical));
-        self.write_begin(run);
-        self.runs[run as usize].blocks[pos as usize] = copy;
-        self.write_end(run);
-        if pos as usize + 1 == self.runs[run as usize].blocks.len() {
-            // The run's children are found by its last block, which this was.
-            for i in 0..self.runs[run as usize].children.len() {
-                let child = self.runs[run as usize].children[i];
-                let first = self.row_tokens(self.runs[child as usize].blocks[0]);
-                let old = block_key(Some(canonical), &first);
-                if self.branches.get(&old) == Some(&child) {
-                    self.branches.remove(&old);
-                }
-                let before = self.branches.insert(block_key(Some(copy), &first), child);
-                debug_assert!(before.is_none(), "a branch key taken");
-                self.rekeys += 1;
-            }
+        // The copy's row takes the canonical block's; the run keeps its id (its content is
+        // the same), so its children stay found under it.
+        let shared = self.runs[run as usize].shared.expect("in the table");
+        let replaced = self.table.replace(shared, pos as usize, copy);
+        debug_assert_eq!(replaced, canonical);
+        let r = &mut self.runs[run as usize];
+        r.blocks[pos as usize] = copy;
+        if pos as usize + 1 == r.blocks.len() && !r.children.is_empty() {
+            self.ends_replaced_under_children += 1;
         }
         into.push(canonical);
         if segment == NONE {
@@ -717,30 +682,21 @@ impl RunSegments {
         }
     }
 
-    /// Removes the emptied `run` from its parent (or the root map) and recycles it.
-    fn unhook(&mut self, run: u32, first: u32) {
+    /// Removes the emptied `run` from its parent and the run table, and recycles it.
+    fn unhook(&mut self, run: u32) {
         debug_assert!(
             self.runs[run as usize].dups.is_empty() && self.runs[run as usize].segments.is_empty(),
             "an emptied run has no duplicates and no queued blocks"
         );
-        let (parent, key) = {
-            let r = &self.runs[run as usize];
-            (r.parent, r.root_key)
-        };
+        let shared = self.runs[run as usize]
+            .shared
+            .take()
+            .expect("a run with blocks was in the table");
+        self.table.remove(&mut self.alloc, shared);
+        self.by_slot[shared.slot as usize] = NONE;
+        let parent = self.runs[run as usize].parent;
         if parent != NONE {
-            // The evicted first block's token row is still there: the block was handed out
-            // just now and nothing has written it yet.
-            let last = *self.runs[parent as usize]
-                .blocks
-                .last()
-                .expect("a parent has blocks");
-            let key = block_key(Some(last), &self.row_tokens(first));
-            if self.branches.get(&key) == Some(&run) {
-                self.branches.remove(&key);
-            }
             self.runs[parent as usize].children.retain(|&c| c != run);
-        } else if self.roots.get(&key) == Some(&run) {
-            self.roots.remove(&key);
         }
         self.free_runs.push(run);
     }
@@ -807,12 +763,7 @@ impl RunSegments {
             return;
         }
         let target = if run == NONE {
-            let key = block_key(None, &request.tokens[at * bs..(at + 1) * bs]);
-            let new = self.new_run(NONE);
-            self.runs[new as usize].root_key = key;
-            let before = self.roots.insert(key, new);
-            debug_assert!(before.is_none(), "a first block's key taken");
-            new
+            self.new_run(NONE)
         } else {
             if (end as usize) < self.runs[run as usize].blocks.len() {
                 self.split(run, end as usize);
@@ -823,22 +774,21 @@ impl RunSegments {
                 self.new_run(run)
             }
         };
-        for (chunk, &b) in request.tokens[at * bs..full * bs]
-            .chunks_exact(bs)
-            .zip(&request.blocks[at..full])
-        {
-            self.write_row(b, chunk);
-        }
+        // Published (and indexed) before the writer's copy grows: a new run hangs under its
+        // parent's length as it is.
+        self.publish(
+            target,
+            &request.blocks[at..full],
+            &request.tokens[at * bs..full * bs],
+        );
         if target != run && run != NONE {
-            self.add_child(run, target, request.blocks[at]);
+            self.add_child(run, target);
         }
-        self.write_begin(target);
         let t = &mut self.runs[target as usize];
         let from = t.blocks.len() as u32;
         t.blocks.extend_from_slice(&request.blocks[at..full]);
         t.refs.resize(t.blocks.len(), 1);
         let to = t.blocks.len() as u32;
-        self.write_end(target);
         request.held.push(Held::Blocks {
             run: target,
             from,
@@ -883,23 +833,26 @@ impl RunSegments {
     /// The cached block with tokens `block` right after the first `matched` blocks of `run`
     /// (`NONE`: at the root), as (run, position).
     fn cached_after(&self, run: u32, matched: u32, block: &[u32]) -> Option<(u32, u32)> {
-        let found = if run == NONE {
-            (*self.roots.get(&block_key(None, block))?, 0)
+        let (parent, hash) = if run == NONE {
+            (ROOT, self.table.head_hash(&ROOT_KEY, block))
         } else {
             let r = &self.runs[run as usize];
             if (matched as usize) < r.blocks.len() {
-                (run, matched)
-            } else {
-                let last = *r.blocks.last()?;
-                let child = *self.branches.get(&block_key(Some(last), block))?;
-                if self.runs[child as usize].parent != run {
-                    return None;
-                }
-                (child, 0)
+                let candidate = r.blocks[matched as usize];
+                return self
+                    .table
+                    .block_holds(candidate, block)
+                    .then_some((run, matched));
             }
+            let id = r.shared?.id;
+            let len = r.blocks.len() as u32;
+            (
+                RunParent::Run { id, len },
+                self.table.branch_hash(id, len, block),
+            )
         };
-        let candidate = *self.runs[found.0 as usize].blocks.get(found.1 as usize)?;
-        self.row_equals(candidate, block).then_some(found)
+        let (slot, _) = self.table.find(hash, &parent, block, &mut Vec::new())?;
+        Some((self.by_slot[slot as usize], 0))
     }
 
     /// Cuts `run` after `at` blocks: the tail becomes a child run that takes the children, the
@@ -907,7 +860,13 @@ impl RunSegments {
     fn split(&mut self, run: u32, at: usize) {
         self.splits += 1;
         let tail = self.new_run(run);
-        self.write_begin(run);
+        // The run table's split: the head keeps its slot under a fresh id, the tail is a run
+        // of its own hung under the head.
+        let shared = self.runs[run as usize].shared.expect("in the table");
+        let (head, tail_shared) = self.table.split(&mut self.alloc, shared, at);
+        self.runs[run as usize].shared = Some(head);
+        self.runs[tail as usize].shared = Some(tail_shared);
+        self.by_slot[tail_shared.slot as usize] = tail;
         let r = &mut self.runs[run as usize];
         let blocks = r.blocks.split_off(at);
         let refs = r.refs.split_off(at);
@@ -915,7 +874,6 @@ impl RunSegments {
         let segments = std::mem::take(&mut r.segments);
         let dups = std::mem::take(&mut r.dups);
         let continued = std::mem::replace(&mut r.continued, tail);
-        self.write_end(run);
         self.runs[tail as usize].continued = continued;
         let at32 = at as u32;
         // Queued blocks past the branch go with the tail; a segment across it is cut in two,
@@ -953,16 +911,22 @@ impl RunSegments {
         }
         self.runs[run as usize].dups = kept;
         self.runs[tail as usize].dups = moved;
+        // The children hang under the tail now, in the run table too.
+        let under_tail = RunParent::Run {
+            id: tail_shared.id,
+            len: blocks.len() as u32,
+        };
         for &c in &children {
             self.runs[c as usize].parent = tail;
+            let child = self.runs[c as usize].shared.expect("in the table");
+            self.table.set_parent(&mut self.alloc, child, under_tail);
         }
         let t = &mut self.runs[tail as usize];
         t.blocks = blocks;
         t.refs = refs;
         t.children = children;
         t.segments = segments;
-        let first = t.blocks[0];
-        self.add_child(run, tail, first);
+        self.add_child(run, tail);
     }
 
     /// Releases what the request held, as the core's `finish` does: its private blocks to the
@@ -1189,7 +1153,7 @@ mod tests {
         steps_across_splits: u64,
         spare_take_overs: u64,
         held_take_overs: u64,
-        children_rekeyed: u64,
+        ends_replaced_under_children: u64,
         copies: u64,
         copies_with_successor: u64,
     }
@@ -1329,7 +1293,7 @@ mod tests {
         reached.steps_across_splits += runs.continuations.get();
         reached.spare_take_overs += runs.moves;
         reached.held_take_overs += runs.held_moves;
-        reached.children_rekeyed += runs.rekeys;
+        reached.ends_replaced_under_children += runs.ends_replaced_under_children;
         reached.copies += runs.copies;
         reached.copies_with_successor += runs.copies_with_successor;
     }
@@ -1379,7 +1343,7 @@ mod tests {
             patterns: Some(3),
         });
         assert!(
-            reached.refusals > 100 && reached.children_rekeyed > 20,
+            reached.refusals > 100 && reached.ends_replaced_under_children > 20,
             "{reached:?}"
         );
         assert!(

@@ -116,6 +116,13 @@ impl RunTable {
         blocks
     }
 
+    /// Whether `block`'s row holds `tokens` (one block's; writer side: a reader compares rows
+    /// only under a run's stamp, `match_run`).
+    #[must_use]
+    pub fn block_holds(&self, block: BlockId, tokens: &[u32]) -> bool {
+        tokens.len() == self.block_size && self.row_equals(block, tokens)
+    }
+
     /// `block`'s tokens, read back from its row (writer side).
     fn read_row(&self, block: BlockId) -> Vec<u32> {
         let mut tokens: Vec<u32> = self
