@@ -147,8 +147,19 @@ impl RunTable {
     /// before the window that puts it in one.
     fn write_row(&self, block: BlockId, tokens: &[u32]) {
         debug_assert_eq!(tokens.len(), self.block_size);
-        for (cell, pair) in self.row(block).iter().zip(tokens.chunks(2)) {
-            cell.store(super::pack(pair), Ordering::Relaxed);
+        let cells = self.row(block);
+        if let (Ok(cells), Ok(tokens)) = (
+            <&[super::AtomicU64; 8]>::try_from(cells),
+            <&[u32; 16]>::try_from(tokens),
+        ) {
+            // The usual block size, as fixed-length arrays: the stores unrolled, no loop.
+            for (cell, pair) in cells.iter().zip(tokens.chunks_exact(2)) {
+                cell.store(super::pack(pair), Ordering::Relaxed);
+            }
+        } else {
+            for (cell, pair) in cells.iter().zip(tokens.chunks(2)) {
+                cell.store(super::pack(pair), Ordering::Relaxed);
+            }
         }
     }
 
@@ -181,8 +192,11 @@ impl RunTable {
     ) -> Option<u32> {
         let mut first = None;
         let mut chunk = alloc.last_chunk[slot as usize];
-        for (position, &block) in (len..).zip(blocks) {
-            if position % CHUNK == 0 {
+        let mut position = len;
+        let mut rest = blocks;
+        while !rest.is_empty() {
+            // A chunk's worth at a time: the room left in the last chunk, else a new one.
+            if position.is_multiple_of(CHUNK) {
                 let next = alloc.take_chunk();
                 self.chunk_next[next as usize].store(NO_CHUNK, Ordering::Relaxed);
                 if chunk == NO_CHUNK {
@@ -192,8 +206,15 @@ impl RunTable {
                 }
                 chunk = next;
             }
-            self.chunk_blocks[chunk as usize * CHUNK + position % CHUNK]
-                .store(block, Ordering::Relaxed);
+            let offset = position % CHUNK;
+            let base = chunk as usize * CHUNK;
+            let cells = &self.chunk_blocks[base + offset..base + CHUNK];
+            let (here, later) = rest.split_at(rest.len().min(cells.len()));
+            for (cell, &block) in cells.iter().zip(here) {
+                cell.store(block, Ordering::Relaxed);
+            }
+            position += here.len();
+            rest = later;
         }
         alloc.last_chunk[slot as usize] = chunk;
         first
