@@ -18,14 +18,15 @@ use std::sync::atomic::Ordering;
 use super::{fence, RunParent, RunRef, RunSlot, RunTable, CHUNK, NO_CHUNK};
 use crate::pool::BlockId;
 
-/// The writer's own bookkeeping: free slots, free chunks, the next run id, and each slot's last
-/// chunk (so an extension appends in O(1)). Never read by a reader.
+/// The writer's own bookkeeping: free slots, free chunks, the next run id, and each slot's
+/// chunks in order (so an extension appends and a truncation cuts in O(1), where following the
+/// chunk links of a long run took a dependent load per 16 blocks). Never read by a reader.
 pub struct RunAllocator {
     free_slots: Vec<u32>,
     free_chunks: Vec<u32>,
     /// Run ids start at 1 (0 marks an empty slot) and are never reused.
     next_id: u64,
-    last_chunk: Vec<u32>,
+    chunks: Vec<Vec<u32>>,
     /// Per slot: the index hash its run is found under (its parent and first block).
     hash: Vec<u32>,
 }
@@ -41,7 +42,7 @@ impl RunAllocator {
             free_slots: (0..slots).rev().collect(),
             free_chunks: (0..chunks).rev().collect(),
             next_id: 1,
-            last_chunk: vec![NO_CHUNK; slots as usize],
+            chunks: vec![Vec::new(); slots as usize],
             hash: vec![0; slots as usize],
         }
     }
@@ -49,7 +50,7 @@ impl RunAllocator {
     /// Runs the table holds.
     #[must_use]
     pub fn num_runs(&self) -> usize {
-        self.last_chunk.len() - self.free_slots.len()
+        self.chunks.len() - self.free_slots.len()
     }
 
     fn new_id(&mut self) -> u64 {
@@ -124,8 +125,8 @@ impl RunTable {
     }
 
     /// `block`'s tokens, read back from its row (writer side).
-    fn read_row(&self, block: BlockId) -> Vec<u32> {
-        let mut tokens: Vec<u32> = self
+    fn read_row(&self, block: BlockId) -> smallvec::SmallVec<[u32; 16]> {
+        let mut tokens: smallvec::SmallVec<[u32; 16]> = self
             .row(block)
             .iter()
             .flat_map(|cell| {
@@ -145,6 +146,7 @@ impl RunTable {
 
     /// Writes `block`'s token row. Only for a block in no run: no reader of a run reaches it
     /// before the window that puts it in one.
+    #[inline]
     fn write_row(&self, block: BlockId, tokens: &[u32]) {
         debug_assert_eq!(tokens.len(), self.block_size);
         let cells = self.row(block);
@@ -181,7 +183,7 @@ impl RunTable {
     }
 
     /// Stores `blocks` in chunks from position `len` of the run whose last chunk is
-    /// `alloc.last_chunk[slot]` (`NO_CHUNK`: none yet), linking new chunks. Returns the run's
+    /// the last of `alloc.chunks[slot]` (none yet: the run's first), linking new chunks. Returns the run's
     /// first chunk when it had none. All of it beyond the run's published length.
     fn append_ids(
         &self,
@@ -191,7 +193,10 @@ impl RunTable {
         blocks: &[BlockId],
     ) -> Option<u32> {
         let mut first = None;
-        let mut chunk = alloc.last_chunk[slot as usize];
+        let mut chunk = alloc.chunks[slot as usize]
+            .last()
+            .copied()
+            .unwrap_or(NO_CHUNK);
         let mut position = len;
         let mut rest = blocks;
         while !rest.is_empty() {
@@ -204,6 +209,7 @@ impl RunTable {
                 } else {
                     self.chunk_next[chunk as usize].store(next, Ordering::Relaxed);
                 }
+                alloc.chunks[slot as usize].push(next);
                 chunk = next;
             }
             let offset = position % CHUNK;
@@ -216,7 +222,6 @@ impl RunTable {
             position += here.len();
             rest = later;
         }
-        alloc.last_chunk[slot as usize] = chunk;
         first
     }
 
@@ -328,17 +333,10 @@ impl RunTable {
         record.len.store(len as u32, Ordering::Relaxed);
         record.close(stamp);
         // After the window: the kept chunks' tail and the freed chunks.
-        let mut chunk = record.first_chunk.load(Ordering::Relaxed);
-        for _ in 0..(len - 1) / CHUNK {
-            chunk = self.chunk_next[chunk as usize].load(Ordering::Relaxed);
-        }
-        let last = chunk;
-        let mut freed = self.chunk_next[last as usize].swap(NO_CHUNK, Ordering::Relaxed);
-        while freed != NO_CHUNK {
-            alloc.free_chunks.push(freed);
-            freed = self.chunk_next[freed as usize].load(Ordering::Relaxed);
-        }
-        alloc.last_chunk[run.slot as usize] = last;
+        let chunks = &mut alloc.chunks[run.slot as usize];
+        let keep = len.div_ceil(CHUNK);
+        self.chunk_next[chunks[keep - 1] as usize].store(NO_CHUNK, Ordering::Relaxed);
+        alloc.free_chunks.extend(chunks.drain(keep..));
         RunRef { slot: run.slot, id }
     }
 
@@ -349,18 +347,14 @@ impl RunTable {
             .index
             .remove(alloc.hash[run.slot as usize], run.slot, || {});
         assert!(unindexed, "run {} in slot {} was indexed", run.id, run.slot);
-        let first = record.first_chunk.load(Ordering::Relaxed);
         let stamp = record.open();
         record.id.store(0, Ordering::Relaxed);
         record.len.store(0, Ordering::Relaxed);
         record.first_chunk.store(NO_CHUNK, Ordering::Relaxed);
         record.close(stamp);
-        let mut freed = first;
-        while freed != NO_CHUNK {
-            alloc.free_chunks.push(freed);
-            freed = self.chunk_next[freed as usize].load(Ordering::Relaxed);
-        }
-        alloc.last_chunk[run.slot as usize] = NO_CHUNK;
+        alloc
+            .free_chunks
+            .extend(alloc.chunks[run.slot as usize].drain(..));
         alloc.free_slots.push(run.slot);
     }
 
@@ -372,12 +366,23 @@ impl RunTable {
     /// which is right (the content the old id names did not change, and the id is never
     /// given again).
     pub fn split(&self, alloc: &mut RunAllocator, run: RunRef, at: usize) -> (RunRef, RunRef) {
-        let blocks = self.run_blocks(run);
-        assert!(
-            0 < at && at < blocks.len(),
-            "split {} blocks at {at}",
-            blocks.len()
-        );
+        let len = self.run_len(run);
+        assert!(0 < at && at < len, "split {len} blocks at {at}");
+        // The tail's ids, read from its chunks (found through the writer's list, not the
+        // links), before the truncation frees them.
+        let mut tail_blocks = Vec::with_capacity(len - at);
+        let chunks = &alloc.chunks[run.slot as usize];
+        for (index, &chunk) in chunks.iter().enumerate().skip(at / CHUNK) {
+            let base = chunk as usize * CHUNK;
+            let from = if index == at / CHUNK { at % CHUNK } else { 0 };
+            let to = CHUNK.min(len - index * CHUNK);
+            tail_blocks.extend(
+                self.chunk_blocks[base + from..base + to]
+                    .iter()
+                    .map(|cell| cell.load(Ordering::Relaxed)),
+            );
+        }
+        debug_assert_eq!(tail_blocks.len(), len - at);
         let head = self.truncate(alloc, run, at);
         let tail = self.create_with_rows(
             alloc,
@@ -385,7 +390,7 @@ impl RunTable {
                 id: head.id,
                 len: at as u32,
             },
-            &blocks[at..],
+            &tail_blocks,
         );
         (head, tail)
     }
