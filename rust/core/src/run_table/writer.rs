@@ -352,9 +352,8 @@ impl RunTable {
         record.len.store(0, Ordering::Relaxed);
         record.first_chunk.store(NO_CHUNK, Ordering::Relaxed);
         record.close(stamp);
-        alloc
-            .free_chunks
-            .extend(alloc.chunks[run.slot as usize].drain(..));
+        let chunks = &mut alloc.chunks[run.slot as usize];
+        alloc.free_chunks.append(chunks);
         alloc.free_slots.push(run.slot);
     }
 
