@@ -377,12 +377,21 @@ fn one_by_one<'py>(items: impl Iterator<Item = Bound<'py, PyAny>>) -> PyResult<V
     items
         .enumerate()
         .map(|(position, item)| {
-            let value = index(&item, &format!("token at position {position}"))?;
-            u32::try_from(value).map_err(|_| {
+            let out_of_range = |value: &dyn std::fmt::Display| {
                 invalid(format!(
                     "token id {value} at position {position} is out of range (0 ..= 4294967295)"
                 ))
-            })
+            };
+            let value = index(&item, &format!("token at position {position}")).map_err(|err| {
+                // An int beyond i128 is out of range like any other, and said in the same
+                // words (hypothesis drew -2**127 - 1).
+                if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
+                    out_of_range(&item)
+                } else {
+                    err
+                }
+            })?;
+            u32::try_from(value).map_err(|_| out_of_range(&value))
         })
         .collect()
 }
