@@ -160,6 +160,15 @@ impl SlotIndex {
         }
     }
 
+    /// Words in use: a scan of the whole index (tests, to check that nothing leaked).
+    #[cfg(test)]
+    pub(crate) fn count(&self) -> usize {
+        self.words
+            .iter()
+            .filter(|word| word.load(Ordering::Relaxed) != EMPTY)
+            .count()
+    }
+
     /// Writer only: publishes `slot` under `hash` at `position`, the free word `find` returned
     /// (with nothing inserted since). `Release`: a reader that sees the word sees the slot the
     /// writer filled before.

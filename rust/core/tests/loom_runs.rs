@@ -18,14 +18,15 @@
 //! The reader's answer is one of the states the run in that slot had, exactly: its id, its
 //! length, the leading blocks that hold the prompt, and nothing else. Every state the writer
 //! passes through is listed beside each model, and an answer none of them explains fails it.
-//! Planted bugs each model set fails on: the reader skipping its second stamp check (all four);
-//! `remove` without its window (the first); `replace` storing the new block outside its window
-//! (the third); `create` writing a new run's rows after its window (the first). Two it does not
-//! catch: `truncate` keeping the run's id (the models list states by the ids the writer
-//! returns; the unit test `a_run_cut_and_grown_again_is_a_new_run` catches it), and `extend`
-//! storing the new length without a window: that bug needs a reader to see the new length with
-//! a row stored before it still old, a reordering x86 never makes and loom did not produce here,
-//! so `extend` keeps its window on the protocol's word, not on a failing model.
+//! Planted bugs the models fail on: the reader skipping its second stamp check or its acquire
+//! fence, the writer's window without its release fence (all but one model); `remove` without
+//! its window (the first); `extend` storing the new length without its window (the second:
+//! a reader sees the new length beside the row stored before it, still old); `replace` storing
+//! the new block outside its window (the third); `create` writing a new run's rows after its
+//! window (the first). One they do not: `truncate` keeping the run's id (the models list
+//! states by the ids the writer returns; the unit test `a_run_cut_and_grown_again_is_a_new_run`
+//! catches it). Not modelled: a `Root` parent (four more loads a read), `set_parent`,
+//! `snapshot` and `find`; the real-thread race test in `run_table/tests.rs` covers those.
 #![cfg(loom)]
 
 use loom::sync::Arc;

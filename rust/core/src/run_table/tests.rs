@@ -287,6 +287,10 @@ enum Op {
     Remove {
         run: usize,
     },
+    SetParent {
+        run: usize,
+        parent: u8,
+    },
     Match {
         run: usize,
         cut: usize,
@@ -302,6 +306,7 @@ fn op() -> impl Strategy<Value = Op> {
         (0usize..8, 0usize..40).prop_map(|(run, at)| Op::Split { run, at }),
         (0usize..8, 0usize..40).prop_map(|(run, at)| Op::Replace { run, at }),
         (0usize..8).prop_map(|run| Op::Remove { run }),
+        (0usize..8, 0u8..8).prop_map(|(run, parent)| Op::SetParent { run, parent }),
         (0usize..8, 0usize..45, any::<bool>()).prop_map(|(run, cut, change)| Op::Match {
             run,
             cut,
@@ -410,6 +415,22 @@ fn run_ops(ops: &[Op]) {
                 table.remove(&mut alloc, model.run);
                 free.extend(model.blocks.iter().map(|&(block, _)| block));
             }
+            Op::SetParent { run, parent } => {
+                if run >= runs.len() {
+                    continue;
+                }
+                // Under a root, or under the end of another run (values are unique, so no two
+                // runs under one parent ever begin with the same block).
+                let parent = match runs.get(usize::from(parent)) {
+                    Some(other) if usize::from(parent) != run => RunParent::Run {
+                        id: other.run.id,
+                        len: other.blocks.len() as u32,
+                    },
+                    _ => root(parent % 3),
+                };
+                table.set_parent(&mut alloc, runs[run].run, parent);
+                runs[run].parent = parent;
+            }
             Op::Match { run, cut, change } => {
                 let Some(model) = runs.get(run) else {
                     continue;
@@ -462,6 +483,7 @@ fn run_ops(ops: &[Op]) {
             ids_seen.insert(model.run.id);
         }
         assert_eq!(alloc.num_runs(), runs.len());
+        assert_eq!(table.index_entries(), runs.len(), "one index word a run");
         let in_runs: usize = runs.iter().map(|model| model.blocks.len()).sum();
         assert_eq!(in_runs + free.len(), BLOCKS);
     }
@@ -520,6 +542,7 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
                     state
                 };
                 let mut answers = Vec::new();
+                let mut snapshots = Vec::new();
                 while !done.load(Ordering::Relaxed) && answers.len() < 400_000 {
                     let Some(target) = ({
                         let recent = recent.lock().expect("no panic holding it");
@@ -534,12 +557,24 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
                         if let Some(got) =
                             table.match_run(target.slot, &target.parent, &rows(&values), &mut found)
                         {
-                            answers.push((target.parent, values, got, found));
+                            answers.push((target.parent, values.clone(), got, found));
                             answered.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // The same prompt through the index, which the writer's removals
+                        // shift meanwhile: a found run is checked as a match is.
+                        let mut found = Vec::new();
+                        let hash = table.hash_of(&target.parent, &row(values[0]));
+                        if let Some((_, got)) =
+                            table.find(hash, &target.parent, &rows(&values), &mut found)
+                        {
+                            answers.push((target.parent, values, got, found));
+                        }
+                        if let Some(snapshot) = table.snapshot(target.slot) {
+                            snapshots.push(snapshot);
                         }
                     }
                 }
-                answers
+                (answers, snapshots)
             })
         })
         .collect();
@@ -568,6 +603,11 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
         if step >= 40_000 && answered.load(Ordering::Relaxed) >= 2_000 {
             break;
         }
+        // Bounded: readers that never match fail the test instead of hanging it.
+        assert!(
+            step < 4_000_000,
+            "the readers matched nothing in 4,000,000 steps"
+        );
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
@@ -647,9 +687,25 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
         }
     }
     done.store(true, Ordering::Relaxed);
-    let (mut matches, mut blocks_checked) = (0usize, 0usize);
+    let (mut matches, mut blocks_checked, mut snapshots_checked) = (0usize, 0usize, 0usize);
     for reader in readers {
-        for (parent, values, got, found) in reader.join().expect("no reader panicked") {
+        let (answers, snapshots) = reader.join().expect("no reader panicked");
+        for snapshot in snapshots {
+            let states = log
+                .get(&(snapshot.id, snapshot.blocks.len() as u32))
+                .expect("a published id and length");
+            assert!(
+                states.iter().any(|state| state.parent == snapshot.parent
+                    && state
+                        .blocks
+                        .iter()
+                        .map(|b| b.0)
+                        .eq(snapshot.blocks.iter().copied())),
+                "a snapshot no published state explains: {snapshot:?}"
+            );
+            snapshots_checked += 1;
+        }
+        for (parent, values, got, found) in answers {
             let states = log
                 .get(&(got.id, got.len))
                 .expect("a published id and length");
@@ -675,7 +731,8 @@ fn readers_racing_the_writer_see_only_states_the_run_had() {
         }
     }
     assert!(
-        matches >= 2_000 && blocks_checked > 1_000,
-        "the readers matched too little to tell: {matches} matches, {blocks_checked} blocks"
+        matches >= 2_000 && blocks_checked > 1_000 && snapshots_checked > 1_000,
+        "the readers read too little to tell: {matches} matches, {blocks_checked} blocks, \
+         {snapshots_checked} snapshots"
     );
 }

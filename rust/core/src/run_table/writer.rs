@@ -434,7 +434,18 @@ impl RunTable {
             false
         });
         let hash = self.hash_under(&parent, first[0]);
+        debug_assert!(
+            self.find(hash, &parent, &self.read_row(first[0]), &mut Vec::new())
+                .is_none(),
+            "two runs under one parent begin with the same block"
+        );
         alloc.hash[slot] = hash;
         self.index.insert(hash, run.slot);
+    }
+
+    /// Index words in use: one per run, or something leaked (tests).
+    #[cfg(test)]
+    pub(crate) fn index_entries(&self) -> usize {
+        self.index.count()
     }
 }

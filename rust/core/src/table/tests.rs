@@ -153,6 +153,11 @@ fn readers_racing_the_writer_never_see_a_torn_or_wrong_entry() {
         if id >= 200_000 && found.load(Ordering::Relaxed) == 2 {
             break;
         }
+        // Bounded: readers that never find an entry fail the test instead of hanging it.
+        assert!(
+            id < 20_000_000,
+            "a reader found no entry in 20,000,000 steps"
+        );
         let block = (id % 32) as BlockId;
         if let Some(old) = owner[block as usize].take() {
             table.prefetch_removal(block);
@@ -266,6 +271,11 @@ fn readers_racing_moves_never_see_a_torn_or_wrong_entry() {
         if step >= 200_000 && found.load(Ordering::Relaxed) == 2 {
             break;
         }
+        // Bounded: readers that never find an entry fail the test instead of hanging it.
+        assert!(
+            step < 20_000_000,
+            "a reader found no entry in 20,000,000 steps"
+        );
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
