@@ -62,6 +62,14 @@ pub fn reserve<T>(len: usize) -> Option<Vec<T>> {
     reserve_with(len, from_env().unwrap_or(true))
 }
 
+/// `len` values made by `make`, or `None` if the allocation fails (never an abort): the large
+/// per-block arrays of the tables, backed by huge pages where the system allows (`reserve`).
+pub(crate) fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
+    let mut values = reserve(len)?;
+    values.extend(std::iter::repeat_with(make).take(len));
+    Some(values.into_boxed_slice())
+}
+
 /// `reserve` with the setting given (`huge`: advise arrays of 4 MiB or more).
 fn reserve_with<T>(len: usize, huge: bool) -> Option<Vec<T>> {
     let mut values: Vec<T> = Vec::new();

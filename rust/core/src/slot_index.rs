@@ -186,39 +186,39 @@ impl SlotIndex {
         }
     }
 
-    /// Writer only: points `hash`'s word for slot `from` at slot `to` (an entry that moved).
-    /// Returns false if there is no such word.
-    pub(crate) fn repoint(&self, hash: u32, from: u32, to: u32) -> bool {
+    /// Writer only: where `hash`'s word for `slot` is, if it is there.
+    fn position_of(&self, hash: u32, slot: u32) -> Option<usize> {
         let mut i = hash as usize & self.mask;
         loop {
             let found = self.words[i].load(Ordering::Relaxed);
             if found == EMPTY {
-                return false;
+                return None;
             }
-            if found == word(hash, from) {
-                self.words[i].store(word(hash, to), Ordering::Release);
-                return true;
+            if found == word(hash, slot) {
+                return Some(i);
             }
             i = (i + 1) & self.mask;
         }
+    }
+
+    /// Writer only: points `hash`'s word for slot `from` at slot `to` (an entry that moved).
+    /// Returns false if there is no such word.
+    pub(crate) fn repoint(&self, hash: u32, from: u32, to: u32) -> bool {
+        let Some(position) = self.position_of(hash, from) else {
+            return false;
+        };
+        self.words[position].store(word(hash, to), Ordering::Release);
+        true
     }
 
     /// Writer only: removes `hash`'s word for `slot`, calling `before_shift` once it is found
     /// and before any word moves (the per-block table empties the slot there, so a reader
     /// holding the old word finds no entry). Returns false if there is no such word.
     pub(crate) fn remove(&self, hash: u32, slot: u32, before_shift: impl FnOnce()) -> bool {
-        let mut hole = hash as usize & self.mask;
-        loop {
-            let found = self.words[hole].load(Ordering::Relaxed);
-            if found == EMPTY {
-                return false;
-            }
-            if found == word(hash, slot) {
-                before_shift();
-                break;
-            }
-            hole = (hole + 1) & self.mask;
-        }
+        let Some(mut hole) = self.position_of(hash, slot) else {
+            return false;
+        };
+        before_shift();
         // Backward shift: move later words of the probe run into the hole when their home
         // allows, so no tombstone is left. Readers racing it re-probe (`shifts`).
         let shifts = self.shifts.load(Ordering::Relaxed);

@@ -63,6 +63,8 @@
 mod writer;
 
 #[cfg(test)]
+mod race_tests;
+#[cfg(test)]
 mod tests;
 
 pub use writer::RunAllocator;
@@ -73,10 +75,13 @@ use std::sync::atomic::Ordering;
 #[cfg(not(loom))]
 use std::sync::atomic::{fence, AtomicU32, AtomicU64};
 
+use crate::hugepages::filled;
 use crate::key::BlockKey;
 use crate::pool::BlockId;
 use crate::prefetch::prefetch;
 use crate::slot_index::{Candidate, SlotIndex};
+// One word of a token row, as the per-block table packs it (rows are laid out alike).
+use crate::table::pack;
 
 /// Block ids to a chunk: 16 `u32`s, one 64-byte line.
 #[cfg(not(loom))]
@@ -200,20 +205,6 @@ pub struct RunTable {
     block_size: usize,
     row_words: usize,
     row_offset: usize,
-}
-
-/// `len` values made by `make`, or `None` if the allocation fails (never an abort).
-fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
-    let mut values = crate::hugepages::reserve(len)?;
-    values.extend(std::iter::repeat_with(make).take(len));
-    Some(values.into_boxed_slice())
-}
-
-/// One word of a token row: the pair's first token in the low half, the second (zero past an
-/// odd row's end) in the high half.
-#[inline(always)]
-fn pack(pair: &[u32]) -> u64 {
-    u64::from(pair[0]) | pair.get(1).map_or(0, |&high| u64::from(high) << 32)
 }
 
 impl RunTable {

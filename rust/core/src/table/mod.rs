@@ -73,6 +73,7 @@ use arc_swap::ArcSwapOption;
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
+use crate::hugepages::filled;
 use crate::key::{BlockKey, TableKey};
 use crate::pool::BlockId;
 use crate::prefetch::prefetch;
@@ -332,19 +333,11 @@ impl Table {
     }
 }
 
-/// `len` values made by `make`, or `None` if the allocation fails (never an abort); a large
-/// array's memory is backed by huge pages where the system allows (`hugepages.rs`).
-fn filled<T>(len: usize, make: impl FnMut() -> T) -> Option<Box<[T]>> {
-    let mut values = crate::hugepages::reserve(len)?;
-    values.extend(std::iter::repeat_with(make).take(len));
-    Some(values.into_boxed_slice())
-}
-
 /// One word of a token row: the pair's first token in the low half, the second (zero past an
 /// odd row's end) in the high half. Every field of a slot is still its own atomic under the
 /// slot's sequence lock, so a word torn by a rewrite fails the lock's check as a token did.
 #[inline(always)]
-fn pack(pair: &[u32]) -> u64 {
+pub(crate) fn pack(pair: &[u32]) -> u64 {
     u64::from(pair[0]) | pair.get(1).map_or(0, |&high| u64::from(high) << 32)
 }
 
