@@ -207,7 +207,7 @@ fn run_table_requests(count: usize, len: usize, shared: usize) {
         context_fingerprint(b"x"),
     )
     .expect("cache");
-    let mut table = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+    let mut table = run_segments::new(num_blocks, BLOCK_SIZE);
     let prefix = tokens(1, shared);
     let prompts: Vec<Vec<u32>> = (0..count)
         .map(|i| {
@@ -597,7 +597,7 @@ fn run_table_replay(path: &str, rounds: usize) {
     for _ in 0..rounds {
         let cache =
             PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache");
-        let mut segments = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+        let mut segments = run_segments::new(num_blocks, BLOCK_SIZE);
         let mut queue = run_queue::RunQueue::new(num_blocks, BLOCK_SIZE);
         // Per side: (phases, prompt length) of each timed request.
         let mut rows: [Vec<([u128; 3], usize)>; SIDES] = Default::default();
@@ -630,7 +630,11 @@ fn run_table_replay(path: &str, rounds: usize) {
                 }
             }
         }
-        let evictions = [cache.stats().evictions, segments.evictions, queue.evictions];
+        let evictions = [
+            cache.stats().evictions,
+            segments.counters().evictions,
+            queue.evictions,
+        ];
         for side in 0..SIDES {
             let mut totals: Vec<u128> = rows[side].iter().map(|r| r.0.iter().sum()).collect();
             let n = totals.len() as f64;
@@ -817,7 +821,7 @@ fn main() {
         if mode == "run-table-alone" {
             let path = args.get(2).expect("run-table-alone TRACE");
             let (num_blocks, _, prompts) = read_trace(path);
-            let mut table = run_segments::RunSegments::new(num_blocks, BLOCK_SIZE);
+            let mut table = run_segments::new(num_blocks, BLOCK_SIZE);
             let mut into = Vec::new();
             let mut total = 0u128;
             for prompt in &prompts {

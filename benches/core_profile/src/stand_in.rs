@@ -1,5 +1,5 @@
-//! What the two run-table stand-ins (`run_segments.rs`, `run_queue.rs`) share: their hash
-//! indexes, their slabs of records, and the request cycle the replays time.
+//! What the run caches the replays time (`run_segments.rs`, `run_queue.rs`) share: a hash
+//! index, and the request cycle the replays time.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -41,17 +41,6 @@ pub fn block_key(parent: Option<u32>, tokens: &[u32]) -> u64 {
         b.copy_from_slice(&t.to_le_bytes());
     }
     xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[..start + 4 * tokens.len()], 0x7072_6566_6978_6b76)
-}
-
-/// Stores `value` in a slab of records, in a slot freed before if there is one; its index.
-pub fn slab_put<T>(items: &mut Vec<T>, free: &mut Vec<u32>, value: T) -> u32 {
-    if let Some(id) = free.pop() {
-        items[id as usize] = value;
-        id
-    } else {
-        items.push(value);
-        (items.len() - 1) as u32
-    }
 }
 
 /// A stand-in's request cycle, as the replays time it.

@@ -12,6 +12,8 @@
 //! - [`request`]: a request's life (`begin` to `finish`) and how blocks are published.
 //! - [`run_table`]: runs of blocks readable without locks, the unit of the table that is to
 //!   replace the per-block one (`benches/PROFILE.md`, issue 24); not yet used by the cache.
+//! - [`run_cache`]: the writer's half on runs (holds, the eviction order by segments,
+//!   duplicates), giving the cache's blocks in the cache's order; not yet used by the cache.
 //! - [`sliding`]: sliding-window KV groups: releasing blocks that left the window, and hits
 //!   that need only the window's blocks.
 //! - [`groups`]: [`KvGroups`], the caches of a hybrid model's KV groups driven as one (one hit
@@ -40,6 +42,7 @@ pub mod pins;
 pub mod pool;
 mod prefetch;
 pub mod request;
+pub mod run_cache;
 pub mod run_table;
 pub mod sliding;
 mod slot_index;

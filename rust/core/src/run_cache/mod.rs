@@ -1,0 +1,794 @@
+//! The writer's half of a cache whose unit is a run of blocks (step 2 of the plan in
+//! `benches/PROFILE.md`, issue 24): what requests hold, the eviction order, duplicates. Readers
+//! see the runs through [`RunTable`]; this module decides what the table holds. It serves the
+//! request cycle (begin, commit, finish, each with a retention priority) and hands out exactly
+//! the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's contract
+//! with vLLM: the tests run both side by side, block table for block table. Not yet used by the
+//! cache; what it leaves out for now: events, extras, sliding windows, groups, pins,
+//! preemption, the step API's incremental calls and the low-level `release`.
+//!
+//! ## Runs
+//! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
+//! grown in place by a later commit that continues it, cut where a later prompt branches (the
+//! tail becomes a child run, as a radix tree splits a node). A first run is found by its root
+//! key and first block, a run's children by the run's id and length and their first block
+//! (`RunTable::find`); every token of a hit is verified against the blocks' token rows.
+//!
+//! ## The eviction order, per run
+//! The core evicts in vLLM's order of release: blocks holding no entry first (its free list,
+//! top first), then cached blocks nobody holds, lowest priority first, then least recently
+//! released, a chain from its tail (a block with a cached child waits for it). On the request
+//! path, without duplicates (below), a request holds a *prefix* of every run it matched (all
+//! of its ancestors, part of the last), so along a run the reference counts never increase: a
+//! run's free blocks are a suffix of it, released tail first, and the order, read block by
+//! block, is a sequence of *segments*, a run's blocks `lo..hi`, highest first, one queue per
+//! priority (`order.rs`):
+//! - finish appends, per run the request held (deepest first), one segment: the blocks whose
+//!   count fell to 0;
+//! - a hit on a run's first `m` blocks takes `lo..min(hi, m)` out of that run's segments (a
+//!   prefix of a segment's range is the end popped last, so a segment only shrinks);
+//! - allocation takes the front segment's highest blocks, the run's last ones (its children
+//!   went first: their counts fall no later), so eviction truncates a run from its tail in one
+//!   step, the block ids handed over in bulk.
+//!
+//! A split moves the run's segments past the branch to the tail run, and cuts one across it in
+//! two. A request's holds are ranges of runs' blocks in its table's order (`Held`); a split
+//! leaves the run a `continued` link to the run that took its tail, so a hold made before the
+//! split is read through it (`resolve`). A `continued` link may outlive the run it names
+//! (recycled); only a hold past the split follows it, and that hold keeps the run alive.
+//!
+//! ## Duplicates
+//! A block another request published first (a full hit's recomputed last block, or blocks two
+//! requests in flight computed alike) is recorded at commit as a *duplicate* of the cached
+//! (canonical) block; the request keeps its own copy and chains on: its next block is the
+//! copy's *successor*, whose parent in the core's pool is the copy, not the canonical block.
+//! At finish a duplicate becomes a *spare*, in the order after the request's other blocks,
+//! taken like any free block while the canonical copy lives. A block is evictable when it is a
+//! leaf of the core's pool: every block hanging right after it is some duplicate's successor.
+//! Evicting a canonical block that has duplicates moves its entry into the earliest recorded
+//! one: a spare takes its place in the run and its place in the order; a duplicate still held
+//! takes the place in the run, held, and its request's finish releases it as the run's block.
+//! So a replacement can happen in the middle of a run, and counts can rise along a run; a
+//! truncation stays at a run's tail. A segment whose top block is not a leaf waits, *blocked*,
+//! and allocation comes back to it; among blocks released by one finish (one tick) the lowest
+//! block id goes first (the core's eviction key).
+//!
+//! The writer keeps no copy of a run's block ids: it reads them from the table's chunks
+//! through its own list of each run's chunks (`RunTable::block_at`, `read_ids`).
+
+mod invariants;
+mod order;
+#[cfg(test)]
+mod tests;
+
+use crate::key::BlockKey;
+use crate::pool::BlockId;
+use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
+
+use order::Order;
+
+/// "No run, block, segment or record".
+const NONE: u32 = u32::MAX;
+
+/// Stores `value` in a slab of records, in a slot freed before if there is one; its index.
+fn slab_put<T>(items: &mut Vec<T>, free: &mut Vec<u32>, value: T) -> u32 {
+    if let Some(id) = free.pop() {
+        items[id as usize] = value;
+        id
+    } else {
+        items.push(value);
+        u32::try_from(items.len() - 1).expect("fewer records than blocks")
+    }
+}
+
+/// A duplicate: a request's own copy of a block another request published first (its
+/// canonical copy), recorded at commit. While its request holds it, it waits; at finish it
+/// becomes a spare (`segment`). If the canonical copy is evicted first, the earliest recorded
+/// duplicate of it takes its place in the run, held or spare, as the core's pool moves the
+/// entry (`inherited` then tells the holder's finish to release it as the run's block).
+#[derive(Clone, Copy, Debug)]
+struct Dup {
+    run: u32,
+    pos: u32,
+    block: BlockId,
+    /// Its spare's segment, once its request has finished; `NONE` while held.
+    segment: u32,
+    /// Its request's retention priority (the copy's own, should it inherit the entry).
+    priority: i32,
+    inherited: bool,
+    /// The block its request published right after it, which hangs after `pos` with this
+    /// copy, not the canonical one, as its parent in the core's pool (so the canonical copy
+    /// can be evicted, the entry moving here); `NONE` if none, or once that block is gone.
+    successor: BlockId,
+}
+
+/// The writer's record of a run; the block ids are the table's.
+struct Run {
+    /// Where the run table holds the run's block ids and rows (`None` while recycled).
+    shared: Option<RunRef>,
+    /// The parent run, or `NONE` for a first run (hung under a root key, which only the
+    /// table keeps: the writer needs it once, when its request publishes the run).
+    parent: u32,
+    /// Blocks in the run (the table's length, kept here so the writer need not read it).
+    len: u32,
+    /// Per block: the requests holding it.
+    refs: Vec<u32>,
+    /// Per block: its retention priority, the highest of any request that held it since it
+    /// joined the run (the core's pool keeps it so: a low-priority hit cannot demote a
+    /// protected prefix). Blocks released together split into segments where it changes.
+    priority: Vec<i32>,
+    /// `Some(p)` while every block's priority is `p` (the usual case: one priority in use),
+    /// so that a release at `p` or lower neither writes nor reads `priority`.
+    one_priority: Option<i32>,
+    children: Vec<u32>,
+    /// This run's segments in the order (any order: each knows its place).
+    segments: Vec<u32>,
+    /// Duplicates of this run's blocks (records in `RunCache::dups`), earliest first.
+    dups: Vec<u32>,
+    /// The run a split gave this run's former tail to (what a request holding past the split
+    /// point continues into).
+    continued: u32,
+}
+
+/// Blocks `lo..hi` of `run`, free, of one priority: a segment about to be queued.
+#[derive(Clone, Copy, Debug)]
+struct Stretch {
+    run: u32,
+    lo: u32,
+    hi: u32,
+    priority: i32,
+}
+
+impl Run {
+    /// Sets block `pos`'s priority (an entry moved into a copy takes the copy's).
+    fn set_priority(&mut self, pos: u32, priority: i32) {
+        self.priority[pos as usize] = priority;
+        if self.one_priority != Some(priority) {
+            self.one_priority = None;
+        }
+    }
+}
+
+/// What a request holds, in its block table's order.
+#[derive(Clone, Copy, Debug)]
+enum Held {
+    /// Blocks `from..to` of a run (as the run was when taken: `resolve`).
+    Blocks { run: u32, from: u32, to: u32 },
+    /// Its own copy of a cached block (a duplicate record).
+    Copy(u32),
+}
+
+/// A request between `begin` and `finish`.
+pub struct RunRequest {
+    root: BlockKey,
+    tokens: Vec<u32>,
+    priority: i32,
+    held: Vec<Held>,
+    blocks: Vec<BlockId>,
+    cached_blocks: usize,
+    /// Full blocks committed (the rest of the table is private).
+    committed: usize,
+}
+
+impl RunRequest {
+    /// The request's block table: its cached blocks, then its own.
+    #[must_use]
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Blocks of the table that were cached at `begin`.
+    #[must_use]
+    pub fn cached_blocks(&self) -> usize {
+        self.cached_blocks
+    }
+}
+
+/// What the cache did, counted (what tests check they exercised, and what benches report).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunCounters {
+    pub evictions: u64,
+    /// Branches inside a run.
+    pub splits: u64,
+    /// Entries a duplicate inherited: a spare, or one its request still held.
+    pub spare_take_overs: u64,
+    pub held_take_overs: u64,
+    /// Replacements of a run's last block while children hang under it (they stay found: the
+    /// table finds them by the run's id and length, not its last block).
+    pub ends_replaced_under_children: u64,
+    /// Duplicates recorded, and those with a successor (two requests computing alike).
+    pub copies: u64,
+    pub copies_with_successor: u64,
+    /// Steps `resolve` took across a split (a hold made before it).
+    pub steps_across_splits: u64,
+}
+
+/// The request cycle on runs; see the module docs.
+pub struct RunCache {
+    block_size: usize,
+    runs: Vec<Run>,
+    free_runs: Vec<u32>,
+    /// What a lock-free reader reads: runs' block ids in chunks, the blocks' token rows, the
+    /// index of runs by parent and first block.
+    table: RunTable,
+    alloc: RunAllocator,
+    /// The run recorded for each of the table's slots.
+    by_slot: Vec<u32>,
+    order: Order,
+    dups: Vec<Dup>,
+    free_dups: Vec<u32>,
+    /// The release clock: one tick per finish, one more for its spares.
+    tick: u64,
+    counters: RunCounters,
+}
+
+impl RunCache {
+    /// A cache of `num_blocks` blocks of `block_size` tokens, all free; `None` when the memory
+    /// cannot be had or the sizes are out of range (`RunTable::new`). `seed` seeds the index
+    /// hashes.
+    #[must_use]
+    pub fn new(num_blocks: u32, block_size: usize, seed: u64) -> Option<Self> {
+        let table = RunTable::new(num_blocks as usize, block_size, seed)?;
+        let alloc = RunAllocator::new(&table);
+        Some(Self {
+            block_size,
+            runs: Vec::new(),
+            free_runs: Vec::new(),
+            by_slot: vec![NONE; table.num_slots()],
+            table,
+            alloc,
+            order: Order::new(num_blocks),
+            dups: Vec::new(),
+            free_dups: Vec::new(),
+            tick: 0,
+            counters: RunCounters::default(),
+        })
+    }
+
+    /// What the cache did so far.
+    #[must_use]
+    pub fn counters(&self) -> RunCounters {
+        self.counters
+    }
+
+    /// The table readers read.
+    #[must_use]
+    pub fn table(&self) -> &RunTable {
+        &self.table
+    }
+
+    /// Blocks a request could be given now: free ones and cached ones nobody holds.
+    #[must_use]
+    pub fn obtainable(&self) -> usize {
+        self.order.free_count
+    }
+
+    /// The id of the block at `pos` of `run`.
+    fn block(&self, run: u32, pos: u32) -> BlockId {
+        let shared = self.runs[run as usize]
+            .shared
+            .expect("a live run is in the table");
+        self.table.block_at(&self.alloc, shared, pos as usize)
+    }
+
+    /// Where `run`'s blocks hang, as the run table knows it (`root`: a first run's root).
+    fn shared_parent(&self, run: u32, root: BlockKey) -> RunParent {
+        let r = &self.runs[run as usize];
+        if r.parent == NONE {
+            RunParent::Root(root)
+        } else {
+            let p = &self.runs[r.parent as usize];
+            RunParent::Run {
+                id: p.shared.expect("a parent is in the table").id,
+                len: p.len,
+            }
+        }
+    }
+
+    fn new_run(&mut self, parent: u32) -> u32 {
+        let record = Run {
+            shared: None,
+            parent,
+            len: 0,
+            refs: Vec::new(),
+            priority: Vec::new(),
+            one_priority: None,
+            children: Vec::new(),
+            segments: Vec::new(),
+            dups: Vec::new(),
+            continued: NONE,
+        };
+        if let Some(index) = self.free_runs.pop() {
+            // Keep the recycled vectors' capacity.
+            let old = &mut self.runs[index as usize];
+            let (mut refs, mut priority, mut children, mut segments, mut dups) = (
+                std::mem::take(&mut old.refs),
+                std::mem::take(&mut old.priority),
+                std::mem::take(&mut old.children),
+                std::mem::take(&mut old.segments),
+                std::mem::take(&mut old.dups),
+            );
+            refs.clear();
+            priority.clear();
+            children.clear();
+            segments.clear();
+            dups.clear();
+            *old = Run {
+                refs,
+                priority,
+                children,
+                segments,
+                dups,
+                ..record
+            };
+            index
+        } else {
+            self.runs.push(record);
+            u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks")
+        }
+    }
+
+    /// The longest cached prefix of `tokens` under `root`, held; then fresh blocks for the
+    /// rest. `None`, with nothing changed, when the blocks are not there.
+    pub fn begin(&mut self, root: BlockKey, tokens: Vec<u32>, priority: i32) -> Option<RunRequest> {
+        let bs = self.block_size;
+        let full = tokens.len() / bs;
+        // (run, its first n blocks): the match's prefixes.
+        let mut held: Vec<(u32, u32)> = Vec::new();
+        let mut blocks: Vec<BlockId> = Vec::with_capacity(tokens.len().div_ceil(bs));
+        if full > 0 {
+            // Through the run table, as a lock-free reader would (its index, then each run's
+            // chunks and rows under the run's stamp): the first run by the root and the first
+            // block, each next one by the run it continues and its own first block.
+            let mut parent = RunParent::Root(root);
+            let mut hash = self.table.head_hash(&root, &tokens[..bs]);
+            loop {
+                let at = blocks.len();
+                let Some((slot, found)) =
+                    self.table
+                        .find(hash, &parent, &tokens[at * bs..full * bs], &mut blocks)
+                else {
+                    break;
+                };
+                let run = self.by_slot[slot as usize];
+                held.push((run, found.matched));
+                let at = blocks.len();
+                if found.matched < found.len
+                    || at == full
+                    || self.runs[run as usize].children.is_empty()
+                {
+                    break;
+                }
+                parent = RunParent::Run {
+                    id: found.id,
+                    len: found.len,
+                };
+                hash = self
+                    .table
+                    .branch_hash(found.id, found.len, &tokens[at * bs..(at + 1) * bs]);
+            }
+        }
+        if blocks.len() == full && full * bs == tokens.len() && full > 0 {
+            // Every block cached: the last one is recomputed into a private block, as vLLM's
+            // runner does and the core's default (`FullHit::RecomputeLastBlock`).
+            blocks.pop();
+            let last = held.last_mut().expect("a hit holds a run");
+            last.1 -= 1;
+            if last.1 == 0 {
+                held.pop();
+            }
+        }
+        let cached = blocks.len();
+        let fresh = tokens.len().div_ceil(bs) - cached;
+        // Refused before anything changes, as the core refuses: the free blocks the hit takes
+        // out of the order are not there to allocate.
+        let taken: usize = held
+            .iter()
+            .map(|&(run, upto)| {
+                self.order
+                    .queued_below(&self.runs[run as usize].segments, upto)
+            })
+            .sum();
+        if fresh > self.order.free_count - taken {
+            return None;
+        }
+        for &(run, upto) in &held {
+            self.acquire(run, upto);
+        }
+        self.allocate(fresh, &mut blocks);
+        Some(RunRequest {
+            root,
+            tokens,
+            priority,
+            held: held
+                .into_iter()
+                .map(|(run, to)| Held::Blocks { run, from: 0, to })
+                .collect(),
+            blocks,
+            cached_blocks: cached,
+            committed: 0,
+        })
+    }
+
+    /// Takes a reference on the run's first `upto` blocks; those that were free leave the
+    /// order.
+    fn acquire(&mut self, run: u32, upto: u32) {
+        let r = &mut self.runs[run as usize];
+        for count in &mut r.refs[..upto as usize] {
+            *count += 1;
+        }
+        self.order.take_below(&mut r.segments, upto);
+    }
+
+    /// Publishes the request's full blocks past what it matched. A block another request
+    /// published first (the run's next block, a child's first, a first block) is a duplicate:
+    /// recorded, the request keeps its own copy (the core's deduplication), and its later
+    /// blocks chain on the canonical one. The rest go after the last: the run grows in place
+    /// if it ends there with no child, is split if it goes on, or gets a new child.
+    pub fn commit(&mut self, request: &mut RunRequest) {
+        let bs = self.block_size;
+        let full = request.tokens.len() / bs;
+        let mut at = request.cached_blocks.max(request.committed);
+        request.committed = request.committed.max(full);
+        if full <= at {
+            return;
+        }
+        // What the request holds, as the runs are now (another request may have split them).
+        request.held = self.resolve(&request.held);
+        let (mut run, mut end) = match request.held.last() {
+            None => (NONE, 0),
+            Some(&Held::Blocks { run, to, .. }) => (run, to),
+            Some(&Held::Copy(dup)) => {
+                let d = self.dups[dup as usize];
+                (d.run, d.pos + 1)
+            }
+        };
+        let first_copy = request.held.len();
+        let copies_from = at;
+        while at < full {
+            let block = &request.tokens[at * bs..(at + 1) * bs];
+            let Some((canonical_run, pos)) = self.cached_after(&request.root, run, end, block)
+            else {
+                break;
+            };
+            let record = Dup {
+                run: canonical_run,
+                pos,
+                block: request.blocks[at],
+                segment: NONE,
+                priority: request.priority,
+                inherited: false,
+                successor: NONE,
+            };
+            let dup = slab_put(&mut self.dups, &mut self.free_dups, record);
+            self.runs[canonical_run as usize].dups.push(dup);
+            request.held.push(Held::Copy(dup));
+            (run, end) = (canonical_run, pos + 1);
+            at += 1;
+        }
+        // Each copy's successor is the request's next block, a copy too or published below:
+        // its parent in the core's pool.
+        for (i, item) in request.held[first_copy..].iter().enumerate() {
+            if let Held::Copy(dup) = *item {
+                let next = copies_from + i + 1;
+                self.counters.copies += 1;
+                self.counters.copies_with_successor += u64::from(next < full);
+                self.dups[dup as usize].successor = if next < full {
+                    request.blocks[next]
+                } else {
+                    NONE
+                };
+            }
+        }
+        if at == full {
+            return;
+        }
+        let target = if run == NONE {
+            self.new_run(NONE)
+        } else {
+            if end < self.runs[run as usize].len {
+                self.split(run, end);
+            }
+            if self.runs[run as usize].children.is_empty() {
+                run
+            } else {
+                self.new_run(run)
+            }
+        };
+        // Published (and indexed) before the writer's length grows: a new run hangs under its
+        // parent's length as it is.
+        let (blocks, tokens) = (
+            &request.blocks[at..full],
+            &request.tokens[at * bs..full * bs],
+        );
+        match self.runs[target as usize].shared {
+            Some(shared) => self.table.extend(&mut self.alloc, shared, blocks, tokens),
+            None => {
+                let parent = self.shared_parent(target, request.root);
+                let shared = self.table.create(&mut self.alloc, parent, blocks, tokens);
+                self.runs[target as usize].shared = Some(shared);
+                self.by_slot[shared.slot as usize] = target;
+            }
+        }
+        if target != run && run != NONE {
+            self.runs[run as usize].children.push(target);
+        }
+        let t = &mut self.runs[target as usize];
+        let from = t.len;
+        t.one_priority = match t.one_priority {
+            _ if from == 0 => Some(request.priority),
+            Some(p) if p == request.priority => Some(p),
+            _ => None,
+        };
+        t.len += u32::try_from(full - at).expect("a run is shorter than the pool");
+        t.refs.resize(t.len as usize, 1);
+        t.priority.resize(t.len as usize, request.priority);
+        request.held.push(Held::Blocks {
+            run: target,
+            from,
+            to: t.len,
+        });
+    }
+
+    /// A request's holds as the runs are now: a split since a hold was taken hands the blocks
+    /// past it to the run that continues the old one (`continued`), which the holder's own
+    /// references keep alive.
+    fn resolve(&mut self, held: &[Held]) -> Vec<Held> {
+        let mut out = Vec::with_capacity(held.len());
+        for &item in held {
+            let Held::Blocks {
+                mut run,
+                mut from,
+                mut to,
+            } = item
+            else {
+                out.push(item);
+                continue;
+            };
+            loop {
+                let len = self.runs[run as usize].len;
+                if to <= len {
+                    out.push(Held::Blocks { run, from, to });
+                    break;
+                }
+                if from < len {
+                    out.push(Held::Blocks { run, from, to: len });
+                }
+                self.counters.steps_across_splits += 1;
+                from = from.saturating_sub(len);
+                to -= len;
+                run = self.runs[run as usize].continued;
+                debug_assert_ne!(run, NONE, "a hold past a run's end crossed a split");
+            }
+        }
+        out
+    }
+
+    /// The cached block with tokens `block` right after the first `matched` blocks of `run`
+    /// (`NONE`: at `root`), as (run, position).
+    fn cached_after(
+        &self,
+        root: &BlockKey,
+        run: u32,
+        matched: u32,
+        block: &[u32],
+    ) -> Option<(u32, u32)> {
+        let (parent, hash) = if run == NONE {
+            (RunParent::Root(*root), self.table.head_hash(root, block))
+        } else {
+            let r = &self.runs[run as usize];
+            if matched < r.len {
+                let candidate = self.block(run, matched);
+                return self
+                    .table
+                    .block_holds(candidate, block)
+                    .then_some((run, matched));
+            }
+            let id = r.shared?.id;
+            (
+                RunParent::Run { id, len: r.len },
+                self.table.branch_hash(id, r.len, block),
+            )
+        };
+        let (slot, _) = self.table.find(hash, &parent, block, &mut Vec::new())?;
+        Some((self.by_slot[slot as usize], 0))
+    }
+
+    /// Cuts `run` after `at` blocks: the tail becomes a child run that takes the children, the
+    /// queued segments past `at` (one across it is cut in two) and the duplicates past it.
+    fn split(&mut self, run: u32, at: u32) {
+        self.counters.splits += 1;
+        let tail = self.new_run(run);
+        // The run table's split: the head keeps its slot under a fresh id, the tail is a run
+        // of its own hung under the head.
+        let shared = self.runs[run as usize].shared.expect("in the table");
+        let (head, tail_shared) = self.table.split(&mut self.alloc, shared, at as usize);
+        self.by_slot[tail_shared.slot as usize] = tail;
+        let r = &mut self.runs[run as usize];
+        r.shared = Some(head);
+        let tail_len = r.len - at;
+        r.len = at;
+        let refs = r.refs.split_off(at as usize);
+        let priority = r.priority.split_off(at as usize);
+        let children = std::mem::take(&mut r.children);
+        let segments = std::mem::take(&mut r.segments);
+        let dups = std::mem::take(&mut r.dups);
+        let continued = std::mem::replace(&mut r.continued, tail);
+        let (stay, moved) = self.order.split_segments(segments, tail, at);
+        self.runs[run as usize].segments = stay;
+        // Duplicates follow their canonical copies.
+        let (moved_dups, kept): (Vec<u32>, Vec<u32>) = dups
+            .into_iter()
+            .partition(|&d| self.dups[d as usize].pos >= at);
+        for &d in &moved_dups {
+            let record = &mut self.dups[d as usize];
+            record.run = tail;
+            record.pos -= at;
+        }
+        self.runs[run as usize].dups = kept;
+        // The children hang under the tail now, in the run table too.
+        let under_tail = RunParent::Run {
+            id: tail_shared.id,
+            len: tail_len,
+        };
+        for &c in &children {
+            self.runs[c as usize].parent = tail;
+            let child = self.runs[c as usize].shared.expect("in the table");
+            self.table.set_parent(&mut self.alloc, child, under_tail);
+        }
+        let one_priority = self.runs[run as usize].one_priority;
+        let t = &mut self.runs[tail as usize];
+        t.shared = Some(tail_shared);
+        t.len = tail_len;
+        t.refs = refs;
+        t.priority = priority;
+        t.one_priority = one_priority;
+        t.children = children;
+        t.segments = moved;
+        t.dups = moved_dups;
+        t.continued = continued;
+        self.runs[run as usize].children.push(tail);
+    }
+
+    /// Releases what the request held, as the core's `finish` does: its private blocks to the
+    /// free list (in table order); its cached blocks last to first, on one tick, each run's
+    /// consecutive blocks whose count falls to 0 as one segment (its duplicates that took their
+    /// canonical copy's entry among them, as that block); then its other duplicates as spares,
+    /// one tick later.
+    pub fn finish(&mut self, request: RunRequest) {
+        let private = &request.blocks[request.committed.max(request.cached_blocks)..];
+        self.order.free_private(private);
+        self.tick += 1;
+        let priority = request.priority;
+        let mut open: Option<Stretch> = None;
+        let mut spares = Vec::new();
+        for item in self.resolve(&request.held).into_iter().rev() {
+            match item {
+                Held::Blocks { run, from, to } => {
+                    self.release_blocks(run, from, to, priority, &mut open);
+                }
+                Held::Copy(dup) => {
+                    let Dup {
+                        run,
+                        pos,
+                        inherited,
+                        ..
+                    } = self.dups[dup as usize];
+                    if inherited {
+                        self.release_blocks(run, pos, pos + 1, priority, &mut open);
+                        self.drop_dup(dup);
+                    } else {
+                        spares.push(dup);
+                    }
+                }
+            }
+        }
+        if let Some(stretch) = open {
+            self.push_blocks(stretch);
+        }
+        if !spares.is_empty() {
+            self.tick += 1;
+            for dup in spares {
+                let segment = self.order.push(NONE, 0, 0, dup, priority, self.tick);
+                self.dups[dup as usize].segment = segment;
+            }
+        }
+    }
+
+    /// Queues a stretch of a run's blocks, now free, at the back of its priority's queue.
+    fn push_blocks(&mut self, stretch: Stretch) {
+        let Stretch {
+            run,
+            lo,
+            hi,
+            priority,
+        } = stretch;
+        let segment = self.order.push(run, lo, hi, NONE, priority, self.tick);
+        self.runs[run as usize].segments.push(segment);
+    }
+
+    /// Drops one reference to blocks `from..to` of `run`, raising their priority to at least
+    /// `priority`; the blocks that fall free join the open stretch, highest first, each
+    /// stretch of them of one priority contiguous with it, else open one (pushing the last).
+    /// Counts are decremented in one pass and the free stretches found by scanning, not block
+    /// by block: usually the whole range is one stretch.
+    fn release_blocks(
+        &mut self,
+        run: u32,
+        from: u32,
+        to: u32,
+        priority: i32,
+        open: &mut Option<Stretch>,
+    ) {
+        let r = &mut self.runs[run as usize];
+        let range = from as usize..to as usize;
+        // One priority along the run, no higher than the request's: nothing to raise, and
+        // free stretches end only where a block is held.
+        let uniform = r.one_priority.filter(|&p| priority <= p);
+        if uniform.is_some() {
+            for count in &mut r.refs[range] {
+                *count -= 1;
+            }
+        } else {
+            r.one_priority = None;
+            for (count, level) in r.refs[range.clone()].iter_mut().zip(&mut r.priority[range]) {
+                *count -= 1;
+                *level = (*level).max(priority);
+            }
+        }
+        let mut hi = to;
+        while hi > from {
+            let r = &self.runs[run as usize];
+            let refs = &r.refs[from as usize..hi as usize];
+            let Some(top) = refs.iter().rposition(|&c| c == 0) else {
+                break;
+            };
+            let top = from + top as u32 + 1;
+            let (level, lo) = match uniform {
+                Some(level) => (
+                    level,
+                    refs[..(top - from) as usize].iter().rposition(|&c| c != 0),
+                ),
+                None => {
+                    let level = r.priority[top as usize - 1];
+                    let stop = (from..top).rev().find(|&pos| {
+                        r.refs[pos as usize] != 0 || r.priority[pos as usize] != level
+                    });
+                    (level, stop.map(|pos| (pos - from) as usize))
+                }
+            };
+            let lo = from + lo.map_or(0, |i| i as u32 + 1);
+            match open {
+                Some(s) if s.run == run && s.lo == top && s.priority == level => s.lo = lo,
+                _ => {
+                    if let Some(stretch) = open.take() {
+                        self.push_blocks(stretch);
+                    }
+                    *open = Some(Stretch {
+                        run,
+                        lo,
+                        hi: top,
+                        priority: level,
+                    });
+                }
+            }
+            hi = lo;
+        }
+    }
+
+    /// Forgets duplicate record `dup` (taken as a spare, or released after inheriting).
+    fn drop_dup(&mut self, dup: u32) {
+        let run = self.dups[dup as usize].run;
+        self.runs[run as usize].dups.retain(|&d| d != dup);
+        self.free_dups.push(dup);
+    }
+
+    /// The earliest duplicate of `run`'s block at `pos` not yet in its place.
+    fn earliest_dup(&self, run: u32, pos: u32) -> Option<u32> {
+        self.runs[run as usize]
+            .dups
+            .iter()
+            .copied()
+            .find(|&d| self.dups[d as usize].pos == pos && !self.dups[d as usize].inherited)
+    }
+}
