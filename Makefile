@@ -14,8 +14,9 @@ test: install
 	scripts/install_redis.sh
 	$(PYTHON) -m pytest
 
-## Rust unit and integration tests of the core (no Python needed), and the test of the
-## run-table stand-in in benches/core_profile (its own crate: the design's exactness claim).
+## Rust unit and integration tests of the core (no Python needed), and a build of
+## benches/core_profile (its own crate, the profiling harness; it has no tests of its own since
+## its run-table stand-in moved into the core as `run_cache`).
 rust-test:
 	cargo test --workspace
 	cargo test --manifest-path benches/core_profile/Cargo.toml
