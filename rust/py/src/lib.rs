@@ -8,7 +8,8 @@
 //! - `cache`: `CoreCache`, a list of thin methods.
 //! - `groups`: `CoreGroups`, a hybrid model's KV groups driven as one over shared `CoreCache`s;
 //! - `events`: KV event recording on a `CoreCache`, drained as `CoreEvent`s;
-//! - `index`: `PrefixIndex`, the router-side prefix index, and `prompt_hashes`.
+//! - `index`: `PrefixIndex`, the router-side prefix index, and `prompt_hashes`;
+//! - `runs`: `CoreRunCache`, the cache on runs of blocks (issue 24), experimental: for benches.
 
 mod cache;
 mod convert;
@@ -18,6 +19,7 @@ mod gil;
 mod groups;
 mod index;
 mod results;
+mod runs;
 mod stats;
 
 use pyo3::prelude::*;
@@ -52,6 +54,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(events::cached_keys, module)?)?;
     module.add_function(wrap_pyfunction!(events::encode_events, module)?)?;
     module.add_class::<index::PrefixIndex>()?;
+    module.add_class::<runs::CoreRunCache>()?;
     module.add_function(wrap_pyfunction!(index::prompt_hashes, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -64,8 +64,16 @@ impl Pair {
             (Err(_), None) => None,
             (Ok(core), Some(mine)) => {
                 assert_eq!(
-                    (mine.cached_blocks() * BLOCK_SIZE, mine.blocks()),
-                    (core.num_cached_tokens, core.block_table.as_slice()),
+                    (
+                        mine.cached_blocks() * BLOCK_SIZE,
+                        mine.blocks(),
+                        mine.full_hit()
+                    ),
+                    (
+                        core.num_cached_tokens,
+                        core.block_table.as_slice(),
+                        core.full_hit
+                    ),
                     "{what}: begin"
                 );
                 Some((core.request_id, mine))

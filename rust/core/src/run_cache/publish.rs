@@ -1,0 +1,239 @@
+//! Publishing a request's blocks (`RunCache::commit`): duplicates of blocks published first,
+//! then a run grown in place, split where the request branches, or a new child; and reading a
+//! request's holds across the splits made since it took them.
+
+use super::{slab_put, Dup, Held, RunCache, RunRequest, NONE};
+use crate::key::BlockKey;
+use crate::run_table::RunParent;
+
+impl RunCache {
+    /// Publishes the request's full blocks past what it matched. A block another request
+    /// published first (the run's next block, a child's first, a first block) is a duplicate:
+    /// recorded, the request keeps its own copy (the core's deduplication), and its later
+    /// blocks chain on the canonical one. The rest go after the last: the run grows in place
+    /// if it ends there with no child, is split if it goes on, or gets a new child.
+    pub fn commit(&mut self, request: &mut RunRequest) {
+        let bs = self.block_size;
+        let full = request.tokens.len() / bs;
+        let mut at = request.cached_blocks.max(request.committed);
+        request.committed = request.committed.max(full);
+        if full <= at {
+            return;
+        }
+        // What the request holds, as the runs are now (another request may have split them).
+        request.held = self.resolve(&request.held);
+        let (mut run, mut end) = match request.held.last() {
+            None => (NONE, 0),
+            Some(&Held::Blocks { run, to, .. }) => (run, to),
+            Some(&Held::Copy(dup)) => {
+                let d = self.dups[dup as usize];
+                (d.run, d.pos + 1)
+            }
+        };
+        let first_copy = request.held.len();
+        let copies_from = at;
+        while at < full {
+            let block = &request.tokens[at * bs..(at + 1) * bs];
+            let Some((canonical_run, pos)) = self.cached_after(&request.root, run, end, block)
+            else {
+                break;
+            };
+            let record = Dup {
+                run: canonical_run,
+                pos,
+                block: request.blocks[at],
+                segment: NONE,
+                priority: request.priority,
+                inherited: false,
+                successor: NONE,
+            };
+            let dup = slab_put(&mut self.dups, &mut self.free_dups, record);
+            self.runs[canonical_run as usize].dups.push(dup);
+            request.held.push(Held::Copy(dup));
+            (run, end) = (canonical_run, pos + 1);
+            at += 1;
+        }
+        // Each copy's successor is the request's next block, a copy too or published below:
+        // its parent in the core's pool.
+        for (i, item) in request.held[first_copy..].iter().enumerate() {
+            if let Held::Copy(dup) = *item {
+                let next = copies_from + i + 1;
+                self.counters.copies += 1;
+                self.counters.copies_with_successor += u64::from(next < full);
+                self.dups[dup as usize].successor = if next < full {
+                    request.blocks[next]
+                } else {
+                    NONE
+                };
+            }
+        }
+        if at == full {
+            return;
+        }
+        let target = if run == NONE {
+            self.new_run(NONE)
+        } else {
+            if end < self.runs[run as usize].len {
+                self.split(run, end);
+            }
+            if self.runs[run as usize].children.is_empty() {
+                run
+            } else {
+                self.new_run(run)
+            }
+        };
+        // Published (and indexed) before the writer's length grows: a new run hangs under its
+        // parent's length as it is.
+        let (blocks, tokens) = (
+            &request.blocks[at..full],
+            &request.tokens[at * bs..full * bs],
+        );
+        match self.runs[target as usize].shared {
+            Some(shared) => self.table.extend(&mut self.alloc, shared, blocks, tokens),
+            None => {
+                let parent = self.shared_parent(target, request.root);
+                let shared = self.table.create(&mut self.alloc, parent, blocks, tokens);
+                self.runs[target as usize].shared = Some(shared);
+                self.by_slot[shared.slot as usize] = target;
+            }
+        }
+        if target != run && run != NONE {
+            self.runs[run as usize].children.push(target);
+        }
+        let t = &mut self.runs[target as usize];
+        let from = t.len;
+        t.one_priority = match t.one_priority {
+            _ if from == 0 => Some(request.priority),
+            Some(p) if p == request.priority => Some(p),
+            _ => None,
+        };
+        t.len += u32::try_from(full - at).expect("a run is shorter than the pool");
+        t.refs.resize(t.len as usize, 1);
+        t.priority.resize(t.len as usize, request.priority);
+        request.held.push(Held::Blocks {
+            run: target,
+            from,
+            to: t.len,
+        });
+    }
+
+    /// A request's holds as the runs are now: a split since a hold was taken hands the blocks
+    /// past it to the run that continues the old one (`continued`), which the holder's own
+    /// references keep alive.
+    pub(super) fn resolve(&mut self, held: &[Held]) -> Vec<Held> {
+        let mut out = Vec::with_capacity(held.len());
+        for &item in held {
+            let Held::Blocks {
+                mut run,
+                mut from,
+                mut to,
+            } = item
+            else {
+                out.push(item);
+                continue;
+            };
+            loop {
+                let len = self.runs[run as usize].len;
+                if to <= len {
+                    out.push(Held::Blocks { run, from, to });
+                    break;
+                }
+                if from < len {
+                    out.push(Held::Blocks { run, from, to: len });
+                }
+                self.counters.steps_across_splits += 1;
+                from = from.saturating_sub(len);
+                to -= len;
+                run = self.runs[run as usize].continued;
+                debug_assert_ne!(run, NONE, "a hold past a run's end crossed a split");
+            }
+        }
+        out
+    }
+
+    /// The cached block with tokens `block` right after the first `matched` blocks of `run`
+    /// (`NONE`: at `root`), as (run, position).
+    fn cached_after(
+        &self,
+        root: &BlockKey,
+        run: u32,
+        matched: u32,
+        block: &[u32],
+    ) -> Option<(u32, u32)> {
+        let (parent, hash) = if run == NONE {
+            (RunParent::Root(*root), self.table.head_hash(root, block))
+        } else {
+            let r = &self.runs[run as usize];
+            if matched < r.len {
+                let candidate = self.block(run, matched);
+                return self
+                    .table
+                    .block_holds(candidate, block)
+                    .then_some((run, matched));
+            }
+            let id = r.shared?.id;
+            (
+                RunParent::Run { id, len: r.len },
+                self.table.branch_hash(id, r.len, block),
+            )
+        };
+        let (slot, _) = self.table.find(hash, &parent, block, &mut Vec::new())?;
+        Some((self.by_slot[slot as usize], 0))
+    }
+
+    /// Cuts `run` after `at` blocks: the tail becomes a child run that takes the children, the
+    /// queued segments past `at` (one across it is cut in two) and the duplicates past it.
+    fn split(&mut self, run: u32, at: u32) {
+        self.counters.splits += 1;
+        let tail = self.new_run(run);
+        // The run table's split: the head keeps its slot under a fresh id, the tail is a run
+        // of its own hung under the head.
+        let shared = self.runs[run as usize].shared.expect("in the table");
+        let (head, tail_shared) = self.table.split(&mut self.alloc, shared, at as usize);
+        self.by_slot[tail_shared.slot as usize] = tail;
+        let r = &mut self.runs[run as usize];
+        r.shared = Some(head);
+        let tail_len = r.len - at;
+        r.len = at;
+        let refs = r.refs.split_off(at as usize);
+        let priority = r.priority.split_off(at as usize);
+        let children = std::mem::take(&mut r.children);
+        let segments = std::mem::take(&mut r.segments);
+        let dups = std::mem::take(&mut r.dups);
+        let continued = std::mem::replace(&mut r.continued, tail);
+        let (stay, moved) = self.order.split_segments(segments, tail, at);
+        self.runs[run as usize].segments = stay;
+        // Duplicates follow their canonical copies.
+        let (moved_dups, kept): (Vec<u32>, Vec<u32>) = dups
+            .into_iter()
+            .partition(|&d| self.dups[d as usize].pos >= at);
+        for &d in &moved_dups {
+            let record = &mut self.dups[d as usize];
+            record.run = tail;
+            record.pos -= at;
+        }
+        self.runs[run as usize].dups = kept;
+        // The children hang under the tail now, in the run table too.
+        let under_tail = RunParent::Run {
+            id: tail_shared.id,
+            len: tail_len,
+        };
+        for &c in &children {
+            self.runs[c as usize].parent = tail;
+            let child = self.runs[c as usize].shared.expect("in the table");
+            self.table.set_parent(&mut self.alloc, child, under_tail);
+        }
+        let one_priority = self.runs[run as usize].one_priority;
+        let t = &mut self.runs[tail as usize];
+        t.shared = Some(tail_shared);
+        t.len = tail_len;
+        t.refs = refs;
+        t.priority = priority;
+        t.one_priority = one_priority;
+        t.children = children;
+        t.segments = moved;
+        t.dups = moved_dups;
+        t.continued = continued;
+        self.runs[run as usize].children.push(tail);
+    }
+}

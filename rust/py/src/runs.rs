@@ -1,0 +1,178 @@
+//! `CoreRunCache`: the request cycle of the cache on runs of blocks (`prefixkv_core::run_cache`,
+//! issue 24's plan in `benches/PROFILE.md`), bound so that the benches can time it through the
+//! same conversions as `CoreCache` (numpy or list ids in, a `Request` out, the GIL released by
+//! the same rule). Experimental and not part of `prefixkv`'s API: it is not the cache yet, and
+//! takes only what the run cache serves so far (whole prompts committed at once, a salt, no
+//! adapter or multimodal extras); anything else is refused by name.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use prefixkv_core::run_cache::{RunCache, RunRequest};
+use prefixkv_core::{root_key, BlockKey, CacheError, RequestId};
+use pyo3::prelude::*;
+
+use crate::convert::{self, count, int_in, KeyExtras, RequestRef, Tokens};
+use crate::errors::{invalid, to_py_err};
+use crate::gil::detach_if;
+use crate::results::Request;
+
+/// The run cache and its requests in flight, behind one lock.
+struct Runs {
+    cache: RunCache,
+    requests: HashMap<RequestId, RunRequest>,
+    next_id: i64,
+    context: BlockKey,
+    block_size: usize,
+}
+
+/// The cache on runs of blocks (experimental; see the module docs).
+#[pyclass(frozen, module = "prefixkv._core")]
+pub struct CoreRunCache(Mutex<Runs>);
+
+impl CoreRunCache {
+    fn runs(&self) -> std::sync::MutexGuard<'_, Runs> {
+        // A panic inside the run cache is a bug and is raised as one; the state it left is
+        // not trusted further by the caller, who gets the panic's message.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl CoreRunCache {
+    #[new]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        context_fingerprint: &[u8],
+    ) -> PyResult<Self> {
+        let num_blocks: u32 = int_in(num_blocks, "num_blocks", "1 ..= 2147483646", |n| {
+            (1..=2_147_483_646).contains(&n)
+        })?;
+        let block_size: usize = int_in(block_size, "block_size", "1 ..= 4096", |n| {
+            (1..=4096).contains(&n)
+        })?;
+        let context: [u8; 32] = context_fingerprint.try_into().map_err(|_| {
+            invalid(format!(
+                "a context fingerprint is 32 bytes, got {}",
+                context_fingerprint.len()
+            ))
+        })?;
+        let cache =
+            RunCache::new(num_blocks, block_size, 0x7072_6566_6978_6b76).ok_or_else(|| {
+                to_py_err(CacheError::InvalidInput(format!(
+                    "cannot allocate a run cache of {num_blocks} blocks of {block_size} tokens"
+                )))
+            })?;
+        Ok(Self(Mutex::new(Runs {
+            cache,
+            requests: HashMap::new(),
+            next_id: 0,
+            context: BlockKey(context),
+            block_size,
+        })))
+    }
+
+    /// Matches the cached prefix of `tokens` under `keys`' salt, holds it and allocates the
+    /// rest; refused with nothing changed when the blocks are not there.
+    #[pyo3(signature = (tokens, keys, priority=None))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        mut tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Request> {
+        let priority = convert::priority(priority)?;
+        if !keys.extras.is_empty() {
+            return Err(invalid(
+                "the run cache takes no adapter or multimodal extras yet".into(),
+            ));
+        }
+        let num_prompt_tokens = tokens.len();
+        if num_prompt_tokens == 0 {
+            return Err(invalid("a prompt has at least one token".into()));
+        }
+        let view = tokens.view();
+        let salt = &keys.salt;
+        let (id, begun) = py
+            .detach(|| {
+                let tokens = view.into_vec()?;
+                let mut runs = self.runs();
+                let root = root_key(&runs.context, salt);
+                let bs = runs.block_size;
+                let Some(request) = runs.cache.begin(root, tokens, priority) else {
+                    return Err(CacheError::OutOfBlocks {
+                        needed: num_prompt_tokens.div_ceil(bs),
+                        available: runs.cache.obtainable(),
+                    });
+                };
+                let id = RequestId::Int(runs.next_id);
+                runs.next_id += 1;
+                let begun = (
+                    request.blocks().to_vec(),
+                    request.cached_blocks() * bs,
+                    request.full_hit(),
+                );
+                runs.requests.insert(id.clone(), request);
+                Ok((id, begun))
+            })
+            .map_err(to_py_err)?;
+        let (block_table, num_cached_tokens, full_hit) = begun;
+        Ok(Request {
+            id,
+            block_table,
+            num_cached_tokens,
+            full_hit,
+            last_token_shared: false,
+            num_prompt_tokens,
+        })
+    }
+
+    /// Publishes the request's full blocks: the whole prompt's, which is all the run cache
+    /// commits so far (`num_computed_tokens` must be the prompt's length).
+    fn commit(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let num = count(num_computed_tokens, "num_computed_tokens")?;
+        let mut runs = self.runs();
+        let runs = &mut *runs;
+        let Some(held) = runs.requests.get_mut(&request.0) else {
+            return Err(to_py_err(CacheError::UnknownRequest(request.0)));
+        };
+        if num != held.num_tokens() {
+            return Err(invalid(format!(
+                "the run cache commits whole prompts only: num_computed_tokens must be {}, \
+                 got {num}",
+                held.num_tokens()
+            )));
+        }
+        let large = held.num_tokens() / runs.block_size >= crate::gil::MANY_BLOCKS;
+        let cache = &mut runs.cache;
+        detach_if(py, large, || cache.commit(held));
+        Ok(())
+    }
+
+    /// Drops the request's references and forgets it.
+    fn finish(&self, request: RequestRef) -> PyResult<()> {
+        let mut runs = self.runs();
+        let Some(held) = runs.requests.remove(&request.0) else {
+            return Err(to_py_err(CacheError::UnknownRequest(request.0)));
+        };
+        runs.cache.finish(held);
+        Ok(())
+    }
+
+    /// Blocks a request could be given now (free, or cached and held by nobody).
+    fn obtainable(&self) -> usize {
+        self.runs().cache.obtainable()
+    }
+
+    /// Checks every invariant of the run cache (tests); raises on a broken one.
+    fn check_invariants(&self) {
+        self.runs().cache.check_invariants();
+    }
+}
