@@ -339,8 +339,12 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
 }
 
 fn interleavings(how: &Interleaving) -> Reached {
+    interleavings_from(0, how)
+}
+
+fn interleavings_from(first_seed: u64, how: &Interleaving) -> Reached {
     let mut reached = Reached::default();
-    for seed in 0..how.seeds {
+    for seed in first_seed..first_seed + how.seeds {
         interleave(seed, how, &mut reached);
     }
     eprintln!("{reached:?}");
@@ -410,4 +414,27 @@ fn requests_of_three_priorities_get_the_cores_blocks() {
         "{reached:?}"
     );
     assert!(reached.refusals > 50 && reached.splits > 200, "{reached:?}");
+}
+
+/// The three interleavings again on 4,000 fresh seeds each, in release (`make rust-stress`):
+/// what the default run's few hundred seeds could miss.
+#[test]
+#[ignore = "stress: run in release by `make rust-stress`"]
+fn many_more_interleavings_get_the_cores_blocks() {
+    for (cache_blocks, max_in_flight, patterns, priorities) in [
+        ([64, 128, 400], 4, None, false),
+        ([24, 32, 48], 8, Some(3), false),
+        ([32, 64, 128], 6, Some(4), true),
+        ([16, 40, 96], 8, Some(2), true),
+    ] {
+        let how = Interleaving {
+            seeds: 4_000,
+            cache_blocks,
+            max_in_flight,
+            patterns,
+            priorities,
+        };
+        let reached = interleavings_from(1_000_000, &how);
+        assert!(reached.evictions > 10_000, "{reached:?}");
+    }
 }
