@@ -54,6 +54,13 @@ def test_the_run_cache_hands_out_the_caches_blocks(
     num_blocks, prompts = workload
     cache, runs = pair(num_blocks)
     for i, (prompt, salt, priority) in enumerate(prompts):
+        probe = runs.lookup(prompt, key_extras(salt=salt))
+        expected_probe = cache.lookup(prompt, salt=salt)
+        assert (probe.block_ids, probe.num_cached_tokens, probe.full_hit) == (
+            expected_probe.block_ids,
+            expected_probe.num_cached_tokens,
+            expected_probe.full_hit,
+        ), f"request {i}: lookup"
         # numpy ids on one side, a list on the other: both conversions are checked.
         try:
             expected = cache.begin(np.array(prompt, dtype=np.int64), salt=salt, priority=priority)

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use crate::convert::{self, count, int_in, KeyExtras, RequestRef, Tokens};
 use crate::errors::{invalid, to_py_err};
 use crate::gil::detach_if;
-use crate::results::Request;
+use crate::results::{PrefixMatch, Request};
 
 /// The run cache and its requests in flight, behind one lock.
 struct Runs {
@@ -164,6 +164,36 @@ impl CoreRunCache {
         };
         runs.cache.finish(held);
         Ok(())
+    }
+
+    /// The cached prefix of `tokens` under `keys`' salt, without taking references.
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        mut tokens: Tokens<'_>,
+        keys: &KeyExtras,
+    ) -> PyResult<PrefixMatch> {
+        if !keys.extras.is_empty() {
+            return Err(invalid(
+                "the run cache takes no adapter or multimodal extras yet".into(),
+            ));
+        }
+        let view = tokens.view();
+        let found = py
+            .detach(|| {
+                let tokens = view.into_vec()?;
+                let runs = self.runs();
+                Ok(runs
+                    .cache
+                    .lookup(&root_key(&runs.context, &keys.salt), &tokens))
+            })
+            .map_err(to_py_err)?;
+        Ok(PrefixMatch {
+            num_cached_tokens: found.num_cached_tokens,
+            full_hit: found.full_hit,
+            last_token_shared: false,
+            block_ids: found.blocks,
+        })
     }
 
     /// Blocks a request could be given now (free, or cached and held by nobody).

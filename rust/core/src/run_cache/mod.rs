@@ -203,6 +203,18 @@ impl RunRequest {
     }
 }
 
+/// What `RunCache::lookup` found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunLookup {
+    /// Cached blocks, in prompt order.
+    pub blocks: Vec<BlockId>,
+    /// Tokens whose KV can be read from the cache.
+    pub num_cached_tokens: usize,
+    /// Every block of the prompt is cached (`blocks` stops one short, as `begin` recomputes
+    /// the last block).
+    pub full_hit: bool,
+}
+
 /// What the cache did, counted (what tests check they exercised, and what benches report).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunCounters {
@@ -355,38 +367,14 @@ impl RunCache {
         // (run, its first n blocks): the match's prefixes.
         let mut held: Vec<(u32, u32)> = Vec::new();
         let mut blocks: Vec<BlockId> = Vec::with_capacity(tokens.len().div_ceil(bs));
-        if full > 0 {
-            // Through the run table, as a lock-free reader would (its index, then each run's
-            // chunks and rows under the run's stamp): the first run by the root and the first
-            // block, each next one by the run it continues and its own first block.
-            let mut parent = RunParent::Root(root);
-            let mut hash = self.table.head_hash(&root, &tokens[..bs]);
-            loop {
-                let at = blocks.len();
-                let Some((slot, found)) =
-                    self.table
-                        .find(hash, &parent, &tokens[at * bs..full * bs], &mut blocks)
-                else {
-                    break;
-                };
+        // Through the run table, as a lock-free reader would (its index, then each run's
+        // chunks and rows under the run's stamp); a run with no child ends the walk.
+        self.table
+            .match_prompt(&root, &tokens[..full * bs], &mut blocks, |slot, found| {
                 let run = self.by_slot[slot as usize];
                 held.push((run, found.matched));
-                let at = blocks.len();
-                if found.matched < found.len
-                    || at == full
-                    || self.runs[run as usize].children.is_empty()
-                {
-                    break;
-                }
-                parent = RunParent::Run {
-                    id: found.id,
-                    len: found.len,
-                };
-                hash = self
-                    .table
-                    .branch_hash(found.id, found.len, &tokens[at * bs..(at + 1) * bs]);
-            }
-        }
+                !self.runs[run as usize].children.is_empty()
+            });
         let full_hit = blocks.len() == full && full * bs == tokens.len() && full > 0;
         if full_hit {
             // Every block cached: the last one is recomputed into a private block, as vLLM's
@@ -429,6 +417,27 @@ impl RunCache {
             full_hit,
             committed: 0,
         })
+    }
+
+    /// The cached prefix of `tokens` under `root`, without taking references: what `begin`
+    /// would hit now (a full hit stops one block short, as `begin` recomputes the last block).
+    /// Reads only the run table, as a reader on another thread could.
+    #[must_use]
+    pub fn lookup(&self, root: &BlockKey, tokens: &[u32]) -> RunLookup {
+        let bs = self.block_size;
+        let full = tokens.len() / bs;
+        let mut blocks = Vec::with_capacity(full);
+        self.table
+            .match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
+        let full_hit = blocks.len() == full && full * bs == tokens.len() && full > 0;
+        if full_hit {
+            blocks.pop();
+        }
+        RunLookup {
+            num_cached_tokens: blocks.len() * bs,
+            blocks,
+            full_hit,
+        }
     }
 
     /// Takes a reference on the run's first `upto` blocks; those that were free leave the

@@ -52,6 +52,17 @@ impl Pair {
         priority: i32,
         what: &str,
     ) -> Option<(RequestId, RunRequest)> {
+        // The probe first: what begin is about to hit, without references.
+        let probe = self
+            .core
+            .lookup(prompt, SALTS[salt], &RequestExtras::default())
+            .expect("lookup");
+        let mine = self.runs.lookup(&self.roots[salt], prompt);
+        assert_eq!(
+            (&mine.blocks, mine.num_cached_tokens, mine.full_hit),
+            (&probe.blocks, probe.num_cached_tokens, probe.full_hit),
+            "{what}: lookup"
+        );
         let core = self.core.begin(
             None,
             prompt.to_vec(),

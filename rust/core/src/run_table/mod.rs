@@ -349,6 +349,45 @@ impl RunTable {
         })
     }
 
+    /// Matches a prompt's whole blocks (`tokens`, a multiple of the block size) under `root`:
+    /// the first run by the root and the first block, each next one by the run it continues
+    /// and its own first block, every token verified (`find`). The matched block ids are
+    /// appended to `blocks`; `each_run(slot, found)` sees each run matched into and says
+    /// whether to look for a run continuing it (the writer knows when it has no child; a
+    /// reader asks the index). Lock-free.
+    pub fn match_prompt(
+        &self,
+        root: &BlockKey,
+        tokens: &[u32],
+        blocks: &mut Vec<BlockId>,
+        mut each_run: impl FnMut(u32, &RunMatch) -> bool,
+    ) {
+        let bs = self.block_size;
+        let full = tokens.len() / bs;
+        let first = blocks.len();
+        if full == 0 {
+            return;
+        }
+        let mut parent = RunParent::Root(*root);
+        let mut hash = self.head_hash(root, &tokens[..bs]);
+        while let Some((slot, found)) = self.find(
+            hash,
+            &parent,
+            &tokens[(blocks.len() - first) * bs..full * bs],
+            blocks,
+        ) {
+            let at = blocks.len() - first;
+            if !each_run(slot, &found) || found.matched < found.len || at == full {
+                return;
+            }
+            parent = RunParent::Run {
+                id: found.id,
+                len: found.len,
+            };
+            hash = self.branch_hash(found.id, found.len, &tokens[at * bs..(at + 1) * bs]);
+        }
+    }
+
     /// The run in `slot` as one consistent snapshot, or `None` when the slot holds no run (or
     /// the writer kept changing it). Lock-free.
     #[must_use]
