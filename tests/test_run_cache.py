@@ -112,3 +112,35 @@ def test_bad_input_is_refused_by_name_and_changes_nothing() -> None:
     # The first two blocks were published and are found again.
     again = runs.begin(list(range(10)), NO_EXTRAS)
     assert again.num_cached_tokens == 8
+
+
+def test_calls_from_two_threads_do_not_deadlock() -> None:
+    """A large commit releases the GIL; it must not hold the cache's lock while it waits to
+    take the GIL back, or a thread calling in under the GIL would wait for the lock forever
+    (found by a review: it hung in 4 of 4 runs). A hang kills the run after a minute, with
+    every thread's traceback, instead of stalling CI."""
+    import faulthandler
+    import threading
+
+    _, runs = pair(256)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            runs.obtainable()
+
+    poller = threading.Thread(target=poll)
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        poller.start()
+        for i in range(300):
+            prompt = list(range(i * 400, i * 400 + 400))
+            request = runs.begin(prompt, NO_EXTRAS)
+            runs.commit(request, len(prompt))
+            runs.finish(request)
+        stop.set()
+        poller.join()
+    finally:
+        stop.set()
+        faulthandler.cancel_dump_traceback_later()
+    runs.check_invariants()

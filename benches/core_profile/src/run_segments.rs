@@ -20,7 +20,7 @@ pub fn new(num_blocks: u32, block_size: usize) -> RunCache {
 impl StandIn for RunCache {
     type Request = RunRequest;
     fn begin(&mut self, tokens: Vec<u32>) -> Option<RunRequest> {
-        RunCache::begin(self, ROOT_KEY, tokens, 0)
+        RunCache::begin(self, ROOT_KEY, tokens, 0).ok()
     }
     fn commit(&mut self, request: &mut RunRequest) {
         RunCache::commit(self, request);

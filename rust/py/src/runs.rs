@@ -6,7 +6,7 @@
 //! adapter or multimodal extras); anything else is refused by name.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use prefixkv_core::run_cache::{RunCache, RunRequest};
 use prefixkv_core::{root_key, BlockKey, CacheError, RequestId};
@@ -31,10 +31,16 @@ struct Runs {
 pub struct CoreRunCache(Mutex<Runs>);
 
 impl CoreRunCache {
-    fn runs(&self) -> std::sync::MutexGuard<'_, Runs> {
-        // A panic inside the run cache is a bug and is raised as one; the state it left is
-        // not trusted further by the caller, who gets the panic's message.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The lock, taken inside a call's GIL release when it has one (`gil.rs`: a call that
+    /// released the GIL while holding the lock would deadlock with one waiting for the lock
+    /// under the GIL). A panic inside the run cache is a bug, raised once as one; the state it
+    /// left is not trusted after it, so every later call is refused.
+    fn runs(&self) -> Result<MutexGuard<'_, Runs>, CacheError> {
+        self.0.lock().map_err(|_| {
+            CacheError::InvalidInput(
+                "this run cache panicked in an earlier call; its state is not trusted".into(),
+            )
+        })
     }
 }
 
@@ -61,7 +67,10 @@ impl CoreRunCache {
         let cache =
             RunCache::new(num_blocks, block_size, 0x7072_6566_6978_6b76).ok_or_else(|| {
                 to_py_err(CacheError::InvalidInput(format!(
-                    "cannot allocate a run cache of {num_blocks} blocks of {block_size} tokens"
+                    "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata \
+                     would take more than the {} bytes allowed up front, or the memory is not \
+                     there",
+                    prefixkv_core::cache::MAX_UP_FRONT_BYTES
                 )))
             })?;
         Ok(Self(Mutex::new(Runs {
@@ -98,15 +107,16 @@ impl CoreRunCache {
         let (id, begun) = py
             .detach(|| {
                 let tokens = view.into_vec()?;
-                let mut runs = self.runs();
+                let mut runs = self.runs()?;
                 let root = root_key(&runs.context, salt);
                 let bs = runs.block_size;
-                let Some(request) = runs.cache.begin(root, tokens, priority) else {
-                    return Err(CacheError::OutOfBlocks {
-                        needed: num_prompt_tokens.div_ceil(bs),
-                        available: runs.cache.obtainable(),
-                    });
-                };
+                let request = runs
+                    .cache
+                    .begin(root, tokens, priority)
+                    .map_err(|refused| CacheError::OutOfBlocks {
+                        needed: refused.needed,
+                        available: refused.obtainable,
+                    })?;
                 let id = RequestId::Int(runs.next_id);
                 runs.next_id += 1;
                 let begun = (
@@ -138,32 +148,47 @@ impl CoreRunCache {
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut runs = self.runs();
-        let runs = &mut *runs;
-        let Some(held) = runs.requests.get_mut(&request.0) else {
-            return Err(to_py_err(CacheError::UnknownRequest(request.0)));
+        let id = request.0;
+        // Checked and sized under the lock, which is dropped before the GIL is released.
+        let large = {
+            let runs = self.runs().map_err(to_py_err)?;
+            let Some(held) = runs.requests.get(&id) else {
+                return Err(to_py_err(CacheError::UnknownRequest(id)));
+            };
+            if num != held.num_tokens() {
+                return Err(invalid(format!(
+                    "the run cache commits whole prompts only: num_computed_tokens must be {}, \
+                     got {num}",
+                    held.num_tokens()
+                )));
+            }
+            held.num_tokens() / runs.block_size >= crate::gil::MANY_BLOCKS
         };
-        if num != held.num_tokens() {
-            return Err(invalid(format!(
-                "the run cache commits whole prompts only: num_computed_tokens must be {}, \
-                 got {num}",
-                held.num_tokens()
-            )));
-        }
-        let large = held.num_tokens() / runs.block_size >= crate::gil::MANY_BLOCKS;
-        let cache = &mut runs.cache;
-        detach_if(py, large, || cache.commit(held));
-        Ok(())
+        detach_if(py, large, || {
+            let mut runs = self.runs()?;
+            let runs = &mut *runs;
+            // Another thread may have finished it since.
+            let Some(held) = runs.requests.get_mut(&id) else {
+                return Err(CacheError::UnknownRequest(id));
+            };
+            runs.cache.commit(held);
+            Ok(())
+        })
+        .map_err(to_py_err)
     }
 
     /// Drops the request's references and forgets it.
-    fn finish(&self, request: RequestRef) -> PyResult<()> {
-        let mut runs = self.runs();
-        let Some(held) = runs.requests.remove(&request.0) else {
-            return Err(to_py_err(CacheError::UnknownRequest(request.0)));
-        };
-        runs.cache.finish(held);
-        Ok(())
+    fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        let id = request.0;
+        py.detach(|| {
+            let mut runs = self.runs()?;
+            let Some(held) = runs.requests.remove(&id) else {
+                return Err(CacheError::UnknownRequest(id));
+            };
+            runs.cache.finish(held);
+            Ok(())
+        })
+        .map_err(to_py_err)
     }
 
     /// The cached prefix of `tokens` under `keys`' salt, without taking references.
@@ -182,7 +207,7 @@ impl CoreRunCache {
         let found = py
             .detach(|| {
                 let tokens = view.into_vec()?;
-                let runs = self.runs();
+                let runs = self.runs()?;
                 Ok(runs
                     .cache
                     .lookup(&root_key(&runs.context, &keys.salt), &tokens))
@@ -197,12 +222,13 @@ impl CoreRunCache {
     }
 
     /// Blocks a request could be given now (free, or cached and held by nobody).
-    fn obtainable(&self) -> usize {
-        self.runs().cache.obtainable()
+    fn obtainable(&self) -> PyResult<usize> {
+        Ok(self.runs().map_err(to_py_err)?.cache.obtainable())
     }
 
     /// Checks every invariant of the run cache (tests); raises on a broken one.
-    fn check_invariants(&self) {
-        self.runs().cache.check_invariants();
+    fn check_invariants(&self) -> PyResult<()> {
+        self.runs().map_err(to_py_err)?.cache.check_invariants();
+        Ok(())
     }
 }

@@ -65,6 +65,8 @@ mod publish;
 #[cfg(test)]
 mod tests;
 
+use std::sync::Arc;
+
 use crate::key::BlockKey;
 use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
@@ -203,6 +205,14 @@ impl RunRequest {
     }
 }
 
+/// `RunCache::begin` refused: the fresh blocks the request needed past its hit, and those it
+/// could have had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunRefusal {
+    pub needed: usize,
+    pub obtainable: usize,
+}
+
 /// What `RunCache::lookup` found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunLookup {
@@ -241,7 +251,9 @@ pub struct RunCache {
     free_runs: Vec<u32>,
     /// What a lock-free reader reads: runs' block ids in chunks, the blocks' token rows, the
     /// index of runs by parent and first block.
-    table: RunTable,
+    /// Shared, so that readers on other threads (a router probing while the scheduler
+    /// allocates) match prompts while this writer changes it (`shared_table`).
+    table: Arc<RunTable>,
     alloc: RunAllocator,
     /// The run recorded for each of the table's slots.
     by_slot: Vec<u32>,
@@ -255,11 +267,19 @@ pub struct RunCache {
 
 impl RunCache {
     /// A cache of `num_blocks` blocks of `block_size` tokens, all free; `None` when the memory
-    /// cannot be had or the sizes are out of range (`RunTable::new`). `seed` seeds the index
-    /// hashes.
+    /// cannot be had, or the sizes are out of range (`RunTable::new`) or would take more than
+    /// the cache's bound on memory allocated up front (`cache::MAX_UP_FRONT_BYTES`, with
+    /// `cache::MAX_BLOCK_SIZE`). `seed` seeds the index hashes.
     #[must_use]
     pub fn new(num_blocks: u32, block_size: usize, seed: u64) -> Option<Self> {
-        let table = RunTable::new(num_blocks as usize, block_size, seed)?;
+        // The writer's own records, per block: a slot's chunk list and hash, a free list entry.
+        let writer = num_blocks as usize * 48;
+        let bytes =
+            RunTable::bytes_up_front(num_blocks as usize, block_size)?.checked_add(writer)?;
+        if bytes > crate::cache::MAX_UP_FRONT_BYTES || block_size > crate::cache::MAX_BLOCK_SIZE {
+            return None;
+        }
+        let table = Arc::new(RunTable::new(num_blocks as usize, block_size, seed)?);
         let alloc = RunAllocator::new(&table);
         Some(Self {
             block_size,
@@ -286,6 +306,13 @@ impl RunCache {
     #[must_use]
     pub fn table(&self) -> &RunTable {
         &self.table
+    }
+
+    /// The table, for readers on other threads: `RunTable::match_prompt` there sees what this
+    /// cache's `lookup` sees, lock-free, while the cache goes on changing it.
+    #[must_use]
+    pub fn shared_table(&self) -> Arc<RunTable> {
+        Arc::clone(&self.table)
     }
 
     /// Blocks a request could be given now: free ones and cached ones nobody holds.
@@ -360,8 +387,17 @@ impl RunCache {
     }
 
     /// The longest cached prefix of `tokens` under `root`, held; then fresh blocks for the
-    /// rest. `None`, with nothing changed, when the blocks are not there.
-    pub fn begin(&mut self, root: BlockKey, tokens: Vec<u32>, priority: i32) -> Option<RunRequest> {
+    /// rest. Refused, with nothing changed, when the blocks are not there.
+    ///
+    /// # Panics
+    /// On an empty prompt (a caller's bug: the cache's API refuses one by name).
+    pub fn begin(
+        &mut self,
+        root: BlockKey,
+        tokens: Vec<u32>,
+        priority: i32,
+    ) -> Result<RunRequest, RunRefusal> {
+        assert!(!tokens.is_empty(), "a request needs at least one token");
         let bs = self.block_size;
         let full = tokens.len() / bs;
         // (run, its first n blocks): the match's prefixes.
@@ -397,14 +433,18 @@ impl RunCache {
                     .queued_below(&self.runs[run as usize].segments, upto)
             })
             .sum();
-        if fresh > self.order.free_count - taken {
-            return None;
+        let obtainable = self.order.free_count - taken;
+        if fresh > obtainable {
+            return Err(RunRefusal {
+                needed: fresh,
+                obtainable,
+            });
         }
         for &(run, upto) in &held {
             self.acquire(run, upto);
         }
         self.allocate(fresh, &mut blocks);
-        Some(RunRequest {
+        Ok(RunRequest {
             root,
             tokens,
             priority,

@@ -29,18 +29,24 @@ struct Pair {
     core: PrefixCache,
     runs: RunCache,
     roots: [BlockKey; 2],
+    block_size: usize,
 }
 
 const SALTS: [&[u8]; 2] = [b"", b"tenant"];
 
 impl Pair {
     fn new(num_blocks: u32) -> Self {
+        Self::with_block_size(num_blocks, BLOCK_SIZE)
+    }
+
+    fn with_block_size(num_blocks: u32, block_size: usize) -> Self {
         let context = context_fingerprint(b"t");
         Self {
-            core: PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context)
+            core: PrefixCache::new(CacheConfig::new(num_blocks, block_size), context)
                 .expect("cache"),
-            runs: RunCache::new(num_blocks, BLOCK_SIZE, 0x7072_6566).expect("cache"),
+            runs: RunCache::new(num_blocks, block_size, 0x7072_6566).expect("cache"),
             roots: SALTS.map(|salt| root_key(&context, salt)),
+            block_size,
         }
     }
 
@@ -70,13 +76,16 @@ impl Pair {
             RequestExtras::default(),
             priority,
         );
-        let mine = self.runs.begin(self.roots[salt], prompt.to_vec(), priority);
+        let mine = self
+            .runs
+            .begin(self.roots[salt], prompt.to_vec(), priority)
+            .ok();
         match (core, mine) {
             (Err(_), None) => None,
             (Ok(core), Some(mine)) => {
                 assert_eq!(
                     (
-                        mine.cached_blocks() * BLOCK_SIZE,
+                        mine.cached_blocks() * self.block_size,
                         mine.blocks(),
                         mine.full_hit()
                     ),
@@ -165,6 +174,11 @@ fn one_request_at_a_time_gets_the_cores_blocks_in_the_cores_order() {
             }
         }
         pair.runs.check_invariants();
+        assert_eq!(
+            pair.runs.obtainable(),
+            num_blocks as usize,
+            "seed {seed}: no block lost"
+        );
         let counters = pair.runs.counters();
         assert_eq!(
             counters.evictions,
@@ -333,6 +347,11 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
     }
     assert!(in_flight.is_empty(), "seed {seed}: every request ended");
     pair.runs.check_invariants();
+    assert_eq!(
+        pair.runs.obtainable(),
+        num_blocks as usize,
+        "seed {seed}: no block lost"
+    );
     let counters = pair.runs.counters();
     assert_eq!(
         counters.evictions,
@@ -447,5 +466,296 @@ fn many_more_interleavings_get_the_cores_blocks() {
         };
         let reached = interleavings_from(1_000_000, &how);
         assert!(reached.evictions > 10_000, "{reached:?}");
+    }
+    for block_size in [1, 3, 16, 17] {
+        for seed in 1_000_000..1_002_000 {
+            edges(seed, block_size);
+        }
+    }
+}
+
+/// A reader on another thread (a router probing while the scheduler allocates) matches
+/// prompts through the shared table while the cache begins, commits, finishes and evicts. The
+/// writer logs, after each call, what `lookup` answers for every probe prompt; each answer the
+/// reader got must be a prefix of one logged between the calls it started and ended in (a
+/// shorter match is always a right answer for a probe; a block not in that prompt's chain at
+/// any of those instants is a wrong hit).
+#[test]
+fn a_reader_on_another_thread_sees_a_prefix_of_some_state() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    for seed in 0..6u64 {
+        let num_blocks = [48u32, 96, 400][seed as usize % 3];
+        let mut runs = RunCache::new(num_blocks, BLOCK_SIZE, 7).expect("cache");
+        let root = BlockKey([3; 32]);
+        let prompts = prompts(seed, 400);
+        let probes: Vec<Vec<u32>> = prompts.iter().step_by(7).take(16).cloned().collect();
+        let table = runs.shared_table();
+        let calls = AtomicUsize::new(0);
+        let done = AtomicBool::new(false);
+        // Hits the reader read: the writer goes on until there are enough (bounded), so that a
+        // fast writer cannot finish before a slow reader starts.
+        let hits_read = AtomicUsize::new(0);
+        // Per probe, per position of its match: the cached block, then its recorded copies
+        // (a call may move the entry into one, `replace`: a reader inside that call can read
+        // either, both holding the position's tokens).
+        let answer_of = |runs: &RunCache| -> Vec<Vec<Vec<u32>>> {
+            probes
+                .iter()
+                .map(|p| {
+                    let mut blocks = Vec::new();
+                    let mut at = Vec::new();
+                    let whole = p.len() / BLOCK_SIZE * BLOCK_SIZE;
+                    runs.table()
+                        .match_prompt(&root, &p[..whole], &mut blocks, |slot, found| {
+                            let run = runs.by_slot[slot as usize];
+                            at.extend((0..found.matched).map(|pos| (run, pos)));
+                            true
+                        });
+                    let copies = |&(run, pos): &(u32, u32)| {
+                        runs.runs[run as usize]
+                            .dups
+                            .iter()
+                            .map(|&d| runs.dups[d as usize])
+                            .filter(move |d| d.pos == pos && !d.inherited)
+                            .map(|d| d.block)
+                    };
+                    blocks
+                        .iter()
+                        .zip(&at)
+                        .map(|(&block, place)| {
+                            std::iter::once(block).chain(copies(place)).collect()
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        // Whether `blocks` is a prefix of `state`'s match, position by position.
+        let prefix_of = |blocks: &[u32], state: &[Vec<u32>]| {
+            blocks.len() <= state.len()
+                && blocks
+                    .iter()
+                    .zip(state)
+                    .all(|(block, may)| may.contains(block))
+        };
+        let mut log = vec![answer_of(&runs)];
+        let seen = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut seen = Vec::new();
+                let mut i = 0;
+                while !done.load(Ordering::Acquire) || seen.is_empty() {
+                    let probe = i % probes.len();
+                    let whole = probes[probe].len() / BLOCK_SIZE * BLOCK_SIZE;
+                    let before = calls.load(Ordering::Acquire);
+                    let mut blocks = Vec::new();
+                    table.match_prompt(&root, &probes[probe][..whole], &mut blocks, |_, _| true);
+                    let after = calls.load(Ordering::Acquire);
+                    if !blocks.is_empty() {
+                        hits_read.fetch_add(1, Ordering::Relaxed);
+                    }
+                    seen.push((before, after, probe, blocks));
+                    i += 1;
+                }
+                seen
+            });
+            for (round, prompt) in prompts.iter().cycle().enumerate() {
+                if round >= prompts.len() && hits_read.load(Ordering::Relaxed) >= 1_000 {
+                    break;
+                }
+                assert!(
+                    round < 200 * prompts.len(),
+                    "seed {seed}: the reader never ran"
+                );
+                if prompt.len().div_ceil(BLOCK_SIZE) > num_blocks as usize {
+                    continue;
+                }
+                let mut request = runs.begin(root, prompt.clone(), 0).expect("fits");
+                log.push(answer_of(&runs));
+                calls.fetch_add(1, Ordering::Release);
+                runs.commit(&mut request);
+                log.push(answer_of(&runs));
+                calls.fetch_add(1, Ordering::Release);
+                runs.finish(request);
+                log.push(answer_of(&runs));
+                calls.fetch_add(1, Ordering::Release);
+            }
+            done.store(true, Ordering::Release);
+            reader.join().expect("reader")
+        });
+        let mut nonempty = 0;
+        for (before, after, probe, blocks) in &seen {
+            // States `before..=after + 1`: the call in flight when the read ended too.
+            let last = (*after + 1).min(log.len() - 1);
+            assert!(
+                (*before..=last).any(|v| prefix_of(blocks, &log[v][*probe])),
+                "seed {seed}: probe {probe} read {blocks:?} between calls {before} and {after}; \
+                 the states then: {:?}",
+                (*before..=last)
+                    .map(|v| &log[v][*probe])
+                    .collect::<Vec<_>>()
+            );
+            nonempty += usize::from(!blocks.is_empty());
+        }
+        assert!(nonempty > 0, "seed {seed}: the reader matched something");
+    }
+}
+
+/// Edge shapes (from a review): pools of 1 to 33 blocks, block sizes 3, 5 and 16, prompts that
+/// fill the pool exactly or exceed it by a token, full hits of one block, requests finished
+/// without a commit or committed twice, priorities at `i32`'s ends; invariants after every
+/// step and every block obtainable again at the end.
+fn edges(seed: u64, block_size: usize) -> (u64, u64) {
+    let mut draw = Draw::new(seed.wrapping_add(0x5151));
+    let num_blocks = [1u32, 2, 3, 4, 5, 8, 12, 16, 24, 33][draw.below(10)];
+    let max_in_flight = 1 + draw.below(8);
+    let patterns = [None, Some(1usize), Some(2), Some(4)][draw.below(4)];
+    let priorities = draw.below(3);
+    let mut pair = Pair::with_block_size(num_blocks, block_size);
+    let pool_tokens = num_blocks as usize * block_size;
+    let mut finished: Vec<(Vec<u32>, usize)> = Vec::new();
+    let mut next_fresh = 100_000u32;
+    struct InFlight {
+        id: RequestId,
+        mine: RunRequest,
+        prompt: Vec<u32>,
+        salt: usize,
+        committed: bool,
+    }
+    let mut in_flight: Vec<InFlight> = Vec::new();
+    let mut refusals = 0;
+    for step in 0..300 {
+        let action = if step >= 260 {
+            1 + step % 3
+        } else {
+            draw.below(4)
+        };
+        let what = format!("edge seed {seed}, block size {block_size}, step {step}");
+        match action {
+            0 if in_flight.len() < max_in_flight => {
+                let mut prompt = Vec::new();
+                let mut salt = usize::from(draw.below(6) == 0);
+                let mut fresh_tail = true;
+                let bases = finished.len() + in_flight.len();
+                if bases > 0 && draw.below(4) != 0 {
+                    let pick = draw.below(bases);
+                    let (base, base_salt) = if pick < finished.len() {
+                        finished[pick].clone()
+                    } else {
+                        let other = &in_flight[pick - finished.len()];
+                        (other.prompt.clone(), other.salt)
+                    };
+                    salt = base_salt;
+                    let found = pair
+                        .core
+                        .lookup(&base, SALTS[salt], &RequestExtras::default())
+                        .expect("lookup");
+                    let cut = match draw.below(5) {
+                        0 if !found.blocks.is_empty() => {
+                            fresh_tail = false;
+                            found.blocks.len() * block_size
+                        }
+                        1 => found.num_cached_tokens,
+                        2 => {
+                            fresh_tail = draw.below(2) == 0;
+                            base.len() / block_size * block_size
+                        }
+                        _ => {
+                            fresh_tail = draw.below(2) == 0;
+                            draw.below(base.len() + 1)
+                        }
+                    };
+                    prompt.extend_from_slice(&base[..cut]);
+                }
+                if fresh_tail || prompt.is_empty() {
+                    let count = match draw.below(6) {
+                        0 => pool_tokens.saturating_sub(prompt.len()).max(1),
+                        1 => pool_tokens + 1,
+                        2 => block_size * (1 + draw.below(4)),
+                        _ => 1 + draw.below(pool_tokens),
+                    };
+                    match patterns {
+                        None => {
+                            prompt.extend(next_fresh..next_fresh + count as u32);
+                            next_fresh += count as u32;
+                        }
+                        Some(patterns) => {
+                            let mut pattern = 0;
+                            for _ in 0..count {
+                                if prompt.len() % block_size == 0 {
+                                    pattern = draw.below(patterns) as u32;
+                                }
+                                prompt.push(pattern * 1000 + (prompt.len() % block_size) as u32);
+                            }
+                        }
+                    }
+                }
+                let priority = match priorities {
+                    0 => 0,
+                    1 => draw.below(5) as i32 - 2,
+                    _ => [i32::MIN, -1, 0, i32::MAX][draw.below(4)],
+                };
+                match pair.begin(&prompt, salt, priority, &what) {
+                    None => refusals += 1,
+                    Some((id, mine)) => in_flight.push(InFlight {
+                        id,
+                        mine,
+                        prompt,
+                        salt,
+                        committed: false,
+                    }),
+                }
+            }
+            // Commit (again, sometimes).
+            1 if !in_flight.is_empty() => {
+                let i = draw.below(in_flight.len());
+                let request = &mut in_flight[i];
+                pair.core
+                    .commit(&request.id, request.prompt.len())
+                    .expect("commit");
+                pair.runs.commit(&mut request.mine);
+                request.committed = true;
+            }
+            // Finish, committed or not (3: committed only, before the last steps).
+            2 | 3 if !in_flight.is_empty() => {
+                let i = draw.below(in_flight.len());
+                if action == 3 && !in_flight[i].committed && step < 260 {
+                    continue;
+                }
+                let request = in_flight.swap_remove(i);
+                pair.core.finish(&request.id).expect("finish");
+                pair.runs.finish(request.mine);
+                finished.push((request.prompt, request.salt));
+            }
+            _ => {}
+        }
+        pair.runs.check_invariants();
+    }
+    for request in in_flight.drain(..) {
+        pair.core.finish(&request.id).expect("finish");
+        pair.runs.finish(request.mine);
+    }
+    pair.runs.check_invariants();
+    let evictions = pair.runs.counters().evictions;
+    assert_eq!(evictions, pair.core.stats().evictions, "edge seed {seed}");
+    assert_eq!(
+        pair.runs.obtainable(),
+        num_blocks as usize,
+        "edge seed {seed}: no block lost"
+    );
+    (refusals, evictions)
+}
+
+#[test]
+fn edge_shapes_get_the_cores_blocks() {
+    for block_size in [3, 5, 16] {
+        let (mut refusals, mut evictions) = (0, 0);
+        for seed in 0..200 {
+            let (r, e) = edges(seed, block_size);
+            refusals += r;
+            evictions += e;
+        }
+        assert!(
+            refusals > 500 && evictions > 5_000,
+            "{refusals} refusals, {evictions} evictions"
+        );
     }
 }

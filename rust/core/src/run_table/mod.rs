@@ -244,6 +244,27 @@ impl RunTable {
         })
     }
 
+    /// The bytes `new` allocates for these sizes (the run slots and roots, the index, the
+    /// chunk arena, the token rows), or `None` past `usize`.
+    #[must_use]
+    pub fn bytes_up_front(num_blocks: usize, block_size: usize) -> Option<usize> {
+        let index =
+            SlotIndex::capacity(num_blocks)?.checked_mul(std::mem::size_of::<AtomicU64>())?;
+        let per_block = std::mem::size_of::<RunSlot>() + std::mem::size_of::<[AtomicU64; 4]>();
+        let chunks = (num_blocks + num_blocks / CHUNK + 1).checked_mul(
+            CHUNK * std::mem::size_of::<AtomicU32>() + std::mem::size_of::<AtomicU32>(),
+        )?;
+        let tokens = num_blocks
+            .checked_mul(block_size.div_ceil(2))?
+            .checked_add(LINE / 8 - 1)?
+            .checked_mul(std::mem::size_of::<AtomicU64>())?;
+        num_blocks
+            .checked_mul(per_block)?
+            .checked_add(index)?
+            .checked_add(chunks)?
+            .checked_add(tokens)
+    }
+
     /// Tokens per block.
     #[must_use]
     pub fn block_size(&self) -> usize {
