@@ -75,6 +75,10 @@ def test_the_run_cache_hands_out_the_caches_blocks(
             expected.num_prompt_tokens,
         ), f"request {i}"
         assert got.block_table == expected.block_table, f"request {i}"
+        # A chunk first, sometimes (a chunked prefill), then the whole prompt.
+        chunk = len(prompt) // (1 + i % 3)
+        cache.commit(expected, chunk)
+        runs.commit(got, chunk)
         cache.commit(expected, len(prompt))
         runs.commit(got, len(prompt))
         cache.finish(expected)
@@ -97,11 +101,14 @@ def test_bad_input_is_refused_by_name_and_changes_nothing() -> None:
         _core.CoreRunCache(0, BLOCK_SIZE, bytes(32))
     assert runs.obtainable() == 8
     request = runs.begin(list(range(10)), NO_EXTRAS)
-    with pytest.raises(InvalidInputError, match="whole prompts only"):
-        runs.commit(request, 4)
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(InvalidInputError, match="exceeds the request's 10 tokens"):
+        runs.commit(request, 11)
+    with pytest.raises(OutOfBlocksError, match="needed 8"):
         runs.begin(list(range(100, 130)), NO_EXTRAS)
     assert runs.obtainable() == 8 - 3
+    # A chunk first (one block published), then the rest.
+    runs.commit(request, 5)
+    assert runs.lookup(list(range(10)), NO_EXTRAS).num_cached_tokens == 4
     runs.commit(request, 10)
     runs.finish(request)
     with pytest.raises(UnknownRequestError):

@@ -23,7 +23,7 @@ impl StandIn for RunCache {
         RunCache::begin(self, ROOT_KEY, tokens, 0).ok()
     }
     fn commit(&mut self, request: &mut RunRequest) {
-        RunCache::commit(self, request);
+        RunCache::commit(self, request, usize::MAX);
     }
     fn finish(&mut self, request: RunRequest) {
         RunCache::finish(self, request);

@@ -2,8 +2,8 @@
 //! issue 24's plan in `benches/PROFILE.md`), bound so that the benches can time it through the
 //! same conversions as `CoreCache` (numpy or list ids in, a `Request` out, the GIL released by
 //! the same rule). Experimental and not part of `prefixkv`'s API: it is not the cache yet, and
-//! takes only what the run cache serves so far (whole prompts committed at once, a salt, no
-//! adapter or multimodal extras); anything else is refused by name.
+//! takes only what the run cache serves so far (the request cycle with commits by chunk, a
+//! salt, no adapter or multimodal extras); anything else is refused by name.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -139,8 +139,8 @@ impl CoreRunCache {
         })
     }
 
-    /// Publishes the request's full blocks: the whole prompt's, which is all the run cache
-    /// commits so far (`num_computed_tokens` must be the prompt's length).
+    /// The KV of the request's first `num_computed_tokens` tokens is written: publishes the
+    /// full blocks among them (chunk after chunk, as a chunked prefill commits).
     fn commit(
         &self,
         py: Python<'_>,
@@ -155,14 +155,13 @@ impl CoreRunCache {
             let Some(held) = runs.requests.get(&id) else {
                 return Err(to_py_err(CacheError::UnknownRequest(id)));
             };
-            if num != held.num_tokens() {
+            if num > held.num_tokens() {
                 return Err(invalid(format!(
-                    "the run cache commits whole prompts only: num_computed_tokens must be {}, \
-                     got {num}",
+                    "num_computed_tokens {num} exceeds the request's {} tokens",
                     held.num_tokens()
                 )));
             }
-            held.num_tokens() / runs.block_size >= crate::gil::MANY_BLOCKS
+            num / runs.block_size >= crate::gil::MANY_BLOCKS
         };
         detach_if(py, large, || {
             let mut runs = self.runs()?;
@@ -171,7 +170,7 @@ impl CoreRunCache {
             let Some(held) = runs.requests.get_mut(&id) else {
                 return Err(CacheError::UnknownRequest(id));
             };
-            runs.cache.commit(held);
+            runs.cache.commit(held, num);
             Ok(())
         })
         .map_err(to_py_err)

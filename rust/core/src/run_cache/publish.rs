@@ -7,14 +7,16 @@ use crate::key::BlockKey;
 use crate::run_table::RunParent;
 
 impl RunCache {
-    /// Publishes the request's full blocks past what it matched. A block another request
-    /// published first (the run's next block, a child's first, a first block) is a duplicate:
-    /// recorded, the request keeps its own copy (the core's deduplication), and its later
-    /// blocks chain on the canonical one. The rest go after the last: the run grows in place
-    /// if it ends there with no child, is split if it goes on, or gets a new child.
-    pub fn commit(&mut self, request: &mut RunRequest) {
+    /// The KV of the request's first `num_computed_tokens` tokens is written: publishes the
+    /// full blocks among them past what it matched or published before (a chunked prefill
+    /// commits chunk after chunk; a count past the prompt is the whole prompt). A block another
+    /// request published first (the run's next block, a child's first, a first block) is a
+    /// duplicate: recorded, the request keeps its own copy (the core's deduplication), and its
+    /// later blocks chain on the canonical one. The rest go after the last: the run grows in
+    /// place if it ends there with no child, is split if it goes on, or gets a new child.
+    pub fn commit(&mut self, request: &mut RunRequest, num_computed_tokens: usize) {
         let bs = self.block_size;
-        let full = request.tokens.len() / bs;
+        let full = request.tokens.len().min(num_computed_tokens) / bs;
         let mut at = request.cached_blocks.max(request.committed);
         request.committed = request.committed.max(full);
         if full <= at {
@@ -30,6 +32,12 @@ impl RunCache {
                 (d.run, d.pos + 1)
             }
         };
+        // A copy this request committed last time (its last block then) parents the block
+        // this commit publishes first, in the core's pool: it is that copy's successor now.
+        if let Some(&Held::Copy(dup)) = request.held.last() {
+            self.dups[dup as usize].successor = request.blocks[at];
+            self.counters.copies_with_successor += 1;
+        }
         let first_copy = request.held.len();
         let copies_from = at;
         while at < full {

@@ -166,7 +166,7 @@ fn one_request_at_a_time_gets_the_cores_blocks_in_the_cores_order() {
                 .expect("one request at a time fits");
             seen[0] += (mine.cached_blocks() * BLOCK_SIZE) as u64;
             pair.core.commit(&id, prompt.len()).expect("commit");
-            pair.runs.commit(&mut mine);
+            pair.runs.commit(&mut mine, prompt.len());
             pair.core.finish(&id).expect("finish");
             pair.runs.finish(mine);
             if i % 8 == 0 {
@@ -237,6 +237,8 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
         mine: RunRequest,
         prompt: Vec<u32>,
         salt: usize,
+        /// Tokens committed so far, and whether that is all of them.
+        computed: usize,
         committed: bool,
     }
     let mut in_flight: Vec<InFlight> = Vec::new();
@@ -320,6 +322,7 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
                             mine,
                             prompt,
                             salt,
+                            computed: 0,
                             committed: false,
                         });
                     }
@@ -327,11 +330,18 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
             }
             1 if !open.is_empty() => {
                 let request = &mut in_flight[open[draw.below(open.len())]];
-                pair.core
-                    .commit(&request.id, request.prompt.len())
-                    .expect("commit");
-                pair.runs.commit(&mut request.mine);
-                request.committed = true;
+                // A chunk of the prompt's KV written, sometimes (a chunked prefill), else the
+                // rest of it.
+                let len = request.prompt.len();
+                let computed = if step < 360 && draw.below(3) == 0 {
+                    request.computed + draw.below(len - request.computed + 1)
+                } else {
+                    len
+                };
+                pair.core.commit(&request.id, computed).expect("commit");
+                pair.runs.commit(&mut request.mine, computed);
+                request.computed = computed;
+                request.committed = computed == len;
             }
             2 if !done.is_empty() => {
                 let request = in_flight.swap_remove(done[draw.below(done.len())]);
@@ -571,7 +581,7 @@ fn a_reader_on_another_thread_sees_a_prefix_of_some_state() {
                 let mut request = runs.begin(root, prompt.clone(), 0).expect("fits");
                 log.push(answer_of(&runs));
                 calls.fetch_add(1, Ordering::Release);
-                runs.commit(&mut request);
+                runs.commit(&mut request, prompt.len());
                 log.push(answer_of(&runs));
                 calls.fetch_add(1, Ordering::Release);
                 runs.finish(request);
@@ -708,11 +718,14 @@ fn edges(seed: u64, block_size: usize) -> (u64, u64) {
             1 if !in_flight.is_empty() => {
                 let i = draw.below(in_flight.len());
                 let request = &mut in_flight[i];
-                pair.core
-                    .commit(&request.id, request.prompt.len())
-                    .expect("commit");
-                pair.runs.commit(&mut request.mine);
-                request.committed = true;
+                let len = request.prompt.len();
+                let computed = match draw.below(3) {
+                    0 => draw.below(len + 1),
+                    _ => len,
+                };
+                pair.core.commit(&request.id, computed).expect("commit");
+                pair.runs.commit(&mut request.mine, computed);
+                request.committed = computed == len;
             }
             // Finish, committed or not (3: committed only, before the last steps).
             2 | 3 if !in_flight.is_empty() => {
