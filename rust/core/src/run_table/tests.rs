@@ -480,6 +480,18 @@ fn run_ops(ops: &[Op]) {
             assert_eq!(snapshot.parent, model.parent);
             let blocks: Vec<BlockId> = model.blocks.iter().map(|b| b.0).collect();
             assert_eq!(snapshot.blocks, blocks);
+            // The writer's reads through its chunk lists: every block, and every range that
+            // starts or ends at a chunk's edge or inside one.
+            for (position, &block) in blocks.iter().enumerate() {
+                assert_eq!(table.block_at(&alloc, model.run, position), block);
+            }
+            let len = blocks.len();
+            let ranges = [(0, len), (len / 3, len), (1.min(len), len * 2 / 3)];
+            for (from, to) in ranges.into_iter().filter(|(from, to)| from <= to) {
+                let mut ids = vec![7];
+                table.read_ids(&alloc, model.run, from, to, &mut ids);
+                assert_eq!(ids[1..], blocks[from..to], "ids {from}..{to} of {len}");
+            }
             assert!(
                 !retired.contains(&model.run.id),
                 "id {} given again",
