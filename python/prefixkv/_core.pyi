@@ -11,6 +11,7 @@ __all__ = [
     "CoreCache",
     "CoreEvent",
     "CoreGroups",
+    "CoreRunCache",
     "EventCounters",
     "EventDrain",
     "GroupSlots",
