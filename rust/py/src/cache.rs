@@ -17,9 +17,9 @@ use crate::gil::{detach_if, many, MANY_BLOCKS};
 use crate::results::{Pin, PrefixMatch, Request, Slots};
 use crate::stats::CacheStats;
 
-const U32_RANGE: &str = "1 ..= 4294967295";
+pub(crate) const U32_RANGE: &str = "1 ..= 4294967295";
 
-fn fingerprint(bytes: &[u8]) -> PyResult<BlockKey> {
+pub(crate) fn fingerprint(bytes: &[u8]) -> PyResult<BlockKey> {
     let key: [u8; 32] = bytes.try_into().map_err(|_| {
         invalid(format!(
             "a context fingerprint is 32 bytes, got {}",

@@ -12,6 +12,7 @@ use prefixkv_core::run_cache::{RunCache, RunRequest};
 use prefixkv_core::{root_key, BlockKey, CacheError, RequestId};
 use pyo3::prelude::*;
 
+use crate::cache::{fingerprint, U32_RANGE};
 use crate::convert::{self, count, int_in, KeyExtras, RequestRef, Tokens};
 use crate::errors::{invalid, to_py_err};
 use crate::gil::detach_if;
@@ -44,6 +45,17 @@ impl CoreRunCache {
     }
 }
 
+/// The run cache keys blocks by root (context and salt) and tokens only, so far.
+fn no_extras(keys: &KeyExtras) -> PyResult<()> {
+    if keys.extras.is_empty() {
+        Ok(())
+    } else {
+        Err(invalid(
+            "the run cache takes no adapter or multimodal extras yet".into(),
+        ))
+    }
+}
+
 #[pymethods]
 impl CoreRunCache {
     #[new]
@@ -52,32 +64,26 @@ impl CoreRunCache {
         block_size: &Bound<'_, PyAny>,
         context_fingerprint: &[u8],
     ) -> PyResult<Self> {
-        let num_blocks: u32 = int_in(num_blocks, "num_blocks", "1 ..= 2147483646", |n| {
-            (1..=2_147_483_646).contains(&n)
-        })?;
-        let block_size: usize = int_in(block_size, "block_size", "1 ..= 4096", |n| {
-            (1..=4096).contains(&n)
-        })?;
-        let context: [u8; 32] = context_fingerprint.try_into().map_err(|_| {
-            invalid(format!(
-                "a context fingerprint is 32 bytes, got {}",
-                context_fingerprint.len()
-            ))
-        })?;
+        // As `CoreCache` reads them; `RunCache::new` refuses sizes it cannot hold.
+        let positive = |v: i128| v > 0;
+        let num_blocks: u32 = int_in(num_blocks, "num_blocks", U32_RANGE, positive)?;
+        let block_size = int_in::<u32>(block_size, "block_size", U32_RANGE, positive)? as usize;
+        let context = fingerprint(context_fingerprint)?;
         let cache =
             RunCache::new(num_blocks, block_size, 0x7072_6566_6978_6b76).ok_or_else(|| {
                 to_py_err(CacheError::InvalidInput(format!(
                     "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata \
-                     would take more than the {} bytes allowed up front, or the memory is not \
-                     there",
-                    prefixkv_core::cache::MAX_UP_FRONT_BYTES
+                     would take more than the {} bytes allowed up front (or blocks of more \
+                     than {} tokens), or the memory is not there",
+                    prefixkv_core::cache::MAX_UP_FRONT_BYTES,
+                    prefixkv_core::cache::MAX_BLOCK_SIZE
                 )))
             })?;
         Ok(Self(Mutex::new(Runs {
             cache,
             requests: HashMap::new(),
             next_id: 0,
-            context: BlockKey(context),
+            context,
             block_size,
         })))
     }
@@ -93,11 +99,7 @@ impl CoreRunCache {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Request> {
         let priority = convert::priority(priority)?;
-        if !keys.extras.is_empty() {
-            return Err(invalid(
-                "the run cache takes no adapter or multimodal extras yet".into(),
-            ));
-        }
+        no_extras(keys)?;
         let num_prompt_tokens = tokens.len();
         if num_prompt_tokens == 0 {
             return Err(invalid("a prompt has at least one token".into()));
@@ -197,11 +199,7 @@ impl CoreRunCache {
         mut tokens: Tokens<'_>,
         keys: &KeyExtras,
     ) -> PyResult<PrefixMatch> {
-        if !keys.extras.is_empty() {
-            return Err(invalid(
-                "the run cache takes no adapter or multimodal extras yet".into(),
-            ));
-        }
+        no_extras(keys)?;
         let view = tokens.view();
         let found = py
             .detach(|| {

@@ -250,8 +250,7 @@ pub struct RunCache {
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// What a lock-free reader reads: runs' block ids in chunks, the blocks' token rows, the
-    /// index of runs by parent and first block.
-    /// Shared, so that readers on other threads (a router probing while the scheduler
+    /// index of runs by parent and first block. Shared, so that readers on other threads (a router probing while the scheduler
     /// allocates) match prompts while this writer changes it (`shared_table`).
     table: Arc<RunTable>,
     alloc: RunAllocator,
@@ -343,47 +342,40 @@ impl RunCache {
         }
     }
 
+    /// A run record for a new run under `parent` (`NONE`: a first run), empty until published.
     fn new_run(&mut self, parent: u32) -> u32 {
-        let record = Run {
-            shared: None,
-            parent,
-            len: 0,
-            refs: Vec::new(),
-            priority: Vec::new(),
-            one_priority: None,
-            children: Vec::new(),
-            segments: Vec::new(),
-            dups: Vec::new(),
-            continued: NONE,
+        let Some(index) = self.free_runs.pop() else {
+            self.runs.push(Run {
+                shared: None,
+                parent,
+                len: 0,
+                refs: Vec::new(),
+                priority: Vec::new(),
+                one_priority: None,
+                children: Vec::new(),
+                segments: Vec::new(),
+                dups: Vec::new(),
+                continued: NONE,
+            });
+            return u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks");
         };
-        if let Some(index) = self.free_runs.pop() {
-            // Keep the recycled vectors' capacity.
-            let old = &mut self.runs[index as usize];
-            let (mut refs, mut priority, mut children, mut segments, mut dups) = (
-                std::mem::take(&mut old.refs),
-                std::mem::take(&mut old.priority),
-                std::mem::take(&mut old.children),
-                std::mem::take(&mut old.segments),
-                std::mem::take(&mut old.dups),
-            );
-            refs.clear();
-            priority.clear();
-            children.clear();
-            segments.clear();
-            dups.clear();
-            *old = Run {
-                refs,
-                priority,
-                children,
-                segments,
-                dups,
-                ..record
-            };
-            index
-        } else {
-            self.runs.push(record);
-            u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks")
-        }
+        // Recycled: `unhook` left it out of the table with every vector empty (their capacity
+        // kept), so only the rest is set.
+        let r = &mut self.runs[index as usize];
+        debug_assert!(
+            r.shared.is_none() && r.len == 0 && r.refs.is_empty() && r.priority.is_empty()
+        );
+        r.parent = parent;
+        r.one_priority = None;
+        r.continued = NONE;
+        index
+    }
+
+    /// Whether a match of `matched` whole blocks covers every block of a prompt of `len`
+    /// tokens (then its last block is recomputed, as vLLM's runner does and the core's default,
+    /// `FullHit::RecomputeLastBlock`).
+    fn is_full_hit(&self, matched: usize, len: usize) -> bool {
+        matched > 0 && matched * self.block_size == len
     }
 
     /// The longest cached prefix of `tokens` under `root`, held; then fresh blocks for the
@@ -411,10 +403,9 @@ impl RunCache {
                 held.push((run, found.matched));
                 !self.runs[run as usize].children.is_empty()
             });
-        let full_hit = blocks.len() == full && full * bs == tokens.len() && full > 0;
+        let full_hit = self.is_full_hit(blocks.len(), tokens.len());
         if full_hit {
-            // Every block cached: the last one is recomputed into a private block, as vLLM's
-            // runner does and the core's default (`FullHit::RecomputeLastBlock`).
+            // Every block cached: the last one is recomputed into a private block.
             blocks.pop();
             let last = held.last_mut().expect("a hit holds a run");
             last.1 -= 1;
@@ -469,7 +460,7 @@ impl RunCache {
         let mut blocks = Vec::with_capacity(full);
         self.table
             .match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
-        let full_hit = blocks.len() == full && full * bs == tokens.len() && full > 0;
+        let full_hit = self.is_full_hit(blocks.len(), tokens.len());
         if full_hit {
             blocks.pop();
         }
