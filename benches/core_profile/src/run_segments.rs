@@ -23,7 +23,8 @@ impl StandIn for RunCache {
         RunCache::begin(self, ROOT_KEY, tokens, 0).ok()
     }
     fn commit(&mut self, request: &mut RunRequest) {
-        RunCache::commit(self, request, usize::MAX);
+        let len = request.num_tokens();
+        RunCache::commit(self, request, len).expect("a whole prompt's KV is in its slots");
     }
     fn finish(&mut self, request: RunRequest) {
         RunCache::finish(self, request);

@@ -172,8 +172,7 @@ impl CoreRunCache {
             let Some(held) = runs.requests.get_mut(&id) else {
                 return Err(CacheError::UnknownRequest(id));
             };
-            runs.cache.commit(held, num);
-            Ok(())
+            runs.cache.commit(held, num)
         })
         .map_err(to_py_err)
     }

@@ -1,11 +1,12 @@
 //! The writer's half of a cache whose unit is a run of blocks (step 2 of the plan in
 //! `benches/PROFILE.md`, issue 24): what requests hold, the eviction order, duplicates. Readers
 //! see the runs through [`RunTable`]; this module decides what the table holds. It serves the
-//! request cycle (begin, commit, finish, each with a retention priority) and hands out exactly
-//! the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's contract
-//! with vLLM: the tests run both side by side, block table for block table. Not yet used by the
-//! cache; what it leaves out for now: events, extras, sliding windows, groups, pins,
-//! preemption, the step API's incremental calls and the low-level `release`.
+//! request cycle (begin, commit, finish, each with a retention priority) and the step API's
+//! (add, allocate_slots chunk by chunk, append_tokens, commit, preempt, finish), and hands out
+//! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
+//! contract with vLLM: the tests run both side by side, block table for block table. Not yet
+//! used by the cache; what it leaves out for now: events, extras, sliding windows, groups,
+//! pins, draft tokens, `FullHit::ReuseLastBlock` and the low-level `release`.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -56,12 +57,17 @@
 //! The writer keeps no copy of a run's block ids: it reads them from the table's chunks
 //! through its own list of each run's chunks (`RunTable::block_at`, `read_ids`).
 //!
-//! Here: the records, begin and finish. `order.rs`: the eviction order and allocation;
-//! `publish.rs`: commit; `invariants.rs`: what the tests check after their steps.
+//! Here: the records, begin and finish. `steps.rs`: the step API (a request added waiting,
+//! its slots allocated chunk by chunk, decode tokens appended, preemption); `order.rs`: the
+//! eviction order and allocation; `publish.rs`: commit; `invariants.rs`: what the tests check
+//! after their steps.
 
 mod invariants;
 mod order;
 mod publish;
+#[cfg(test)]
+mod step_tests;
+mod steps;
 #[cfg(test)]
 mod tests;
 
@@ -72,6 +78,7 @@ use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
 use order::Order;
+pub use steps::RunSlots;
 
 /// "No run, block, segment or record".
 const NONE: u32 = u32::MAX;
@@ -176,6 +183,12 @@ pub struct RunRequest {
     full_hit: bool,
     /// Full blocks committed (the rest of the table is private).
     committed: usize,
+    /// Tokens whose KV is written: the hit's, then what `commit` said.
+    num_computed: usize,
+    /// False while waiting: no blocks held, no prefix matched (`steps.rs`).
+    scheduled: bool,
+    /// The longest hit its matches may use (`limit_cached_prefix`); kept until changed.
+    max_cached_tokens: Option<usize>,
 }
 
 impl RunRequest {
@@ -191,10 +204,22 @@ impl RunRequest {
         self.cached_blocks
     }
 
-    /// The prompt's tokens.
+    /// The request's tokens: its prompt, then what `append_tokens` added.
     #[must_use]
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Tokens whose KV is written: the cached prefix, then what `commit` recorded.
+    #[must_use]
+    pub fn num_computed_tokens(&self) -> usize {
+        self.num_computed
+    }
+
+    /// Whether it holds blocks (false while waiting: after `RunCache::add`, or `preempt`).
+    #[must_use]
+    pub fn is_scheduled(&self) -> bool {
+        self.scheduled
     }
 
     /// Whether every block of the prompt was cached (then the last one is recomputed into a
@@ -379,7 +404,8 @@ impl RunCache {
     }
 
     /// The longest cached prefix of `tokens` under `root`, held; then fresh blocks for the
-    /// rest. Refused, with nothing changed, when the blocks are not there.
+    /// rest: `add` and `allocate_slots` for the whole prompt, in one step. Refused, with
+    /// nothing changed, when the blocks are not there.
     ///
     /// # Panics
     /// On an empty prompt (a caller's bug: the cache's API refuses one by name).
@@ -390,64 +416,17 @@ impl RunCache {
         priority: i32,
     ) -> Result<RunRequest, RunRefusal> {
         assert!(!tokens.is_empty(), "a request needs at least one token");
-        let bs = self.block_size;
-        let full = tokens.len() / bs;
-        // (run, its first n blocks): the match's prefixes.
-        let mut held: Vec<(u32, u32)> = Vec::new();
-        let mut blocks: Vec<BlockId> = Vec::with_capacity(tokens.len().div_ceil(bs));
-        // Through the run table, as a lock-free reader would (its index, then each run's
-        // chunks and rows under the run's stamp); a run with no child ends the walk.
-        self.table
-            .match_prompt(&root, &tokens[..full * bs], &mut blocks, |slot, found| {
-                let run = self.by_slot[slot as usize];
-                held.push((run, found.matched));
-                !self.runs[run as usize].children.is_empty()
-            });
-        let full_hit = self.is_full_hit(blocks.len(), tokens.len());
-        if full_hit {
-            // Every block cached: the last one is recomputed into a private block.
-            blocks.pop();
-            let last = held.last_mut().expect("a hit holds a run");
-            last.1 -= 1;
-            if last.1 == 0 {
-                held.pop();
+        let mut request = Self::add(root, tokens, priority);
+        match self.schedule(&mut request, None, 0, 0) {
+            Ok(_) => Ok(request),
+            Err(crate::error::CacheError::OutOfBlocks { needed, available }) => Err(RunRefusal {
+                needed,
+                obtainable: available,
+            }),
+            Err(other) => {
+                unreachable!("a whole prompt's allocation is refused only for blocks: {other}")
             }
         }
-        let cached = blocks.len();
-        let fresh = tokens.len().div_ceil(bs) - cached;
-        // Refused before anything changes, as the core refuses: the free blocks the hit takes
-        // out of the order are not there to allocate.
-        let taken: usize = held
-            .iter()
-            .map(|&(run, upto)| {
-                self.order
-                    .queued_below(&self.runs[run as usize].segments, upto)
-            })
-            .sum();
-        let obtainable = self.order.free_count - taken;
-        if fresh > obtainable {
-            return Err(RunRefusal {
-                needed: fresh,
-                obtainable,
-            });
-        }
-        for &(run, upto) in &held {
-            self.acquire(run, upto);
-        }
-        self.allocate(fresh, &mut blocks);
-        Ok(RunRequest {
-            root,
-            tokens,
-            priority,
-            held: held
-                .into_iter()
-                .map(|(run, to)| Held::Blocks { run, from: 0, to })
-                .collect(),
-            blocks,
-            cached_blocks: cached,
-            full_hit,
-            committed: 0,
-        })
     }
 
     /// The cached prefix of `tokens` under `root`, without taking references: what `begin`
@@ -487,6 +466,14 @@ impl RunCache {
     /// canonical copy's entry among them, as that block); then its other duplicates as spares,
     /// one tick later.
     pub fn finish(&mut self, request: RunRequest) {
+        self.release(&request);
+    }
+
+    /// What `finish` releases, leaving the request as it was (`preempt` resets it).
+    fn release(&mut self, request: &RunRequest) {
+        if !request.scheduled {
+            return;
+        }
         let private = &request.blocks[request.committed.max(request.cached_blocks)..];
         self.order.free_private(private);
         self.tick += 1;

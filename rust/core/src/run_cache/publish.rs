@@ -3,6 +3,7 @@
 //! request's holds across the splits made since it took them.
 
 use super::{slab_put, Dup, Held, RunCache, RunRequest, NONE};
+use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::run_table::RunParent;
 
@@ -14,13 +15,30 @@ impl RunCache {
     /// duplicate: recorded, the request keeps its own copy (the core's deduplication), and its
     /// later blocks chain on the canonical one. The rest go after the last: the run grows in
     /// place if it ends there with no child, is split if it goes on, or gets a new child.
-    pub fn commit(&mut self, request: &mut RunRequest, num_computed_tokens: usize) {
+    ///
+    /// Refused by name, with nothing changed, for more tokens than the request has or KV past
+    /// its slots (as the core's `commit`).
+    pub fn commit(&mut self, request: &mut RunRequest, num_computed_tokens: usize) -> Result<()> {
+        let len = request.tokens.len();
+        if num_computed_tokens > len {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
         let bs = self.block_size;
-        let full = request.tokens.len().min(num_computed_tokens) / bs;
+        let slots = request.blocks.len() * bs;
+        if num_computed_tokens > slots {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
+                 no KV can have been written past them (allocate_slots first)"
+            )));
+        }
+        request.num_computed = request.num_computed.max(num_computed_tokens);
+        let full = request.num_computed / bs;
         let mut at = request.cached_blocks.max(request.committed);
         request.committed = request.committed.max(full);
         if full <= at {
-            return;
+            return Ok(());
         }
         // What the request holds, as the runs are now (another request may have split them).
         request.held = self.resolve(&request.held);
@@ -76,7 +94,7 @@ impl RunCache {
             }
         }
         if at == full {
-            return;
+            return Ok(());
         }
         let target = if run == NONE {
             self.new_run(NONE)
@@ -123,6 +141,7 @@ impl RunCache {
             from,
             to: t.len,
         });
+        Ok(())
     }
 
     /// A request's holds as the runs are now: a split since a hold was taken hands the blocks

@@ -6,17 +6,17 @@ use super::{RunCache, RunRequest};
 use crate::key::{context_fingerprint, root_key, BlockKey};
 use crate::{CacheConfig, PrefixCache, RequestExtras, RequestId};
 
-const BLOCK_SIZE: usize = 16;
+pub(super) const BLOCK_SIZE: usize = 16;
 
 /// A small deterministic generator (xorshift), so a failing seed replays exactly.
-struct Draw(u64);
+pub(super) struct Draw(u64);
 
 impl Draw {
-    fn new(seed: u64) -> Self {
+    pub(super) fn new(seed: u64) -> Self {
         Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
-    fn below(&mut self, n: usize) -> usize {
+    pub(super) fn below(&mut self, n: usize) -> usize {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -25,21 +25,21 @@ impl Draw {
 }
 
 /// The two caches side by side, and the salts prompts are drawn under (each its own root).
-struct Pair {
-    core: PrefixCache,
-    runs: RunCache,
-    roots: [BlockKey; 2],
+pub(super) struct Pair {
+    pub(super) core: PrefixCache,
+    pub(super) runs: RunCache,
+    pub(super) roots: [BlockKey; 2],
     block_size: usize,
 }
 
-const SALTS: [&[u8]; 2] = [b"", b"tenant"];
+pub(super) const SALTS: [&[u8]; 2] = [b"", b"tenant"];
 
 impl Pair {
     fn new(num_blocks: u32) -> Self {
         Self::with_block_size(num_blocks, BLOCK_SIZE)
     }
 
-    fn with_block_size(num_blocks: u32, block_size: usize) -> Self {
+    pub(super) fn with_block_size(num_blocks: u32, block_size: usize) -> Self {
         let context = context_fingerprint(b"t");
         Self {
             core: PrefixCache::new(CacheConfig::new(num_blocks, block_size), context)
@@ -166,7 +166,7 @@ fn one_request_at_a_time_gets_the_cores_blocks_in_the_cores_order() {
                 .expect("one request at a time fits");
             seen[0] += (mine.cached_blocks() * BLOCK_SIZE) as u64;
             pair.core.commit(&id, prompt.len()).expect("commit");
-            pair.runs.commit(&mut mine, prompt.len());
+            pair.runs.commit(&mut mine, prompt.len()).expect("commit");
             pair.core.finish(&id).expect("finish");
             pair.runs.finish(mine);
             if i % 8 == 0 {
@@ -339,7 +339,9 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
                     len
                 };
                 pair.core.commit(&request.id, computed).expect("commit");
-                pair.runs.commit(&mut request.mine, computed);
+                pair.runs
+                    .commit(&mut request.mine, computed)
+                    .expect("commit");
                 request.computed = computed;
                 request.committed = computed == len;
             }
@@ -581,7 +583,7 @@ fn a_reader_on_another_thread_sees_a_prefix_of_some_state() {
                 let mut request = runs.begin(root, prompt.clone(), 0).expect("fits");
                 log.push(answer_of(&runs));
                 calls.fetch_add(1, Ordering::Release);
-                runs.commit(&mut request, prompt.len());
+                runs.commit(&mut request, prompt.len()).expect("commit");
                 log.push(answer_of(&runs));
                 calls.fetch_add(1, Ordering::Release);
                 runs.finish(request);
@@ -724,7 +726,9 @@ fn edges(seed: u64, block_size: usize) -> (u64, u64) {
                     _ => len,
                 };
                 pair.core.commit(&request.id, computed).expect("commit");
-                pair.runs.commit(&mut request.mine, computed);
+                pair.runs
+                    .commit(&mut request.mine, computed)
+                    .expect("commit");
                 request.committed = computed == len;
             }
             // Finish, committed or not (3: committed only, before the last steps).

@@ -1,0 +1,354 @@
+//! The step API on runs against the per-block cache's: requests added waiting, their prompts
+//! scheduled in chunks (with lookahead slots and watermarks), decode tokens appended and
+//! committed block by block, preemptions that re-match, caps on the cached prefix, finishes
+//! in any order. After every call both caches must have answered alike: the same slots or
+//! the same refusal (out of blocks, or invalid input), the same block table, the same start
+//! position; and at the end the same evictions and every block obtainable again.
+
+use super::tests::{Draw, Pair, SALTS};
+use super::{RunCache, RunRequest};
+use crate::error::CacheError;
+use crate::{RequestExtras, RequestId};
+
+/// One request in both caches.
+struct Live {
+    id: RequestId,
+    mine: RunRequest,
+    salt: usize,
+    /// Tokens the last `allocate_slots` scheduled up to (what the engine may commit).
+    scheduled_to: usize,
+    /// Decode tokens it still generates once its prompt is computed.
+    decode_left: usize,
+}
+
+/// What the seeds reached, summed (each checked to be reached).
+#[derive(Debug, Default)]
+struct Reached {
+    hit_tokens: u64,
+    rematched_tokens: u64,
+    out_of_blocks: u64,
+    invalid: u64,
+    capped: u64,
+    decode_tokens: u64,
+    preemptions: u64,
+    evictions: u64,
+    copies: u64,
+    splits: u64,
+}
+
+/// The same kind of refusal, or the same answer.
+fn same_outcome<T: PartialEq + std::fmt::Debug, U: std::fmt::Debug>(
+    core: &Result<T, CacheError>,
+    mine: &Result<U, CacheError>,
+    equal: impl Fn(&T, &U) -> bool,
+    what: &str,
+) {
+    match (core, mine) {
+        (Ok(c), Ok(m)) => assert!(equal(c, m), "{what}: core {c:?}, run cache {m:?}"),
+        (
+            Err(CacheError::OutOfBlocks { needed: a, .. }),
+            Err(CacheError::OutOfBlocks { needed: b, .. }),
+        ) => {
+            assert_eq!(a, b, "{what}: blocks needed");
+        }
+        (Err(CacheError::InvalidInput(_)), Err(CacheError::InvalidInput(_))) => {}
+        _ => panic!("{what}: core {core:?}, run cache {mine:?}"),
+    }
+}
+
+fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
+    let num_blocks = [12u32, 40, 160][seed as usize % 3];
+    let mut pair = Pair::with_block_size(num_blocks, block_size);
+    let mut draw = Draw::new(seed ^ 0x5157);
+    let mut next_id = 0i64;
+    let mut next_fresh = 1_000u32;
+    // Token sequences seen (prompts and what was generated after them), with their salt.
+    let mut seen: Vec<(Vec<u32>, usize)> = Vec::new();
+    let mut live: Vec<Live> = Vec::new();
+    let max_prompt = num_blocks as usize * block_size * 3 / 4;
+    for step in 0..500 {
+        let winding_down = step >= 440;
+        let what = format!("seed {seed}, block size {block_size}, step {step}");
+        let action = if winding_down { 5 } else { draw.below(12) };
+        match action {
+            // Add a request: a cut of something seen (a finished request's decode tokens
+            // included), then fresh tokens from a few patterns or unique ones.
+            0 | 1 if live.len() < 6 => {
+                let mut tokens = Vec::new();
+                let mut salt = usize::from(draw.below(8) == 0);
+                let bases = seen.len() + live.len();
+                if bases > 0 && draw.below(4) != 0 {
+                    let pick = draw.below(bases);
+                    let (base, base_salt) = if pick < seen.len() {
+                        (seen[pick].0.clone(), seen[pick].1)
+                    } else {
+                        let other = &live[pick - seen.len()];
+                        (other.mine.tokens.clone(), other.salt)
+                    };
+                    salt = base_salt;
+                    let cut = if draw.below(3) == 0 {
+                        base.len() / block_size * block_size
+                    } else {
+                        draw.below(base.len() + 1)
+                    };
+                    tokens.extend_from_slice(&base[..cut.min(max_prompt)]);
+                }
+                if tokens.is_empty() || draw.below(3) != 0 {
+                    let count = 1 + draw.below(3 * block_size + 40);
+                    for _ in 0..count {
+                        if draw.below(2) == 0 {
+                            tokens.push(7 + (tokens.len() % block_size) as u32);
+                        } else {
+                            tokens.push(next_fresh);
+                            next_fresh += 1;
+                        }
+                    }
+                }
+                tokens.truncate(max_prompt.max(1));
+                let priority = draw.below(3) as i32 - 1;
+                let id = RequestId::Int(next_id);
+                next_id += 1;
+                pair.core
+                    .add_request(
+                        id.clone(),
+                        tokens.clone(),
+                        SALTS[salt],
+                        RequestExtras::default(),
+                        priority,
+                    )
+                    .expect("add");
+                let mut mine = RunCache::add(pair.roots[salt], tokens, priority);
+                if draw.below(6) == 0 {
+                    let cap = Some(draw.below(mine.num_tokens() + 1));
+                    pair.core.limit_cached_prefix(&id, cap).expect("cap");
+                    mine.limit_cached_prefix(cap);
+                }
+                live.push(Live {
+                    id,
+                    mine,
+                    salt,
+                    scheduled_to: 0,
+                    decode_left: draw.below(2 * block_size + 2),
+                });
+            }
+            // Allocate slots: the next chunk of the prompt (or all of it), a decode token, now
+            // and then more than the request has (refused by both), a lookahead, a watermark.
+            2..=4 if !live.is_empty() => {
+                let i = draw.below(live.len());
+                let l = &mut live[i];
+                let waiting = !l.mine.is_scheduled();
+                if waiting {
+                    let start = pair.core.start_position(&l.id).expect("start");
+                    assert_eq!(pair.runs.start_position(&l.mine), start, "{what}: start");
+                }
+                let start = if waiting {
+                    pair.runs.start_position(&l.mine)
+                } else {
+                    l.mine.num_computed_tokens()
+                };
+                let known = l.mine.num_tokens() - start;
+                let num_new = match draw.below(10) {
+                    0 => known + 1 + draw.below(3),
+                    1..=3 => known,
+                    _ => draw.below(known + 1),
+                };
+                let lookahead = if draw.below(4) == 0 {
+                    draw.below(2 * block_size)
+                } else {
+                    0
+                };
+                let watermark = if draw.below(5) == 0 { draw.below(4) } else { 0 };
+                let core = pair
+                    .core
+                    .allocate_slots(&l.id, num_new, lookahead, watermark);
+                let mine = pair
+                    .runs
+                    .allocate_slots(&mut l.mine, num_new, lookahead, watermark);
+                same_outcome(
+                    &core,
+                    &mine,
+                    |c, m| {
+                        (
+                            &c.block_ids,
+                            c.num_computed_tokens,
+                            c.num_cached_tokens,
+                            c.full_hit,
+                        ) == (
+                            &m.block_ids,
+                            m.num_computed_tokens,
+                            m.num_cached_tokens,
+                            m.full_hit,
+                        )
+                    },
+                    &format!("{what}: allocate_slots({num_new}, {lookahead}, {watermark})"),
+                );
+                match &mine {
+                    Ok(slots) => {
+                        if waiting {
+                            reached.hit_tokens += slots.num_cached_tokens as u64;
+                            if slots.num_computed_tokens < start {
+                                reached.capped += 1;
+                            }
+                        }
+                        l.scheduled_to = slots.num_computed_tokens + num_new;
+                    }
+                    Err(CacheError::OutOfBlocks { .. }) => reached.out_of_blocks += 1,
+                    Err(_) => reached.invalid += 1,
+                }
+            }
+            // Commit what was scheduled, part of it (a chunk), or past the slots now and then.
+            5..=7 if !live.is_empty() => {
+                let i = draw.below(live.len());
+                let l = &mut live[i];
+                let from = l.mine.num_computed_tokens();
+                let n = if winding_down || draw.below(3) != 0 {
+                    l.scheduled_to.max(from)
+                } else if draw.below(8) == 0 {
+                    l.mine.num_tokens() + 1
+                } else {
+                    from + draw.below(l.scheduled_to.max(from) - from + 1)
+                };
+                let core = pair.core.commit(&l.id, n).map(|_| ());
+                let mine = pair.runs.commit(&mut l.mine, n);
+                same_outcome(&core, &mine, |(), ()| true, &format!("{what}: commit({n})"));
+                if mine.is_err() {
+                    reached.invalid += 1;
+                }
+                // A computed request decodes: a token sampled, appended to both.
+                if l.mine.is_scheduled()
+                    && l.mine.num_computed_tokens() == l.mine.num_tokens()
+                    && l.decode_left > 0
+                    && !winding_down
+                {
+                    l.decode_left -= 1;
+                    let token = if draw.below(2) == 0 { 3 } else { next_fresh };
+                    next_fresh += 1;
+                    pair.core
+                        .append_tokens(&l.id, &[token], false)
+                        .expect("append");
+                    l.mine.append_tokens(&[token]);
+                    reached.decode_tokens += 1;
+                }
+            }
+            8 if !live.is_empty() => {
+                let i = draw.below(live.len());
+                let l = &mut live[i];
+                if l.mine.is_scheduled() {
+                    reached.preemptions += 1;
+                }
+                pair.core.preempt(&l.id).expect("preempt");
+                pair.runs.preempt(&mut l.mine);
+                l.scheduled_to = 0;
+                let start = pair.core.start_position(&l.id).expect("start");
+                assert_eq!(
+                    pair.runs.start_position(&l.mine),
+                    start,
+                    "{what}: start after preempt"
+                );
+                reached.rematched_tokens += start as u64;
+            }
+            9 | 10 if !live.is_empty() => {
+                // Finished once computed, or any time (an abort).
+                let i = draw.below(live.len());
+                let l = live.swap_remove(i);
+                pair.core.finish(&l.id).expect("finish");
+                seen.push((l.mine.tokens.clone(), l.salt));
+                pair.runs.finish(l.mine);
+            }
+            _ if winding_down && !live.is_empty() => {
+                let l = live.swap_remove(0);
+                pair.core.finish(&l.id).expect("finish");
+                pair.runs.finish(l.mine);
+            }
+            _ => {}
+        }
+        for l in &live {
+            assert_eq!(
+                pair.core.block_table(&l.id).expect("table"),
+                l.mine.blocks(),
+                "{what}: block table of {}",
+                l.id
+            );
+            assert_eq!(
+                pair.core.num_computed_tokens(&l.id).expect("computed"),
+                l.mine.num_computed_tokens(),
+                "{what}: computed tokens of {}",
+                l.id
+            );
+        }
+        if step % 8 == 0 {
+            pair.runs.check_invariants();
+        }
+    }
+    for l in live.drain(..) {
+        pair.core.finish(&l.id).expect("finish");
+        pair.runs.finish(l.mine);
+    }
+    pair.runs.check_invariants();
+    assert_eq!(
+        pair.runs.obtainable(),
+        num_blocks as usize,
+        "seed {seed}: no block lost"
+    );
+    let counters = pair.runs.counters();
+    assert_eq!(
+        counters.evictions,
+        pair.core.stats().evictions,
+        "seed {seed}: evictions"
+    );
+    reached.evictions += counters.evictions;
+    reached.copies += counters.copies;
+    reached.splits += counters.splits;
+}
+
+fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
+    let mut reached = Reached::default();
+    for seed in seeds {
+        steps(seed, block_size, &mut reached);
+    }
+    eprintln!("block size {block_size}: {reached:?}");
+    let Reached {
+        hit_tokens,
+        rematched_tokens,
+        out_of_blocks,
+        invalid,
+        capped,
+        decode_tokens,
+        preemptions,
+        evictions,
+        copies,
+        splits,
+    } = reached;
+    for (name, n) in [
+        ("hit tokens", hit_tokens),
+        ("rematched tokens", rematched_tokens),
+        ("out of blocks", out_of_blocks),
+        ("invalid", invalid),
+        ("capped", capped),
+        ("decode tokens", decode_tokens),
+        ("preemptions", preemptions),
+        ("evictions", evictions),
+        ("copies", copies),
+        ("splits", splits),
+    ] {
+        assert!(n > 10, "block size {block_size}: only {n} {name}");
+    }
+    reached
+}
+
+/// Chunked prefills, decode, lookahead, watermarks, preemption and caps: the core's slots and
+/// refusals, call for call.
+#[test]
+fn the_step_api_hands_out_the_cores_slots() {
+    steps_over(0..300, 16);
+    steps_over(0..300, 3);
+}
+
+/// The same on many more seeds, in release (`make rust-stress`).
+#[test]
+#[ignore = "stress: run in release by `make rust-stress`"]
+fn the_step_api_hands_out_the_cores_slots_on_many_more_seeds() {
+    for block_size in [1, 3, 16, 17] {
+        steps_over(1_000..5_000, block_size);
+    }
+}
