@@ -189,6 +189,8 @@ pub struct RunRequest {
     scheduled: bool,
     /// The longest hit its matches may use (`limit_cached_prefix`); kept until changed.
     max_cached_tokens: Option<usize>,
+    /// How many of the last `tokens` are unverified drafts (never published).
+    num_drafts: usize,
 }
 
 impl RunRequest {

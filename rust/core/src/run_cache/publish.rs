@@ -34,7 +34,8 @@ impl RunCache {
             )));
         }
         request.num_computed = request.num_computed.max(num_computed_tokens);
-        let full = request.num_computed / bs;
+        // Drafts are never published: only blocks whose every token is verified.
+        let full = request.num_computed.min(request.num_verified()) / bs;
         let mut at = request.cached_blocks.max(request.committed);
         request.committed = request.committed.max(full);
         if full <= at {

@@ -30,6 +30,9 @@ struct Reached {
     invalid: u64,
     capped: u64,
     decode_tokens: u64,
+    drafts: u64,
+    accepted: u64,
+    truncated: u64,
     preemptions: u64,
     evictions: u64,
     copies: u64,
@@ -69,7 +72,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     for step in 0..500 {
         let winding_down = step >= 440;
         let what = format!("seed {seed}, block size {block_size}, step {step}");
-        let action = if winding_down { 5 } else { draw.below(12) };
+        let action = if winding_down { 5 } else { draw.below(13) };
         match action {
             // Add a request: a cut of something seen (a finished request's decode tokens
             // included), then fresh tokens from a few patterns or unique ones.
@@ -223,11 +226,10 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                     l.decode_left -= 1;
                     let token = if draw.below(2) == 0 { 3 } else { next_fresh };
                     next_fresh += 1;
-                    pair.core
-                        .append_tokens(&l.id, &[token], false)
-                        .expect("append");
-                    l.mine.append_tokens(&[token]);
-                    reached.decode_tokens += 1;
+                    let core = pair.core.append_tokens(&l.id, &[token], false);
+                    let mine = l.mine.append_tokens(&[token], false);
+                    same_outcome(&core, &mine, |(), ()| true, &format!("{what}: append"));
+                    reached.decode_tokens += u64::from(mine.is_ok());
                 }
             }
             8 if !live.is_empty() => {
@@ -254,6 +256,55 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 pair.core.finish(&l.id).expect("finish");
                 seen.push((l.mine.tokens.clone(), l.salt));
                 pair.runs.finish(l.mine);
+            }
+            // Speculative decoding: drafts appended (their slots come from a later
+            // allocate_slots, their KV from a commit), then some accepted, or cut by truncate,
+            // now and then past what the request has (refused by both).
+            11 | 12 if !live.is_empty() => {
+                let i = draw.below(live.len());
+                let l = &mut live[i];
+                if l.mine.num_drafts == 0 {
+                    let count = 1 + draw.below(4);
+                    let drafts: Vec<u32> = (0..count)
+                        .map(|k| {
+                            if draw.below(2) == 0 {
+                                3
+                            } else {
+                                next_fresh + k as u32
+                            }
+                        })
+                        .collect();
+                    next_fresh += count as u32;
+                    pair.core
+                        .append_tokens(&l.id, &drafts, true)
+                        .expect("drafts");
+                    l.mine.append_tokens(&drafts, true).expect("drafts");
+                    reached.drafts += count as u64;
+                } else if draw.below(2) == 0 {
+                    let n = draw.below(l.mine.num_drafts + 2);
+                    let core = pair.core.accept_drafts(&l.id, n);
+                    let mine = pair.runs.accept_drafts(&mut l.mine, n);
+                    same_outcome(
+                        &core,
+                        &mine,
+                        |c, m| c == m,
+                        &format!("{what}: accept_drafts({n})"),
+                    );
+                    reached.accepted += u64::from(mine.is_ok());
+                } else {
+                    let n = draw.below(l.mine.num_tokens() + 2);
+                    let core = pair.core.truncate(&l.id, n);
+                    let mine = pair.runs.truncate(&mut l.mine, n);
+                    same_outcome(
+                        &core,
+                        &mine,
+                        |c, m| c == m,
+                        &format!("{what}: truncate({n})"),
+                    );
+                    reached.truncated +=
+                        u64::from(mine.as_ref().is_ok_and(|freed| !freed.is_empty()));
+                }
+                l.scheduled_to = l.scheduled_to.min(l.mine.num_tokens());
             }
             _ if winding_down && !live.is_empty() => {
                 let l = live.swap_remove(0);
@@ -314,6 +365,9 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         invalid,
         capped,
         decode_tokens,
+        drafts,
+        accepted,
+        truncated,
         preemptions,
         evictions,
         copies,
@@ -326,6 +380,9 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         ("invalid", invalid),
         ("capped", capped),
         ("decode tokens", decode_tokens),
+        ("drafts", drafts),
+        ("accepted", accepted),
+        ("truncated", truncated),
         ("preemptions", preemptions),
         ("evictions", evictions),
         ("copies", copies),

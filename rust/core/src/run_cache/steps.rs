@@ -35,10 +35,40 @@ pub(super) struct Scheduled {
 }
 
 impl RunRequest {
-    /// Adds tokens without allocating (sampled tokens; their slots come from the next
-    /// `allocate_slots`).
-    pub fn append_tokens(&mut self, tokens: &[u32]) {
+    /// Adds tokens without allocating (their slots come from the next `allocate_slots`):
+    /// sampled tokens, or with `draft` unverified draft tokens, never published until
+    /// `RunCache::accept_drafts` keeps them. Verified tokens cannot follow pending drafts.
+    pub fn append_tokens(&mut self, tokens: &[u32], draft: bool) -> Result<()> {
+        if !draft {
+            self.no_pending_drafts()?;
+        }
         self.tokens.extend_from_slice(tokens);
+        if draft {
+            self.num_drafts += tokens.len();
+        }
+        Ok(())
+    }
+
+    /// Tokens not drafts.
+    pub(super) fn num_verified(&self) -> usize {
+        self.tokens.len() - self.num_drafts
+    }
+
+    /// Leading positions whose blocks are cached: the hit's, then what commits published.
+    #[must_use]
+    pub fn cached_positions(&self) -> usize {
+        self.cached_blocks.max(self.committed)
+    }
+
+    fn no_pending_drafts(&self) -> Result<()> {
+        if self.num_drafts > 0 {
+            return Err(CacheError::InvalidInput(format!(
+                "the request has {} draft tokens: accept_drafts or truncate them before \
+                 appending verified tokens",
+                self.num_drafts
+            )));
+        }
+        Ok(())
     }
 
     /// Caps the cached prefix its matches may use at `max_cached_tokens` (`None` lifts the
@@ -64,6 +94,7 @@ impl RunCache {
             num_computed: 0,
             scheduled: false,
             max_cached_tokens: None,
+            num_drafts: 0,
         }
     }
 
@@ -101,9 +132,10 @@ impl RunCache {
         if request.scheduled {
             return request.num_computed;
         }
-        let found = self.lookup(&request.root, &request.tokens);
+        let verified = &request.tokens[..request.num_verified()];
+        let found = self.lookup(&request.root, verified);
         let matched = found.blocks.len() + usize::from(found.full_hit);
-        let (keep, _) = self.hit_blocks(matched, request.tokens.len(), request.max_cached_tokens);
+        let (keep, _) = self.hit_blocks(matched, verified.len(), request.max_cached_tokens);
         keep * self.block_size
     }
 
@@ -115,6 +147,9 @@ impl RunCache {
             return;
         }
         self.release(request);
+        let verified = request.num_verified();
+        request.tokens.truncate(verified);
+        request.num_drafts = 0;
         request.held.clear();
         request.blocks.clear();
         request.cached_blocks = 0;
@@ -150,25 +185,99 @@ impl RunCache {
         lookahead: usize,
         watermark: usize,
     ) -> Result<Scheduled> {
+        let plan = self.plan(request, num_new, lookahead)?;
+        let want = with_watermark(plan.fresh, watermark)?;
+        // Refused before anything changes, as the core refuses: the free blocks the hit takes
+        // out of the order are not there to allocate.
+        if want > plan.obtainable {
+            return Err(CacheError::OutOfBlocks {
+                needed: want,
+                available: plan.obtainable,
+            });
+        }
+        if request.scheduled {
+            let from = request.blocks.len();
+            self.allocate(plan.fresh, &mut request.blocks);
+            return Ok(Scheduled {
+                from,
+                start: plan.start,
+                num_cached: 0,
+                full_hit: false,
+            });
+        }
+        for &(run, upto) in &plan.held {
+            self.acquire(run, upto);
+        }
+        let mut blocks = plan.hit;
+        self.allocate(plan.fresh, &mut blocks);
+        request.held = plan
+            .held
+            .into_iter()
+            .map(|(run, to)| Held::Blocks { run, from: 0, to })
+            .collect();
+        request.blocks = blocks;
+        request.cached_blocks = plan.start / self.block_size;
+        request.full_hit = plan.full_hit;
+        request.committed = 0;
+        request.num_computed = plan.start;
+        request.scheduled = true;
+        Ok(Scheduled {
+            from: 0,
+            start: plan.start,
+            num_cached: plan.start,
+            full_hit: plan.full_hit,
+        })
+    }
+
+    /// Whether `allocate_slots` with these arguments would succeed now: `Err(OutOfBlocks)`
+    /// with the blocks it needs (watermark included) and those the pool could supply when it
+    /// would be refused for blocks, its `InvalidInput` for counts. Changes nothing.
+    pub fn check_allocate_slots(
+        &self,
+        request: &RunRequest,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<()> {
+        let plan = self.plan(request, Some(num_new_tokens), num_lookahead_tokens)?;
+        let want = with_watermark(plan.fresh, watermark)?;
+        if want > plan.obtainable {
+            return Err(CacheError::OutOfBlocks {
+                needed: want,
+                available: plan.obtainable,
+            });
+        }
+        Ok(())
+    }
+
+    /// Blocks `allocate_slots(request, num_new_tokens, num_lookahead_tokens)` would take from
+    /// the pool now (cached blocks it would hold are not counted). Changes nothing.
+    pub fn blocks_needed(
+        &self,
+        request: &RunRequest,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<usize> {
+        Ok(self
+            .plan(request, Some(num_new_tokens), num_lookahead_tokens)?
+            .fresh)
+    }
+
+    /// What scheduling the request would take, changing nothing: on a waiting request the
+    /// match (cut to the request's cap and to room for `num_new` tokens), then the fresh
+    /// blocks and what the pool could supply besides the hit.
+    fn plan(&self, request: &RunRequest, num_new: Option<usize>, lookahead: usize) -> Result<Plan> {
         let bs = self.block_size;
         let len = request.tokens.len();
         if request.scheduled {
             let start = request.num_computed;
-            let fresh = blocks_past(bs, start, len, num_new, lookahead, request.blocks.len())?;
-            let want = with_watermark(fresh, watermark)?;
-            if want > self.order.free_count {
-                return Err(CacheError::OutOfBlocks {
-                    needed: want,
-                    available: self.order.free_count,
-                });
-            }
-            let from = request.blocks.len();
-            self.allocate(fresh, &mut request.blocks);
-            return Ok(Scheduled {
-                from,
+            return Ok(Plan {
+                held: Vec::new(),
+                hit: Vec::new(),
                 start,
-                num_cached: 0,
                 full_hit: false,
+                fresh: blocks_past(bs, start, len, num_new, lookahead, request.blocks.len())?,
+                obtainable: self.order.free_count,
             });
         }
         // The longest hit the call may use: the request's cap, and room for the tokens asked
@@ -186,26 +295,28 @@ impl RunCache {
                 Some(request.max_cached_tokens.map_or(room, |cap| cap.min(room)))
             }
         };
-        let full = len / bs;
+        // Drafts are never matched: only whole blocks of verified tokens.
+        let verified = request.num_verified();
+        let full = verified / bs;
         // (run, its first n blocks): the match's prefixes.
         let mut held: Vec<(u32, u32)> = Vec::new();
-        let mut blocks: Vec<BlockId> = Vec::with_capacity(len.div_ceil(bs));
+        let mut hit: Vec<BlockId> = Vec::with_capacity(len.div_ceil(bs));
         // Through the run table, as a lock-free reader would (its index, then each run's
         // chunks and rows under the run's stamp); a run with no child ends the walk.
         self.table.match_prompt(
             &request.root,
             &request.tokens[..full * bs],
-            &mut blocks,
+            &mut hit,
             |slot, found| {
                 let run = self.by_slot[slot as usize];
                 held.push((run, found.matched));
                 !self.runs[run as usize].children.is_empty()
             },
         );
-        let (keep, full_hit) = self.hit_blocks(blocks.len(), len, cap);
+        let (keep, full_hit) = self.hit_blocks(hit.len(), verified, cap);
         // The blocks past the hit leave the holds, last run first.
-        let mut excess = blocks.len() - keep;
-        blocks.truncate(keep);
+        let mut excess = hit.len() - keep;
+        hit.truncate(keep);
         while excess > 0 {
             let last = held.last_mut().expect("a hit holds its runs");
             let cut = excess.min(last.1 as usize);
@@ -217,9 +328,6 @@ impl RunCache {
         }
         let start = keep * bs;
         let fresh = blocks_past(bs, start, len, num_new, lookahead, keep)?;
-        let want = with_watermark(fresh, watermark)?;
-        // Refused before anything changes, as the core refuses: the free blocks the hit takes
-        // out of the order are not there to allocate.
         let taken: usize = held
             .iter()
             .map(|&(run, upto)| {
@@ -227,34 +335,115 @@ impl RunCache {
                     .queued_below(&self.runs[run as usize].segments, upto)
             })
             .sum();
-        let obtainable = self.order.free_count - taken;
-        if want > obtainable {
-            return Err(CacheError::OutOfBlocks {
-                needed: want,
-                available: obtainable,
-            });
-        }
-        for &(run, upto) in &held {
-            self.acquire(run, upto);
-        }
-        self.allocate(fresh, &mut blocks);
-        request.held = held
-            .into_iter()
-            .map(|(run, to)| Held::Blocks { run, from: 0, to })
-            .collect();
-        request.blocks = blocks;
-        request.cached_blocks = keep;
-        request.full_hit = full_hit;
-        request.committed = 0;
-        request.num_computed = start;
-        request.scheduled = true;
-        Ok(Scheduled {
-            from: 0,
+        Ok(Plan {
+            held,
+            hit,
             start,
-            num_cached: start,
             full_hit,
+            fresh,
+            obtainable: self.order.free_count - taken,
         })
     }
+
+    /// Adds verified tokens and allocates their slots if the request is scheduled: its new
+    /// blocks. Refused with nothing changed while it has drafts, or when the blocks are not
+    /// there.
+    pub fn append(&mut self, request: &mut RunRequest, tokens: &[u32]) -> Result<Vec<BlockId>> {
+        request.no_pending_drafts()?;
+        let needed = if request.scheduled {
+            (request.tokens.len() + tokens.len())
+                .div_ceil(self.block_size)
+                .saturating_sub(request.blocks.len())
+        } else {
+            0
+        };
+        if needed > self.order.free_count {
+            return Err(CacheError::OutOfBlocks {
+                needed,
+                available: self.order.free_count,
+            });
+        }
+        let from = request.blocks.len();
+        self.allocate(needed, &mut request.blocks);
+        request.tokens.extend_from_slice(tokens);
+        Ok(request.blocks[from..].to_vec())
+    }
+
+    /// Keeps the first `num_accepted` draft tokens as verified and drops the others (their KV,
+    /// and every block left without tokens, as `truncate`); publishes what became full and
+    /// verified. Returns the leading blocks now cached.
+    pub fn accept_drafts(
+        &mut self,
+        request: &mut RunRequest,
+        num_accepted: usize,
+    ) -> Result<usize> {
+        if num_accepted > request.num_drafts {
+            return Err(CacheError::InvalidInput(format!(
+                "num_accepted {num_accepted} exceeds the request's {} draft tokens",
+                request.num_drafts
+            )));
+        }
+        let keep = request.num_verified() + num_accepted;
+        self.cut(request, keep);
+        request.num_drafts = 0;
+        let computed = request.num_computed;
+        self.commit(request, computed)?;
+        Ok(request.cached_positions())
+    }
+
+    /// Drops every token from position `num_tokens` on (drafts or not), their KV, and every
+    /// block left without tokens (returned, freed: they are the request's own). Refuses to cut
+    /// into a published block (published KV is never rewritten) or to leave no token.
+    pub fn truncate(
+        &mut self,
+        request: &mut RunRequest,
+        num_tokens: usize,
+    ) -> Result<Vec<BlockId>> {
+        let len = request.tokens.len();
+        let published = request.cached_positions() * self.block_size;
+        if num_tokens > len || num_tokens == 0 {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: the request has {len}, and keeps at \
+                 least one"
+            )));
+        }
+        if num_tokens < published {
+            return Err(CacheError::InvalidInput(format!(
+                "cannot truncate to {num_tokens} tokens: the first {published} are in published \
+                 blocks, which are never rewritten"
+            )));
+        }
+        Ok(self.cut(request, num_tokens))
+    }
+
+    /// `truncate`, checked: the blocks past `num_tokens` go back to the free list in table
+    /// order (private: past every published position).
+    fn cut(&mut self, request: &mut RunRequest, num_tokens: usize) -> Vec<BlockId> {
+        let removed = request.tokens.len() - num_tokens;
+        request.tokens.truncate(num_tokens);
+        request.num_drafts = request.num_drafts.saturating_sub(removed);
+        request.num_computed = request.num_computed.min(num_tokens);
+        let keep = num_tokens.div_ceil(self.block_size);
+        if !request.scheduled || request.blocks.len() <= keep {
+            return Vec::new();
+        }
+        let freed = request.blocks.split_off(keep);
+        self.order.free_private(&freed);
+        freed
+    }
+}
+
+/// What scheduling a request would do (`RunCache::plan`).
+struct Plan {
+    /// On a waiting request: (run, its first n blocks) held by the hit, and the hit's blocks.
+    held: Vec<(u32, u32)>,
+    hit: Vec<BlockId>,
+    /// Position the scheduled tokens start at (the hit's end on a waiting request).
+    start: usize,
+    full_hit: bool,
+    fresh: usize,
+    /// Blocks the pool could supply once the hit is held.
+    obtainable: usize,
 }
 
 /// Fresh blocks for `num_new` tokens (`None`: all `len - start` known ones) from `start`, plus
