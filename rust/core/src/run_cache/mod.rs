@@ -62,7 +62,9 @@
 //! eviction order and allocation; `publish.rs`: commit; `invariants.rs`: what the tests check
 //! after their steps.
 
+mod by_id;
 mod invariants;
+mod observe;
 mod order;
 mod publish;
 #[cfg(test)]
@@ -77,6 +79,8 @@ use crate::key::BlockKey;
 use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
+pub use by_id::RunPrefixCache;
+pub use observe::RunBlockCounts;
 use order::Order;
 pub use steps::RunSlots;
 
@@ -273,6 +277,7 @@ pub struct RunCounters {
 
 /// The request cycle on runs; see the module docs.
 pub struct RunCache {
+    num_blocks: u32,
     block_size: usize,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
@@ -308,6 +313,7 @@ impl RunCache {
         let table = Arc::new(RunTable::new(num_blocks as usize, block_size, seed)?);
         let alloc = RunAllocator::new(&table);
         Some(Self {
+            num_blocks,
             block_size,
             runs: Vec::new(),
             free_runs: Vec::new(),

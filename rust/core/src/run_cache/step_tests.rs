@@ -329,6 +329,35 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
         }
         if step % 8 == 0 {
             pair.runs.check_invariants();
+            pair.runs
+                .check_block_states(live.iter().map(|l| l.mine.blocks()));
+            let counts = pair.runs.block_counts();
+            let stats = pair.core.stats();
+            assert_eq!(
+                (counts.free, counts.cached, counts.obtainable),
+                (
+                    stats.blocks_free,
+                    stats.blocks_cached,
+                    stats.blocks_obtainable
+                ),
+                "{what}: free, cached and obtainable blocks"
+            );
+            for block in 0..num_blocks {
+                assert_eq!(
+                    pair.runs.is_cached(block),
+                    pair.core.is_cached(block).expect("block"),
+                    "{what}: is block {block} cached"
+                );
+                let held = live
+                    .iter()
+                    .map(|l| l.mine.blocks().iter().filter(|&&b| b == block).count())
+                    .sum::<usize>();
+                assert_eq!(
+                    held as u32,
+                    pair.core.ref_count(block).expect("block"),
+                    "{what}: references to block {block}"
+                );
+            }
         }
     }
     for l in live.drain(..) {

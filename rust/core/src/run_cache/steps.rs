@@ -28,10 +28,10 @@ pub struct RunSlots {
 
 /// Where a scheduling call starts, and the blocks it appended (`request.blocks[from..]`).
 pub(super) struct Scheduled {
-    from: usize,
-    start: usize,
-    num_cached: usize,
-    full_hit: bool,
+    pub(super) from: usize,
+    pub(super) start: usize,
+    pub(super) num_cached: usize,
+    pub(super) full_hit: bool,
 }
 
 impl RunRequest {

@@ -1,0 +1,521 @@
+//! The run cache as an engine calls it (`RunPrefixCache`): requests named by the engine's ids,
+//! keys rooted in the execution context and a salt, token ids checked against the vocabulary,
+//! everything behind one lock so that threads share it, and the counters `CacheStats` reports.
+//! [`crate::PrefixCache`]'s API where the run cache serves it (the request cycle and the step
+//! API); what it does not serve yet is refused by the binding, by name.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use super::{RunCache, RunLookup, RunRequest, RunSlots};
+use crate::error::{CacheError, Result};
+use crate::key::{root_key, BlockKey};
+use crate::pool::BlockId;
+use crate::request::RequestId;
+use crate::stats::CacheStats;
+
+/// Seeds the run table's index hashes (fixed: the index is private to a process).
+const SEED: u64 = 0x7072_6566_6978_6b76;
+
+/// The run cache and its live requests, by id, behind one lock (see the module docs).
+pub struct RunPrefixCache {
+    state: Mutex<State>,
+    num_blocks: u32,
+    block_size: usize,
+    vocab_size: Option<u32>,
+}
+
+struct State {
+    cache: RunCache,
+    requests: HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    /// Next id `begin` tries when given none.
+    next_auto: i64,
+    context: BlockKey,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    lookups: u64,
+    lookup_tokens: u64,
+    hit_tokens: u64,
+    probes: u64,
+    committed_blocks: u64,
+    /// Evictions and copies of the caches `clear` replaced.
+    evictions_before: u64,
+    copies_before: u64,
+}
+
+impl RunPrefixCache {
+    /// A cache of `num_blocks` blocks of `block_size` tokens under `context`; token ids at or
+    /// above `vocab_size` are refused. Refused when the sizes are out of range or the
+    /// metadata would take more than the cache's bound on memory allocated up front.
+    pub fn new(
+        num_blocks: u32,
+        block_size: usize,
+        context: BlockKey,
+        vocab_size: Option<u32>,
+    ) -> Result<Self> {
+        let cache = fresh(num_blocks, block_size)?;
+        Ok(Self {
+            state: Mutex::new(State {
+                cache,
+                requests: HashMap::default(),
+                next_auto: 1,
+                context,
+                counters: Counters::default(),
+            }),
+            num_blocks,
+            block_size,
+            vocab_size,
+        })
+    }
+
+    #[must_use]
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    #[must_use]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The lock. A panic inside the run cache is a bug, raised once as one; the state it left
+    /// is not trusted after it, so every later call is refused.
+    fn state(&self) -> Result<MutexGuard<'_, State>> {
+        self.state.lock().map_err(|_| {
+            CacheError::InvalidInput(
+                "this run cache panicked in an earlier call; its state is not trusted".into(),
+            )
+        })
+    }
+
+    /// Refuses token ids outside the vocabulary, by position.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(vocab) = self.vocab_size {
+            if let Some((index, token)) = tokens.iter().enumerate().find(|(_, &t)| t >= vocab) {
+                return Err(CacheError::InvalidInput(format!(
+                    "token id {token} at position {index} is outside the vocabulary (size {vocab})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
+        self.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Err(CacheError::InvalidInput(
+                "a request needs at least one token".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The cached prefix of `tokens` under `salt`, without taking references.
+    pub fn lookup(&self, tokens: &[u32], salt: &[u8]) -> Result<RunLookup> {
+        self.check_tokens(tokens)?;
+        let mut state = self.state()?;
+        state.counters.probes += 1;
+        let root = root_key(&state.context, salt);
+        Ok(state.cache.lookup(&root, tokens))
+    }
+
+    /// Registers a request under the engine's id, waiting: no blocks, nothing matched.
+    pub fn add_request(
+        &self,
+        id: RequestId,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        priority: i32,
+    ) -> Result<()> {
+        self.check_prompt(&tokens)?;
+        let mut state = self.state()?;
+        if state.requests.contains_key(&id) {
+            return Err(CacheError::DuplicateRequest(id));
+        }
+        let root = root_key(&state.context, salt);
+        state
+            .requests
+            .insert(id, RunCache::add(root, tokens, priority));
+        Ok(())
+    }
+
+    /// `add_request` and slots for the whole prompt in one step (`id` `None`: an unused int).
+    /// Returns the id and the slots; refused with nothing changed.
+    pub fn begin(
+        &self,
+        id: Option<RequestId>,
+        tokens: Vec<u32>,
+        salt: &[u8],
+        priority: i32,
+    ) -> Result<(RequestId, RunSlots)> {
+        self.check_prompt(&tokens)?;
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        if let Some(id) = &id {
+            if state.requests.contains_key(id) {
+                return Err(CacheError::DuplicateRequest(id.clone()));
+            }
+        }
+        let root = root_key(&state.context, salt);
+        let mut request = RunCache::add(root, tokens, priority);
+        let slots = state.schedule(&mut request, None, 0, 0)?;
+        let id = id.unwrap_or_else(|| state.auto_id());
+        state.requests.insert(id.clone(), request);
+        Ok((id, slots))
+    }
+
+    /// See [`RunCache::allocate_slots`].
+    pub fn allocate_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<RunSlots> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let request = get_mut(&mut state.requests, id)?;
+        let was_waiting = !request.is_scheduled();
+        let slots =
+            state
+                .cache
+                .allocate_slots(request, num_new_tokens, num_lookahead_tokens, watermark)?;
+        if was_waiting {
+            state.counters.count_match(request, &slots);
+        }
+        Ok(slots)
+    }
+
+    /// Whether `allocate_slots` would succeed now; changes nothing.
+    pub fn can_allocate_slots(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+    ) -> Result<bool> {
+        let state = self.state()?;
+        let request = get(&state.requests, id)?;
+        match state.cache.check_allocate_slots(
+            request,
+            num_new_tokens,
+            num_lookahead_tokens,
+            watermark,
+        ) {
+            Ok(()) => Ok(true),
+            Err(CacheError::OutOfBlocks { .. }) => Ok(false),
+            Err(other) => Err(other),
+        }
+    }
+
+    /// See [`RunCache::blocks_needed`].
+    pub fn blocks_needed(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<usize> {
+        let state = self.state()?;
+        state.cache.blocks_needed(
+            get(&state.requests, id)?,
+            num_new_tokens,
+            num_lookahead_tokens,
+        )
+    }
+
+    /// See [`RunCache::start_position`].
+    pub fn start_position(&self, id: &RequestId) -> Result<usize> {
+        let state = self.state()?;
+        Ok(state.cache.start_position(get(&state.requests, id)?))
+    }
+
+    /// See [`RunRequest::limit_cached_prefix`].
+    pub fn limit_cached_prefix(
+        &self,
+        id: &RequestId,
+        max_cached_tokens: Option<usize>,
+    ) -> Result<()> {
+        let mut state = self.state()?;
+        get_mut(&mut state.requests, id)?.limit_cached_prefix(max_cached_tokens);
+        Ok(())
+    }
+
+    /// See [`RunRequest::append_tokens`].
+    pub fn append_tokens(&self, id: &RequestId, tokens: &[u32], draft: bool) -> Result<()> {
+        self.check_tokens(tokens)?;
+        let mut state = self.state()?;
+        get_mut(&mut state.requests, id)?.append_tokens(tokens, draft)
+    }
+
+    /// See [`RunCache::append`].
+    pub fn append(&self, id: &RequestId, tokens: &[u32]) -> Result<Vec<BlockId>> {
+        self.check_tokens(tokens)?;
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        state
+            .cache
+            .append(get_mut(&mut state.requests, id)?, tokens)
+    }
+
+    /// Publishes the full verified blocks among the first `num_computed_tokens`; returns the
+    /// leading positions now cached.
+    pub fn commit(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let request = get_mut(&mut state.requests, id)?;
+        let before = request.cached_positions();
+        state.cache.commit(request, num_computed_tokens)?;
+        let after = request.cached_positions();
+        state.counters.committed_blocks += (after - before) as u64;
+        Ok(after)
+    }
+
+    /// The blocks `commit(id, num_computed_tokens)` would publish now (for a caller deciding
+    /// whether to release the GIL); refused as `commit` would be.
+    pub fn blocks_to_publish(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
+        let state = self.state()?;
+        let request = get(&state.requests, id)?;
+        let len = request.num_tokens();
+        if num_computed_tokens > len {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
+        let target = num_computed_tokens
+            .max(request.num_computed_tokens())
+            .min(request.num_verified())
+            / self.block_size;
+        Ok(target.saturating_sub(request.cached_positions()))
+    }
+
+    /// See [`RunCache::accept_drafts`].
+    pub fn accept_drafts(&self, id: &RequestId, num_accepted: usize) -> Result<usize> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let request = get_mut(&mut state.requests, id)?;
+        let before = request.cached_positions();
+        let after = state.cache.accept_drafts(request, num_accepted)?;
+        state.counters.committed_blocks += after.saturating_sub(before) as u64;
+        Ok(after)
+    }
+
+    /// See [`RunCache::truncate`].
+    pub fn truncate(&self, id: &RequestId, num_tokens: usize) -> Result<Vec<BlockId>> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        state
+            .cache
+            .truncate(get_mut(&mut state.requests, id)?, num_tokens)
+    }
+
+    /// See [`RunCache::preempt`].
+    pub fn preempt(&self, id: &RequestId) -> Result<()> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        state.cache.preempt(get_mut(&mut state.requests, id)?);
+        Ok(())
+    }
+
+    /// Ends a request: drops its references; its cached blocks stay, evictable.
+    pub fn finish(&self, id: &RequestId) -> Result<()> {
+        let mut state = self.state()?;
+        let request = state
+            .requests
+            .remove(id)
+            .ok_or_else(|| CacheError::UnknownRequest(id.clone()))?;
+        state.cache.finish(request);
+        Ok(())
+    }
+
+    /// A live request's block table (empty while it waits).
+    pub fn block_table(&self, id: &RequestId) -> Result<Vec<BlockId>> {
+        Ok(get(&self.state()?.requests, id)?.blocks().to_vec())
+    }
+
+    /// A live request's tokens, drafts included.
+    pub fn num_tokens(&self, id: &RequestId) -> Result<usize> {
+        Ok(get(&self.state()?.requests, id)?.num_tokens())
+    }
+
+    /// A live request's tokens with KV written.
+    pub fn num_computed_tokens(&self, id: &RequestId) -> Result<usize> {
+        Ok(get(&self.state()?.requests, id)?.num_computed_tokens())
+    }
+
+    /// Blocks an allocation could obtain now, capped at `up_to`.
+    pub fn blocks_obtainable(&self, up_to: usize) -> Result<usize> {
+        Ok(self.state()?.cache.obtainable().min(up_to))
+    }
+
+    /// Forgets every cached block, under `context` from now on (`None`: the same). Refused
+    /// while a request is live: the run cache cannot yet keep a live request's blocks while it
+    /// drops their runs (vLLM's `reset_prefix_cache` refuses then too).
+    pub fn reset(&self, context: Option<BlockKey>) -> Result<()> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        if !state.requests.is_empty() {
+            return Err(CacheError::InvalidInput(format!(
+                "the run core resets (clear, set_context) only with no request live; {} are \
+                 (finish them first)",
+                state.requests.len()
+            )));
+        }
+        let cache = fresh(self.num_blocks, self.block_size)?;
+        let old = std::mem::replace(&mut state.cache, cache);
+        state.counters.evictions_before += old.counters().evictions;
+        state.counters.copies_before += old.counters().copies;
+        if let Some(context) = context {
+            state.context = context;
+        }
+        Ok(())
+    }
+
+    /// Counters since creation and block states now (walks the runs: O(blocks)).
+    pub fn stats(&self) -> Result<CacheStats> {
+        let state = self.state()?;
+        let counts = state.cache.block_counts();
+        let c = &state.counters;
+        let mut in_use = vec![false; self.num_blocks as usize];
+        for request in state.requests.values() {
+            for &block in request.blocks() {
+                in_use[block as usize] = true;
+            }
+        }
+        Ok(CacheStats {
+            lookups: c.lookups,
+            lookup_tokens: c.lookup_tokens,
+            hit_tokens: c.hit_tokens,
+            probes: c.probes,
+            evictions: c.evictions_before + state.cache.counters().evictions,
+            committed_blocks: c.committed_blocks,
+            deduplicated_blocks: c.copies_before + state.cache.counters().copies,
+            collisions: 0,
+            blocks_released: 0,
+            blocks_total: self.num_blocks as usize,
+            blocks_free: counts.free,
+            blocks_cached: counts.cached,
+            blocks_in_use: in_use.iter().filter(|&&u| u).count(),
+            blocks_pinned: 0,
+            // Every cached block nobody holds: eviction reaches each of them (a run gives its
+            // blocks up tail first).
+            blocks_evictable: counts.obtainable - counts.free,
+            blocks_obtainable: counts.obtainable,
+            requests_live: state.requests.len(),
+        })
+    }
+
+    /// References live requests hold on `block` (one per block-table position).
+    pub fn ref_count(&self, block: BlockId) -> Result<u32> {
+        self.check_block(block)?;
+        let state = self.state()?;
+        let held = state
+            .requests
+            .values()
+            .map(|r| r.blocks().iter().filter(|&&b| b == block).count())
+            .sum::<usize>();
+        Ok(u32::try_from(held).expect("fewer references than blocks times requests"))
+    }
+
+    /// Whether `block` holds cached content (a run's block, or a spare copy).
+    pub fn is_cached(&self, block: BlockId) -> Result<bool> {
+        self.check_block(block)?;
+        Ok(self.state()?.cache.is_cached(block))
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<()> {
+        if block >= self.num_blocks {
+            return Err(CacheError::InvalidBlock {
+                block,
+                reason: "outside the pool",
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks every invariant (tests); panics on a broken one. Besides the run cache's own:
+    /// every block is exactly one of free (on the free list), cached, or held private (in a
+    /// live request's table and not cached), so none is lost or counted twice.
+    pub fn check_invariants(&self) -> Result<()> {
+        let state = self.state()?;
+        state.cache.check_invariants();
+        state
+            .cache
+            .check_block_states(state.requests.values().map(RunRequest::blocks));
+        Ok(())
+    }
+}
+
+impl State {
+    /// Schedules a request not yet in the map (`begin`), counting its match.
+    fn schedule(
+        &mut self,
+        request: &mut RunRequest,
+        num_new: Option<usize>,
+        lookahead: usize,
+        watermark: usize,
+    ) -> Result<RunSlots> {
+        let done = self
+            .cache
+            .schedule(request, num_new, lookahead, watermark)?;
+        let slots = RunSlots {
+            block_ids: request.blocks().to_vec(),
+            num_computed_tokens: done.start,
+            num_cached_tokens: done.num_cached,
+            full_hit: done.full_hit,
+        };
+        self.counters.count_match(request, &slots);
+        Ok(slots)
+    }
+
+    /// The id `begin` gives a request that came without one: never a live id.
+    fn auto_id(&mut self) -> RequestId {
+        loop {
+            let id = RequestId::Int(self.next_auto);
+            self.next_auto += 1;
+            if !self.requests.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+}
+
+impl Counters {
+    fn count_match(&mut self, request: &RunRequest, slots: &RunSlots) {
+        self.lookups += 1;
+        self.lookup_tokens += request.num_verified() as u64;
+        self.hit_tokens += slots.num_cached_tokens as u64;
+    }
+}
+
+fn fresh(num_blocks: u32, block_size: usize) -> Result<RunCache> {
+    RunCache::new(num_blocks, block_size, SEED).ok_or_else(|| {
+        CacheError::InvalidInput(format!(
+            "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata would take \
+             more than the {} bytes allowed up front (or blocks of more than {} tokens), or the \
+             memory is not there",
+            crate::cache::MAX_UP_FRONT_BYTES,
+            crate::cache::MAX_BLOCK_SIZE
+        ))
+    })
+}
+
+fn get<'a>(
+    requests: &'a HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    id: &RequestId,
+) -> Result<&'a RunRequest> {
+    requests
+        .get(id)
+        .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+}
+
+fn get_mut<'a>(
+    requests: &'a mut HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    id: &RequestId,
+) -> Result<&'a mut RunRequest> {
+    requests
+        .get_mut(id)
+        .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
+}
