@@ -66,7 +66,7 @@ from prefixkv import PrefixCache
 from prefixkv.cache import as_token_ids, key_extras
 
 NO_EXTRAS = key_extras()
-VARIANTS = ["prefixkv", "prefixkv_list", "python", "floor"]
+VARIANTS = ["prefixkv", "prefixkv_runs", "prefixkv_list", "python", "floor"]
 #: Prompt-length bands of the per-length table (tokens, upper bounds).
 BANDS = [4_096, 16_384, 65_536, 262_144]
 #: The leading share of requests that fill the cold cache and are not timed.
@@ -81,6 +81,8 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
     num_blocks = trace.num_blocks()
     ours = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
     ours_list = PrefixCache(num_blocks, block_size=BLOCK_SIZE)
+    # The cache on runs of blocks (issue 24): the same public calls, the same blocks.
+    ours_runs = PrefixCache(num_blocks, block_size=BLOCK_SIZE, core="runs")
     # The phases are timed on a third cache fed the same requests (so in the same state): a
     # clock read costs ~0.6 µs here (`thread_time_ns` is a system call), and two of them inside
     # `run_ours` would be charged to prefixkv's total and to nothing else.
@@ -93,6 +95,9 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
 
     def run_phases(tokens: np.ndarray) -> tuple[int, int, int, int]:
         return time_request_phases(ours_phases, tokens)
+
+    def run_ours_runs(tokens: np.ndarray) -> tuple[int, int]:
+        return time_request(ours_runs, tokens)
 
     def run_ours_list(tokens: list[int]) -> tuple[int, int]:
         return time_request(ours_list, tokens)
@@ -107,6 +112,7 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
 
     runners: dict[str, Any] = {
         "prefixkv": run_ours,
+        "prefixkv_runs": run_ours_runs,
         "prefixkv_list": run_ours_list,
         "python": run_theirs,
         "floor": run_floor,
@@ -136,6 +142,7 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
             hit = results["prefixkv"][1]
             if (
                 not hit
+                == results["prefixkv_runs"][1]
                 == results["prefixkv_list"][1]
                 == results["python"][1]
                 == results["phases"][3]
@@ -143,6 +150,7 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
                 raise HitMismatch(
                     f"request {index} (session {request.session}, turn {request.turn}, "
                     f"{len(request.tokens)} tokens): prefixkv cached {hit} (numpy), "
+                    f'{results["prefixkv_runs"][1]} (core="runs"), '
                     f"{results['prefixkv_list'][1]} (list), {results['phases'][3]} (phases' "
                     f"cache), Python {results['python'][1]}"
                 )
@@ -203,6 +211,8 @@ def summarize(raw: dict[str, Any], trace: ProductionTrace) -> dict[str, Any]:
             "prefixkv_vs_floor": us["prefixkv"][stat] / us["floor"][stat],
             "python_vs_prefixkv": us["python"][stat] / us["prefixkv"][stat],
             "list_vs_numpy": us["prefixkv_list"][stat] / us["prefixkv"][stat],
+            "runs_vs_floor": us["prefixkv_runs"][stat] / us["floor"][stat],
+            "prefixkv_vs_runs": us["prefixkv"][stat] / us["prefixkv_runs"][stat],
         }
         for stat in ("mean", "p50", "p99")
     }
@@ -280,6 +290,7 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
     hashing, manager = data["hash_ns"][warmup:], data["manager_ns"][warmup:]
     total = hashing + manager
     ours_us = stats_us(raw["ns"]["prefixkv"])
+    runs_us = stats_us(raw["ns"]["prefixkv_runs"])
     total_us = stats_us(total)
     return {
         "version": str(data["version"]),
@@ -290,6 +301,7 @@ def vllm_peer(vllm_python: str, quick: bool, seed: int, raw: dict[str, Any]) -> 
             "total": total_us,
         },
         "vllm_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
+        "vllm_vs_runs": {stat: total_us[stat] / runs_us[stat] for stat in runs_us},
     }
 
 
@@ -331,6 +343,7 @@ def sglang_peer(
     python_total = sum(python_core[f"{name}_ns"][warmup:] for name in phases)
     ours_ns = raw["ns"]["prefixkv"]
     ours_us = stats_us(ours_ns)
+    runs_us = stats_us(raw["ns"]["prefixkv_runs"])
     total_us = stats_us(total)
     core_us = stats_us(core)
     python_us = stats_us(python_total)
@@ -399,6 +412,8 @@ def sglang_peer(
         "python_core_same_hits": float((python_core["cached"] == theirs).mean()),
         "sglang_vs_prefixkv": {stat: total_us[stat] / ours_us[stat] for stat in ours_us},
         "core_vs_prefixkv": {stat: core_us[stat] / ours_us[stat] for stat in ours_us},
+        "sglang_vs_runs": {stat: total_us[stat] / runs_us[stat] for stat in runs_us},
+        "core_vs_runs": {stat: core_us[stat] / runs_us[stat] for stat in runs_us},
         "python_core_vs_prefixkv": {stat: python_us[stat] / ours_us[stat] for stat in ours_us},
         "bands": bands,
     }
@@ -450,6 +465,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for name, label in [
         ("prefixkv", "prefixkv (numpy)"),
+        ("prefixkv_runs", 'prefixkv core="runs" (numpy)'),
         ("prefixkv_list", "prefixkv (list)"),
         ("python", "Python baseline (numpy)"),
         ("floor", "table-hash floor (numpy)"),
@@ -460,6 +476,8 @@ def markdown(result: dict[str, Any]) -> str:
         ("prefixkv_vs_floor", "prefixkv ÷ floor"),
         ("python_vs_prefixkv", "Python ÷ prefixkv"),
         ("list_vs_numpy", "prefixkv list ÷ numpy"),
+        ("runs_vs_floor", 'core="runs" ÷ floor'),
+        ("prefixkv_vs_runs", 'prefixkv ÷ core="runs"'),
     ]:
         rows.append(
             [label, *(fmt_ratio(result["ratios"][stat][key]) for stat in ("mean", "p50", "p99"))]
@@ -473,12 +491,11 @@ def markdown(result: dict[str, Any]) -> str:
         ]:
             s = peer["us"][key]
             rows.append([label, f"{s['mean']:,.1f}", f"{s['p50']:,.1f}", f"{s['p99']:,.1f}"])
-        rows.append(
-            [
-                "vLLM ÷ prefixkv",
-                *(fmt_ratio(peer["vllm_vs_prefixkv"][stat]) for stat in ("mean", "p50", "p99")),
-            ]
-        )
+        for key, label in [
+            ("vllm_vs_prefixkv", "vLLM ÷ prefixkv"),
+            ("vllm_vs_runs", 'vLLM ÷ core="runs"'),
+        ]:
+            rows.append([label, *(fmt_ratio(peer[key][stat]) for stat in ("mean", "p50", "p99"))])
     sglang = result.get("sglang")
     if sglang:
         for key, label in [
@@ -502,6 +519,8 @@ def markdown(result: dict[str, Any]) -> str:
             ("sglang_vs_prefixkv", "SGLang ÷ prefixkv"),
             ("core_vs_prefixkv", "SGLang's core alone ÷ prefixkv"),
             ("python_core_vs_prefixkv", "SGLang on its Python tree core ÷ prefixkv"),
+            ("sglang_vs_runs", 'SGLang ÷ core="runs"'),
+            ("core_vs_runs", 'SGLang\'s core alone ÷ core="runs"'),
         ]:
             rows.append([label, *(fmt_ratio(sglang[key][stat]) for stat in ("mean", "p50", "p99"))])
         least = sglang["least"]

@@ -1,18 +1,21 @@
-"""The cache on runs of blocks (issue 24, experimental) through the binding, on the production trace.
+"""The cache on runs of blocks (issue 24, `PrefixCache(core="runs")`) on the production trace.
 
-`prefixkv_core::run_cache` is the writer's half of the table whose unit is a run of blocks
-(`benches/PROFILE.md`, rounds 18-20); the cache does not use it yet. `_core.CoreRunCache` binds
-it with `CoreCache`'s conversions, so this replay times, through Python, what the request path
-would cost on runs, where rounds 18-19 could only project it from the Rust replay.
+`prefixkv_core::run_cache` is the cache whose unit is a run of blocks (`benches/PROFILE.md`,
+rounds 18-21). ``PrefixCache(core="runs")`` serves it through the public API; this replay times
+it beside the default core on the same requests, two ways:
 
-Every request of `production_workload.py`'s trace (numpy int64 ids) goes, in alternating
-order, through ``PrefixCache`` (begin + commit(all prompt tokens) + finish, as
-`bench_production.py` times it) and through ``CoreRunCache`` behind the same Python steps
-(`as_token_ids`, the key extras); both must return the same cached tokens and the same block
-table on every request, or the run fails. With ``--sglang-python`` SGLang's radix cache replays
-the same trace (`peer_sglang.py`, one pass whole and one with its compiled core's calls timed
-alone), so the ratios to the peer come from one run. Figures: mean, p50 and p99 of each side's
-CPU time per request, after the warm-up tenth.
+- *request*: every request of `production_workload.py`'s trace (numpy int64 ids) as
+  ``begin`` + ``commit(all prompt tokens)`` + ``finish``, as `bench_production.py` times it;
+- *steps*: the same requests as a vLLM-style scheduler drives them, under its own ids:
+  ``add_request``, ``start_position``, ``allocate_slots`` + ``commit`` per chunk of
+  `CHUNK` tokens (a chunked prefill), then `DECODE` decode steps (``append_tokens`` of one
+  token, ``allocate_slots(1)``, ``commit``), ``finish``.
+
+In alternating order; both cores must give the same cached tokens and the same block table on
+every request, or the run fails. With ``--sglang-python`` SGLang's radix cache replays the same
+trace (`peer_sglang.py`, one pass whole and one with its compiled core's calls timed alone), so
+the ratios to the peer come from one run. Figures: mean, p50 and p99 of each side's CPU time
+per request, after the warm-up tenth.
 
     python benches/bench_run_cache.py [--quick] [--sglang-python PY] [--json FILE]
 """
@@ -34,44 +37,54 @@ from common import now as clock
 from production_workload import BLOCK_SIZE, TraceParams, production_trace
 from workloads import HitMismatch
 
-from prefixkv import CacheContext, PrefixCache, _core
-from prefixkv.cache import as_token_ids, key_extras
+from prefixkv import PrefixCache
 
 WARMUP_FRACTION = 0.1
 
 
-class RunCache:
-    """`_core.CoreRunCache` behind `PrefixCache.begin`'s Python steps, for a like-for-like time."""
-
-    def __init__(self, num_blocks: int) -> None:
-        context = CacheContext(block_size=BLOCK_SIZE)
-        self._core = _core.CoreRunCache(num_blocks, BLOCK_SIZE, context.fingerprint())
-
-    def begin(self, tokens: Any) -> _core.Request:
-        return self._core.begin(as_token_ids(tokens), key_extras(), 0)
-
-    def commit(self, request: _core.Request, num_computed_tokens: int) -> None:
-        self._core.commit(request, num_computed_tokens)
-
-    def finish(self, request: _core.Request) -> None:
-        self._core.finish(request)
+#: Prefill chunk and decode steps of the step-shaped replay.
+CHUNK = 2048
+DECODE = 8
 
 
-def _request(cache: Any, tokens: np.ndarray) -> tuple[int, _core.Request]:
+def _request(cache: PrefixCache, tokens: np.ndarray, _rid: str) -> tuple[int, Any]:
     start = clock()
     request = cache.begin(tokens)
     cache.commit(request, request.num_prompt_tokens)
     cache.finish(request)
-    return clock() - start, request
+    return clock() - start, (request.num_cached_tokens, request.block_table)
 
 
-def replay(quick: bool, seed: int) -> dict[str, Any]:
+def _steps(cache: PrefixCache, tokens: np.ndarray, rid: str) -> tuple[int, Any]:
+    start = clock()
+    cache.add_request(rid, tokens)
+    n = len(tokens)
+    computed = cache.start_position(rid)
+    cached = None
+    while computed < n:
+        slots = cache.allocate_slots(rid, min(CHUNK, n - computed))
+        if cached is None:
+            cached = slots.num_cached_tokens
+        computed = slots.num_computed_tokens + min(CHUNK, n - slots.num_computed_tokens)
+        cache.commit(rid, computed)
+    for step in range(DECODE):
+        cache.append_tokens(rid, [step])
+        cache.allocate_slots(rid, 1)
+        computed += 1
+        cache.commit(rid, computed)
+    table = cache.block_table(rid)
+    cache.finish(rid)
+    return clock() - start, (cached, table)
+
+
+def replay(quick: bool, seed: int, shape: str) -> dict[str, Any]:
     params = TraceParams().scaled(0.2) if quick else TraceParams()
     trace = production_trace(params, seed=seed)
     num_blocks = trace.num_blocks()
+    run = _request if shape == "request" else _steps
     sides = {
         "prefixkv": PrefixCache(num_blocks, block_size=BLOCK_SIZE),
-        "runs": RunCache(num_blocks),
+        "runs": PrefixCache(num_blocks, block_size=BLOCK_SIZE, core="runs"),
     }
     names = list(sides)
     ns: dict[str, list[int]] = {name: [] for name in names}
@@ -81,15 +94,12 @@ def replay(quick: bool, seed: int) -> dict[str, Any]:
             results = {}
             for k in range(len(names)):
                 name = names[(index + k) % len(names)]
-                results[name] = _request(sides[name], request.tokens)
+                results[name] = run(sides[name], request.tokens, f"r{index}")
             ours, runs = results["prefixkv"][1], results["runs"][1]
-            if (ours.num_cached_tokens, ours.block_table) != (
-                runs.num_cached_tokens,
-                runs.block_table,
-            ):
+            if ours != runs:
                 raise HitMismatch(
-                    f"request {index}: PrefixCache cached {ours.num_cached_tokens} tokens, the "
-                    f"run cache {runs.num_cached_tokens}, or their block tables differ"
+                    f"request {index} ({shape}): the default core cached {ours[0]} tokens, "
+                    f"core='runs' {runs[0]}, or their block tables differ"
                 )
             if index >= warmup:
                 for name in names:
@@ -115,10 +125,12 @@ def sglang(sglang_python: str, quick: bool, seed: int, warmup: int) -> dict[str,
 
 
 def markdown(result: dict[str, Any]) -> str:
-    us = result["us"]
+    us, steps = result["us"], result["steps_us"]
     rows = [
-        ["prefixkv `PrefixCache` (numpy ids)", us["prefixkv"]],
-        ["the run cache `_core.CoreRunCache` (numpy ids, experimental)", us["runs"]],
+        ["prefixkv `PrefixCache` (numpy ids), begin + commit + finish", us["prefixkv"]],
+        ['`PrefixCache(core="runs")`, begin + commit + finish', us["runs"]],
+        [f"`PrefixCache`, steps (chunks of {CHUNK:,}, {DECODE} decode steps)", steps["prefixkv"]],
+        ['`PrefixCache(core="runs")`, steps', steps["runs"]],
     ]
     peer = result.get("sglang")
     if peer:
@@ -127,22 +139,25 @@ def markdown(result: dict[str, Any]) -> str:
             ["SGLang's compiled tree core alone", peer["core"]],
         ]
     table = [[label, *(f"{s[k]:,.1f}" for k in ("mean", "p50", "p99"))] for label, s in rows]
-    ratios = [["PrefixCache ÷ run cache", us["prefixkv"], us["runs"]]]
+    ratios = [
+        ['default ÷ core="runs", begin + commit + finish', us["prefixkv"], us["runs"]],
+        ['default ÷ core="runs", steps', steps["prefixkv"], steps["runs"]],
+    ]
     if peer:
         ratios += [
-            ["SGLang whole ÷ run cache", peer["total"], us["runs"]],
-            ["SGLang's core ÷ run cache", peer["core"], us["runs"]],
-            ["SGLang whole ÷ PrefixCache", peer["total"], us["prefixkv"]],
-            ["SGLang's core ÷ PrefixCache", peer["core"], us["prefixkv"]],
+            ['SGLang whole ÷ core="runs"', peer["total"], us["runs"]],
+            ['SGLang\'s core ÷ core="runs"', peer["core"], us["runs"]],
+            ["SGLang whole ÷ default core", peer["total"], us["prefixkv"]],
+            ["SGLang's core ÷ default core", peer["core"], us["prefixkv"]],
         ]
     table += [
         [label, *(fmt_ratio(a[k] / b[k]) for k in ("mean", "p50", "p99"))] for label, a, b in ratios
     ]
     return (
         f"{result['requests']:,} requests, seed {result['seed']}, the first {result['warmup']:,} "
-        f"untimed; the same cached tokens and block tables on every request; CPU time; load "
-        f"average {result['load_before']:.2f} before, {result['load_after']:.2f} after.\n\n"
-        + md_table(["per request", "mean µs", "p50 µs", "p99 µs"], table)
+        f"untimed; the same cached tokens and block tables on every request, both ways; CPU "
+        f"time; load average {result['load_before']:.2f} before, {result['load_after']:.2f} "
+        "after.\n\n" + md_table(["per request", "mean µs", "p50 µs", "p99 µs"], table)
     )
 
 
@@ -157,13 +172,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    raw = replay(args.quick, args.seed)
+    raw = replay(args.quick, args.seed, "request")
+    steps = replay(args.quick, args.seed, "steps")
     result: dict[str, Any] = {
         "seed": args.seed,
         "quick": args.quick,
         "requests": raw["trace"].num_requests,
         "warmup": raw["warmup"],
         "us": raw["us"],
+        "steps": {"chunk": CHUNK, "decode": DECODE},
+        "steps_us": steps["us"],
     }
     sglang_python = args.sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
     if sglang_python:

@@ -490,5 +490,8 @@ def test_an_ill_conditioned_float32_draw_is_judged_against_float64() -> None:
     full32 = model.forward_full_with_kv(prompt)[0]
     full64 = model.with_config(dtype=torch.float64).forward_full_with_kv(prompt)[0]
     scale = full64.abs().max().item()
-    assert max_relative_error(full32, full64, scale) > FLOAT32_RTOL  # why it failed before
+    # Why it failed before: the float32 full recompute itself is far from float64, 6.9e-5 of
+    # the scale on the AMD EPYC that drew it, 2.3e-5 on an Intel Xeon (the CPU's kernels choose
+    # the order of float32 sums); either way ~100 times a usual draw's ~1e-7.
+    assert max_relative_error(full32, full64, scale) > FLOAT32_RTOL / 3
     check_cached_matches_full(model, scenario)

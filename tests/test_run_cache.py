@@ -1,140 +1,291 @@
-"""`_core.CoreRunCache`, the cache on runs of blocks (issue 24, experimental, for benches),
-through the binding: the same hits and block tables as `PrefixCache` on the same requests
-(the Rust suite checks the core type against the core cache far harder, `run_cache/tests.rs`;
-this checks the conversions and the request map), and bad input refused by name with nothing
-changed."""
+"""`PrefixCache(core="runs")`, the cache on runs of blocks (issue 24), against the default
+core through the public API: a state machine drives both with the same calls (the request
+cycle, the step API with chunks, lookahead, watermarks, drafts, truncation, preemption, caps,
+ids given and picked, bad input) and every call must answer alike, the same result or the same
+exception class, with the same block tables and block counts after it. The Rust suite checks
+the core type call for call far harder (`run_cache/step_tests.rs`); this checks the binding,
+the request map and the conversions. Then what the run core does not serve yet: refused by
+name, nothing changed."""
 
 from __future__ import annotations
 
+import faulthandler
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixkv import CacheContext, PrefixCache, _core
-from prefixkv.cache import as_token_ids, key_extras
-from prefixkv.errors import InvalidInputError, OutOfBlocksError, UnknownRequestError
+from prefixkv import CacheContext, PrefixCache
+from prefixkv.errors import (
+    InvalidInputError,
+    PrefixKVError,
+    UnknownRequestError,
+    UnsupportedFeatureError,
+)
 
 BLOCK_SIZE = 4
-NO_EXTRAS = key_extras()
+VOCAB = 40
 
 
-def pair(num_blocks: int) -> tuple[PrefixCache, _core.CoreRunCache]:
-    context = CacheContext(block_size=BLOCK_SIZE)
-    return (
-        PrefixCache(num_blocks, context=context),
-        _core.CoreRunCache(num_blocks, BLOCK_SIZE, context.fingerprint()),
-    )
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """What a call answered: its result, or its exception's class (never a crash)."""
+    try:
+        return ("ok", call())
+    except PrefixKVError as error:
+        return ("error", type(error).__name__)
+
+
+def answer(value: Any) -> Any:
+    """A comparable form of a call's answer (`Request`, `Slots` and `PrefixMatch` by field)."""
+    fields = ("id", "block_table", "block_ids", "num_cached_tokens", "num_computed_tokens")
+    fields += ("full_hit", "last_token_shared", "num_prompt_tokens")
+    if hasattr(value, "num_cached_tokens"):
+        return tuple(getattr(value, f, None) for f in fields)
+    return value
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[list[int], str | None, int]]]:
-    """A small cache and prompts that share prefixes (a cut of an earlier prompt, then fresh
-    tokens from a small vocabulary), each under one of two salts and one of three priorities."""
-    num_blocks = draw(st.integers(4, 24))
-    prompts: list[tuple[list[int], str | None, int]] = []
-    for _ in range(draw(st.integers(1, 30))):
-        prompt: list[int] = []
-        salt = draw(st.sampled_from([None, None, None, "tenant"]))
-        if prompts and draw(st.booleans()):
-            base, salt, _ = prompts[draw(st.integers(0, len(prompts) - 1))]
-            prompt = base[: draw(st.integers(0, len(base)))]
-        prompt += draw(st.lists(st.integers(0, 5), max_size=3 * BLOCK_SIZE))
-        if not prompt:
-            prompt = [1]
-        prompts.append((prompt, salt, draw(st.integers(-1, 1))))
-    return num_blocks, prompts
+def prompts(draw: st.DrawFn, seen: list[list[int]]) -> list[int]:
+    """A cut of a prompt seen before, then tokens from a small vocabulary."""
+    base = draw(st.sampled_from(seen))
+    prompt = base[: draw(st.integers(0, len(base)))]
+    prompt += draw(st.lists(st.integers(0, 9), max_size=3 * BLOCK_SIZE))
+    return prompt
 
 
-@settings(deadline=None)
-@given(workloads())
-def test_the_run_cache_hands_out_the_caches_blocks(
-    workload: tuple[int, list[tuple[list[int], str | None, int]]],
-) -> None:
-    num_blocks, prompts = workload
-    cache, runs = pair(num_blocks)
-    for i, (prompt, salt, priority) in enumerate(prompts):
-        probe = runs.lookup(prompt, key_extras(salt=salt))
-        expected_probe = cache.lookup(prompt, salt=salt)
-        assert (probe.block_ids, probe.num_cached_tokens, probe.full_hit) == (
-            expected_probe.block_ids,
-            expected_probe.num_cached_tokens,
-            expected_probe.full_hit,
-        ), f"request {i}: lookup"
-        # numpy ids on one side, a list on the other: both conversions are checked.
-        try:
-            expected = cache.begin(np.array(prompt, dtype=np.int64), salt=salt, priority=priority)
-        except OutOfBlocksError:
-            with pytest.raises(OutOfBlocksError):
-                runs.begin(prompt, key_extras(salt=salt), priority)
-            continue
-        got = runs.begin(prompt, key_extras(salt=salt), priority)
-        assert (got.num_cached_tokens, got.full_hit, got.num_prompt_tokens) == (
-            expected.num_cached_tokens,
-            expected.full_hit,
-            expected.num_prompt_tokens,
-        ), f"request {i}"
-        assert got.block_table == expected.block_table, f"request {i}"
-        # A chunk first, sometimes (a chunked prefill), then the whole prompt.
-        chunk = len(prompt) // (1 + i % 3)
-        cache.commit(expected, chunk)
-        runs.commit(got, chunk)
-        cache.commit(expected, len(prompt))
-        runs.commit(got, len(prompt))
-        cache.finish(expected)
-        runs.finish(got)
-        runs.check_invariants()
-    assert runs.obtainable() == num_blocks
+class BothCores(RuleBasedStateMachine):
+    """The same calls on a `core="blocks"` and a `core="runs"` cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        context = CacheContext(block_size=BLOCK_SIZE)
+        self.num_blocks = 12
+        self.blocks = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB)
+        self.runs = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB, core="runs")
+        self.ids: list[int | str] = []
+        self.seen: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+        self.next_id = 0
+
+    def both(self, what: str, call: Callable[[PrefixCache], Any]) -> tuple[str, Any]:
+        expected = outcome(lambda: call(self.blocks))
+        got = outcome(lambda: call(self.runs))
+        assert (got[0], answer(got[1])) == (expected[0], answer(expected[1])), what
+        return got
+
+    def prompt(self, data: st.DataObject) -> list[int]:
+        prompt: list[int] = data.draw(prompts(self.seen))
+        if data.draw(st.integers(0, 19)) == 0:
+            prompt.append(VOCAB)  # outside the vocabulary: refused by both
+        return prompt
+
+    def request(self, data: st.DataObject) -> int | str:
+        if not self.ids or data.draw(st.integers(0, 15)) == 0:
+            return "never-added"
+        return data.draw(st.sampled_from(self.ids))
+
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]), priority=st.integers(-1, 1))
+    def add_request(self, data: st.DataObject, salt: str | None, priority: int) -> None:
+        prompt = self.prompt(data)
+        rid: int | str = f"r{self.next_id}" if self.next_id % 2 else self.next_id + 1000
+        self.next_id += 1
+        if self.ids and data.draw(st.integers(0, 9)) == 0:
+            rid = self.ids[0]  # a live id again: refused by both
+        kind, _ = self.both(
+            "add_request", lambda c: c.add_request(rid, prompt, salt=salt, priority=priority)
+        )
+        if kind == "ok":
+            self.ids.append(rid)
+            self.seen.append(prompt)
+
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]))
+    def begin(self, data: st.DataObject, salt: str | None) -> None:
+        prompt = self.prompt(data)
+        as_numpy = data.draw(st.booleans())
+        tokens: Any = np.array(prompt, dtype=np.int64) if as_numpy else prompt
+        kind, request = self.both("begin", lambda c: c.begin(tokens, salt=salt))
+        if kind == "ok":
+            self.ids.append(request.id)
+            self.seen.append(prompt)
+
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        prompt = self.prompt(data)
+        self.both("lookup", lambda c: c.lookup(prompt))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def allocate_slots(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        if data.draw(st.booleans()):
+            self.both("start_position", lambda c: c.start_position(rid))
+        known = 0
+        if rid in self.ids:
+            known = self.runs.num_tokens(rid) - self.runs.start_position(rid)
+        # Mostly what the request has (a chunked prefill, or all of it), now and then more.
+        n = data.draw(st.one_of(st.integers(0, known), st.just(known), st.integers(0, 14)))
+        lookahead = data.draw(st.sampled_from([0, 0, 0, 3]))
+        watermark = data.draw(st.sampled_from([0, 0, 0, 2]))
+        self.both("can_allocate_slots", lambda c: c.can_allocate_slots(rid, n))
+        self.both("blocks_needed", lambda c: c.blocks_needed(rid, n))
+        self.both(
+            "allocate_slots",
+            lambda c: c.allocate_slots(
+                rid, n, num_lookahead_tokens=lookahead, watermark_blocks=watermark
+            ),
+        )
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        written = 0
+        if rid in self.ids:
+            slots = len(self.runs.block_table(rid)) * BLOCK_SIZE
+            written = min(self.runs.num_tokens(rid), slots)
+        # Mostly every token with a slot (the step's KV written), now and then anything.
+        n = data.draw(st.one_of(st.just(written), st.just(written), st.integers(0, 30)))
+        self.both("commit", lambda c: c.commit(rid, n))
+
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]), priority=st.integers(-1, 1))
+    def whole_request(self, data: st.DataObject, salt: str | None, priority: int) -> None:
+        """Begun, committed and finished in one go, as traffic fills the cache."""
+        prompt = self.prompt(data)
+        kind, request = self.both("begin", lambda c: c.begin(prompt, salt=salt, priority=priority))
+        if kind == "ok":
+            self.seen.append(prompt)
+            self.both("commit", lambda c: c.commit(request.id, len(prompt)))
+            self.both("finish", lambda c: c.finish(request.id))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), draft=st.booleans())
+    def append_tokens(self, data: st.DataObject, draft: bool) -> None:
+        rid = self.request(data)
+        tokens = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))
+        self.both("append_tokens", lambda c: c.append_tokens(rid, tokens, draft=draft))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        tokens = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))
+        self.both("append", lambda c: c.append(rid, tokens))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def accept_or_truncate(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        n = data.draw(st.integers(0, 20))
+        if data.draw(st.booleans()):
+            self.both("accept_drafts", lambda c: c.accept_drafts(rid, n))
+        else:
+            self.both("truncate", lambda c: c.truncate(rid, n))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), cap=st.one_of(st.none(), st.integers(0, 20)))
+    def limit_cached_prefix(self, data: st.DataObject, cap: int | None) -> None:
+        rid = self.request(data)
+        self.both("limit_cached_prefix", lambda c: c.limit_cached_prefix(rid, cap))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        self.both("preempt", lambda c: c.preempt(rid))
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = self.request(data)
+        kind, _ = self.both("finish", lambda c: c.finish(rid))
+        if kind == "ok":
+            self.ids.remove(rid)
+
+    @invariant()
+    def same_state(self) -> None:
+        for rid in self.ids:
+            for what in ("block_table", "num_tokens", "num_computed_tokens"):
+                self.both(what, lambda c, what=what, rid=rid: getattr(c, what)(rid))
+            self.both("request_block_keys", lambda c, rid=rid: c.request_block_keys(rid))
+        expected, got = self.blocks.stats(), self.runs.stats()
+        for field in ("lookups", "lookup_tokens", "hit_tokens", "evictions", "blocks_free"):
+            assert getattr(got, field) == getattr(expected, field), field
+        for field in ("blocks_cached", "blocks_in_use", "blocks_obtainable", "requests_live"):
+            assert getattr(got, field) == getattr(expected, field), field
+        for block in range(self.num_blocks):
+            self.both("ref_count", lambda c, block=block: c.ref_count(block))
+            self.both("is_cached", lambda c, block=block: c.is_cached(block))
+        self.runs.check_invariants()
 
 
-def test_bad_input_is_refused_by_name_and_changes_nothing() -> None:
-    _, runs = pair(8)
-    with pytest.raises(InvalidInputError, match="at least one token"):
-        runs.begin([], NO_EXTRAS)
-    with pytest.raises(InvalidInputError, match="adapter or multimodal"):
-        runs.begin([1, 2], key_extras(adapter="lora-a"))
-    with pytest.raises(InvalidInputError, match="out of range"):
-        runs.begin(as_token_ids([1, -1]), NO_EXTRAS)
-    with pytest.raises(InvalidInputError, match="32 bytes"):
-        _core.CoreRunCache(8, BLOCK_SIZE, b"short")
-    with pytest.raises(InvalidInputError, match="num_blocks"):
-        _core.CoreRunCache(0, BLOCK_SIZE, bytes(32))
-    assert runs.obtainable() == 8
-    request = runs.begin(list(range(10)), NO_EXTRAS)
-    with pytest.raises(InvalidInputError, match="exceeds the request's 10 tokens"):
-        runs.commit(request, 11)
-    with pytest.raises(OutOfBlocksError, match="needed 8"):
-        runs.begin(list(range(100, 130)), NO_EXTRAS)
-    assert runs.obtainable() == 8 - 3
-    # A chunk first (one block published), then the rest.
-    runs.commit(request, 5)
-    assert runs.lookup(list(range(10)), NO_EXTRAS).num_cached_tokens == 4
-    runs.commit(request, 10)
-    runs.finish(request)
-    with pytest.raises(UnknownRequestError):
-        runs.finish(request)
-    with pytest.raises(UnknownRequestError):
-        runs.commit(request, 10)
-    runs.check_invariants()
-    # The first two blocks were published and are found again.
-    again = runs.begin(list(range(10)), NO_EXTRAS)
-    assert again.num_cached_tokens == 8
+BothCores.TestCase.settings = settings(deadline=None, stateful_step_count=40)
+test_the_run_core_answers_every_call_as_the_default_core = BothCores.TestCase
+
+
+def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedFeatureError, match="sliding_window is not served by the run"):
+        PrefixCache(8, sliding_window=16, core="runs")
+    with pytest.raises(UnsupportedFeatureError, match='full_hit="reuse_last_block"'):
+        PrefixCache(8, full_hit="reuse_last_block", core="runs")
+    with pytest.raises(InvalidInputError, match="core must be one of"):
+        PrefixCache(8, core="radix")
+    cache = PrefixCache(8, block_size=BLOCK_SIZE, core="runs")
+    request = cache.begin(list(range(10)))
+
+    def state() -> tuple[str, int, list[int]]:
+        return (repr(cache.stats()), cache.stats().probes, cache.block_table(request))
+
+    before = state()
+    unserved: list[tuple[str, Callable[[], Any]]] = [
+        ("adapter or multimodal", lambda: cache.begin([1, 2], adapter="lora-a")),
+        ("adapter or multimodal", lambda: cache.lookup([1, 2], multimodal=[(0, 1, "img")])),
+        ("pin", lambda: cache.pin([1, 2, 3, 4])),
+        ("match_and_acquire", lambda: cache.match_and_acquire([1, 2, 3, 4])),
+        ("allocate", lambda: cache.allocate(1)),
+        ("commit_blocks", lambda: cache.commit_blocks([1, 2, 3, 4], [0])),
+        ("release", lambda: cache.release([0])),
+        ("eviction log", lambda: cache.set_eviction_log(True)),
+    ]
+    for name, call in unserved:
+        with pytest.raises(UnsupportedFeatureError, match=name):
+            call()
+    refused: list[tuple[str, Callable[[], Any]]] = [
+        ("only with no request live", cache.clear),
+        ("only with no request live", lambda: cache.set_context(CacheContext(block_size=4))),
+        ("sliding-window", lambda: cache.lookup_in_window([1, 2], 4)),
+    ]
+    for name, call in refused:
+        with pytest.raises(InvalidInputError, match=name):
+            call()
+    with pytest.raises(UnknownRequestError, match="takes no pins"):
+        cache.unpin(3)
+    assert state() == before
+    cache.commit(request, 10)
+    cache.finish(request)
+    assert cache.lookup(list(range(10))).num_cached_tokens == 8
+    # With no request live, a reset forgets every cached block.
+    cache.set_context(CacheContext(block_size=BLOCK_SIZE, model_id="another"))
+    assert cache.lookup(list(range(10))).num_cached_tokens == 0
+    assert cache.stats().blocks_obtainable == 8
+    cache.check_invariants()
 
 
 def test_calls_from_two_threads_do_not_deadlock() -> None:
     """A large commit releases the GIL; it must not hold the cache's lock while it waits to
     take the GIL back, or a thread calling in under the GIL would wait for the lock forever
-    (found by a review: it hung in 4 of 4 runs). A hang kills the run after a minute, with
-    every thread's traceback, instead of stalling CI."""
-    import faulthandler
-    import threading
-
-    _, runs = pair(256)
+    (found by a review of the first binding: it hung in 4 of 4 runs). A hang kills the run
+    after a minute, with every thread's traceback, instead of stalling CI."""
+    cache = PrefixCache(256, core="runs")
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.is_set():
-            runs.obtainable()
+            cache.blocks_obtainable()
+            cache.lookup(list(range(400)))
 
     poller = threading.Thread(target=poll)
     faulthandler.dump_traceback_later(60, exit=True)
@@ -142,12 +293,12 @@ def test_calls_from_two_threads_do_not_deadlock() -> None:
         poller.start()
         for i in range(300):
             prompt = list(range(i * 400, i * 400 + 400))
-            request = runs.begin(prompt, NO_EXTRAS)
-            runs.commit(request, len(prompt))
-            runs.finish(request)
+            request = cache.begin(prompt)
+            cache.commit(request, len(prompt))
+            cache.finish(request)
         stop.set()
         poller.join()
     finally:
         stop.set()
         faulthandler.cancel_dump_traceback_later()
-    runs.check_invariants()
+    cache.check_invariants()

@@ -165,4 +165,5 @@ class UnsupportedEngineVersionError(PrefixKVError, ImportError):
 
 class UnsupportedFeatureError(PrefixKVError, NotImplementedError):
     """An engine asked an integration for something prefixkv does not do (a hybrid KV layout, a
-    Mamba alignment mode, a partial-block hit, ...); the message names the setting to change."""
+    Mamba alignment mode, a partial-block hit, ...), or a cache built with ``core="runs"`` for a
+    call or setting that core does not serve yet; the message names the setting to change."""

@@ -190,7 +190,7 @@ class GroupedPrefixCache:
         )
         # One hit length, all or nothing, the scheduled requests: all in the core, over the
         # same caches Python keeps using for lookups, events and stats.
-        self._core = _core.CoreGroups([cache._core for cache in self.groups])
+        self._core = _core.CoreGroups([cache._block_core("KV groups") for cache in self.groups])
         #: Hit lengths are multiples of this: every group's blocks end there.
         self.hit_granularity = self._core.hit_granularity
         self.full_hit = "recompute_last_block"

@@ -36,11 +36,11 @@ class EventRecorder:
     def __init__(
         self, cache: PrefixCache, *, capacity: int = DEFAULT_CAPACITY, token_ids: TokenIds = "all"
     ) -> None:
-        core = getattr(cache, "_core", None)
-        if not isinstance(core, _core.CoreCache):
+        if not isinstance(getattr(cache, "_core", None), _core.CoreCache | _core.CoreRunCache):
             raise InvalidInputError(
                 f"EventRecorder needs a prefixkv PrefixCache, got {type(cache).__name__}"
             )
+        core = cache._block_core("KV events")
         self._cache = cache
         self._core = core
         self.token_ids = token_ids

@@ -13,6 +13,7 @@ pyo3::import_exception!(prefixkv.errors, DuplicateRequestError);
 pyo3::import_exception!(prefixkv.errors, InvalidBlockError);
 pyo3::import_exception!(prefixkv.errors, BlockStateError);
 pyo3::import_exception!(prefixkv.errors, OutOfBlocksError);
+pyo3::import_exception!(prefixkv.errors, UnsupportedFeatureError);
 
 /// Each core error to its own class (each also a built-in: ValueError, KeyError, MemoryError),
 /// exhaustively: a new core variant does not compile until it is mapped here.
@@ -40,4 +41,9 @@ fn with_class_of(err: &CacheError, message: String) -> PyErr {
 /// An `InvalidInputError` with this message.
 pub fn invalid(message: String) -> PyErr {
     InvalidInputError::new_err(message)
+}
+
+/// An `UnsupportedFeatureError` with this message: a call or setting this core does not serve.
+pub fn unsupported(message: String) -> PyErr {
+    UnsupportedFeatureError::new_err(message)
 }

@@ -1,197 +1,120 @@
-//! `CoreRunCache`: the request cycle of the cache on runs of blocks (`prefixkv_core::run_cache`,
-//! issue 24's plan in `benches/PROFILE.md`), bound so that the benches can time it through the
-//! same conversions as `CoreCache` (numpy or list ids in, a `Request` out, the GIL released by
-//! the same rule). Experimental and not part of `prefixkv`'s API: it is not the cache yet, and
-//! takes only what the run cache serves so far (the request cycle with commits by chunk, a
-//! salt, no adapter or multimodal extras); anything else is refused by name.
+//! `CoreRunCache`: the cache on runs of blocks (`prefixkv_core::run_cache::RunPrefixCache`,
+//! issue 24), behind `prefixkv.PrefixCache(core="runs")`. Its methods are `CoreCache`'s, with
+//! the same conversions and the same GIL rule (`gil.rs`); what the run cache does not serve
+//! yet (adapter and multimodal extras, sliding windows, pins, the low-level block calls, the
+//! eviction log) is refused by name with an `UnsupportedFeatureError`, changing nothing.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
-
-use prefixkv_core::run_cache::{RunCache, RunRequest};
-use prefixkv_core::{root_key, BlockKey, CacheError, RequestId};
+use prefixkv_core::run_cache::{RunPrefixCache, RunSlots};
+use prefixkv_core::{CacheError, RequestId};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::cache::{fingerprint, U32_RANGE};
-use crate::convert::{self, count, int_in, KeyExtras, RequestRef, Tokens};
-use crate::errors::{invalid, to_py_err};
-use crate::gil::detach_if;
-use crate::results::{PrefixMatch, Request};
+use crate::convert::{
+    self, block_id, count, int_in, slot_counts, BlockIds, KeyExtras, RequestRef, Tokens,
+};
+use crate::errors::{invalid, to_py_err, unsupported};
+use crate::gil::{detach_if, many, MANY_BLOCKS};
+use crate::results::{Pin, PrefixMatch, Request, Slots};
+use crate::stats::CacheStats;
 
-/// The run cache and its requests in flight, behind one lock.
-struct Runs {
-    cache: RunCache,
-    requests: HashMap<RequestId, RunRequest>,
-    next_id: i64,
-    context: BlockKey,
-    block_size: usize,
-}
-
-/// The cache on runs of blocks (experimental; see the module docs).
+/// The cache on runs of blocks. Use `prefixkv.PrefixCache(core="runs")`, which documents
+/// every method.
 #[pyclass(frozen, module = "prefixkv._core")]
-pub struct CoreRunCache(Mutex<Runs>);
+pub struct CoreRunCache(RunPrefixCache);
 
-impl CoreRunCache {
-    /// The lock, taken inside a call's GIL release when it has one (`gil.rs`: a call that
-    /// released the GIL while holding the lock would deadlock with one waiting for the lock
-    /// under the GIL). A panic inside the run cache is a bug, raised once as one; the state it
-    /// left is not trusted after it, so every later call is refused.
-    fn runs(&self) -> Result<MutexGuard<'_, Runs>, CacheError> {
-        self.0.lock().map_err(|_| {
-            CacheError::InvalidInput(
-                "this run cache panicked in an earlier call; its state is not trusted".into(),
-            )
-        })
-    }
+/// Refuses a call the run core does not serve yet, by name.
+fn unserved(call: &str) -> PyErr {
+    unsupported(format!(
+        "{call} is not served by the run core yet (PrefixCache(core=\"runs\")); use the \
+         default core=\"blocks\" for it"
+    ))
 }
 
-/// The run cache keys blocks by root (context and salt) and tokens only, so far.
+/// The run core keys blocks by context, salt and tokens only, so far.
 fn no_extras(keys: &KeyExtras) -> PyResult<()> {
     if keys.extras.is_empty() {
         Ok(())
     } else {
-        Err(invalid(
-            "the run cache takes no adapter or multimodal extras yet".into(),
-        ))
+        Err(unserved("an adapter or multimodal extras"))
+    }
+}
+
+impl From<RunSlots> for Slots {
+    fn from(slots: RunSlots) -> Self {
+        Self {
+            block_ids: slots.block_ids,
+            num_computed_tokens: slots.num_computed_tokens,
+            num_cached_tokens: slots.num_cached_tokens,
+            full_hit: slots.full_hit,
+            last_token_shared: false,
+        }
+    }
+}
+
+impl CoreRunCache {
+    /// Whether work over `tokens` tokens is enough to release the GIL for (`gil.rs`).
+    fn many(&self, tokens: usize) -> bool {
+        many(tokens, self.0.block_size())
+    }
+
+    /// As `CoreCache`'s: many tokens, or a waiting request's first allocation, which matches
+    /// its whole prompt however few tokens it asks for.
+    fn allocation_is_large(&self, id: &RequestId, tokens: usize) -> bool {
+        self.many(tokens)
+            || (matches!(self.0.num_computed_tokens(id), Ok(0))
+                && self.0.num_tokens(id).is_ok_and(|n| self.many(n)))
     }
 }
 
 #[pymethods]
 impl CoreRunCache {
     #[new]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         context_fingerprint: &[u8],
+        vocab_size: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        // As `CoreCache` reads them; `RunCache::new` refuses sizes it cannot hold.
         let positive = |v: i128| v > 0;
         let num_blocks: u32 = int_in(num_blocks, "num_blocks", U32_RANGE, positive)?;
         let block_size = int_in::<u32>(block_size, "block_size", U32_RANGE, positive)? as usize;
+        let vocab_size = vocab_size
+            .filter(|v| !v.is_none())
+            .map(|v| int_in(v, "vocab_size", U32_RANGE, positive))
+            .transpose()?;
         let context = fingerprint(context_fingerprint)?;
-        let cache =
-            RunCache::new(num_blocks, block_size, 0x7072_6566_6978_6b76).ok_or_else(|| {
-                to_py_err(CacheError::InvalidInput(format!(
-                    "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata \
-                     would take more than the {} bytes allowed up front (or blocks of more \
-                     than {} tokens), or the memory is not there",
-                    prefixkv_core::cache::MAX_UP_FRONT_BYTES,
-                    prefixkv_core::cache::MAX_BLOCK_SIZE
-                )))
-            })?;
-        Ok(Self(Mutex::new(Runs {
-            cache,
-            requests: HashMap::new(),
-            next_id: 0,
-            context,
-            block_size,
-        })))
+        RunPrefixCache::new(num_blocks, block_size, context, vocab_size)
+            .map(Self)
+            .map_err(to_py_err)
     }
 
-    /// Matches the cached prefix of `tokens` under `keys`' salt, holds it and allocates the
-    /// rest; refused with nothing changed when the blocks are not there.
-    #[pyo3(signature = (tokens, keys, priority=None))]
-    fn begin(
-        &self,
-        py: Python<'_>,
-        mut tokens: Tokens<'_>,
-        keys: &KeyExtras,
-        priority: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Request> {
-        let priority = convert::priority(priority)?;
-        no_extras(keys)?;
-        let num_prompt_tokens = tokens.len();
-        if num_prompt_tokens == 0 {
-            return Err(invalid("a prompt has at least one token".into()));
-        }
-        let view = tokens.view();
-        let salt = &keys.salt;
-        let (id, begun) = py
-            .detach(|| {
-                let tokens = view.into_vec()?;
-                let mut runs = self.runs()?;
-                let root = root_key(&runs.context, salt);
-                let bs = runs.block_size;
-                let request = runs
-                    .cache
-                    .begin(root, tokens, priority)
-                    .map_err(|refused| CacheError::OutOfBlocks {
-                        needed: refused.needed,
-                        available: refused.obtainable,
-                    })?;
-                let id = RequestId::Int(runs.next_id);
-                runs.next_id += 1;
-                let begun = (
-                    request.blocks().to_vec(),
-                    request.cached_blocks() * bs,
-                    request.full_hit(),
-                );
-                runs.requests.insert(id.clone(), request);
-                Ok((id, begun))
-            })
-            .map_err(to_py_err)?;
-        let (block_table, num_cached_tokens, full_hit) = begun;
-        Ok(Request {
-            id,
-            block_table,
-            num_cached_tokens,
-            full_hit,
-            last_token_shared: false,
-            num_prompt_tokens,
-        })
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.0.num_blocks()
     }
 
-    /// The KV of the request's first `num_computed_tokens` tokens is written: publishes the
-    /// full blocks among them (chunk after chunk, as a chunked prefill commits).
-    fn commit(
-        &self,
-        py: Python<'_>,
-        request: RequestRef,
-        num_computed_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let num = count(num_computed_tokens, "num_computed_tokens")?;
-        let id = request.0;
-        // Checked and sized under the lock, which is dropped before the GIL is released.
-        let large = {
-            let runs = self.runs().map_err(to_py_err)?;
-            let Some(held) = runs.requests.get(&id) else {
-                return Err(to_py_err(CacheError::UnknownRequest(id)));
-            };
-            if num > held.num_tokens() {
-                return Err(invalid(format!(
-                    "num_computed_tokens {num} exceeds the request's {} tokens",
-                    held.num_tokens()
-                )));
-            }
-            num / runs.block_size >= crate::gil::MANY_BLOCKS
-        };
-        detach_if(py, large, || {
-            let mut runs = self.runs()?;
-            let runs = &mut *runs;
-            // Another thread may have finished it since.
-            let Some(held) = runs.requests.get_mut(&id) else {
-                return Err(CacheError::UnknownRequest(id));
-            };
-            runs.cache.commit(held, num)
-        })
-        .map_err(to_py_err)
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.0.block_size()
     }
 
-    /// Drops the request's references and forgets it.
-    fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
-        let id = request.0;
-        py.detach(|| {
-            let mut runs = self.runs()?;
-            let Some(held) = runs.requests.remove(&id) else {
-                return Err(CacheError::UnknownRequest(id));
-            };
-            runs.cache.finish(held);
-            Ok(())
-        })
-        .map_err(to_py_err)
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        None
     }
 
-    /// The cached prefix of `tokens` under `keys`' salt, without taking references.
+    #[getter]
+    fn null_block(&self) -> Option<u32> {
+        None
+    }
+
+    #[getter]
+    fn window_release(&self) -> &'static str {
+        "on_commit"
+    }
+
     fn lookup(
         &self,
         py: Python<'_>,
@@ -201,13 +124,7 @@ impl CoreRunCache {
         no_extras(keys)?;
         let view = tokens.view();
         let found = py
-            .detach(|| {
-                let tokens = view.into_vec()?;
-                let runs = self.runs()?;
-                Ok(runs
-                    .cache
-                    .lookup(&root_key(&runs.context, &keys.salt), &tokens))
-            })
+            .detach(|| view.into_vec().and_then(|t| self.0.lookup(&t, &keys.salt)))
             .map_err(to_py_err)?;
         Ok(PrefixMatch {
             num_cached_tokens: found.num_cached_tokens,
@@ -217,14 +134,382 @@ impl CoreRunCache {
         })
     }
 
-    /// Blocks a request could be given now (free, or cached and held by nobody).
-    fn obtainable(&self) -> PyResult<usize> {
-        Ok(self.runs().map_err(to_py_err)?.cache.obtainable())
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn lookup_in_window(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        keys: &KeyExtras,
+        window: &Bound<'_, PyAny>,
+    ) -> PyResult<PrefixMatch> {
+        let _ = (tokens, keys, window);
+        Err(invalid(
+            "lookup_in_window needs a sliding-window cache; this one has full attention".into(),
+        ))
     }
 
-    /// Checks every invariant of the run cache (tests); raises on a broken one.
-    fn check_invariants(&self) -> PyResult<()> {
-        self.runs().map_err(to_py_err)?.cache.check_invariants();
+    #[pyo3(signature = (tokens, keys, priority=None, request=None))]
+    fn begin(
+        &self,
+        py: Python<'_>,
+        mut tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+        request: Option<RequestRef>,
+    ) -> PyResult<Request> {
+        let priority = convert::priority(priority)?;
+        no_extras(keys)?;
+        let num_prompt_tokens = tokens.len();
+        let view = tokens.view();
+        let id = request.map(|r| r.0);
+        let (id, slots) = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.begin(id, t, &keys.salt, priority))
+            })
+            .map_err(to_py_err)?;
+        Ok(Request {
+            id,
+            block_table: slots.block_ids,
+            num_cached_tokens: slots.num_cached_tokens,
+            full_hit: slots.full_hit,
+            last_token_shared: false,
+            num_prompt_tokens,
+        })
+    }
+
+    #[pyo3(signature = (request, tokens, keys, priority=None))]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        mut tokens: Tokens<'_>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let priority = convert::priority(priority)?;
+        no_extras(keys)?;
+        let view = tokens.view();
+        py.detach(|| {
+            view.into_vec()
+                .and_then(|t| self.0.add_request(request.0, t, &keys.salt, priority))
+        })
+        .map_err(to_py_err)
+    }
+
+    fn allocate_slots(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<Slots> {
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0.allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map(Slots::from)
+        .map_err(to_py_err)
+    }
+
+    fn can_allocate_slots(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+        watermark: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let (new, lookahead, watermark) =
+            slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
+        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
+        detach_if(py, large, || {
+            self.0
+                .can_allocate_slots(&request.0, new, lookahead, watermark)
+        })
+        .map_err(to_py_err)
+    }
+
+    fn blocks_needed(
+        &self,
+        request: RequestRef,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let new = count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        self.0
+            .blocks_needed(&request.0, new, lookahead)
+            .map_err(to_py_err)
+    }
+
+    fn start_position(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.start_position(&request.0).map_err(to_py_err)
+    }
+
+    fn limit_cached_prefix(
+        &self,
+        request: RequestRef,
+        max_cached_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let cap = max_cached_tokens
+            .filter(|c| !c.is_none())
+            .map(|c| count(c, "max_cached_tokens"))
+            .transpose()?;
+        self.0
+            .limit_cached_prefix(&request.0, cap)
+            .map_err(to_py_err)
+    }
+
+    fn append_tokens(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        mut tokens: Tokens<'_>,
+        draft: bool,
+    ) -> PyResult<()> {
+        let large = self.many(tokens.len());
+        let view = tokens.view();
+        detach_if(py, large, || {
+            view.into_vec()
+                .and_then(|t| self.0.append_tokens(&request.0, &t, draft))
+        })
+        .map_err(to_py_err)
+    }
+
+    fn append(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        mut tokens: Tokens<'_>,
+    ) -> PyResult<Vec<u32>> {
+        let large = self.many(tokens.len());
+        let view = tokens.view();
+        detach_if(py, large, || {
+            view.into_vec().and_then(|t| self.0.append(&request.0, &t))
+        })
+        .map_err(to_py_err)
+    }
+
+    fn commit(
+        &self,
+        py: Python<'_>,
+        request: RequestRef,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_computed_tokens, "num_computed_tokens")?;
+        // A commit publishing few blocks (most decode steps publish none) keeps the GIL
+        // (`gil.rs`); asked first under the lock, which is dropped before the GIL is released.
+        let large = self
+            .0
+            .blocks_to_publish(&request.0, num)
+            .map_err(to_py_err)?
+            >= MANY_BLOCKS;
+        detach_if(py, large, || self.0.commit(&request.0, num)).map_err(to_py_err)
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn set_request_window(&self, request: RequestRef, window: &Bound<'_, PyAny>) -> PyResult<()> {
+        let _ = (request, window);
+        Err(invalid(
+            "set_request_window needs a cache built with window_release=\"explicit\"; this one \
+             has full attention"
+                .into(),
+        ))
+    }
+
+    fn release_out_of_window(
+        &self,
+        request: RequestRef,
+        processed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let processed = count(processed_tokens, "processed_tokens")?;
+        // Full attention: nothing leaves a window before `finish`.
+        let tokens = self.0.num_tokens(&request.0).map_err(to_py_err)?;
+        if processed > tokens {
+            return Err(invalid(format!(
+                "processed_tokens {processed} exceeds the request's {tokens} tokens"
+            )));
+        }
+        Ok(0)
+    }
+
+    fn accept_drafts(
+        &self,
+        request: RequestRef,
+        num_accepted: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let num = count(num_accepted, "num_accepted")?;
+        self.0.accept_drafts(&request.0, num).map_err(to_py_err)
+    }
+
+    fn truncate(&self, request: RequestRef, num_tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let num = count(num_tokens, "num_tokens")?;
+        self.0.truncate(&request.0, num).map_err(to_py_err)
+    }
+
+    fn preempt(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.preempt(&request.0)).map_err(to_py_err)
+    }
+
+    fn finish(&self, py: Python<'_>, request: RequestRef) -> PyResult<()> {
+        py.detach(|| self.0.finish(&request.0)).map_err(to_py_err)
+    }
+
+    fn block_table(&self, request: RequestRef) -> PyResult<Vec<u32>> {
+        self.0.block_table(&request.0).map_err(to_py_err)
+    }
+
+    fn num_tokens(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.num_tokens(&request.0).map_err(to_py_err)
+    }
+
+    fn num_computed_tokens(&self, request: RequestRef) -> PyResult<usize> {
+        self.0.num_computed_tokens(&request.0).map_err(to_py_err)
+    }
+
+    fn request_block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        request: RequestRef,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let keys = py
+            .detach(|| self.0.request_block_keys(&request.0))
+            .map_err(to_py_err)?;
+        Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
+    }
+
+    #[pyo3(signature = (tokens, keys, priority=None))]
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn match_and_acquire(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PrefixMatch> {
+        let _ = (tokens, keys, priority);
+        Err(unserved("match_and_acquire"))
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn allocate(&self, count: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let _ = (count,);
+        Err(unserved("allocate"))
+    }
+
+    fn blocks_obtainable(&self, up_to: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let up_to = count(up_to, "up_to")?;
+        self.0.blocks_obtainable(up_to).map_err(to_py_err)
+    }
+
+    #[pyo3(signature = (tokens, blocks, keys, priority=None))]
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn commit_blocks(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        blocks: BlockIds,
+        keys: &KeyExtras,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u32>> {
+        let _ = (tokens, blocks, keys, priority);
+        Err(unserved("commit_blocks"))
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn release(&self, blocks: BlockIds) -> PyResult<()> {
+        let _ = (blocks,);
+        Err(unserved("release"))
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn pin(&self, tokens: &Bound<'_, PyAny>, keys: &KeyExtras) -> PyResult<Pin> {
+        let _ = (tokens, keys);
+        Err(unserved("pin"))
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn unpin(&self, pin: &Bound<'_, PyAny>) -> PyResult<()> {
+        // No pin was ever taken here: every id is unknown, as `CoreCache` says of one.
+        let id: u64 = match pin.cast::<Pin>() {
+            Ok(pin) => pin.get().id,
+            Err(_) => int_in(pin, "pin", "0 ..= 2**64-1", |_| true)?,
+        };
+        Err(to_py_err(CacheError::UnknownPin {
+            pin_id: id,
+            reason: "the run core takes no pins",
+        }))
+    }
+
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.0.reset(None)).map_err(to_py_err)
+    }
+
+    fn set_context(&self, py: Python<'_>, context_fingerprint: &[u8]) -> PyResult<()> {
+        let key = fingerprint(context_fingerprint)?;
+        py.detach(|| self.0.reset(Some(key))).map_err(to_py_err)
+    }
+
+    fn block_keys<'py>(
+        &self,
+        py: Python<'py>,
+        mut tokens: Tokens<'py>,
+        keys: &KeyExtras,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        no_extras(keys)?;
+        let view = tokens.view();
+        let block_keys = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.block_keys(&t, &keys.salt))
+            })
+            .map_err(to_py_err)?;
+        Ok(block_keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
+    }
+
+    fn stats(&self, py: Python<'_>) -> PyResult<CacheStats> {
+        py.detach(|| self.0.stats())
+            .map(CacheStats::from)
+            .map_err(to_py_err)
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn set_eviction_log(&self, enabled: bool) -> PyResult<()> {
+        if enabled {
+            return Err(unserved("the eviction log"));
+        }
         Ok(())
+    }
+
+    #[allow(clippy::unused_self)] // `CoreCache`'s signature
+    fn drain_evicted(&self) -> Vec<u32> {
+        Vec::new()
+    }
+
+    fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        self.0.ref_count(block_id(block)?).map_err(to_py_err)
+    }
+
+    fn is_cached(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.0.is_cached(block_id(block)?).map_err(to_py_err)
+    }
+
+    /// Raises AssertionError naming the broken invariant (tests only).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        let outcome = py.detach(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.check_invariants()))
+        });
+        match outcome {
+            Ok(result) => result.map_err(to_py_err),
+            Err(e) => {
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                    .unwrap_or_else(|| "invariant broken".into());
+                Err(pyo3::exceptions::PyAssertionError::new_err(msg))
+            }
+        }
     }
 }

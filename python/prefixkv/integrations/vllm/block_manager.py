@@ -247,7 +247,7 @@ class PrefixKVCacheManager:
             window_release="on_commit" if self._window is None else "explicit",
         )
         if enable_kv_cache_events:
-            _core.enable_events(self._cache._core, EVENT_CAPACITY, "all")
+            _core.enable_events(self._cache._block_core("KV events"), EVENT_CAPACITY, "all")
         self._requests: dict[str, _Tracked] = {}
         self.block_pool = BlockPoolView(self._cache, self._ids, self)
         self.coordinator = CoordinatorView(self, (spec,), self.block_size, self.block_pool)
@@ -600,7 +600,7 @@ class PrefixKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         if not self.enable_kv_cache_events:
             return []
-        drain = _core.drain_events(self._cache._core)
+        drain = _core.drain_events(self._cache._block_core("KV events"))
         kind, window = self.kv_cache_event_metadata[0]
         return vllm_events(
             drain.events, block_size=self.block_size, kind=kind, sliding_window=window

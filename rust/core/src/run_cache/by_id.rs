@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use super::{RunCache, RunLookup, RunRequest, RunSlots};
 use crate::error::{CacheError, Result};
-use crate::key::{root_key, BlockKey};
+use crate::key::{block_key_with, root_key, BlockKey};
 use crate::pool::BlockId;
 use crate::request::RequestId;
 use crate::stats::CacheStats;
@@ -345,6 +345,25 @@ impl RunPrefixCache {
         Ok(get(&self.state()?.requests, id)?.num_computed_tokens())
     }
 
+    /// The 32-byte key of every full block of `tokens` under `salt` (what the per-block
+    /// cache's `block_keys` gives: the same chain from the same root).
+    pub fn block_keys(&self, tokens: &[u32], salt: &[u8]) -> Result<Vec<BlockKey>> {
+        self.check_tokens(tokens)?;
+        let root = root_key(&self.state()?.context, salt);
+        Ok(key_chain(root, tokens, self.block_size))
+    }
+
+    /// The key of every full block of a live request's verified tokens.
+    pub fn request_block_keys(&self, id: &RequestId) -> Result<Vec<BlockKey>> {
+        let state = self.state()?;
+        let request = get(&state.requests, id)?;
+        Ok(key_chain(
+            request.root,
+            &request.tokens[..request.num_verified()],
+            self.block_size,
+        ))
+    }
+
     /// Blocks an allocation could obtain now, capped at `up_to`.
     pub fn blocks_obtainable(&self, up_to: usize) -> Result<usize> {
         Ok(self.state()?.cache.obtainable().min(up_to))
@@ -488,6 +507,19 @@ impl Counters {
         self.lookup_tokens += request.num_verified() as u64;
         self.hit_tokens += slots.num_cached_tokens as u64;
     }
+}
+
+/// Each full block's key, chained from `root`.
+fn key_chain(root: BlockKey, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+    let mut parent = root;
+    let mut buffer = Vec::new();
+    tokens
+        .chunks_exact(block_size)
+        .map(|chunk| {
+            parent = block_key_with(&mut buffer, &parent, chunk, &[]);
+            parent
+        })
+        .collect()
 }
 
 fn fresh(num_blocks: u32, block_size: usize) -> Result<RunCache> {
