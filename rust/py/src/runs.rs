@@ -206,12 +206,19 @@ impl CoreRunCache {
     ) -> PyResult<Slots> {
         let (new, lookahead, watermark) =
             slot_counts(num_new_tokens, num_lookahead_tokens, watermark)?;
-        let large = self.allocation_is_large(&request.0, new.saturating_add(lookahead));
-        detach_if(py, large, || {
-            self.0.allocate_slots(&request.0, new, lookahead, watermark)
-        })
-        .map(Slots::from)
-        .map_err(to_py_err)
+        // Most steps (a decode token, a small chunk) run attached, decided and done under one
+        // lock; a large one is left undone and runs detached (`gil.rs`).
+        let small = self
+            .0
+            .allocate_slots_unless_large(&request.0, new, lookahead, watermark, |n| self.many(n))
+            .map_err(to_py_err)?;
+        match small {
+            Some(slots) => Ok(slots.into()),
+            None => py
+                .detach(|| self.0.allocate_slots(&request.0, new, lookahead, watermark))
+                .map(Slots::from)
+                .map_err(to_py_err),
+        }
     }
 
     fn can_allocate_slots(
@@ -300,14 +307,15 @@ impl CoreRunCache {
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let num = count(num_computed_tokens, "num_computed_tokens")?;
-        // A commit publishing few blocks (most decode steps publish none) keeps the GIL
-        // (`gil.rs`); asked first under the lock, which is dropped before the GIL is released.
-        let large = self
-            .0
-            .blocks_to_publish(&request.0, num)
-            .map_err(to_py_err)?
-            >= MANY_BLOCKS;
-        detach_if(py, large, || self.0.commit(&request.0, num)).map_err(to_py_err)
+        // A commit publishing few blocks (most decode steps publish none) runs attached, under
+        // the one lock that decides it; a larger one is left undone and runs detached (`gil.rs`).
+        match self.0.commit_at_most(&request.0, num, MANY_BLOCKS - 1) {
+            Ok(Some(positions)) => Ok(positions),
+            Ok(None) => py
+                .detach(|| self.0.commit(&request.0, num))
+                .map_err(to_py_err),
+            Err(error) => Err(to_py_err(error)),
+        }
     }
 
     #[allow(clippy::unused_self)] // `CoreCache`'s signature

@@ -1,17 +1,21 @@
 //! The run cache as an engine calls it (`RunPrefixCache`): requests named by the engine's ids,
 //! keys rooted in the execution context and a salt, token ids checked against the vocabulary,
-//! everything behind one lock so that threads share it, and the counters `CacheStats` reports.
+//! the writer behind one lock so that threads share it, lookups lock-free beside it (a router
+//! probing while the scheduler allocates: they read only the run table), and the counters
+//! `CacheStats` reports.
 //! [`crate::PrefixCache`]'s API where the run cache serves it (the request cycle and the step
 //! API); what it does not serve yet is refused by the binding, by name.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use super::{RunCache, RunLookup, RunRequest, RunSlots};
+use super::{lookup_in, RunCache, RunLookup, RunRequest, RunSlots};
 use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, root_key, BlockKey};
 use crate::pool::BlockId;
 use crate::request::RequestId;
+use crate::run_table::RunTable;
 use crate::stats::CacheStats;
 
 /// Seeds the run table's index hashes (fixed: the index is private to a process).
@@ -20,6 +24,11 @@ const SEED: u64 = 0x7072_6566_6978_6b76;
 /// The run cache and its live requests, by id, behind one lock (see the module docs).
 pub struct RunPrefixCache {
     state: Mutex<State>,
+    /// What lookups read without the writer's lock: the table and the context its blocks are
+    /// keyed under (both replaced together by `reset`).
+    reader: RwLock<(Arc<RunTable>, BlockKey)>,
+    /// Lookups, counted apart from the state (they do not take its lock).
+    probes: AtomicU64,
     num_blocks: u32,
     block_size: usize,
     vocab_size: Option<u32>,
@@ -39,7 +48,6 @@ struct Counters {
     lookups: u64,
     lookup_tokens: u64,
     hit_tokens: u64,
-    probes: u64,
     committed_blocks: u64,
     /// Evictions and copies of the caches `clear` replaced.
     evictions_before: u64,
@@ -58,6 +66,8 @@ impl RunPrefixCache {
     ) -> Result<Self> {
         let cache = fresh(num_blocks, block_size)?;
         Ok(Self {
+            reader: RwLock::new((cache.shared_table(), context)),
+            probes: AtomicU64::new(0),
             state: Mutex::new(State {
                 cache,
                 requests: HashMap::default(),
@@ -84,11 +94,7 @@ impl RunPrefixCache {
     /// The lock. A panic inside the run cache is a bug, raised once as one; the state it left
     /// is not trusted after it, so every later call is refused.
     fn state(&self) -> Result<MutexGuard<'_, State>> {
-        self.state.lock().map_err(|_| {
-            CacheError::InvalidInput(
-                "this run cache panicked in an earlier call; its state is not trusted".into(),
-            )
-        })
+        self.state.lock().map_err(|_| poisoned())
     }
 
     /// Refuses token ids outside the vocabulary, by position.
@@ -113,13 +119,16 @@ impl RunPrefixCache {
         Ok(())
     }
 
-    /// The cached prefix of `tokens` under `salt`, without taking references.
+    /// The cached prefix of `tokens` under `salt`, without taking references: lock-free,
+    /// beside the writer (its read lock is held only to clone the table's pointer).
     pub fn lookup(&self, tokens: &[u32], salt: &[u8]) -> Result<RunLookup> {
         self.check_tokens(tokens)?;
-        let mut state = self.state()?;
-        state.counters.probes += 1;
-        let root = root_key(&state.context, salt);
-        Ok(state.cache.lookup(&root, tokens))
+        let (table, context) = {
+            let reader = self.reader.read().map_err(|_| poisoned())?;
+            (Arc::clone(&reader.0), reader.1)
+        };
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        Ok(lookup_in(&table, &root_key(&context, salt), tokens))
     }
 
     /// Registers a request under the engine's id, waiting: no blocks, nothing matched.
@@ -187,6 +196,38 @@ impl RunPrefixCache {
             state.counters.count_match(request, &slots);
         }
         Ok(slots)
+    }
+
+    /// `allocate_slots`, unless the call is large by `is_large(tokens)` (the tokens it covers:
+    /// its new and lookahead ones, and a waiting request's whole prompt, which its match
+    /// walks): then nothing changes and the answer is `Ok(None)`. For a caller that runs large
+    /// calls elsewhere (the binding releases the GIL for them) and decides under the one lock
+    /// the call takes. A refused call is refused here as by `allocate_slots`.
+    pub fn allocate_slots_unless_large(
+        &self,
+        id: &RequestId,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+        watermark: usize,
+        is_large: impl Fn(usize) -> bool,
+    ) -> Result<Option<RunSlots>> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let request = get_mut(&mut state.requests, id)?;
+        let waiting = !request.is_scheduled();
+        if is_large(num_new_tokens.saturating_add(num_lookahead_tokens))
+            || (waiting && is_large(request.num_tokens()))
+        {
+            return Ok(None);
+        }
+        let slots =
+            state
+                .cache
+                .allocate_slots(request, num_new_tokens, num_lookahead_tokens, watermark)?;
+        if waiting {
+            state.counters.count_match(request, &slots);
+        }
+        Ok(Some(slots))
     }
 
     /// Whether `allocate_slots` would succeed now; changes nothing.
@@ -273,22 +314,32 @@ impl RunPrefixCache {
         Ok(after)
     }
 
-    /// The blocks `commit(id, num_computed_tokens)` would publish now (for a caller deciding
-    /// whether to release the GIL); refused as `commit` would be.
-    pub fn blocks_to_publish(&self, id: &RequestId, num_computed_tokens: usize) -> Result<usize> {
-        let state = self.state()?;
-        let request = get(&state.requests, id)?;
-        let len = request.num_tokens();
-        if num_computed_tokens > len {
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
-            )));
-        }
+    /// `commit`, unless it would publish more than `max_blocks` blocks: then nothing changes
+    /// and the answer is `Ok(None)` (the core's `commit_at_most`: for a caller that runs large
+    /// commits elsewhere and decides under the one lock the call takes).
+    pub fn commit_at_most(
+        &self,
+        id: &RequestId,
+        num_computed_tokens: usize,
+        max_blocks: usize,
+    ) -> Result<Option<usize>> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let request = get_mut(&mut state.requests, id)?;
         let target = num_computed_tokens
             .max(request.num_computed_tokens())
             .min(request.num_verified())
             / self.block_size;
-        Ok(target.saturating_sub(request.cached_positions()))
+        if target.saturating_sub(request.cached_positions()) > max_blocks
+            && num_computed_tokens <= request.num_tokens()
+        {
+            return Ok(None);
+        }
+        let before = request.cached_positions();
+        state.cache.commit(request, num_computed_tokens)?;
+        let after = request.cached_positions();
+        state.counters.committed_blocks += (after - before) as u64;
+        Ok(Some(after))
     }
 
     /// See [`RunCache::accept_drafts`].
@@ -383,12 +434,15 @@ impl RunPrefixCache {
             )));
         }
         let cache = fresh(self.num_blocks, self.block_size)?;
+        let table = cache.shared_table();
         let old = std::mem::replace(&mut state.cache, cache);
         state.counters.evictions_before += old.counters().evictions;
         state.counters.copies_before += old.counters().copies;
         if let Some(context) = context {
             state.context = context;
         }
+        // Under the writer's lock still: no request can begin under the old context meanwhile.
+        *self.reader.write().map_err(|_| poisoned())? = (table, state.context);
         Ok(())
     }
 
@@ -407,7 +461,7 @@ impl RunPrefixCache {
             lookups: c.lookups,
             lookup_tokens: c.lookup_tokens,
             hit_tokens: c.hit_tokens,
-            probes: c.probes,
+            probes: self.probes.load(Ordering::Relaxed),
             evictions: c.evictions_before + state.cache.counters().evictions,
             committed_blocks: c.committed_blocks,
             deduplicated_blocks: c.copies_before + state.cache.counters().copies,
@@ -520,6 +574,12 @@ fn key_chain(root: BlockKey, tokens: &[u32], block_size: usize) -> Vec<BlockKey>
             parent
         })
         .collect()
+}
+
+fn poisoned() -> CacheError {
+    CacheError::InvalidInput(
+        "this run cache panicked in an earlier call; its state is not trusted".into(),
+    )
 }
 
 fn fresh(num_blocks: u32, block_size: usize) -> Result<RunCache> {

@@ -256,6 +256,27 @@ pub struct RunLookup {
     pub full_hit: bool,
 }
 
+/// The cached prefix of `tokens` under `root` in `table`, without taking references: what a
+/// `RunCache` writing it would answer to `lookup`, read lock-free (a reader on another thread
+/// sees some recent state: every block it returns was in that prompt's chain at some instant
+/// of the call, `run_table`'s stamps tell it so).
+#[must_use]
+pub fn lookup_in(table: &RunTable, root: &BlockKey, tokens: &[u32]) -> RunLookup {
+    let bs = table.block_size();
+    let full = tokens.len() / bs;
+    let mut blocks = Vec::with_capacity(full);
+    table.match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
+    let full_hit = !blocks.is_empty() && blocks.len() * bs == tokens.len();
+    if full_hit {
+        blocks.pop();
+    }
+    RunLookup {
+        num_cached_tokens: blocks.len() * bs,
+        blocks,
+        full_hit,
+    }
+}
+
 /// What the cache did, counted (what tests check they exercised, and what benches report).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunCounters {
@@ -439,23 +460,10 @@ impl RunCache {
 
     /// The cached prefix of `tokens` under `root`, without taking references: what `begin`
     /// would hit now (a full hit stops one block short, as `begin` recomputes the last block).
-    /// Reads only the run table, as a reader on another thread could.
+    /// Reads only the run table, as a reader on another thread could (`lookup_in`).
     #[must_use]
     pub fn lookup(&self, root: &BlockKey, tokens: &[u32]) -> RunLookup {
-        let bs = self.block_size;
-        let full = tokens.len() / bs;
-        let mut blocks = Vec::with_capacity(full);
-        self.table
-            .match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
-        let full_hit = self.is_full_hit(blocks.len(), tokens.len());
-        if full_hit {
-            blocks.pop();
-        }
-        RunLookup {
-            num_cached_tokens: blocks.len() * bs,
-            blocks,
-            full_hit,
-        }
+        lookup_in(&self.table, root, tokens)
     }
 
     /// Takes a reference on the run's first `upto` blocks; those that were free leave the
