@@ -6,7 +6,8 @@ floor; issue 24 also reads them against the fastest peer per request. Here every
 prompts) is replayed, with the same seed, through:
 
 - ``prefixkv``: ``PrefixCache.begin`` + ``commit(all prompt tokens)`` + ``finish`` (numpy ids),
-  as in sections 1 and 1c;
+  as in sections 1 and 1c; and the same through ``PrefixCache(core="runs")``, the cache on runs
+  of blocks, which must cache the same tokens on every request;
 - SGLang (``--sglang-python`` or $PREFIXKV_SGLANG_PYTHON; `peer_sglang.py --synthetic`): its
   radix cache on its compiled tree core, the whole request as its scheduler runs it, and the
   compiled core's calls alone (a second replay with the binding timed, less what the timing
@@ -35,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import clock_name, md_table, peer_npz, replay_alone, stats_us, write_json
+from common import clock_name, md_table, peer_npz, replay_alone, replay_runs, stats_us, write_json
 from workloads import (
     HitMismatch,
     least_over_passes,
@@ -68,12 +69,15 @@ def run(
     # prefixkv's passes before and after the peers' (which run theirs in a row in their own
     # process), so a slow stretch of the shared machine cannot fall on its side alone.
     before = replay_grid(replay_alone, grid, seed, PASSES - 1)
+    runs_before = replay_grid(replay_runs, grid, seed, PASSES - 1)
     vllm_python = vllm_python or os.environ.get("PREFIXKV_VLLM_PYTHON")
     sglang_python = sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
     vllm = _peer(vllm_python, "peer_vllm.py", quick, seed) if vllm_python else None
     sglang = _peer(sglang_python, "peer_sglang.py", quick, seed) if sglang_python else None
     after = replay_grid(replay_alone, grid, seed, 1)
+    runs_after = replay_grid(replay_runs, grid, seed, 1)
     ours = least_over_passes([before, after], "prefixkv's passes")
+    runs = least_over_passes([runs_before, runs_after], 'core="runs" passes')
     rows = []
     for name, length, requests in grid:
         key = f"{name}__{length}__"
@@ -87,7 +91,10 @@ def run(
             "requests": int(len(hit) - warmup),
             "hit_rate": float(hit[warmup:].sum() / lengths[warmup:].sum()),
             "prefixkv_us": stats_us(ours[key + "total_ns"][warmup:]),
+            "runs_us": stats_us(runs[key + "total_ns"][warmup:]),
         }
+        if not np.array_equal(runs[key + "cached"], hit):
+            raise HitMismatch(f"{name} {length}: the two cores cached different tokens")
         peers: dict[str, dict[str, float]] = {}
         if vllm is not None:
             if not np.array_equal(vllm[key + "cached"], hit):
@@ -105,6 +112,10 @@ def run(
         row["peers_us"] = peers
         row["peer_vs_prefixkv"] = {
             peer: {stat: us[stat] / row["prefixkv_us"][stat] for stat in us}
+            for peer, us in peers.items()
+        }
+        row["peer_vs_runs"] = {
+            peer: {stat: us[stat] / row["runs_us"][stat] for stat in us}
             for peer, us in peers.items()
         }
         rows.append(row)
@@ -129,12 +140,16 @@ PEER_LABELS = {
 }
 
 
-def worst(result: dict[str, Any], peer: str, stat: str) -> tuple[float, str] | None:
-    """The lowest peer ÷ prefixkv over the traces, and which trace, for `peer` and `stat`."""
+def worst(
+    result: dict[str, Any], peer: str, stat: str, ours: str = "prefixkv"
+) -> tuple[float, str] | None:
+    """The lowest peer ÷ prefixkv over the traces, and which trace, for `peer` and `stat`
+    (`ours`: ``"runs"`` for ``PrefixCache(core="runs")``)."""
+    key = f"peer_vs_{ours}"
     found = [
-        (row["peer_vs_prefixkv"][peer][stat], f"{row['workload']} {row['length']:,}")
+        (row[key][peer][stat], f"{row['workload']} {row['length']:,}")
         for row in result["rows"]
-        if peer in row["peer_vs_prefixkv"]
+        if peer in row.get(key, {})
     ]
     return min(found) if found else None
 
@@ -156,10 +171,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['load_average_after']:.1f} after.\n",
     ]
     headers = ["trace", "prompt", "requests", "hit", "prefixkv µs (mean / p99)"]
+    headers.append('core="runs" µs (mean / p99)')
     for peer in peers:
         headers += [f"{PEER_LABELS[peer]} µs (mean / p99)", "÷ prefixkv (mean / p99)"]
     if "sglang" in peers:
-        headers.append("SGLang agrees")
+        headers += ['SGLang whole ÷ core="runs" (mean / p99)', "SGLang agrees"]
     rows = []
     for row in result["rows"]:
         ours = row["prefixkv_us"]
@@ -170,6 +186,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{row['hit_rate']:.0%}",
             f"{ours['mean']:,.1f} / {ours['p99']:,.1f}",
         ]
+        runs = row.get("runs_us")
+        line.append(f"{runs['mean']:,.1f} / {runs['p99']:,.1f}" if runs else "–")
         for peer in peers:
             us = row["peers_us"].get(peer)
             ratio = row["peer_vs_prefixkv"].get(peer)
@@ -182,6 +200,8 @@ def markdown(result: dict[str, Any]) -> str:
                 else ["–", "–"]
             )
         if "sglang" in peers:
+            ratio = row.get("peer_vs_runs", {}).get("sglang")
+            line.append(f"{ratio['mean']:.1f}× / {ratio['p99']:.1f}×" if ratio else "–")
             line.append(f"{row.get('sglang_requests_equal', 0):.0%}")
         rows.append(line)
     out.append(md_table(headers, rows))

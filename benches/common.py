@@ -83,12 +83,12 @@ def time_request_phases(cache: Any, tokens: Any) -> tuple[int, int, int, int]:
     return t1 - t0, t2 - t1, t3 - t2, request.num_cached_tokens
 
 
-def replay_alone(trace: Any) -> dict[str, np.ndarray]:
+def replay_alone(trace: Any, core: str = "blocks") -> dict[str, np.ndarray]:
     """Every request of `trace` (a `workloads.Trace`) through a fresh `PrefixCache` of the
-    trace's size (`time_request`, numpy ids), the collector paused and nothing else run between
-    requests: per request, the time (``total_ns``) and the cached tokens (``cached``), the
-    series `workloads.least_over_passes` combines."""
-    cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE)
+    trace's size and the given `core` (`time_request`, numpy ids), the collector paused and
+    nothing else run between requests: per request, the time (``total_ns``) and the cached
+    tokens (``cached``), the series `workloads.least_over_passes` combines."""
+    cache = PrefixCache(trace.num_blocks(), block_size=BLOCK_SIZE, core=core)
     ns, hits = [], []
     with gc_paused():
         for request in trace.requests():
@@ -96,6 +96,11 @@ def replay_alone(trace: Any) -> dict[str, np.ndarray]:
             ns.append(took)
             hits.append(hit)
     return {"total_ns": np.array(ns, dtype=np.int64), "cached": np.array(hits, dtype=np.int64)}
+
+
+def replay_runs(trace: Any) -> dict[str, np.ndarray]:
+    """`replay_alone` through ``PrefixCache(core="runs")`` (the cache on runs of blocks)."""
+    return replay_alone(trace, core="runs")
 
 
 def stats_us(samples: np.ndarray) -> dict[str, float]:
