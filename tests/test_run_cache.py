@@ -88,34 +88,47 @@ class BothCores(RuleBasedStateMachine):
             return "never-added"
         return data.draw(st.sampled_from(self.ids))
 
-    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]), priority=st.integers(-1, 1))
-    def add_request(self, data: st.DataObject, salt: str | None, priority: int) -> None:
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from([None, "tenant"]),
+        adapter=st.sampled_from([None, None, "lora-a", "lora-b"]),
+        priority=st.integers(-1, 1),
+    )
+    def add_request(
+        self, data: st.DataObject, salt: str | None, adapter: str | None, priority: int
+    ) -> None:
         prompt = self.prompt(data)
         rid: int | str = f"r{self.next_id}" if self.next_id % 2 else self.next_id + 1000
         self.next_id += 1
         if self.ids and data.draw(st.integers(0, 9)) == 0:
             rid = self.ids[0]  # a live id again: refused by both
         kind, _ = self.both(
-            "add_request", lambda c: c.add_request(rid, prompt, salt=salt, priority=priority)
+            "add_request",
+            lambda c: c.add_request(rid, prompt, salt=salt, adapter=adapter, priority=priority),
         )
         if kind == "ok":
             self.ids.append(rid)
             self.seen.append(prompt)
 
-    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]))
-    def begin(self, data: st.DataObject, salt: str | None) -> None:
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from([None, "tenant"]),
+        adapter=st.sampled_from([None, None, "lora-a"]),
+    )
+    def begin(self, data: st.DataObject, salt: str | None, adapter: str | None) -> None:
         prompt = self.prompt(data)
         as_numpy = data.draw(st.booleans())
         tokens: Any = np.array(prompt, dtype=np.int64) if as_numpy else prompt
-        kind, request = self.both("begin", lambda c: c.begin(tokens, salt=salt))
+        kind, request = self.both("begin", lambda c: c.begin(tokens, salt=salt, adapter=adapter))
         if kind == "ok":
             self.ids.append(request.id)
             self.seen.append(prompt)
 
-    @rule(data=st.data())
-    def lookup(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), adapter=st.sampled_from([None, "lora-a", "lora-b"]))
+    def lookup(self, data: st.DataObject, adapter: str | None) -> None:
         prompt = self.prompt(data)
-        self.both("lookup", lambda c: c.lookup(prompt))
+        self.both("lookup", lambda c: c.lookup(prompt, adapter=adapter))
+        self.both("block_keys", lambda c: c.block_keys(prompt, adapter=adapter))
 
     @precondition(lambda self: self.ids)
     @rule(data=st.data())
@@ -151,11 +164,20 @@ class BothCores(RuleBasedStateMachine):
         n = data.draw(st.one_of(st.just(written), st.just(written), st.integers(0, 30)))
         self.both("commit", lambda c: c.commit(rid, n))
 
-    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]), priority=st.integers(-1, 1))
-    def whole_request(self, data: st.DataObject, salt: str | None, priority: int) -> None:
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from([None, "tenant"]),
+        adapter=st.sampled_from([None, None, None, "lora-a"]),
+        priority=st.integers(-1, 1),
+    )
+    def whole_request(
+        self, data: st.DataObject, salt: str | None, adapter: str | None, priority: int
+    ) -> None:
         """Begun, committed and finished in one go, as traffic fills the cache."""
         prompt = self.prompt(data)
-        kind, request = self.both("begin", lambda c: c.begin(prompt, salt=salt, priority=priority))
+        kind, request = self.both(
+            "begin", lambda c: c.begin(prompt, salt=salt, adapter=adapter, priority=priority)
+        )
         if kind == "ok":
             self.seen.append(prompt)
             self.both("commit", lambda c: c.commit(request.id, len(prompt)))
@@ -241,8 +263,8 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
 
     before = state()
     unserved: list[tuple[str, Callable[[], Any]]] = [
-        ("adapter or multimodal", lambda: cache.begin([1, 2], adapter="lora-a")),
-        ("adapter or multimodal", lambda: cache.lookup([1, 2], multimodal=[(0, 1, "img")])),
+        ("multimodal", lambda: cache.begin([1, 2], multimodal=[(0, 1, "img")])),
+        ("multimodal", lambda: cache.lookup([1, 2], multimodal=[(0, 1, "img")])),
         ("pin", lambda: cache.pin([1, 2, 3, 4])),
         ("match_and_acquire", lambda: cache.match_and_acquire([1, 2, 3, 4])),
         ("allocate", lambda: cache.allocate(1)),

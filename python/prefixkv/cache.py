@@ -199,8 +199,8 @@ class PrefixCache:
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) about
             twice as fast on long prompts, handing out the same blocks in the same order. It
-            refuses by name, changing nothing, what it does not serve yet: `adapter` and
-            `multimodal` extras, `sliding_window`, ``full_hit="reuse_last_block"``, `pin`, the
+            refuses by name, changing nothing, what it does not serve yet: `multimodal`
+            extras, `sliding_window`, ``full_hit="reuse_last_block"``, `pin`, the
             low-level block calls (`match_and_acquire`, `allocate`, `commit_blocks`,
             `release`), the eviction log and KV events (`UnsupportedFeatureError`), and
             `clear` / `set_context` while a request is live (`InvalidInputError`). Its

@@ -57,6 +57,7 @@ pub const KEY_BYTES: usize = 32;
 
 const CONTEXT_DOMAIN: &[u8] = b"prefixkv.context.v1\0";
 const ROOT_DOMAIN: &[u8] = b"prefixkv.root.v1\0";
+const RUN_ROOT_DOMAIN: &[u8] = b"prefixkv.run-root.v1\0";
 const BLOCK_PLAIN: u8 = 0x00;
 const BLOCK_WITH_EXTRAS: u8 = 0x01;
 
@@ -98,6 +99,23 @@ pub fn root_key(context: &BlockKey, salt: &[u8]) -> BlockKey {
     hasher.update(context.0);
     hasher.update(len_u32(salt.len()).to_le_bytes());
     hasher.update(salt);
+    BlockKey(hasher.finalize().into())
+}
+
+/// Where the run cache (`run_cache`) hangs a request's first blocks: its `root_key`, or with an
+/// adapter a key of root and adapter in a domain of its own. The run table matches tokens
+/// under a root, so a request-wide extra must part the roots, as it parts every block key of
+/// the per-block cache.
+#[must_use]
+pub fn run_root(root: &BlockKey, adapter: Option<&[u8]>) -> BlockKey {
+    let Some(adapter) = adapter else {
+        return *root;
+    };
+    let mut hasher = Sha256::new();
+    hasher.update(RUN_ROOT_DOMAIN);
+    hasher.update(root.0);
+    hasher.update(len_u32(adapter.len()).to_le_bytes());
+    hasher.update(adapter);
     BlockKey(hasher.finalize().into())
 }
 

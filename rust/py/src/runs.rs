@@ -1,7 +1,7 @@
 //! `CoreRunCache`: the cache on runs of blocks (`prefixkv_core::run_cache::RunPrefixCache`,
 //! issue 24), behind `prefixkv.PrefixCache(core="runs")`. Its methods are `CoreCache`'s, with
 //! the same conversions and the same GIL rule (`gil.rs`); what the run cache does not serve
-//! yet (adapter and multimodal extras, sliding windows, pins, the low-level block calls, the
+//! yet (multimodal extras, sliding windows, pins, the low-level block calls, the
 //! eviction log) is refused by name with an `UnsupportedFeatureError`, changing nothing.
 
 use prefixkv_core::run_cache::{RunPrefixCache, RunSlots};
@@ -31,12 +31,13 @@ fn unserved(call: &str) -> PyErr {
     ))
 }
 
-/// The run core keys blocks by context, salt and tokens only, so far.
+/// The run core keys blocks by context, salt, adapter and tokens, so far: multimodal items,
+/// which part blocks of equal tokens, are refused.
 fn no_extras(keys: &KeyExtras) -> PyResult<()> {
-    if keys.extras.is_empty() {
+    if keys.extras.multimodal.is_empty() {
         Ok(())
     } else {
-        Err(unserved("an adapter or multimodal extras"))
+        Err(unserved("multimodal extras"))
     }
 }
 
@@ -124,7 +125,10 @@ impl CoreRunCache {
         no_extras(keys)?;
         let view = tokens.view();
         let found = py
-            .detach(|| view.into_vec().and_then(|t| self.0.lookup(&t, &keys.salt)))
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.lookup(&t, &keys.salt, &keys.extras))
+            })
             .map_err(to_py_err)?;
         Ok(PrefixMatch {
             num_cached_tokens: found.num_cached_tokens,
@@ -163,8 +167,10 @@ impl CoreRunCache {
         let id = request.map(|r| r.0);
         let (id, slots) = py
             .detach(|| {
-                view.into_vec()
-                    .and_then(|t| self.0.begin(id, t, &keys.salt, priority))
+                view.into_vec().and_then(|t| {
+                    self.0
+                        .begin(id, t, &keys.salt, keys.extras.clone(), priority)
+                })
             })
             .map_err(to_py_err)?;
         Ok(Request {
@@ -190,8 +196,10 @@ impl CoreRunCache {
         no_extras(keys)?;
         let view = tokens.view();
         py.detach(|| {
-            view.into_vec()
-                .and_then(|t| self.0.add_request(request.0, t, &keys.salt, priority))
+            view.into_vec().and_then(|t| {
+                self.0
+                    .add_request(request.0, t, &keys.salt, keys.extras.clone(), priority)
+            })
         })
         .map_err(to_py_err)
     }
@@ -470,7 +478,7 @@ impl CoreRunCache {
         let block_keys = py
             .detach(|| {
                 view.into_vec()
-                    .and_then(|t| self.0.block_keys(&t, &keys.salt))
+                    .and_then(|t| self.0.block_keys(&t, &keys.salt, &keys.extras))
             })
             .map_err(to_py_err)?;
         Ok(block_keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())

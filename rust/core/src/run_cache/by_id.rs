@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use super::{lookup_in, RunCache, RunLookup, RunRequest, RunSlots};
+use crate::cache::block_extras;
 use crate::error::{CacheError, Result};
-use crate::key::{block_key_with, root_key, BlockKey};
+use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
 use crate::pool::BlockId;
 use crate::request::RequestId;
 use crate::run_table::RunTable;
@@ -36,11 +37,19 @@ pub struct RunPrefixCache {
 
 struct State {
     cache: RunCache,
-    requests: HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    requests: HashMap<RequestId, Live, foldhash::quality::RandomState>,
     /// Next id `begin` tries when given none.
     next_auto: i64,
     context: BlockKey,
     counters: Counters,
+}
+
+/// A live request, and what its block keys are computed from (the root the run cache matches
+/// under folds its adapter in: `run_root`).
+struct Live {
+    request: RunRequest,
+    root: BlockKey,
+    extras: RequestExtras,
 }
 
 #[derive(Default)]
@@ -109,6 +118,18 @@ impl RunPrefixCache {
         Ok(())
     }
 
+    /// The run cache keys blocks by context, salt, adapter and tokens: multimodal items, which
+    /// part blocks of equal tokens, are refused by name.
+    fn check_extras(extras: &RequestExtras) -> Result<()> {
+        if extras.multimodal.is_empty() {
+            Ok(())
+        } else {
+            Err(CacheError::InvalidInput(
+                "multimodal extras are not served by the run cache yet".into(),
+            ))
+        }
+    }
+
     fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
         self.check_tokens(tokens)?;
         if tokens.is_empty() {
@@ -121,14 +142,16 @@ impl RunPrefixCache {
 
     /// The cached prefix of `tokens` under `salt`, without taking references: lock-free,
     /// beside the writer (its read lock is held only to clone the table's pointer).
-    pub fn lookup(&self, tokens: &[u32], salt: &[u8]) -> Result<RunLookup> {
+    pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<RunLookup> {
         self.check_tokens(tokens)?;
+        Self::check_extras(extras)?;
         let (table, context) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
             (Arc::clone(&reader.0), reader.1)
         };
         self.probes.fetch_add(1, Ordering::Relaxed);
-        Ok(lookup_in(&table, &root_key(&context, salt), tokens))
+        let root = run_root(&root_key(&context, salt), extras.adapter.as_deref());
+        Ok(lookup_in(&table, &root, tokens))
     }
 
     /// Registers a request under the engine's id, waiting: no blocks, nothing matched.
@@ -137,17 +160,17 @@ impl RunPrefixCache {
         id: RequestId,
         tokens: Vec<u32>,
         salt: &[u8],
+        extras: RequestExtras,
         priority: i32,
     ) -> Result<()> {
         self.check_prompt(&tokens)?;
+        Self::check_extras(&extras)?;
         let mut state = self.state()?;
         if state.requests.contains_key(&id) {
             return Err(CacheError::DuplicateRequest(id));
         }
-        let root = root_key(&state.context, salt);
-        state
-            .requests
-            .insert(id, RunCache::add(root, tokens, priority));
+        let live = state.live(tokens, salt, extras, priority);
+        state.requests.insert(id, live);
         Ok(())
     }
 
@@ -158,9 +181,11 @@ impl RunPrefixCache {
         id: Option<RequestId>,
         tokens: Vec<u32>,
         salt: &[u8],
+        extras: RequestExtras,
         priority: i32,
     ) -> Result<(RequestId, RunSlots)> {
         self.check_prompt(&tokens)?;
+        Self::check_extras(&extras)?;
         let mut guard = self.state()?;
         let state = &mut *guard;
         if let Some(id) = &id {
@@ -168,11 +193,10 @@ impl RunPrefixCache {
                 return Err(CacheError::DuplicateRequest(id.clone()));
             }
         }
-        let root = root_key(&state.context, salt);
-        let mut request = RunCache::add(root, tokens, priority);
-        let slots = state.schedule(&mut request, None, 0, 0)?;
+        let mut live = state.live(tokens, salt, extras, priority);
+        let slots = state.schedule(&mut live.request, None, 0, 0)?;
         let id = id.unwrap_or_else(|| state.auto_id());
-        state.requests.insert(id.clone(), request);
+        state.requests.insert(id.clone(), live);
         Ok((id, slots))
     }
 
@@ -377,7 +401,7 @@ impl RunPrefixCache {
             .requests
             .remove(id)
             .ok_or_else(|| CacheError::UnknownRequest(id.clone()))?;
-        state.cache.finish(request);
+        state.cache.finish(request.request);
         Ok(())
     }
 
@@ -398,18 +422,26 @@ impl RunPrefixCache {
 
     /// The 32-byte key of every full block of `tokens` under `salt` (what the per-block
     /// cache's `block_keys` gives: the same chain from the same root).
-    pub fn block_keys(&self, tokens: &[u32], salt: &[u8]) -> Result<Vec<BlockKey>> {
+    pub fn block_keys(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
+        Self::check_extras(extras)?;
         let root = root_key(&self.state()?.context, salt);
-        Ok(key_chain(root, tokens, self.block_size))
+        Ok(key_chain(root, extras, tokens, self.block_size))
     }
 
     /// The key of every full block of a live request's verified tokens.
     pub fn request_block_keys(&self, id: &RequestId) -> Result<Vec<BlockKey>> {
         let state = self.state()?;
-        let request = get(&state.requests, id)?;
+        let live = get_live(&state.requests, id)?;
+        let request = &live.request;
         Ok(key_chain(
-            request.root,
+            live.root,
+            &live.extras,
             &request.tokens[..request.num_verified()],
             self.block_size,
         ))
@@ -452,8 +484,8 @@ impl RunPrefixCache {
         let counts = state.cache.block_counts();
         let c = &state.counters;
         let mut in_use = vec![false; self.num_blocks as usize];
-        for request in state.requests.values() {
-            for &block in request.blocks() {
+        for live in state.requests.values() {
+            for &block in live.request.blocks() {
                 in_use[block as usize] = true;
             }
         }
@@ -487,7 +519,13 @@ impl RunPrefixCache {
         let held = state
             .requests
             .values()
-            .map(|r| r.blocks().iter().filter(|&&b| b == block).count())
+            .map(|live| {
+                live.request
+                    .blocks()
+                    .iter()
+                    .filter(|&&b| b == block)
+                    .count()
+            })
             .sum::<usize>();
         Ok(u32::try_from(held).expect("fewer references than blocks times requests"))
     }
@@ -516,12 +554,23 @@ impl RunPrefixCache {
         state.cache.check_invariants();
         state
             .cache
-            .check_block_states(state.requests.values().map(RunRequest::blocks));
+            .check_block_states(state.requests.values().map(|live| live.request.blocks()));
         Ok(())
     }
 }
 
 impl State {
+    /// A waiting request under this state's context.
+    fn live(&self, tokens: Vec<u32>, salt: &[u8], extras: RequestExtras, priority: i32) -> Live {
+        let root = root_key(&self.context, salt);
+        let matched_under = run_root(&root, extras.adapter.as_deref());
+        Live {
+            request: RunCache::add(matched_under, tokens, priority),
+            root,
+            extras,
+        }
+    }
+
     /// Schedules a request not yet in the map (`begin`), counting its match.
     fn schedule(
         &mut self,
@@ -563,14 +612,23 @@ impl Counters {
     }
 }
 
-/// Each full block's key, chained from `root`.
-fn key_chain(root: BlockKey, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+/// Each full block's key, chained from `root` with the request's `extras` (the per-block
+/// cache's `block_keys`).
+fn key_chain(
+    root: BlockKey,
+    extras: &RequestExtras,
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<BlockKey> {
     let mut parent = root;
     let mut buffer = Vec::new();
+    let mut extras_buffer = Vec::new();
     tokens
         .chunks_exact(block_size)
-        .map(|chunk| {
-            parent = block_key_with(&mut buffer, &parent, chunk, &[]);
+        .enumerate()
+        .map(|(i, chunk)| {
+            let block_extras = block_extras(extras, i, block_size, &mut extras_buffer);
+            parent = block_key_with(&mut buffer, &parent, chunk, block_extras);
             parent
         })
         .collect()
@@ -595,19 +653,27 @@ fn fresh(num_blocks: u32, block_size: usize) -> Result<RunCache> {
 }
 
 fn get<'a>(
-    requests: &'a HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    requests: &'a HashMap<RequestId, Live, foldhash::quality::RandomState>,
     id: &RequestId,
 ) -> Result<&'a RunRequest> {
+    get_live(requests, id).map(|live| &live.request)
+}
+
+fn get_live<'a>(
+    requests: &'a HashMap<RequestId, Live, foldhash::quality::RandomState>,
+    id: &RequestId,
+) -> Result<&'a Live> {
     requests
         .get(id)
         .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
 }
 
 fn get_mut<'a>(
-    requests: &'a mut HashMap<RequestId, RunRequest, foldhash::quality::RandomState>,
+    requests: &'a mut HashMap<RequestId, Live, foldhash::quality::RandomState>,
     id: &RequestId,
 ) -> Result<&'a mut RunRequest> {
     requests
         .get_mut(id)
+        .map(|live| &mut live.request)
         .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
 }
