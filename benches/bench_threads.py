@@ -131,26 +131,26 @@ def _phase(tasks: list[Task], seconds: float) -> dict[str, Any]:
 class Workload:
     """The cache, the router's probes and the scheduler's requests."""
 
-    def __init__(self, seed: int = 3) -> None:
+    def __init__(self, seed: int = 3, core: str = "blocks") -> None:
         rng = np.random.default_rng(seed)
         # Room for the pinned probes, a few live requests and a history that keeps evicting.
-        self.cache = PrefixCache(12_000, block_size=BLOCK_SIZE)
+        self.cache = PrefixCache(12_000, block_size=BLOCK_SIZE, core=core)
         self.system = rng.integers(0, 128_000, SYSTEM_TOKENS, dtype=np.int64)
         # Suffixes are windows of one pool at random offsets: fresh content per request without
         # drawing random numbers in the timed loop.
         self.pool = rng.integers(0, 128_000, 1 << 20, dtype=np.int64)
         self.rng = np.random.default_rng(seed + 1)
         self.probes: list[np.ndarray] = []
-        self.pins = []
+        self.pins: list[Any] = []
         for i, n in enumerate(PROBE_LENGTHS * 2):
             tokens = rng.integers(0, 128_000, n, dtype=np.int64)
             if i % 2 == 0:  # fully cached and pinned
                 self._serve(tokens)
-                self.pins.append(self.cache.pin(tokens))
+                self.pins.append(self._pin(tokens))
                 self.probes.append(tokens)
             else:  # its first half cached (pinned), the rest never seen
                 self._serve(tokens[: n // 2])
-                self.pins.append(self.cache.pin(tokens[: n // 2]))
+                self.pins.append(self._pin(tokens[: n // 2]))
                 self.probes.append(tokens)
         self.next_probe = 0
         self.next_request = 0
@@ -167,9 +167,20 @@ class Workload:
         self.cache.commit(request, len(tokens))
         self.cache.finish(request)
 
+    def _pin(self, tokens: np.ndarray) -> Any:
+        """A pin, or on the run core (which takes none) a request holding the prefix."""
+        if self.cache.core == "blocks":
+            return self.cache.pin(tokens)
+        request = self.cache.begin(tokens)
+        self.cache.commit(request, len(tokens))
+        return request
+
     def close(self) -> None:
         for pin in self.pins:
-            self.cache.unpin(pin)
+            if self.cache.core == "blocks":
+                self.cache.unpin(pin)
+            else:
+                self.cache.finish(pin)
 
     def _request_tokens(self) -> np.ndarray:
         self.next_request += 1
@@ -363,6 +374,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     work = Workload()
     # The control's second cache: same shapes, nothing shared with `work`.
     other = Workload(seed=5)
+    # The same on the cache on runs of blocks (lookups lock-free beside its writer's lock).
+    runs = Workload(core="runs")
     pairs: dict[str, tuple[Task, Task]] = {
         "router lookup + scheduler begin/commit/finish": (work.probe, work.begin_commit_finish),
         "router lookup + scheduler begin/commit/finish, prompts built before": (
@@ -374,6 +387,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             other.begin_commit_finish,
         ),
         "router lookup + scheduler step calls (vLLM-shaped)": (work.probe, work.step_calls),
+        'router lookup + scheduler begin/commit/finish, core="runs"': (
+            runs.probe,
+            runs.begin_commit_finish,
+        ),
+        'router lookup + scheduler step calls (vLLM-shaped), core="runs"': (
+            runs.probe,
+            runs.step_calls,
+        ),
         "control: two threads releasing the GIL (hashlib, 256 KiB)": (
             _releases_the_gil,
             _releases_the_gil,
@@ -402,6 +423,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     decode = _decode_step_ns()
     work.close()
     other.close()
+    runs.close()
     free = "control: two threads releasing the GIL (hashlib, 256 KiB)"
     configs: dict[str, Any] = {}
     for name in pairs:
