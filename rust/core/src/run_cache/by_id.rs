@@ -331,11 +331,9 @@ impl RunPrefixCache {
         let mut guard = self.state()?;
         let state = &mut *guard;
         let request = get_mut(&mut state.requests, id)?;
-        let before = request.cached_positions();
+        let before = Published::of(&state.cache, request);
         state.cache.commit(request, num_computed_tokens)?;
-        let after = request.cached_positions();
-        state.counters.committed_blocks += (after - before) as u64;
-        Ok(after)
+        Ok(state.count_published(id, before))
     }
 
     /// `commit`, unless it would publish more than `max_blocks` blocks: then nothing changes
@@ -350,20 +348,18 @@ impl RunPrefixCache {
         let mut guard = self.state()?;
         let state = &mut *guard;
         let request = get_mut(&mut state.requests, id)?;
+        // Refused here as `commit` refuses, before anything is decided.
+        RunCache::check_commit(request, num_computed_tokens, self.block_size)?;
         let target = num_computed_tokens
             .max(request.num_computed_tokens())
             .min(request.num_verified())
             / self.block_size;
-        if target.saturating_sub(request.cached_positions()) > max_blocks
-            && num_computed_tokens <= request.num_tokens()
-        {
+        if target.saturating_sub(request.cached_positions()) > max_blocks {
             return Ok(None);
         }
-        let before = request.cached_positions();
+        let before = Published::of(&state.cache, request);
         state.cache.commit(request, num_computed_tokens)?;
-        let after = request.cached_positions();
-        state.counters.committed_blocks += (after - before) as u64;
-        Ok(Some(after))
+        Ok(Some(state.count_published(id, before)))
     }
 
     /// See [`RunCache::accept_drafts`].
@@ -371,10 +367,9 @@ impl RunPrefixCache {
         let mut guard = self.state()?;
         let state = &mut *guard;
         let request = get_mut(&mut state.requests, id)?;
-        let before = request.cached_positions();
-        let after = state.cache.accept_drafts(request, num_accepted)?;
-        state.counters.committed_blocks += after.saturating_sub(before) as u64;
-        Ok(after)
+        let before = Published::of(&state.cache, request);
+        state.cache.accept_drafts(request, num_accepted)?;
+        Ok(state.count_published(id, before))
     }
 
     /// See [`RunCache::truncate`].
@@ -465,7 +460,10 @@ impl RunPrefixCache {
                 state.requests.len()
             )));
         }
-        let cache = fresh(self.num_blocks, self.block_size)?;
+        let mut cache = fresh(self.num_blocks, self.block_size)?;
+        // The blocks that held cached content join the free list as the core's `clear` frees
+        // them (the next allocations take the same blocks).
+        cache.order.free = state.cache.free_order_after_reset();
         let table = cache.shared_table();
         let old = std::mem::replace(&mut state.cache, cache);
         state.counters.evictions_before += old.counters().evictions;
@@ -559,7 +557,32 @@ impl RunPrefixCache {
     }
 }
 
+/// A request's cached positions and the cache's copies before a commit (`count_published`).
+struct Published {
+    positions: usize,
+    copies: u64,
+}
+
+impl Published {
+    fn of(cache: &RunCache, request: &RunRequest) -> Self {
+        Self {
+            positions: request.cached_positions(),
+            copies: cache.counters().copies,
+        }
+    }
+}
+
 impl State {
+    /// Counts what a commit of request `id` published, as the core counts it: its newly cached
+    /// positions less the copies of blocks published first (those are `deduplicated_blocks`).
+    /// Returns the request's cached positions.
+    fn count_published(&mut self, id: &RequestId, before: Published) -> usize {
+        let after = get(&self.requests, id).map_or(0, RunRequest::cached_positions);
+        let copies = self.cache.counters().copies - before.copies;
+        self.counters.committed_blocks += after.saturating_sub(before.positions) as u64 - copies;
+        after
+    }
+
     /// A waiting request under this state's context.
     fn live(&self, tokens: Vec<u32>, salt: &[u8], extras: RequestExtras, priority: i32) -> Live {
         let root = root_key(&self.context, salt);

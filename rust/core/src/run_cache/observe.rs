@@ -107,4 +107,22 @@ impl RunCache {
             "every block is free, cached or held private"
         );
     }
+
+    /// The free list a reset leaves, as the core's `clear` leaves it when no request is live:
+    /// the free list as it is, then every block of a run in id order, then the spares in id
+    /// order (the last pushed is handed out first).
+    #[must_use]
+    pub(super) fn free_order_after_reset(&self) -> Vec<BlockId> {
+        let mut free = self.order.free.clone();
+        let entries = self.cached_map(false);
+        free.extend((0..self.num_blocks).filter(|&b| entries[b as usize]));
+        let mut spares: Vec<BlockId> = self
+            .live_dups()
+            .filter(|&d| self.dups[d].segment != NONE)
+            .map(|d| self.dups[d].block)
+            .collect();
+        spares.sort_unstable();
+        free.extend(spares);
+        free
+    }
 }

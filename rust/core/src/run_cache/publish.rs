@@ -19,20 +19,8 @@ impl RunCache {
     /// Refused by name, with nothing changed, for more tokens than the request has or KV past
     /// its slots (as the core's `commit`).
     pub fn commit(&mut self, request: &mut RunRequest, num_computed_tokens: usize) -> Result<()> {
-        let len = request.tokens.len();
-        if num_computed_tokens > len {
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
-            )));
-        }
         let bs = self.block_size;
-        let slots = request.blocks.len() * bs;
-        if num_computed_tokens > slots {
-            return Err(CacheError::InvalidInput(format!(
-                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
-                 no KV can have been written past them (allocate_slots first)"
-            )));
-        }
+        Self::check_commit(request, num_computed_tokens, bs)?;
         request.num_computed = request.num_computed.max(num_computed_tokens);
         // Drafts are never published: only blocks whose every token is verified.
         let full = request.num_computed.min(request.num_verified()) / bs;
@@ -142,6 +130,29 @@ impl RunCache {
             from,
             to: t.len,
         });
+        Ok(())
+    }
+
+    /// Why `request` may not record `num_computed_tokens` tokens of KV, if it may not: more
+    /// tokens than it has, or KV past its slots (the core's `commit_refusal`).
+    pub fn check_commit(
+        request: &RunRequest,
+        num_computed_tokens: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let len = request.tokens.len();
+        if num_computed_tokens > len {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {len} tokens"
+            )));
+        }
+        let slots = request.blocks.len() * block_size;
+        if num_computed_tokens > slots {
+            return Err(CacheError::InvalidInput(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {slots} slots: \
+                 no KV can have been written past them (allocate_slots first)"
+            )));
+        }
         Ok(())
     }
 
