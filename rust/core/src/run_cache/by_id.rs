@@ -5,6 +5,10 @@
 //! `CacheStats` reports.
 //! [`crate::PrefixCache`]'s API where the run cache serves it (the request cycle and the step
 //! API); what it does not serve yet is refused by the binding, by name.
+//!
+//! size: one type, the engine-facing API of the run cache by id: each method a few lines that
+//! take the lock, find the request and call `RunCache`; splitting them would scatter one
+//! object's surface (as `python/prefixkv/cache.py`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
