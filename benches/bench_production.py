@@ -131,8 +131,9 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
         for index, request in enumerate(trace.requests()):
             if index == warmup:
                 evictions_before = (ours.stats().evictions, theirs.evictions)
-            # The list form is built outside the timed calls: an engine holding lists has it.
-            forms = {"numpy": request.tokens, "list": request.tokens.tolist()}
+            # Both forms are built outside the timed calls, fresh, as the peers' replays build
+            # theirs (`peer_sglang.py`'s `array("q")`): an engine holding lists has the list.
+            forms = {"numpy": request.tokens.copy(), "list": request.tokens.tolist()}
             order = [*VARIANTS, "phases"]
             shift = index % len(order)
             results = {

@@ -94,7 +94,11 @@ def replay(quick: bool, seed: int, shape: str) -> dict[str, Any]:
             results = {}
             for k in range(len(names)):
                 name = names[(index + k) % len(names)]
-                results[name] = run(sides[name], request.tokens, f"r{index}")
+                # Each side gets the prompt as a fresh array built outside its timed calls,
+                # as SGLang's replay gets a fresh `array("q")` (`peer_sglang.py`): read from
+                # the session's array, last touched thousands of requests before, the first
+                # side to run would pay its DRAM reads (~6 µs for 12k tokens) and the other not.
+                results[name] = run(sides[name], request.tokens.copy(), f"r{index}")
             ours, runs = results["prefixkv"][1], results["runs"][1]
             if ours != runs:
                 raise HitMismatch(

@@ -92,7 +92,9 @@ def replay_alone(trace: Any, core: str = "blocks") -> dict[str, np.ndarray]:
     ns, hits = [], []
     with gc_paused():
         for request in trace.requests():
-            took, hit = time_request(cache, request.tokens)
+            # A fresh array, built outside the timed calls as the peers' replays build theirs
+            # (`peer_sglang.py`'s `array("q")`): every side reads its prompt warm.
+            took, hit = time_request(cache, request.tokens.copy())
             ns.append(took)
             hits.append(hit)
     return {"total_ns": np.array(ns, dtype=np.int64), "cached": np.array(hits, dtype=np.int64)}

@@ -170,7 +170,8 @@ INTEGER_DTYPES = [
 @given(
     data=st.data(),
     dtype=st.sampled_from(INTEGER_DTYPES),
-    n=st.integers(1, 70),
+    # Past 2,048 ids too: the pass runs in 512-byte pieces, prefetching 4 KiB ahead.
+    n=st.one_of(st.integers(1, 70), st.integers(500, 2200)),
     one_bad=st.booleans(),
 )
 def test_integer_arrays_of_every_width_are_read_or_refused_by_position(
@@ -218,6 +219,24 @@ def test_a_bad_token_id_anywhere_is_refused_by_position(tokens, bad, where, form
     with pytest.raises(InvalidInputError, match=rf"{bad} at position {where} is out of range"):
         cache.begin(form(tokens))
     assert cache.stats().requests_live == 0
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+def test_long_arrays_are_read_to_the_last_id(dtype) -> None:
+    """Ids are narrowed in 512-byte pieces with a prefetch ahead (`convert.rs`, `widen`): the
+    last piece, a short one, and a bad id in it must be read like the others."""
+    info = np.iinfo(dtype)
+    n = 3 * 4096 + 5
+    values = np.arange(n, dtype=np.int64) % min(int(info.max) + 1, 2**32)
+    cache = PrefixCache(16, block_size=BS)
+    array = values.astype(dtype)
+    assert cache.block_keys(array) == cache.block_keys(array.tolist())
+    if int(info.max) > 2**32 - 1 or int(info.min) < 0:
+        bad = -1 if int(info.min) < 0 else 2**32
+        array[n - 1] = bad
+        with pytest.raises(InvalidInputError, match=rf"{bad} at position {n - 1} "):
+            cache.begin(array)
+        assert cache.stats().requests_live == 0
 
 
 def test_token_errors_say_what_is_wrong() -> None:

@@ -40,7 +40,7 @@ pub mod index;
 pub mod key;
 pub mod pins;
 pub mod pool;
-mod prefetch;
+pub mod prefetch;
 pub mod request;
 pub mod run_cache;
 pub mod run_table;

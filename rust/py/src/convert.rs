@@ -454,6 +454,13 @@ impl TokenView<'_> {
 /// `0 ..= u32::MAX` are OR-ed together, and only if any is set does a second pass find the
 /// first such value to name it.
 fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
+    // The ids usually come cold from DRAM (an engine's prompt array, written long before), and
+    // the hardware prefetcher stops at every 4 KiB page: it must see new misses on each page
+    // before it streams it. So each 512-byte piece asks for the piece one page ahead first.
+    // A 12k-token int64 prompt read cold: 11.5 -> 8.4-9.6 µs a call (an empty cache's lookup,
+    // the production trace; 1, 8 or 16 KiB ahead read the same within the noise).
+    const PIECE: usize = 512;
+    const PREFETCH_AHEAD: usize = 4096;
     fn pass<const W: usize>(
         data: &[u8],
         read: impl Fn([u8; W]) -> (u32, u64),
@@ -470,11 +477,19 @@ fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError
             )));
         }
         let mut stray = 0u64;
-        out.extend(data.chunks_exact(W).map(|chunk| {
-            let (value, bits) = read(chunk.try_into().unwrap_or([0; W]));
-            stray |= bits;
-            value
-        }));
+        let whole = &data[..count * W];
+        for (index, piece) in whole.chunks(PIECE).enumerate() {
+            if let Some(ahead) = whole.get(index * PIECE + PREFETCH_AHEAD..) {
+                for line in ahead.chunks(64).take(PIECE / 64) {
+                    prefixkv_core::prefetch::prefetch(&line[0]);
+                }
+            }
+            out.extend(piece.chunks_exact(W).map(|chunk| {
+                let (value, bits) = read(chunk.try_into().unwrap_or([0; W]));
+                stray |= bits;
+                value
+            }));
+        }
         Ok((out, stray == 0))
     }
     let (out, valid) = match (width, signed) {
