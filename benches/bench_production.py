@@ -191,11 +191,15 @@ def replay(trace: ProductionTrace) -> dict[str, Any]:
     }
 
 
-def least_prefixkv_ns(trace: ProductionTrace, passes: int, every_hit: np.ndarray) -> np.ndarray:
-    """Per request, prefixkv's least time over `passes` replays of `trace` alone
-    (`common.replay_alone`, `workloads.least_over_passes`), which must cache what `replay`
-    cached (`every_hit`)."""
-    least = least_over_passes([replay_alone(trace) for _ in range(passes)], "prefixkv alone")
+def least_prefixkv_ns(
+    trace: ProductionTrace, passes: int, every_hit: np.ndarray, core: str = "blocks"
+) -> np.ndarray:
+    """Per request, prefixkv's least time over `passes` replays of `trace` alone on the given
+    `core` (`common.replay_alone`, `workloads.least_over_passes`), which must cache what
+    `replay` cached (`every_hit`)."""
+    least = least_over_passes(
+        [replay_alone(trace, core) for _ in range(passes)], f"prefixkv alone, core={core!r}"
+    )
     if not np.array_equal(least["cached"], every_hit):
         raise HitMismatch("a replay of prefixkv alone cached other tokens than the first")
     return least["total_ns"]
@@ -326,11 +330,15 @@ def sglang_peer(
     # prefixkv's passes alone come before and after SGLang's (which runs its own in a row), so
     # a slow stretch of the shared machine cannot fall on one side alone.
     ours_least = least_prefixkv_ns(trace, PEER_PASSES - 1, ours)
+    runs_least = least_prefixkv_ns(trace, PEER_PASSES - 1, ours, core="runs")
     passes = ("--passes", str(PEER_PASSES))
     data = _sglang_replay(sglang_python, quick, seed, *passes)
     split = _sglang_replay(sglang_python, quick, seed, "--core-split", *passes)
     python_core = _sglang_replay(sglang_python, quick, seed, "--tree-core", "python")
     ours_least = np.minimum(ours_least, least_prefixkv_ns(trace, 1, ours))[raw["warmup"] :]
+    runs_least = np.minimum(runs_least, least_prefixkv_ns(trace, 1, ours, core="runs"))[
+        raw["warmup"] :
+    ]
     theirs = data["cached"]
     if len(theirs) != len(ours):
         raise HitMismatch(f"SGLang replayed {len(theirs)} requests, prefixkv {len(ours)}")
@@ -380,6 +388,7 @@ def sglang_peer(
     # load (or a peer's own hiccup) can make one replay's mean (PROFILE.md, round 16).
     least_us = {
         "prefixkv": stats_us(ours_least),
+        "runs": stats_us(runs_least),
         "total": stats_us(data["least_total_ns"][warmup:]),
         "core": stats_us(split["least_core_ns"][warmup:]),
     }
@@ -391,6 +400,12 @@ def sglang_peer(
         },
         "core_vs_prefixkv": {
             stat: least_us["core"][stat] / value for stat, value in least_us["prefixkv"].items()
+        },
+        "sglang_vs_runs": {
+            stat: least_us["total"][stat] / value for stat, value in least_us["runs"].items()
+        },
+        "core_vs_runs": {
+            stat: least_us["core"][stat] / value for stat, value in least_us["runs"].items()
         },
     }
     return {
@@ -528,6 +543,7 @@ def markdown(result: dict[str, Any]) -> str:
         passes = least["passes"]
         for key, label in [
             ("prefixkv", f"prefixkv (numpy), least of {passes} passes"),
+            ("runs", f'prefixkv core="runs" (numpy), least of {passes} passes'),
             ("total", f"SGLang, whole request, least of {passes} passes"),
             ("core", f"SGLang's compiled core alone, least of {passes} passes"),
         ]:
@@ -536,6 +552,8 @@ def markdown(result: dict[str, Any]) -> str:
         for key, label in [
             ("sglang_vs_prefixkv", f"SGLang ÷ prefixkv, least of {passes} passes each"),
             ("core_vs_prefixkv", f"SGLang's core alone ÷ prefixkv, least of {passes} passes each"),
+            ("sglang_vs_runs", f'SGLang ÷ core="runs", least of {passes} passes each'),
+            ("core_vs_runs", f'SGLang\'s core alone ÷ core="runs", least of {passes} passes each'),
         ]:
             rows.append([label, *(fmt_ratio(least[key][stat]) for stat in ("mean", "p50", "p99"))])
     phases = result["prefixkv_phases_us"]
