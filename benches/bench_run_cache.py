@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,39 @@ def replay(quick: bool, seed: int, shape: str) -> dict[str, Any]:
     }
 
 
+#: The hot prompt's pools (blocks): its cost per request must not grow with the pool.
+HOT_POOLS = (8192, 65536)
+HOT_TOKENS = 32
+
+
+def hot_prompt(quick: bool) -> dict[str, dict[str, float]]:
+    """One short prompt served again and again, each time a full hit whose last block is
+    recomputed: its copy stays a spare after the request, taken only once the free list is
+    empty, so a pool of N blocks ends up holding ~N spares of one block (`PROFILE.md`, round
+    22). Mean µs a request (wall clock, begin + commit + finish) over the requests after the
+    free list ran out, per core and pool size."""
+    out: dict[str, dict[str, float]] = {}
+    prompt = np.arange(HOT_TOKENS, dtype=np.int64)
+    for core in ("blocks", "runs"):
+        for pool in HOT_POOLS:
+            pool = pool // 8 if quick else pool
+            cache = PrefixCache(pool, block_size=BLOCK_SIZE, core=core)
+            with gc_paused():
+                for _ in range(pool):  # every free block taken once: spares from here on
+                    request = cache.begin(prompt)
+                    cache.commit(request, HOT_TOKENS)
+                    cache.finish(request)
+                timed = pool // 2
+                start = time.perf_counter_ns()
+                for _ in range(timed):
+                    request = cache.begin(prompt)
+                    cache.commit(request, HOT_TOKENS)
+                    cache.finish(request)
+                took = time.perf_counter_ns() - start
+            out.setdefault(core, {})[str(pool)] = took / timed / 1e3
+    return out
+
+
 def sglang(sglang_python: str, quick: bool, seed: int, warmup: int) -> dict[str, Any]:
     """SGLang's whole request and its compiled core's calls alone, one pass each."""
     args = ["--seed", str(seed), *["--quick"] * quick, "--passes", "1"]
@@ -157,11 +191,19 @@ def markdown(result: dict[str, Any]) -> str:
     table += [
         [label, *(fmt_ratio(a[k] / b[k]) for k in ("mean", "p50", "p99"))] for label, a, b in ratios
     ]
+    hot = result["hot_prompt"]
+    pools = list(hot["blocks"])
+    hot_table = [[f'core="{core}"', *(f"{hot[core][pool]:,.2f}" for pool in pools)] for core in hot]
     return (
         f"{result['requests']:,} requests, seed {result['seed']}, the first {result['warmup']:,} "
         f"untimed; the same cached tokens and block tables on every request, both ways; CPU "
         f"time; load average {result['load_before']:.2f} before, {result['load_after']:.2f} "
-        "after.\n\n" + md_table(["per request", "mean µs", "p50 µs", "p99 µs"], table)
+        "after.\n\n"
+        + md_table(["per request", "mean µs", "p50 µs", "p99 µs"], table)
+        + f"\n\nA hot {HOT_TOKENS}-token prompt served again and again once the free list is "
+        "empty (each request's recomputed last block left as a spare), mean µs a request, wall "
+        "clock:\n\n"
+        + md_table(["core", *(f"pool of {int(pool):,} blocks" for pool in pools)], hot_table)
     )
 
 
@@ -186,6 +228,7 @@ def main() -> None:
         "us": raw["us"],
         "steps": {"chunk": CHUNK, "decode": DECODE},
         "steps_us": steps["us"],
+        "hot_prompt": hot_prompt(args.quick),
     }
     sglang_python = args.sglang_python or os.environ.get("PREFIXKV_SGLANG_PYTHON")
     if sglang_python:

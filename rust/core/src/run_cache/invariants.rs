@@ -127,6 +127,14 @@ impl RunCache {
                 "two children of run {run} begin with the same tokens"
             );
         }
+        assert_eq!(
+            r.with_successor as usize,
+            r.dups
+                .iter()
+                .filter(|&&d| self.dups[d as usize].successor != NONE)
+                .count(),
+            "run {run} counts its duplicates with a successor"
+        );
         for &d in &r.dups {
             let dup = &self.dups[d as usize];
             assert_eq!(dup.run, run, "duplicate {d} names its run");

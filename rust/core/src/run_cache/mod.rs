@@ -73,6 +73,7 @@ mod steps;
 #[cfg(test)]
 mod tests;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::key::BlockKey;
@@ -140,8 +141,14 @@ struct Run {
     children: Vec<u32>,
     /// This run's segments in the order (any order: each knows its place).
     segments: Vec<u32>,
-    /// Duplicates of this run's blocks (records in `RunCache::dups`), earliest first.
-    dups: Vec<u32>,
+    /// Duplicates of this run's blocks (records in `RunCache::dups`), earliest first. A hot
+    /// prompt's full hits can leave thousands at its last block, as spares taken oldest first
+    /// (`drop_dup`): a deque, so that taking one moves nothing.
+    dups: VecDeque<u32>,
+    /// Of `dups`, how many have a successor (`Dup::successor`, kept by `set_successor`): with
+    /// none, no block hangs under a copy, and eviction asks nothing of the copies (`evictable`,
+    /// `forget_as_successor`). So thousands of spares cost nothing per eviction.
+    with_successor: u32,
     /// The run a split gave this run's former tail to (what a request holding past the split
     /// point continues into).
     continued: u32,
@@ -408,7 +415,8 @@ impl RunCache {
                 one_priority: None,
                 children: Vec::new(),
                 segments: Vec::new(),
-                dups: Vec::new(),
+                dups: VecDeque::new(),
+                with_successor: 0,
                 continued: NONE,
             });
             return u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks");
@@ -417,7 +425,11 @@ impl RunCache {
         // kept), so only the rest is set.
         let r = &mut self.runs[index as usize];
         debug_assert!(
-            r.shared.is_none() && r.len == 0 && r.refs.is_empty() && r.priority.is_empty()
+            r.shared.is_none()
+                && r.len == 0
+                && r.refs.is_empty()
+                && r.priority.is_empty()
+                && r.with_successor == 0
         );
         r.parent = parent;
         r.one_priority = None;
@@ -612,9 +624,28 @@ impl RunCache {
 
     /// Forgets duplicate record `dup` (taken as a spare, or released after inheriting).
     fn drop_dup(&mut self, dup: u32) {
-        let run = self.dups[dup as usize].run;
-        self.runs[run as usize].dups.retain(|&d| d != dup);
+        let Dup { run, successor, .. } = self.dups[dup as usize];
+        let r = &mut self.runs[run as usize];
+        // Spares go oldest first: found at the front, removed without moving the others.
+        let at = r
+            .dups
+            .iter()
+            .position(|&d| d == dup)
+            .expect("a duplicate is listed with its run");
+        r.dups.remove(at);
+        r.with_successor -= u32::from(successor != NONE);
         self.free_dups.push(dup);
+    }
+
+    /// Sets duplicate `dup`'s successor (`NONE`: none), keeping its run's count of them.
+    fn set_successor(&mut self, dup: u32, successor: BlockId) {
+        let d = &mut self.dups[dup as usize];
+        let old = std::mem::replace(&mut d.successor, successor);
+        if (old == NONE) != (successor == NONE) {
+            let r = &mut self.runs[d.run as usize];
+            r.with_successor =
+                r.with_successor + u32::from(successor != NONE) - u32::from(old != NONE);
+        }
     }
 
     /// The earliest duplicate of `run`'s block at `pos` not yet in its place.

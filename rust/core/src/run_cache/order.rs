@@ -287,8 +287,8 @@ impl RunCache {
     fn evictable(&self, run: u32, pos: u32) -> bool {
         let r = &self.runs[run as usize];
         let last = pos + 1 == r.len;
-        if r.dups.is_empty() {
-            // No copy for anything to hang under.
+        if r.with_successor == 0 {
+            // No copy with anything hanging under it.
             return last && r.children.is_empty();
         }
         let under_a_copy = |block: BlockId| {
@@ -318,11 +318,20 @@ impl RunCache {
             }
             (parent, self.runs[parent as usize].len - 1)
         };
-        for &d in &self.runs[owner as usize].dups {
-            let d = &mut self.dups[d as usize];
-            if d.pos == at && d.successor == block {
-                d.successor = NONE;
-            }
+        let r = &self.runs[owner as usize];
+        if r.with_successor == 0 {
+            return;
+        }
+        let stale: Vec<u32> = r
+            .dups
+            .iter()
+            .copied()
+            .filter(|&d| {
+                self.dups[d as usize].pos == at && self.dups[d as usize].successor == block
+            })
+            .collect();
+        for d in stale {
+            self.set_successor(d, NONE);
         }
     }
 

@@ -2,6 +2,8 @@
 //! then a run grown in place, split where the request branches, or a new child; and reading a
 //! request's holds across the splits made since it took them.
 
+use std::collections::VecDeque;
+
 use super::{slab_put, Dup, Held, RunCache, RunRequest, NONE};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
@@ -42,7 +44,7 @@ impl RunCache {
         // A copy this request committed last time (its last block then) parents the block
         // this commit publishes first, in the core's pool: it is that copy's successor now.
         if let Some(&Held::Copy(dup)) = request.held.last() {
-            self.dups[dup as usize].successor = request.blocks[at];
+            self.set_successor(dup, request.blocks[at]);
             self.counters.copies_with_successor += 1;
         }
         let first_copy = request.held.len();
@@ -63,7 +65,7 @@ impl RunCache {
                 successor: NONE,
             };
             let dup = slab_put(&mut self.dups, &mut self.free_dups, record);
-            self.runs[canonical_run as usize].dups.push(dup);
+            self.runs[canonical_run as usize].dups.push_back(dup);
             request.held.push(Held::Copy(dup));
             (run, end) = (canonical_run, pos + 1);
             at += 1;
@@ -75,11 +77,12 @@ impl RunCache {
                 let next = copies_from + i + 1;
                 self.counters.copies += 1;
                 self.counters.copies_with_successor += u64::from(next < full);
-                self.dups[dup as usize].successor = if next < full {
+                let successor = if next < full {
                     request.blocks[next]
                 } else {
                     NONE
                 };
+                self.set_successor(dup, successor);
             }
         }
         if at == full {
@@ -243,15 +246,19 @@ impl RunCache {
         let (stay, moved) = self.order.split_segments(segments, tail, at);
         self.runs[run as usize].segments = stay;
         // Duplicates follow their canonical copies.
-        let (moved_dups, kept): (Vec<u32>, Vec<u32>) = dups
+        let (moved_dups, kept): (VecDeque<u32>, VecDeque<u32>) = dups
             .into_iter()
             .partition(|&d| self.dups[d as usize].pos >= at);
+        let mut moved_with_successor = 0;
         for &d in &moved_dups {
             let record = &mut self.dups[d as usize];
             record.run = tail;
             record.pos -= at;
+            moved_with_successor += u32::from(record.successor != NONE);
         }
-        self.runs[run as usize].dups = kept;
+        let r = &mut self.runs[run as usize];
+        r.dups = kept;
+        r.with_successor -= moved_with_successor;
         // The children hang under the tail now, in the run table too.
         let under_tail = RunParent::Run {
             id: tail_shared.id,
@@ -272,6 +279,7 @@ impl RunCache {
         t.children = children;
         t.segments = moved;
         t.dups = moved_dups;
+        t.with_successor = moved_with_successor;
         t.continued = continued;
         self.runs[run as usize].children.push(tail);
     }

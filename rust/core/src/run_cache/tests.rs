@@ -193,6 +193,67 @@ fn one_request_at_a_time_gets_the_cores_blocks_in_the_cores_order() {
     assert!(seen.iter().all(|&n| n > 100), "{seen:?}");
 }
 
+/// Hot prompts: two short prompts served again and again, each a full hit whose recomputed
+/// last block stays a spare, so their runs pile up hundreds of spares at one position (the
+/// shape that made each eviction scan them all, `PROFILE.md` round 22); between them, other
+/// prompts that branch off them and evict, taking spares, canonical blocks (a spare takes the
+/// entry over) and branches. The same blocks as the core, request after request.
+#[test]
+fn hot_prompts_piling_up_spares_get_the_cores_blocks() {
+    for seed in 0..40u64 {
+        let num_blocks = [64u32, 300][seed as usize % 2];
+        let mut pair = Pair::new(num_blocks);
+        let mut draw = Draw::new(seed ^ 0x5EED);
+        let hot: [Vec<u32>; 2] = [
+            (0..2 * BLOCK_SIZE as u32).collect(),
+            (100..100 + 3 * BLOCK_SIZE as u32).collect(),
+        ];
+        let mut piled = 0;
+        for i in 0..1_500 {
+            let prompt: Vec<u32> = match draw.below(10) {
+                0 => {
+                    // Off a hot prompt's prefix, then fresh tokens: a branch, evicting.
+                    let base = &hot[draw.below(2)];
+                    let mut p = base[..draw.below(base.len() + 1)].to_vec();
+                    p.extend((0..1 + draw.below(200)).map(|_| 1_000 + draw.below(50_000) as u32));
+                    p
+                }
+                1 => (0..1 + draw.below(400))
+                    .map(|_| 1_000 + draw.below(50_000) as u32)
+                    .collect(),
+                _ => hot[draw.below(2)].clone(),
+            };
+            let what = format!("seed {seed}, request {i}");
+            let (id, mut mine) = pair.begin(&prompt, 0, 0, &what).expect("it fits");
+            pair.core.commit(&id, prompt.len()).expect("commit");
+            pair.runs.commit(&mut mine, prompt.len()).expect("commit");
+            pair.core.finish(&id).expect("finish");
+            pair.runs.finish(mine);
+            if i % 100 == 0 {
+                pair.runs.check_invariants();
+            }
+            piled = piled.max(
+                pair.runs
+                    .runs
+                    .iter()
+                    .map(|r| r.dups.len())
+                    .max()
+                    .unwrap_or(0),
+            );
+        }
+        pair.runs.check_invariants();
+        assert_eq!(
+            pair.runs.obtainable(),
+            num_blocks as usize,
+            "seed {seed}: no block lost"
+        );
+        assert!(
+            piled > num_blocks as usize / 8,
+            "seed {seed}: spares piled up on a hot run ({piled})"
+        );
+    }
+}
+
 /// How an interleaving is drawn (`interleave`).
 struct Interleaving {
     seeds: u64,
