@@ -1,7 +1,7 @@
 """End to end: vLLM offline on SmolLM2 with prefixkv's scheduler gives vLLM's own results.
 
 Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp] [--prompt-repeats N]
-                                            [--expect {full,sliding,hybrid}]
+                                            [--expect {full,sliding,hybrid}] [--core {blocks,runs}]
 
 Runs the same prompts (one long shared system prompt, several questions, in two rounds so the
 second round hits what the first cached, plus a batch that shares prefixes within one step)
@@ -13,7 +13,9 @@ preamble N times, so that a sliding-window model's window slides (a tiny Mistral
 ``sliding_window`` below the prompts, written by transformers' ``save_pretrained``: its blocks
 then leave the window and later prompts hit past them; ``scripts/prepare_tiny_windowed.py``
 writes one, and a hybrid Gemma 3 one). ``--expect`` fails the run unless prefixkv served the
-model with that layout (full attention, a sliding-window cache, the hybrid manager). CPU backend: ``enforce_eager=True``, a small
+model with that layout (full attention, a sliding-window cache, the hybrid manager).
+``--core runs`` serves prefixkv's side on the run core (``additional_config={"prefixkv":
+{"core": "runs"}}``), and ``--expect`` then also checks it ran there. CPU backend: ``enforce_eager=True``, a small
 ``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
 """
 
@@ -47,7 +49,7 @@ QUESTIONS = [
 ]
 
 
-def run_one(kind: str, model: str, out: Path, repeats: int = 1) -> None:
+def run_one(kind: str, model: str, out: Path, repeats: int = 1, core: str = "blocks") -> None:
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, object] = {
@@ -62,6 +64,8 @@ def run_one(kind: str, model: str, out: Path, repeats: int = 1) -> None:
     }
     if kind == "prefixkv":
         kwargs["scheduler_cls"] = SCHEDULER
+        if core != "blocks":
+            kwargs["additional_config"] = {"prefixkv": {"core": core}}
     llm = LLM(**kwargs)  # type: ignore[arg-type]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     tokenizer = llm.get_tokenizer()
@@ -98,6 +102,7 @@ def run_one(kind: str, model: str, out: Path, repeats: int = 1) -> None:
                 "results": results,
                 "seconds": elapsed,
                 "manager": None if manager is None else type(manager).__name__,
+                "core": getattr(getattr(manager, "prefix_cache", None), "core", None),
                 # A sliding-window model served with a shorter window than its context gets a
                 # sliding core cache (docs/vllm.md); None for full attention and hybrid layouts
                 # (whose lanes carry their own windows).
@@ -136,11 +141,17 @@ def main() -> None:
         choices=["full", "sliding", "hybrid"],
         help="fail unless prefixkv served the model with this layout (in-process runs only)",
     )
+    parser.add_argument(
+        "--core",
+        choices=["blocks", "runs"],
+        default="blocks",
+        help='prefixkv\'s core, through additional_config={"prefixkv": {"core": ...}}',
+    )
     parser.add_argument("--kind", choices=["stock", "prefixkv"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kind is not None:
-        run_one(args.kind, args.model, args.out, args.prompt_repeats)
+        run_one(args.kind, args.model, args.out, args.prompt_repeats, args.core)
         return
 
     env = dict(os.environ)
@@ -157,6 +168,7 @@ def main() -> None:
             [
                 *(sys.executable, __file__, "--kind", kind, "--model", args.model),
                 *("--out", str(out), "--prompt-repeats", str(args.prompt_repeats)),
+                *("--core", args.core),
             ],
             env=env,
             check=True,
@@ -182,6 +194,8 @@ def main() -> None:
         )
         if layout != args.expect:
             failures.append(f"prefixkv served a {layout} layout, not {args.expect}")
+        if served.get("core") != args.core:
+            failures.append(f"prefixkv served core={served.get('core')!r}, not {args.core!r}")
     for i, (want, got) in enumerate(zip(stock, ours, strict=True)):
         for field in ("token_ids", "num_cached_tokens"):
             if want[field] != got[field]:
@@ -189,6 +203,8 @@ def main() -> None:
     hits = [r["num_cached_tokens"] for r in ours]
     print(f"requests: {len(ours)}; num_cached_tokens: {hits}")
     print(f"prompt tokens: {[r['prompt_tokens'] for r in ours]}")
+    if runs["prefixkv"].get("core"):
+        print(f"served on prefixkv's core={runs['prefixkv']['core']!r}")
     if runs["prefixkv"]["manager"] == "HybridPrefixKVCacheManager":
         print("served with prefixkv's hybrid manager (one lane per KV cache group)")
     if runs["prefixkv"].get("window") is not None:

@@ -113,12 +113,17 @@ def test_prefixkv_alone_replays_to_the_same_hits_and_keeps_the_least_time(
     raw = bench_production.replay(trace)
     least = bench_production.least_prefixkv_ns(trace, 2, raw["every_hit"])
     assert least.shape == (trace.num_requests,) and (least > 0).all()
+    # The run core alone caches the same tokens on every request (it refuses otherwise).
+    runs = bench_production.least_prefixkv_ns(trace, 1, raw["every_hit"], core="runs")
+    assert runs.shape == (trace.num_requests,) and (runs > 0).all()
     # Each request's least over the passes, whichever pass it came from.
     n = trace.num_requests
     times = iter([np.arange(n, 0, -1), np.arange(1, n + 1), np.full(n, n // 2)])
     hits = raw["every_hit"]
     monkeypatch.setattr(
-        bench_production, "replay_alone", lambda trace: {"total_ns": next(times), "cached": hits}
+        bench_production,
+        "replay_alone",
+        lambda trace, core="blocks": {"total_ns": next(times), "cached": hits},
     )
     expected = np.minimum(np.minimum(np.arange(n, 0, -1), np.arange(1, n + 1)), n // 2)
     assert bench_production.least_prefixkv_ns(trace, 3, hits).tolist() == expected.tolist()

@@ -4,6 +4,7 @@ name, block ids both ways, the cache context's fingerprint and KV events in vLLM
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,17 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from prefixkv.cache import PrefixCache
-from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
+from prefixkv.errors import (
+    InvalidInputError,
+    UnsupportedEngineVersionError,
+    UnsupportedFeatureError,
+)
 from prefixkv.integrations.vllm import PrefixKVCacheManager, hybrid, make_block_manager
 from prefixkv.integrations.vllm._versions import check_vllm_version
 from prefixkv.integrations.vllm.context import vllm_cache_context
 from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
 from prefixkv.integrations.vllm.pool_view import BlockIds
+from prefixkv.integrations.vllm.scheduler import prefixkv_settings
 from prefixkv.integrations.vllm.signatures import interface_differences, missing_attributes
 from tests.vllm.harness import (
     RequestSpec,
@@ -165,6 +171,58 @@ def test_hybrid_layouts_refused_by_name(
 def test_unsupported_settings_refused_by_name(overrides: dict[str, object], name: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=name):
         _manager(**overrides)
+
+
+# -- the run core (additional_config={"prefixkv": {"core": "runs"}}) ---------------------------
+def test_run_core_served_through_additional_config(tiny_model: Path) -> None:
+    setup = SchedulerSetup(num_blocks=16, block_size=4, max_model_len=64, core="runs")
+    manager = make_scheduler(tiny_model, setup, "prefixkv").kv_cache_manager
+    assert manager.prefix_cache.core == "runs"
+    # Free blocks come from the run core's count, not a walk of its blocks.
+    assert manager.block_pool.get_num_free_blocks() == 15
+    default = make_scheduler(tiny_model, dataclasses.replace(setup, core="blocks"), "prefixkv")
+    assert default.kv_cache_manager.prefix_cache.core == "blocks"
+
+
+@pytest.mark.parametrize(
+    ("setup", "name"),
+    [
+        (SchedulerSetup(enable_kv_cache_events=True), "KV cache events"),
+        (SchedulerSetup(sliding_window=8), "a sliding window of 8 tokens"),
+        (SchedulerSetup(hybrid_windows=(8,)), "a layout of 2 KV cache groups"),
+    ],
+    ids=["events", "sliding-window", "hybrid"],
+)
+def test_run_core_refuses_what_it_does_not_serve_by_name(
+    tiny_model: Path, setup: SchedulerSetup, name: str
+) -> None:
+    setup = dataclasses.replace(setup, num_blocks=32, block_size=4, max_model_len=64, core="runs")
+    with pytest.raises(UnsupportedFeatureError, match=rf"{name} with prefixkv's run core"):
+        make_scheduler(tiny_model, setup, "prefixkv")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prefixkv": {"core": "radix"}}, r'\["prefixkv"\]\["core"\] must be one of .*radix'),
+        ({"prefixkv": {"cores": "runs"}}, r"unknown prefixkv setting\(s\).*cores"),
+        ({"prefixkv": "runs"}, r'\["prefixkv"\] must be a dict, not str'),
+    ],
+)
+def test_unknown_or_bad_prefixkv_settings_refused_by_name(
+    extra: dict[str, object], message: str
+) -> None:
+    config = types.SimpleNamespace(additional_config=extra)
+    with pytest.raises(InvalidInputError, match=message):
+        prefixkv_settings(config)
+
+
+def test_prefixkv_settings_default_and_other_plugins_left_alone() -> None:
+    for extra in ({}, {"other_plugin": {"x": 1}}, None):
+        config = types.SimpleNamespace(additional_config=extra)
+        assert prefixkv_settings(config) == {"core": "blocks"}
+    with pytest.raises(InvalidInputError, match="core must be one of"):
+        _manager(core="radix")
 
 
 def test_sliding_window_extra_retained_tokens_refused_by_name() -> None:

@@ -11,6 +11,7 @@ cached tokens and block ids per group, free blocks, usage and vLLM's prefix-cach
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,21 @@ def test_async_scheduler_schedules_match_stock(tiny_model: Path, data: st.DataOb
     has not sampled yet (and, with speculative decoding, for drafts proposed on the worker),
     before step N's output is applied. Both managers must agree on every step."""
     setup = data.draw(setups(async_scheduling=True))
+    workload = data.draw(workloads(setup))
+    note(f"{setup=}\n{workload=}")
+    _record_events(_compare(tiny_model, setup, workload), workload)
+
+
+@given(data=st.data())
+def test_run_core_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """The same comparison with prefixkv's run core (``additional_config={"prefixkv":
+    {"core": "runs"}}``): drafts or not, async or not, a window covering the context or full
+    attention; every step as vLLM's, free blocks and usage included (the run core's count of
+    obtainable blocks stands in for its stats' walk)."""
+    setup = data.draw(
+        setups(spec_decode=None, async_scheduling=None, covering_window=data.draw(st.booleans()))
+    )
+    setup = replace(setup, core="runs")
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)

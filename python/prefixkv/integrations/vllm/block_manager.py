@@ -59,9 +59,14 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from prefixkv import _core
-from prefixkv.cache import KeyExtras, PrefixCache, key_extras
+from prefixkv.cache import CORES, KeyExtras, PrefixCache, key_extras
 from prefixkv.context import CacheContext
-from prefixkv.errors import BlockStateError, OutOfBlocksError, UnsupportedFeatureError
+from prefixkv.errors import (
+    BlockStateError,
+    InvalidInputError,
+    OutOfBlocksError,
+    UnsupportedFeatureError,
+)
 from prefixkv.integrations.vllm.events import vllm_events
 from prefixkv.integrations.vllm.pool_view import BlockIds, BlockPoolView, CoordinatorView
 
@@ -109,6 +114,20 @@ def refuse_unsupported_settings(
     for name, is_set in refused.items():
         if is_set:
             raise UnsupportedFeatureError(f"{name} is not supported by prefixkv's block manager")
+
+
+def check_core(core: str, *settings: tuple[str, bool]) -> None:
+    """Refuses, by name, a core that is neither "blocks" nor "runs", and with the run core
+    (``core="runs"``) the settings asked for (`(name, asked)`) that it does not serve yet,
+    before any cache is built."""
+    if core not in CORES:
+        raise InvalidInputError(f"core must be one of {', '.join(map(repr, CORES))}, not {core!r}")
+    unserved = [name for name, asked in settings if asked and core == "runs"]
+    if unserved:
+        raise UnsupportedFeatureError(
+            f'{", ".join(unserved)} with prefixkv\'s run core (core="runs") is not supported '
+            'yet; use the default core="blocks"'
+        )
 
 
 def refuse_unsupported_window(spec: SlidingWindowSpec) -> None:
@@ -186,6 +205,7 @@ class PrefixKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         context: CacheContext | None = None,
+        core: str = "blocks",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -239,12 +259,18 @@ class PrefixKVCacheManager:
         )
         if context is None:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
+        check_core(
+            core,
+            ("KV cache events", enable_kv_cache_events),
+            (f"a sliding window of {self._window} tokens", self._window is not None),
+        )
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
         self._cache = PrefixCache(
             kv_cache_config.num_blocks - 1,
             context=context,
             sliding_window=self._window,
             window_release="on_commit" if self._window is None else "explicit",
+            core=core,
         )
         if enable_kv_cache_events:
             _core.enable_events(self._cache._block_core("KV events"), EVENT_CAPACITY, "all")

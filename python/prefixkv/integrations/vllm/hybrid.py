@@ -45,6 +45,7 @@ from prefixkv.context import CacheContext
 from prefixkv.errors import BlockStateError, OutOfBlocksError, UnsupportedFeatureError
 from prefixkv.integrations.vllm.block_manager import (
     PrefixKVCacheManager,
+    check_core,
     refuse_unsupported_settings,
     refuse_unsupported_window,
 )
@@ -131,8 +132,10 @@ class HybridPrefixKVCacheManager(PrefixKVCacheManager):
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         context: CacheContext | None = None,
+        core: str = "blocks",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
+        check_core(core, (f"a layout of {len(groups)} KV cache groups", True))
         specs = tuple(g.kv_cache_spec for g in groups)
         kinds = ", ".join(type(s).__name__ for s in specs)
         for spec in specs:

@@ -63,7 +63,10 @@ class BlockPoolView:
 
         That is vLLM's free queue (it holds cached blocks with no reference too). For full
         attention every unreferenced cached block is evictable, so this is the pool less the
-        blocks some request references."""
+        blocks some request references. The run core keeps that count as it goes
+        (`blocks_obtainable`), where its `stats()` would walk every block each step."""
+        if self._cache.core == "runs":
+            return self._cache.blocks_obtainable()
         return self._cache.num_blocks - self._cache.stats().blocks_in_use
 
     def get_usage(self) -> float:

@@ -21,13 +21,24 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
-from prefixkv.errors import UnsupportedEngineVersionError, UnsupportedFeatureError
+from prefixkv.cache import CORES
+from prefixkv.errors import (
+    InvalidInputError,
+    UnsupportedEngineVersionError,
+    UnsupportedFeatureError,
+)
 from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
 from prefixkv.integrations.vllm.context import vllm_cache_context
 from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
 from prefixkv.integrations.vllm.signatures import missing_attributes
 
-__all__ = ["AsyncScheduler", "Scheduler", "install_block_manager", "make_block_manager"]
+__all__ = [
+    "AsyncScheduler",
+    "Scheduler",
+    "install_block_manager",
+    "make_block_manager",
+    "prefixkv_settings",
+]
 
 
 def make_block_manager(kv_cache_config: Any, *args: Any, **kwargs: Any) -> PrefixKVCacheManager:
@@ -38,6 +49,37 @@ def make_block_manager(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Prefi
     several = len(kv_cache_config.kv_cache_groups) > 1
     cls = HybridPrefixKVCacheManager if several else PrefixKVCacheManager
     return cls(kv_cache_config, *args, **kwargs)
+
+
+#: prefixkv's settings in vLLM's ``additional_config`` (``--additional-config
+#: '{"prefixkv": {"core": "runs"}}'``), with their defaults.
+SETTINGS = {"core": "blocks"}
+
+
+def prefixkv_settings(vllm_config: Any) -> dict[str, str]:
+    """prefixkv's settings from ``vllm_config.additional_config["prefixkv"]``: ``core``, the
+    cache's core ("blocks", the default, or "runs": the cache on runs of blocks, for one
+    full-attention group without KV events, text only). An unknown setting, or one of another
+    type, is refused by name."""
+    extra = getattr(vllm_config, "additional_config", None)
+    ours = extra.get("prefixkv", {}) if isinstance(extra, dict) else {}
+    if not isinstance(ours, dict):
+        raise InvalidInputError(
+            f'additional_config["prefixkv"] must be a dict, not {type(ours).__name__}'
+        )
+    unknown = sorted(set(ours) - set(SETTINGS))
+    if unknown:
+        raise InvalidInputError(
+            f'unknown prefixkv setting(s) in additional_config["prefixkv"]: {", ".join(unknown)} '
+            f"(known: {', '.join(SETTINGS)})"
+        )
+    settings = {**SETTINGS, **ours}
+    if settings["core"] not in CORES:
+        raise InvalidInputError(
+            f'additional_config["prefixkv"]["core"] must be one of {", ".join(map(repr, CORES))}, '
+            f"not {settings['core']!r}"
+        )
+    return settings
 
 
 def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
@@ -54,6 +96,12 @@ def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
             "drives vLLM's block pool directly; use the stock scheduler with it"
         )
     context = vllm_cache_context(scheduler.vllm_config, scheduler.block_size)
+    settings = prefixkv_settings(scheduler.vllm_config)
+    if settings["core"] == "runs" and scheduler.vllm_config.model_config.is_multimodal_model:
+        raise UnsupportedFeatureError(
+            'a multimodal model with prefixkv\'s run core (core="runs") is not supported yet: '
+            'its blocks keyed by images are not served; use the default core="blocks"'
+        )
     manager = make_block_manager(
         kv_cache_config=scheduler.kv_cache_config,
         max_model_len=scheduler.max_model_len,
@@ -73,6 +121,7 @@ def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
             scheduler.cache_config.enable_mamba_shared_prefix_checkpoint
         ),
         context=context,
+        core=settings["core"],
     )
     missing = missing_attributes(KVCacheManager, manager)
     if missing:
