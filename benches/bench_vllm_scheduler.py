@@ -5,7 +5,8 @@ Usage (in a venv with vLLM, see scripts/install_vllm.sh):
 
 For each number of running requests, vLLM's real `Scheduler` (the unit tests' harness,
 `tests/vllm/harness.py`: a mocked KV cache config and a fake model runner) runs the same
-workload with the stock `KVCacheManager` and with `PrefixKVCacheManager`: every request shares a
+workload with the stock `KVCacheManager` and with `PrefixKVCacheManager`, on prefixkv's default core and on its run
+core (``additional_config={"prefixkv": {"core": "runs"}}``): every request shares a
 64-token system prompt and adds its own 32 tokens, all are admitted and prefilled, then
 `--steps` decode steps are timed, each `schedule()` plus `update_from_output()`, the engine
 core's whole scheduler work per step. The two managers alternate within one run (stock,
@@ -16,6 +17,7 @@ absolute times move between runs more than the ratio does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -52,9 +54,18 @@ def _setup(num_requests: int, steps: int) -> SchedulerSetup:
     )
 
 
-def step_times(model_dir: Path, kind: str, num_requests: int, steps: int) -> list[float]:
+#: The sides: (vLLM's block manager or prefixkv's, prefixkv's core).
+SIDES = {
+    "stock": ("stock", "blocks"),
+    "prefixkv": ("prefixkv", "blocks"),
+    "runs": ("prefixkv", "runs"),
+}
+
+
+def step_times(model_dir: Path, side: str, num_requests: int, steps: int) -> list[float]:
     """Seconds of each timed decode step (schedule + update_from_output)."""
-    setup = _setup(num_requests, steps)
+    kind, core = SIDES[side]
+    setup = dataclasses.replace(_setup(num_requests, steps), core=core)
     scheduler = make_scheduler(model_dir, setup, kind)
     for i in range(num_requests):
         suffix = tuple(1000 + (i * 32 + j) % 50_000 for j in range(32))
@@ -71,7 +82,7 @@ def step_times(model_dir: Path, kind: str, num_requests: int, steps: int) -> lis
         scheduler.update_from_output(out, runner_output_for(scheduler, out))
         times.append(time.perf_counter() - start)
         if len(out.num_scheduled_tokens) != num_requests:
-            raise RuntimeError(f"{kind}: a step ran {len(out.num_scheduled_tokens)} requests")
+            raise RuntimeError(f"{side}: a step ran {len(out.num_scheduled_tokens)} requests")
     return times
 
 
@@ -87,18 +98,25 @@ def main() -> None:
         f"vLLM {vllm.__version__}, Python {platform.python_version()}, {platform.machine()}; "
         "shared machine: compare the ratio, not the absolute times"
     )
-    print("| running requests | stock ms/step | prefixkv ms/step | prefixkv / stock |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| running requests | stock ms/step | prefixkv ms/step | prefixkv / stock "
+        '| core="runs" ms/step | core="runs" / stock |'
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model_dir(Path(tmp))
         for size in args.sizes:
-            samples: dict[str, list[float]] = {"stock": [], "prefixkv": []}
+            samples: dict[str, list[float]] = {side: [] for side in SIDES}
             for _ in range(args.rounds):
-                for kind in ("stock", "prefixkv"):
-                    samples[kind] += step_times(model_dir, kind, size, args.steps)
-            stock = statistics.median(samples["stock"]) * 1e3
-            ours = statistics.median(samples["prefixkv"]) * 1e3
-            print(f"| {size} | {stock:.2f} | {ours:.2f} | {ours / stock:.2f} |", flush=True)
+                for side in SIDES:
+                    samples[side] += step_times(model_dir, side, size, args.steps)
+            ms = {side: statistics.median(samples[side]) * 1e3 for side in SIDES}
+            print(
+                f"| {size} | {ms['stock']:.2f} | {ms['prefixkv']:.2f} | "
+                f"{ms['prefixkv'] / ms['stock']:.2f} | {ms['runs']:.2f} | "
+                f"{ms['runs'] / ms['stock']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
