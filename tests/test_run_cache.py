@@ -46,6 +46,8 @@ def answer(value: Any) -> Any:
     fields += ("full_hit", "last_token_shared", "num_prompt_tokens")
     if hasattr(value, "num_cached_tokens"):
         return tuple(getattr(value, f, None) for f in fields)
+    if hasattr(value, "num_blocks"):  # a `Pin`
+        return ("pin", value.id, value.num_blocks)
     return value
 
 
@@ -70,6 +72,8 @@ class BothCores(RuleBasedStateMachine):
         self.ids: list[int | str] = []
         self.seen: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
         self.next_id = 0
+        # Pin ids, the same from both cores (each counts from 1), live or dropped by a reset.
+        self.pins: list[int] = []
 
     def both(self, what: str, call: Callable[[PrefixCache], Any]) -> tuple[str, Any]:
         expected = outcome(lambda: call(self.blocks))
@@ -219,6 +223,25 @@ class BothCores(RuleBasedStateMachine):
         rid = self.request(data)
         self.both("preempt", lambda c: c.preempt(rid))
 
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from([None, "tenant"]),
+        adapter=st.sampled_from([None, None, "lora-a"]),
+    )
+    def pin(self, data: st.DataObject, salt: str | None, adapter: str | None) -> None:
+        """A pinned prefix stays out of eviction's reach (not a reference): the same blocks
+        pinned, and from then on the same victims, counts and refusals."""
+        prompt = self.prompt(data)
+        kind, pin = self.both("pin", lambda c: c.pin(prompt, salt=salt, adapter=adapter))
+        if kind == "ok":
+            self.pins.append(pin.id)
+
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        """A live pin, one unpinned or dropped by a reset (refused alike), or one never taken."""
+        pin = data.draw(st.sampled_from(self.pins)) if self.pins else 99
+        self.both("unpin", lambda c: c.unpin(pin))
+
     @precondition(lambda self: not self.ids)
     @rule(new_context=st.booleans())
     def reset(self, new_context: bool) -> None:
@@ -253,6 +276,7 @@ class BothCores(RuleBasedStateMachine):
             assert getattr(got, field) == getattr(expected, field), field
         for field in ("blocks_cached", "blocks_in_use", "blocks_obtainable", "requests_live"):
             assert getattr(got, field) == getattr(expected, field), field
+        assert got.blocks_pinned == expected.blocks_pinned, "blocks_pinned"
         for block in range(self.num_blocks):
             self.both("ref_count", lambda c, block=block: c.ref_count(block))
             self.both("is_cached", lambda c, block=block: c.is_cached(block))
@@ -280,7 +304,6 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
     unserved: list[tuple[str, Callable[[], Any]]] = [
         ("multimodal", lambda: cache.begin([1, 2], multimodal=[(0, 1, "img")])),
         ("multimodal", lambda: cache.lookup([1, 2], multimodal=[(0, 1, "img")])),
-        ("pin", lambda: cache.pin([1, 2, 3, 4])),
         ("match_and_acquire", lambda: cache.match_and_acquire([1, 2, 3, 4])),
         ("allocate", lambda: cache.allocate(1)),
         ("commit_blocks", lambda: cache.commit_blocks([1, 2, 3, 4], [0])),
@@ -298,7 +321,7 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
     for name, call in refused:
         with pytest.raises(InvalidInputError, match=name):
             call()
-    with pytest.raises(UnknownRequestError, match="takes no pins"):
+    with pytest.raises(UnknownRequestError, match="never taken"):
         cache.unpin(3)
     assert state() == before
     cache.commit(request, 10)

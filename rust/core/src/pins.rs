@@ -21,15 +21,16 @@ use crate::error::{CacheError, Result};
 use crate::key::RequestExtras;
 use crate::pool::BlockId;
 
-/// The live pins by id, and what became of the others.
-pub(crate) struct Pins {
-    live: HashMap<u64, Vec<BlockId>>,
+/// The live pins by id (each with what it pins: `T`, the block ids here, the runs' ranges in
+/// the run cache), and what became of the others.
+pub(crate) struct Pins<T = Vec<BlockId>> {
+    live: HashMap<u64, T>,
     next_id: u64,
     /// Ids dropped by each reset, in order: ascending, since a reset drops every live pin.
     dropped: Vec<(u64, Reset)>,
 }
 
-impl Default for Pins {
+impl<T> Default for Pins<T> {
     fn default() -> Self {
         Self {
             live: HashMap::new(),
@@ -43,6 +44,23 @@ impl Pins {
     /// Every block pin the live pins hold, one item per pin.
     pub(crate) fn pinned_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.live.values().flatten().copied()
+    }
+}
+
+impl<T> Pins<T> {
+    /// Records a new pin of `pinned`; its id (never reused).
+    pub(crate) fn add(&mut self, pinned: T) -> u64 {
+        let pin_id = self.next_id;
+        self.next_id += 1;
+        self.live.insert(pin_id, pinned);
+        pin_id
+    }
+
+    /// Takes pin `pin_id` out; `UnknownPin`, saying why, if it is not live.
+    pub(crate) fn take(&mut self, pin_id: u64) -> Result<T> {
+        self.live
+            .remove(&pin_id)
+            .ok_or_else(|| self.not_live(pin_id))
     }
 
     /// At a reset: every live pin is gone (the pool forgets its pin counts as it uncaches).
@@ -78,23 +96,15 @@ impl PrefixCache {
         for &block in &blocks {
             inner.pool.pin(block);
         }
-        let pins = &mut inner.pins;
-        let pin_id = pins.next_id;
-        pins.next_id += 1;
         let count = blocks.len();
-        pins.live.insert(pin_id, blocks);
-        Ok((pin_id, count))
+        Ok((inner.pins.add(blocks), count))
     }
 
     /// Releases a pin taken by `pin`; `UnknownPin`, saying why, if the id is not live.
     pub fn unpin(&self, pin_id: u64) -> Result<()> {
         let mut guard = self.inner.lock();
         let inner = &mut *guard;
-        let blocks = inner
-            .pins
-            .live
-            .remove(&pin_id)
-            .ok_or_else(|| inner.pins.not_live(pin_id))?;
+        let blocks = inner.pins.take(pin_id)?;
         for block in blocks {
             inner.pool.unpin(block);
         }

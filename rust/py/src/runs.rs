@@ -5,7 +5,7 @@
 //! eviction log) is refused by name with an `UnsupportedFeatureError`, changing nothing.
 
 use prefixkv_core::run_cache::{RunPrefixCache, RunSlots};
-use prefixkv_core::{CacheError, RequestId};
+use prefixkv_core::RequestId;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -439,23 +439,24 @@ impl CoreRunCache {
         Err(unserved("release"))
     }
 
-    #[allow(clippy::unused_self)] // `CoreCache`'s signature
-    fn pin(&self, tokens: &Bound<'_, PyAny>, keys: &KeyExtras) -> PyResult<Pin> {
-        let _ = (tokens, keys);
-        Err(unserved("pin"))
+    fn pin(&self, py: Python<'_>, mut tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<Pin> {
+        no_extras(keys)?;
+        let view = tokens.view();
+        let (id, num_blocks) = py
+            .detach(|| {
+                view.into_vec()
+                    .and_then(|t| self.0.pin(&t, &keys.salt, &keys.extras))
+            })
+            .map_err(to_py_err)?;
+        Ok(Pin { id, num_blocks })
     }
 
-    #[allow(clippy::unused_self)] // `CoreCache`'s signature
-    fn unpin(&self, pin: &Bound<'_, PyAny>) -> PyResult<()> {
-        // No pin was ever taken here: every id is unknown, as `CoreCache` says of one.
-        let id: u64 = match pin.cast::<Pin>() {
+    fn unpin(&self, py: Python<'_>, pin: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = match pin.cast::<Pin>() {
             Ok(pin) => pin.get().id,
             Err(_) => int_in(pin, "pin", "0 ..= 2**64-1", |_| true)?,
         };
-        Err(to_py_err(CacheError::UnknownPin {
-            pin_id: id,
-            reason: "the run core takes no pins",
-        }))
+        py.detach(|| self.0.unpin(id)).map_err(to_py_err)
     }
 
     fn clear(&self, py: Python<'_>) -> PyResult<()> {

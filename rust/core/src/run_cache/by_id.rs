@@ -14,10 +14,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use super::{lookup_in, RunCache, RunLookup, RunRequest, RunSlots};
-use crate::cache::block_extras;
+use super::{lookup_in, Held, RunCache, RunLookup, RunRequest, RunSlots};
+use crate::cache::{block_extras, Reset};
 use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
+use crate::pins::Pins;
 use crate::pool::BlockId;
 use crate::request::RequestId;
 use crate::run_table::RunTable;
@@ -46,6 +47,8 @@ struct State {
     next_auto: i64,
     context: BlockKey,
     counters: Counters,
+    /// The live pins, each with the runs' ranges it pinned.
+    pins: Pins<Vec<Held>>,
 }
 
 /// A live request, and what its block keys are computed from (the root the run cache matches
@@ -87,6 +90,7 @@ impl RunPrefixCache {
                 next_auto: 1,
                 context,
                 counters: Counters::default(),
+                pins: Pins::default(),
             }),
             num_blocks,
             block_size,
@@ -156,6 +160,27 @@ impl RunPrefixCache {
         self.probes.fetch_add(1, Ordering::Relaxed);
         let root = run_root(&root_key(&context, salt), extras.adapter.as_deref());
         Ok(lookup_in(&table, &root, tokens))
+    }
+
+    /// Pins the cached prefix of `tokens` (under `salt` and `extras`) so that eviction never
+    /// takes it, as the core's `pin`: a pin id for `unpin`, and the blocks pinned.
+    pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
+        self.check_tokens(tokens)?;
+        Self::check_extras(extras)?;
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let root = run_root(&root_key(&state.context, salt), extras.adapter.as_deref());
+        let (held, count) = state.cache.pin(&root, tokens);
+        Ok((state.pins.add(held), count))
+    }
+
+    /// Drops pin `pin_id`; `UnknownPin`, saying why, if it is not live (nothing changes then).
+    pub fn unpin(&self, pin_id: u64) -> Result<()> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        let held = state.pins.take(pin_id)?;
+        state.cache.unpin(&held);
+        Ok(())
     }
 
     /// Registers a request under the engine's id, waiting: no blocks, nothing matched.
@@ -472,6 +497,11 @@ impl RunPrefixCache {
         let old = std::mem::replace(&mut state.cache, cache);
         state.counters.evictions_before += old.counters().evictions;
         state.counters.copies_before += old.counters().copies;
+        state.pins.drop_all(if context.is_some() {
+            Reset::SetContext
+        } else {
+            Reset::Clear
+        });
         if let Some(context) = context {
             state.context = context;
         }
@@ -505,7 +535,7 @@ impl RunPrefixCache {
             blocks_free: counts.free,
             blocks_cached: counts.cached,
             blocks_in_use: in_use.iter().filter(|&&u| u).count(),
-            blocks_pinned: 0,
+            blocks_pinned: state.cache.num_pinned(),
             // Every cached block nobody holds: eviction reaches each of them (a run gives its
             // blocks up tail first).
             blocks_evictable: counts.obtainable - counts.free,

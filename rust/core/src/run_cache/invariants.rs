@@ -40,6 +40,13 @@ impl RunCache {
         for &block in &self.order.free {
             place(block, "free list");
         }
+        assert_eq!(
+            live.iter()
+                .map(|&run| self.runs[run as usize].pinned as usize)
+                .sum::<usize>(),
+            self.num_pinned,
+            "the pinned blocks are counted"
+        );
         for &run in &live {
             self.check_run(run);
             let r = &self.runs[run as usize];
@@ -127,6 +134,26 @@ impl RunCache {
                 "two children of run {run} begin with the same tokens"
             );
         }
+        assert!(r.pinned <= r.len, "run {run}'s pinned blocks are its own");
+        if r.pins.is_empty() {
+            assert_eq!(r.pinned, 0, "run {run} has pins counted");
+        } else {
+            assert_eq!(
+                r.pins.len(),
+                r.len as usize,
+                "run {run} counts pins per block"
+            );
+            assert!(
+                r.pins.windows(2).all(|w| w[0] >= w[1]),
+                "run {run}'s pin counts never rise along it: {:?}",
+                r.pins
+            );
+            assert_eq!(
+                r.pins.partition_point(|&c| c > 0) as u32,
+                r.pinned,
+                "run {run}'s pinned prefix"
+            );
+        }
         assert_eq!(
             r.with_successor as usize,
             r.dups
@@ -200,7 +227,8 @@ impl RunCache {
                         s.run
                     );
                 }
-                obtainable += (s.hi - s.lo) as usize;
+                // Pinned blocks are queued in their place but not obtainable.
+                obtainable += s.hi.saturating_sub(s.lo.max(r.pinned)) as usize;
             }
         }
         assert_eq!(obtainable, self.order.free_count, "the obtainable count");

@@ -4,9 +4,10 @@
 //! request cycle (begin, commit, finish, each with a retention priority) and the step API's
 //! (add, allocate_slots chunk by chunk, append_tokens, commit, preempt, finish), and hands out
 //! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
-//! contract with vLLM: the tests run both side by side, block table for block table. Not yet
-//! used by the cache; what it leaves out for now: events, extras, sliding windows, groups,
-//! pins, draft tokens, `FullHit::ReuseLastBlock` and the low-level `release`.
+//! contract with vLLM: the tests run both side by side, block table for block table. It
+//! serves `PrefixCache(core="runs")` (`by_id.rs`), pins included (`pins.rs`); what it leaves
+//! out for now: events, multimodal extras, sliding windows, groups, `FullHit::ReuseLastBlock`
+//! and the low-level `release`.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -59,13 +60,14 @@
 //!
 //! Here: the records, begin and finish. `steps.rs`: the step API (a request added waiting,
 //! its slots allocated chunk by chunk, decode tokens appended, preemption); `order.rs`: the
-//! eviction order and allocation; `publish.rs`: commit; `invariants.rs`: what the tests check
-//! after their steps.
+//! eviction order and allocation; `publish.rs`: commit; `pins.rs`: pins, kept out of eviction
+//! in their places in the order; `invariants.rs`: what the tests check after their steps.
 
 mod by_id;
 mod invariants;
 mod observe;
 mod order;
+mod pins;
 mod publish;
 #[cfg(test)]
 mod step_tests;
@@ -145,6 +147,12 @@ struct Run {
     /// prompt's full hits can leave thousands at its last block, as spares taken oldest first
     /// (`drop_dup`): a deque, so that taking one moves nothing.
     dups: VecDeque<u32>,
+    /// Per block: the pins on it (`pins.rs`), or empty while none was taken since the run was
+    /// made. Each pin covers a prefix of the run, so the counts never rise along it.
+    pins: Vec<u32>,
+    /// The run's first `pinned` blocks are pinned: queued (when nobody holds them) but never
+    /// given, and not counted obtainable.
+    pinned: u32,
     /// Of `dups`, how many have a successor (`Dup::successor`, kept by `set_successor`): with
     /// none, no block hangs under a copy, and eviction asks nothing of the copies (`evictable`,
     /// `forget_as_successor`). So thousands of spares cost nothing per eviction.
@@ -319,6 +327,8 @@ pub struct RunCache {
     order: Order,
     dups: Vec<Dup>,
     free_dups: Vec<u32>,
+    /// Blocks pinned at least once (`pins.rs`).
+    num_pinned: usize,
     /// The release clock: one tick per finish, one more for its spares.
     tick: u64,
     counters: RunCounters,
@@ -351,6 +361,7 @@ impl RunCache {
             order: Order::new(num_blocks),
             dups: Vec::new(),
             free_dups: Vec::new(),
+            num_pinned: 0,
             tick: 0,
             counters: RunCounters::default(),
         })
@@ -416,6 +427,8 @@ impl RunCache {
                 children: Vec::new(),
                 segments: Vec::new(),
                 dups: VecDeque::new(),
+                pins: Vec::new(),
+                pinned: 0,
                 with_successor: 0,
                 continued: NONE,
             });
@@ -429,6 +442,8 @@ impl RunCache {
                 && r.len == 0
                 && r.refs.is_empty()
                 && r.priority.is_empty()
+                && r.pins.is_empty()
+                && r.pinned == 0
                 && r.with_successor == 0
         );
         r.parent = parent;
@@ -485,7 +500,7 @@ impl RunCache {
         for count in &mut r.refs[..upto as usize] {
             *count += 1;
         }
-        self.order.take_below(&mut r.segments, upto);
+        self.order.take_below(&mut r.segments, upto, r.pinned);
     }
 
     /// Releases what the request held, as the core's `finish` does: its private blocks to the
@@ -550,7 +565,10 @@ impl RunCache {
             priority,
         } = stretch;
         let segment = self.order.push(run, lo, hi, NONE, priority, self.tick);
-        self.runs[run as usize].segments.push(segment);
+        let r = &mut self.runs[run as usize];
+        r.segments.push(segment);
+        // Pinned blocks are queued in their place but not obtainable (`pins.rs`).
+        self.order.free_count -= hi.min(r.pinned).saturating_sub(lo) as usize;
     }
 
     /// Drops one reference to blocks `from..to` of `run`, raising their priority to at least

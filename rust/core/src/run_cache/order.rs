@@ -172,15 +172,16 @@ impl Order {
     }
 
     /// Takes a run's first `upto` blocks out of the order (`of`: the run's segments; a prefix
-    /// of a segment's range is the end popped last, so a segment only shrinks).
-    pub(super) fn take_below(&mut self, of: &mut Vec<u32>, upto: u32) {
+    /// of a segment's range is the end popped last, so a segment only shrinks). Its first
+    /// `pinned` blocks were not counted obtainable.
+    pub(super) fn take_below(&mut self, of: &mut Vec<u32>, upto: u32, pinned: u32) {
         let mut i = 0;
         while i < of.len() {
             let id = of[i];
             let s = &mut self.segments[id as usize];
             if s.lo < upto {
                 let new_lo = s.hi.min(upto);
-                self.free_count -= (new_lo - s.lo) as usize;
+                self.free_count -= new_lo.saturating_sub(s.lo.max(pinned)) as usize;
                 s.lo = new_lo;
                 if s.lo == s.hi {
                     self.unlink(id);
@@ -268,7 +269,8 @@ impl RunCache {
     /// segment is blocked (the core's leaf rule) and keeps its place until it is not.
     fn can_give(&self, id: u32) -> bool {
         let s = &self.order.segments[id as usize];
-        s.dup != NONE || self.evictable(s.run, s.hi - 1)
+        s.dup != NONE
+            || (s.hi > self.runs[s.run as usize].pinned && self.evictable(s.run, s.hi - 1))
     }
 
     /// The block segment `id` gives next (its key's last part).
@@ -419,6 +421,7 @@ impl RunCache {
             } else {
                 // Down to the first position a duplicate would take over.
                 let r = &self.runs[run as usize];
+                // (And never into the pinned blocks.)
                 let floor = r
                     .dups
                     .iter()
@@ -426,7 +429,8 @@ impl RunCache {
                     .filter(|d| !d.inherited && d.pos >= lo && d.pos < hi)
                     .map(|d| d.pos + 1)
                     .max()
-                    .unwrap_or(lo);
+                    .unwrap_or(lo)
+                    .max(r.pinned);
                 let most = if rivals { 1 } else { need };
                 let stop = floor.max(hi - most.min(hi - lo));
                 debug_assert_eq!(hi, r.len, "truncation takes a run's tail");
@@ -443,6 +447,9 @@ impl RunCache {
                 let r = &mut self.runs[run as usize];
                 r.refs.truncate(stop as usize);
                 r.priority.truncate(stop as usize);
+                if !r.pins.is_empty() {
+                    r.pins.truncate(stop as usize);
+                }
                 r.len = stop;
                 if stop > 0 {
                     // A leaf (its tail goes first), so no run hangs under it: the fresh id
@@ -520,6 +527,8 @@ impl RunCache {
             r.dups.is_empty() && r.segments.is_empty() && r.children.is_empty(),
             "an emptied run has no duplicates, children or queued blocks"
         );
+        debug_assert_eq!(r.pinned, 0, "an emptied run had no pinned block");
+        r.pins.clear();
         let shared = r.shared.take().expect("a run with blocks was in the table");
         let parent = r.parent;
         self.table.remove(&mut self.alloc, shared);

@@ -128,6 +128,9 @@ impl RunCache {
         t.len += u32::try_from(full - at).expect("a run is shorter than the pool");
         t.refs.resize(t.len as usize, 1);
         t.priority.resize(t.len as usize, request.priority);
+        if !t.pins.is_empty() {
+            t.pins.resize(t.len as usize, 0);
+        }
         request.held.push(Held::Blocks {
             run: target,
             from,
@@ -238,6 +241,13 @@ impl RunCache {
         let tail_len = r.len - at;
         r.len = at;
         let refs = r.refs.split_off(at as usize);
+        let pins = if r.pins.is_empty() {
+            Vec::new()
+        } else {
+            r.pins.split_off(at as usize)
+        };
+        let tail_pinned = r.pinned.saturating_sub(at);
+        r.pinned = r.pinned.min(at);
         let priority = r.priority.split_off(at as usize);
         let children = std::mem::take(&mut r.children);
         let segments = std::mem::take(&mut r.segments);
@@ -274,6 +284,8 @@ impl RunCache {
         t.shared = Some(tail_shared);
         t.len = tail_len;
         t.refs = refs;
+        t.pins = pins;
+        t.pinned = tail_pinned;
         t.priority = priority;
         t.one_priority = one_priority;
         t.children = children;

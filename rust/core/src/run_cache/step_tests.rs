@@ -37,6 +37,8 @@ struct Reached {
     evictions: u64,
     copies: u64,
     splits: u64,
+    pinned: u64,
+    unpinned: u64,
 }
 
 /// The same kind of refusal, or the same answer.
@@ -68,11 +70,13 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     // Token sequences seen (prompts and what was generated after them), with their salt.
     let mut seen: Vec<(Vec<u32>, usize)> = Vec::new();
     let mut live: Vec<Live> = Vec::new();
+    // Live pins: the core's id, the run cache's ranges.
+    let mut pins: Vec<(u64, Vec<super::Held>)> = Vec::new();
     let max_prompt = num_blocks as usize * block_size * 3 / 4;
     for step in 0..500 {
         let winding_down = step >= 440;
         let what = format!("seed {seed}, block size {block_size}, step {step}");
-        let action = if winding_down { 5 } else { draw.below(13) };
+        let action = if winding_down { 5 } else { draw.below(15) };
         match action {
             // Add a request: a cut of something seen (a finished request's decode tokens
             // included), then fresh tokens from a few patterns or unique ones.
@@ -306,6 +310,32 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 }
                 l.scheduled_to = l.scheduled_to.min(l.mine.num_tokens());
             }
+            // Pin the cached prefix of something seen or live (a system prompt kept), as the
+            // core pins it: the same blocks counted, and from then on the same victims.
+            13 if !seen.is_empty() || !live.is_empty() => {
+                let pick = draw.below(seen.len() + live.len());
+                let (tokens, salt) = if pick < seen.len() {
+                    (seen[pick].0.clone(), seen[pick].1)
+                } else {
+                    let l = &live[pick - seen.len()];
+                    (l.mine.tokens.clone(), l.salt)
+                };
+                let cut = draw.below(tokens.len() + 1);
+                let (id, count) = pair
+                    .core
+                    .pin(&tokens[..cut], SALTS[salt], &RequestExtras::default())
+                    .expect("pin");
+                let (held, mine) = pair.runs.pin(&pair.roots[salt], &tokens[..cut]);
+                assert_eq!(mine, count, "{what}: blocks pinned");
+                reached.pinned += count as u64;
+                pins.push((id, held));
+            }
+            14 if !pins.is_empty() => {
+                let (id, held) = pins.swap_remove(draw.below(pins.len()));
+                pair.core.unpin(id).expect("unpin");
+                pair.runs.unpin(&held);
+                reached.unpinned += 1;
+            }
             _ if winding_down && !live.is_empty() => {
                 let l = live.swap_remove(0);
                 pair.core.finish(&l.id).expect("finish");
@@ -342,6 +372,11 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 ),
                 "{what}: free, cached and obtainable blocks"
             );
+            assert_eq!(
+                pair.runs.num_pinned(),
+                stats.blocks_pinned,
+                "{what}: pinned blocks"
+            );
             for block in 0..num_blocks {
                 assert_eq!(
                     pair.runs.is_cached(block),
@@ -364,6 +399,11 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
         pair.core.finish(&l.id).expect("finish");
         pair.runs.finish(l.mine);
     }
+    for (id, held) in pins.drain(..) {
+        pair.core.unpin(id).expect("unpin");
+        pair.runs.unpin(&held);
+    }
+    assert_eq!(pair.runs.num_pinned(), 0, "seed {seed}: every pin dropped");
     pair.runs.check_invariants();
     assert_eq!(
         pair.runs.obtainable(),
@@ -401,6 +441,8 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         evictions,
         copies,
         splits,
+        pinned,
+        unpinned,
     } = reached;
     for (name, n) in [
         ("hit tokens", hit_tokens),
@@ -416,6 +458,8 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         ("evictions", evictions),
         ("copies", copies),
         ("splits", splits),
+        ("pinned blocks", pinned),
+        ("unpins", unpinned),
     ] {
         assert!(n > 10, "block size {block_size}: only {n} {name}");
     }

@@ -328,11 +328,14 @@ impl RunCache {
         }
         let start = keep * bs;
         let fresh = blocks_past(bs, start, len, num_new, lookahead, keep)?;
+        // The obtainable blocks the hit would take out of the order (its pinned ones were
+        // never counted obtainable).
         let taken: usize = held
             .iter()
             .map(|&(run, upto)| {
-                self.order
-                    .queued_below(&self.runs[run as usize].segments, upto)
+                let r = &self.runs[run as usize];
+                self.order.queued_below(&r.segments, upto)
+                    - self.order.queued_below(&r.segments, upto.min(r.pinned))
             })
             .sum();
         Ok(Plan {
