@@ -69,6 +69,9 @@ class BothCores(RuleBasedStateMachine):
         self.num_blocks = 12
         self.blocks = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB)
         self.runs = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB, core="runs")
+        # The eviction log a host tier drains: the same blocks, in the same order.
+        for cache in (self.blocks, self.runs):
+            cache.set_eviction_log(True)
         self.ids: list[int | str] = []
         self.seen: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
         self.next_id = 0
@@ -277,6 +280,7 @@ class BothCores(RuleBasedStateMachine):
         for field in ("blocks_cached", "blocks_in_use", "blocks_obtainable", "requests_live"):
             assert getattr(got, field) == getattr(expected, field), field
         assert got.blocks_pinned == expected.blocks_pinned, "blocks_pinned"
+        assert self.runs.drain_evicted() == self.blocks.drain_evicted(), "drain_evicted"
         for block in range(self.num_blocks):
             self.both("ref_count", lambda c, block=block: c.ref_count(block))
             self.both("is_cached", lambda c, block=block: c.is_cached(block))
@@ -308,7 +312,6 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
         ("allocate", lambda: cache.allocate(1)),
         ("commit_blocks", lambda: cache.commit_blocks([1, 2, 3, 4], [0])),
         ("release", lambda: cache.release([0])),
-        ("eviction log", lambda: cache.set_eviction_log(True)),
     ]
     for name, call in unserved:
         with pytest.raises(UnsupportedFeatureError, match=name):

@@ -199,12 +199,12 @@ class PrefixCache:
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
             on long prompts (1.72× on the production-shaped replay), handing out the same
-            blocks in the same order; `pin` and `unpin` too. It refuses by name, changing
+            blocks in the same order; `pin`, `unpin` and the eviction log too. It refuses by name, changing
             nothing, what it does not serve yet: `multimodal` extras, `sliding_window`,
             ``full_hit="reuse_last_block"``, the low-level block calls
-            (`match_and_acquire`, `allocate`, `commit_blocks`, `release`), the eviction log
-            and KV events (`UnsupportedFeatureError`), and `clear` / `set_context` while a
-            request is live (`InvalidInputError`). Its `lookup` does not take the writer's
+            (`match_and_acquire`, `allocate`, `commit_blocks`, `release`) and KV events
+            (`UnsupportedFeatureError`), and `clear` / `set_context` while a request is live
+            (`InvalidInputError`). Its `lookup` does not take the writer's
             lock.
 
     Every request-keyed call takes the `Request` that `begin` returned, or the request's id:

@@ -491,17 +491,12 @@ impl CoreRunCache {
             .map_err(to_py_err)
     }
 
-    #[allow(clippy::unused_self)] // `CoreCache`'s signature
     fn set_eviction_log(&self, enabled: bool) -> PyResult<()> {
-        if enabled {
-            return Err(unserved("the eviction log"));
-        }
-        Ok(())
+        self.0.set_eviction_log(enabled).map_err(to_py_err)
     }
 
-    #[allow(clippy::unused_self)] // `CoreCache`'s signature
-    fn drain_evicted(&self) -> Vec<u32> {
-        Vec::new()
+    fn drain_evicted(&self) -> PyResult<Vec<u32>> {
+        self.0.drain_evicted().map_err(to_py_err)
     }
 
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {

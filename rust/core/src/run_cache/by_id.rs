@@ -471,6 +471,23 @@ impl RunPrefixCache {
         ))
     }
 
+    /// Turns the eviction log on (emptied) or off, as the core's `set_eviction_log`.
+    pub fn set_eviction_log(&self, enabled: bool) -> Result<()> {
+        self.state()?.cache.eviction_log = enabled.then(Vec::new);
+        Ok(())
+    }
+
+    /// The blocks evicted since the last drain, oldest first (empty when the log is off).
+    pub fn drain_evicted(&self) -> Result<Vec<BlockId>> {
+        Ok(self
+            .state()?
+            .cache
+            .eviction_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default())
+    }
+
     /// Blocks an allocation could obtain now, capped at `up_to`.
     pub fn blocks_obtainable(&self, up_to: usize) -> Result<usize> {
         Ok(self.state()?.cache.obtainable().min(up_to))
@@ -490,6 +507,9 @@ impl RunPrefixCache {
             )));
         }
         let mut cache = fresh(self.num_blocks, self.block_size)?;
+        // The log stays on, emptied: blocks evicted under the old context must not reach a
+        // tier now (the core's `clear`).
+        cache.eviction_log = state.cache.eviction_log.as_ref().map(|_| Vec::new());
         // The blocks that held cached content join the free list as the core's `clear` frees
         // them (the next allocations take the same blocks).
         cache.order.free = state.cache.free_order_after_reset();

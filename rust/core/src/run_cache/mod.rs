@@ -5,9 +5,9 @@
 //! (add, allocate_slots chunk by chunk, append_tokens, commit, preempt, finish), and hands out
 //! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
 //! contract with vLLM: the tests run both side by side, block table for block table. It
-//! serves `PrefixCache(core="runs")` (`by_id.rs`), pins included (`pins.rs`); what it leaves
-//! out for now: events, multimodal extras, sliding windows, groups, `FullHit::ReuseLastBlock`
-//! and the low-level `release`.
+//! serves `PrefixCache(core="runs")` (`by_id.rs`), pins (`pins.rs`) and the eviction log
+//! included; what it leaves out for now: events, multimodal extras, sliding windows, groups,
+//! `FullHit::ReuseLastBlock` and the low-level `release`.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -329,6 +329,10 @@ pub struct RunCache {
     free_dups: Vec<u32>,
     /// Blocks pinned at least once (`pins.rs`).
     num_pinned: usize,
+    /// With the log on, the blocks evicted since the last drain, in eviction order (the core's
+    /// `set_eviction_log`: a host tier copies their pages out before they are written again).
+    /// An entry moved into a duplicate is not evicted, nor is a spare taken.
+    pub(super) eviction_log: Option<Vec<BlockId>>,
     /// The release clock: one tick per finish, one more for its spares.
     tick: u64,
     counters: RunCounters,
@@ -362,6 +366,7 @@ impl RunCache {
             dups: Vec::new(),
             free_dups: Vec::new(),
             num_pinned: 0,
+            eviction_log: None,
             tick: 0,
             counters: RunCounters::default(),
         })

@@ -444,6 +444,9 @@ impl RunCache {
                 }
                 // Handed out top first, as the core's pool evicts a chain from its tail.
                 into[first..].reverse();
+                if let Some(log) = self.eviction_log.as_mut() {
+                    log.extend_from_slice(&into[first..]);
+                }
                 let r = &mut self.runs[run as usize];
                 r.refs.truncate(stop as usize);
                 r.priority.truncate(stop as usize);

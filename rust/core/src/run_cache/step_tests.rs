@@ -39,6 +39,7 @@ struct Reached {
     splits: u64,
     pinned: u64,
     unpinned: u64,
+    logged: u64,
 }
 
 /// The same kind of refusal, or the same answer.
@@ -72,6 +73,12 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     let mut live: Vec<Live> = Vec::new();
     // Live pins: the core's id, the run cache's ranges.
     let mut pins: Vec<(u64, Vec<super::Held>)> = Vec::new();
+    // Half the seeds log evictions (what a host tier drains), the other half do not.
+    let logging = seed.is_multiple_of(2);
+    if logging {
+        pair.core.set_eviction_log(true);
+        pair.runs.eviction_log = Some(Vec::new());
+    }
     let max_prompt = num_blocks as usize * block_size * 3 / 4;
     for step in 0..500 {
         let winding_down = step >= 440;
@@ -343,6 +350,15 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
             }
             _ => {}
         }
+        let logged = pair.core.drain_evicted();
+        let mine = pair
+            .runs
+            .eviction_log
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        assert_eq!(mine, logged, "{what}: the blocks evicted, in order");
+        reached.logged += mine.len() as u64;
         for l in &live {
             assert_eq!(
                 pair.core.block_table(&l.id).expect("table"),
@@ -443,6 +459,7 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         splits,
         pinned,
         unpinned,
+        logged,
     } = reached;
     for (name, n) in [
         ("hit tokens", hit_tokens),
@@ -460,6 +477,7 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         ("splits", splits),
         ("pinned blocks", pinned),
         ("unpins", unpinned),
+        ("evictions logged", logged),
     ] {
         assert!(n > 10, "block size {block_size}: only {n} {name}");
     }
