@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import statistics
 import sys
@@ -86,12 +87,61 @@ def step_times(model_dir: Path, side: str, num_requests: int, steps: int) -> lis
     return times
 
 
+def prefill_seconds(
+    model_dir: Path, side: str, num_requests: int, prompt_tokens: int, rounds: int
+) -> float:
+    """Seconds of scheduler work (schedule + update_from_output) to prefill `rounds` waves of
+    `num_requests` prompts of `prompt_tokens` tokens, each half a shared prefix and half its
+    own, in chunks of 8,192 batched tokens, in a pool of about two waves: the block manager
+    matches, allocates, publishes and (from the third wave on) evicts thousands of blocks a
+    step, where a decode step touches one."""
+    shared = tuple(range(prompt_tokens // 2))
+    per_request = -(-prompt_tokens // BLOCK_SIZE) + 2
+    setup = dataclasses.replace(
+        SchedulerSetup(
+            num_blocks=2 * num_requests * per_request + 16,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=num_requests,
+            max_num_batched_tokens=8192,
+            max_model_len=prompt_tokens + 64,
+        ),
+        core=SIDES[side][1],
+    )
+    scheduler = make_scheduler(model_dir, setup, SIDES[side][0])
+    took = 0.0
+    for wave in range(rounds):
+        for i in range(num_requests):
+            own = tuple(
+                1000 + (wave * num_requests + i) * 7919 % 50_000 + j
+                for j in range(prompt_tokens - len(shared))
+            )
+            spec = RequestSpec(f"w{wave}r{i}", shared + own, max_tokens=1)
+            scheduler.add_request(make_request(spec, BLOCK_SIZE))
+        while scheduler.requests:
+            start = time.perf_counter()
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, runner_output_for(scheduler, out))
+            took += time.perf_counter() - start
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2, help="stock/prefixkv alternations")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="TOKENS",
+        help="also time prefilling waves of 16 prompts of these lengths (e.g. 4096 16384)",
+    )
     args = parser.parse_args()
+    # The harness's tiny config says 4,096 positions; the fake runner computes nothing, so longer
+    # prompts only exercise the scheduler and the block manager.
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     import vllm
 
     print(
@@ -114,6 +164,25 @@ def main() -> None:
             print(
                 f"| {size} | {ms['stock']:.2f} | {ms['prefixkv']:.2f} | "
                 f"{ms['prefixkv'] / ms['stock']:.2f} | {ms['runs']:.2f} | "
+                f"{ms['runs'] / ms['stock']:.2f} |",
+                flush=True,
+            )
+        if args.prefill:
+            print()
+            print(
+                "| prompt tokens (16 a wave, 4 waves) | stock ms | prefixkv ms | prefixkv / stock "
+                '| core="runs" ms | core="runs" / stock |'
+            )
+            print("|---:|---:|---:|---:|---:|---:|")
+        for tokens in args.prefill:
+            runs: dict[str, list[float]] = {side: [] for side in SIDES}
+            for _ in range(args.rounds):
+                for side in SIDES:
+                    runs[side].append(prefill_seconds(model_dir, side, 16, tokens, 4))
+            ms = {side: min(runs[side]) * 1e3 for side in SIDES}
+            print(
+                f"| {tokens:,} | {ms['stock']:.1f} | {ms['prefixkv']:.1f} | "
+                f"{ms['prefixkv'] / ms['stock']:.2f} | {ms['runs']:.1f} | "
                 f"{ms['runs'] / ms['stock']:.2f} |",
                 flush=True,
             )
