@@ -77,6 +77,9 @@ class BothCores(RuleBasedStateMachine):
         self.next_id = 0
         # Pin ids, the same from both cores (each counts from 1), live or dropped by a reset.
         self.pins: list[int] = []
+        # Live requests scheduled (given slots since added or preempted): the run core resets
+        # only while none is.
+        self.scheduled: set[int | str] = set()
 
     def both(self, what: str, call: Callable[[PrefixCache], Any]) -> tuple[str, Any]:
         expected = outcome(lambda: call(self.blocks))
@@ -129,6 +132,7 @@ class BothCores(RuleBasedStateMachine):
         kind, request = self.both("begin", lambda c: c.begin(tokens, salt=salt, adapter=adapter))
         if kind == "ok":
             self.ids.append(request.id)
+            self.scheduled.add(request.id)
             self.seen.append(prompt)
 
     @rule(data=st.data(), adapter=st.sampled_from([None, "lora-a", "lora-b"]))
@@ -152,12 +156,14 @@ class BothCores(RuleBasedStateMachine):
         watermark = data.draw(st.sampled_from([0, 0, 0, 2]))
         self.both("can_allocate_slots", lambda c: c.can_allocate_slots(rid, n))
         self.both("blocks_needed", lambda c: c.blocks_needed(rid, n))
-        self.both(
+        kind, _ = self.both(
             "allocate_slots",
             lambda c: c.allocate_slots(
                 rid, n, num_lookahead_tokens=lookahead, watermark_blocks=watermark
             ),
         )
+        if kind == "ok":
+            self.scheduled.add(rid)
 
     @precondition(lambda self: self.ids)
     @rule(data=st.data())
@@ -224,7 +230,9 @@ class BothCores(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         rid = self.request(data)
-        self.both("preempt", lambda c: c.preempt(rid))
+        kind, _ = self.both("preempt", lambda c: c.preempt(rid))
+        if kind == "ok":
+            self.scheduled.discard(rid)
 
     @rule(
         data=st.data(),
@@ -245,12 +253,14 @@ class BothCores(RuleBasedStateMachine):
         pin = data.draw(st.sampled_from(self.pins)) if self.pins else 99
         self.both("unpin", lambda c: c.unpin(pin))
 
-    @precondition(lambda self: not self.ids)
+    @precondition(lambda self: not self.scheduled)
     @rule(new_context=st.booleans())
     def reset(self, new_context: bool) -> None:
-        """`clear` / `set_context` with no request live (the run core refuses them otherwise):
-        nothing hits after it, and the next allocations take the same blocks (a review found
-        a fresh free list handed them out in another order)."""
+        """`clear` / `set_context` while no request is scheduled (the run core refuses them
+        otherwise): nothing hits after it, the next allocations take the same blocks (a review
+        found a fresh free list handed them out in another order), and the requests waiting
+        or preempted match again under the new context (a review found the run core refused
+        them, which made vLLM's `reset_prefix_cache` fail)."""
         context = CacheContext(block_size=BLOCK_SIZE, model_id=f"m{self.next_id}")
         if new_context:
             self.both("set_context", lambda c: c.set_context(context))
@@ -264,6 +274,7 @@ class BothCores(RuleBasedStateMachine):
         kind, _ = self.both("finish", lambda c: c.finish(rid))
         if kind == "ok":
             self.ids.remove(rid)
+            self.scheduled.discard(rid)
 
     @invariant()
     def same_state(self) -> None:
@@ -317,8 +328,11 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
         with pytest.raises(UnsupportedFeatureError, match=name):
             call()
     refused: list[tuple[str, Callable[[], Any]]] = [
-        ("only with no request live", cache.clear),
-        ("only with no request live", lambda: cache.set_context(CacheContext(block_size=4))),
+        ("only while no request is scheduled", cache.clear),
+        (
+            "only while no request is scheduled",
+            lambda: cache.set_context(CacheContext(block_size=4)),
+        ),
         ("sliding-window", lambda: cache.lookup_in_window([1, 2], 4)),
     ]
     for name, call in refused:
@@ -365,3 +379,47 @@ def test_calls_from_two_threads_do_not_deadlock() -> None:
         stop.set()
         faulthandler.cancel_dump_traceback_later()
     cache.check_invariants()
+
+
+def test_a_reset_with_requests_waiting_keys_them_anew_and_empties_the_eviction_log() -> None:
+    """A review found the run core refusing `clear` while a request waited or was preempted
+    (holding no block), which made vLLM's `reset_prefix_cache` fail on it, and no test that a
+    reset empties the eviction log. Both cores: a preempted and a waiting request stay, match
+    again under the new context (nothing cached then), and publish alike; the blocks evicted
+    before the reset are not drained after it."""
+    context = CacheContext(block_size=BLOCK_SIZE)
+    caches = [PrefixCache(6, context=context, core=core) for core in ("blocks", "runs")]
+    outcomes = []
+    for cache in caches:
+        cache.set_eviction_log(True)
+        for first in (0, 100, 200):  # 3 prompts of 2 blocks fill the pool of 6
+            request = cache.begin(list(range(first, first + 8)))
+            cache.commit(request, 8)
+            cache.finish(request)
+        prompt = list(range(300, 308))
+        cache.add_request("preempted", prompt, salt="tenant")
+        cache.allocate_slots("preempted", 8)
+        cache.commit("preempted", 8)
+        cache.preempt("preempted")
+        cache.add_request("waiting", list(range(8)))
+        assert cache.stats().blocks_in_use == 0
+        assert cache.stats().evictions > 0, "the log holds evicted blocks before the reset"
+        cache.set_context(CacheContext(block_size=BLOCK_SIZE, model_id="after"))
+        drained_after_reset = cache.drain_evicted()
+        slots = [cache.allocate_slots(rid, 8) for rid in ("preempted", "waiting")]
+        for rid in ("preempted", "waiting"):
+            cache.commit(rid, 8)
+            cache.finish(rid)
+        outcomes.append(
+            (
+                drained_after_reset,
+                [(s.num_cached_tokens, s.block_ids) for s in slots],
+                cache.lookup(prompt, salt="tenant").num_cached_tokens,
+                cache.stats().blocks_cached,
+            )
+        )
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == [], "blocks evicted under the old context are not drained after"
+    # Published under the new context: a lookup of the prompt hits it (all but the last block,
+    # which a full hit recomputes).
+    assert outcomes[0][2] == 8 - BLOCK_SIZE, "the preempted request published anew"

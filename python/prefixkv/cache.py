@@ -203,9 +203,9 @@ class PrefixCache:
             nothing, what it does not serve yet: `multimodal` extras, `sliding_window`,
             ``full_hit="reuse_last_block"``, the low-level block calls
             (`match_and_acquire`, `allocate`, `commit_blocks`, `release`) and KV events
-            (`UnsupportedFeatureError`), and `clear` / `set_context` while a request is live
-            (`InvalidInputError`). Its `lookup` does not take the writer's
-            lock.
+            (`UnsupportedFeatureError`), and `clear` / `set_context` while a request is
+            scheduled (`InvalidInputError`; waiting and preempted ones stay, keyed anew). Its
+            `lookup` does not take the writer's lock.
 
     Every request-keyed call takes the `Request` that `begin` returned, or the request's id:
     the engine's own (an int or a str, given to `add_request` or `begin`), or the int `begin`

@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.request import RequestStatus
 
 from prefixkv.cache import PrefixCache
 from prefixkv.errors import (
@@ -199,6 +200,26 @@ def test_run_core_refuses_what_it_does_not_serve_by_name(
     setup = dataclasses.replace(setup, num_blocks=32, block_size=4, max_model_len=64, core="runs")
     with pytest.raises(UnsupportedFeatureError, match=rf"{name} with prefixkv's run core"):
         make_scheduler(tiny_model, setup, "prefixkv")
+
+
+@pytest.mark.parametrize("core", ["blocks", "runs"])
+def test_reset_prefix_cache_with_requests_waiting_or_preempted(core: str) -> None:
+    """vLLM resets the prefix cache (a weights update) with requests waiting, or after
+    preempting the running ones (`reset_running_requests=True`): none holds a block, so it
+    resets. A review found the run core refusing then (`InvalidInputError`)."""
+    manager = _manager(core=core)
+    preempted = make_request(RequestSpec("a", tuple(range(1, 11)), max_tokens=4), 4)
+    manager.get_computed_blocks(preempted)
+    assert manager.allocate_slots(preempted, 10) is not None
+    preempted.status = RequestStatus.PREEMPTED
+    manager.free(preempted)
+    waiting = make_request(RequestSpec("b", tuple(range(1, 11)), max_tokens=4), 4)
+    manager.get_computed_blocks(waiting)  # looked up, not given slots yet
+    assert manager.prefix_cache.stats().blocks_in_use == 0
+    assert manager.reset_prefix_cache() is True
+    # Nothing cached any more, for either request.
+    _, hit, _ = manager.get_computed_blocks(preempted)
+    assert hit == 0
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,8 @@ struct Live {
     request: RunRequest,
     root: BlockKey,
     extras: RequestExtras,
+    /// Its tenant salt, to key it again under a new context (`reset`).
+    salt: Vec<u8>,
 }
 
 #[derive(Default)]
@@ -493,17 +495,23 @@ impl RunPrefixCache {
         Ok(self.state()?.cache.obtainable().min(up_to))
     }
 
-    /// Forgets every cached block, under `context` from now on (`None`: the same). Refused
-    /// while a request is live: the run cache cannot yet keep a live request's blocks while it
-    /// drops their runs (vLLM's `reset_prefix_cache` refuses then too).
+    /// Forgets every cached block, under `context` from now on (`None`: the same). Requests
+    /// waiting (added, or preempted) stay, keyed under the new context, and match again when
+    /// scheduled, as the core's do. Refused while a request is scheduled: the run cache cannot
+    /// yet keep a request's blocks while it drops their runs (vLLM's `reset_prefix_cache`
+    /// does not reset while a block is in use either).
     pub fn reset(&self, context: Option<BlockKey>) -> Result<()> {
         let mut guard = self.state()?;
         let state = &mut *guard;
-        if !state.requests.is_empty() {
+        let scheduled = state
+            .requests
+            .values()
+            .filter(|live| live.request.is_scheduled())
+            .count();
+        if scheduled > 0 {
             return Err(CacheError::InvalidInput(format!(
-                "the run core resets (clear, set_context) only with no request live; {} are \
-                 (finish them first)",
-                state.requests.len()
+                "the run core resets (clear, set_context) only while no request is scheduled; \
+                 {scheduled} are (finish or preempt them first)"
             )));
         }
         let mut cache = fresh(self.num_blocks, self.block_size)?;
@@ -524,6 +532,11 @@ impl RunPrefixCache {
         });
         if let Some(context) = context {
             state.context = context;
+        }
+        // The requests left wait, holding nothing: only their keys depend on the context.
+        for live in state.requests.values_mut() {
+            live.root = root_key(&state.context, &live.salt);
+            live.request.root = run_root(&live.root, live.extras.adapter.as_deref());
         }
         // Under the writer's lock still: no request can begin under the old context meanwhile.
         *self.reader.write().map_err(|_| poisoned())? = (table, state.context);
@@ -645,6 +658,7 @@ impl State {
             request: RunCache::add(matched_under, tokens, priority),
             root,
             extras,
+            salt: salt.to_vec(),
         }
     }
 
