@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import (
@@ -55,6 +61,10 @@ def answer(value: Any) -> Any:
 def prompts(draw: st.DrawFn, seen: list[list[int]]) -> list[int]:
     """A cut of a prompt seen before, then tokens from a small vocabulary."""
     base = draw(st.sampled_from(seen))
+    if draw(st.integers(0, 3)) == 0 and len(base) >= BLOCK_SIZE:
+        # Whole blocks of a prompt seen before, and nothing after: a full hit when they are
+        # still cached (both `full_hit` modes shape it; random cuts rarely land there).
+        return base[: len(base) // BLOCK_SIZE * BLOCK_SIZE]
     prompt = base[: draw(st.integers(0, len(base)))]
     prompt += draw(st.lists(st.integers(0, 9), max_size=3 * BLOCK_SIZE))
     return prompt
@@ -80,6 +90,20 @@ class BothCores(RuleBasedStateMachine):
         # Live requests scheduled (given slots since added or preempted): the run core resets
         # only while none is.
         self.scheduled: set[int | str] = set()
+
+    @initialize(full_hit=st.sampled_from(["recompute_last_block", "reuse_last_block"]))
+    def serve_full_hits(self, full_hit: str) -> None:
+        # Both modes: a full hit's last block recomputed into a private block, or held shared
+        # with only the last token computed (`last_token_shared`).
+        context = CacheContext(block_size=BLOCK_SIZE)
+        self.blocks, self.runs = (
+            PrefixCache(
+                self.num_blocks, context=context, vocab_size=VOCAB, full_hit=full_hit, core=core
+            )
+            for core in ("blocks", "runs")
+        )
+        for cache in (self.blocks, self.runs):
+            cache.set_eviction_log(True)
 
     def both(self, what: str, call: Callable[[PrefixCache], Any]) -> tuple[str, Any]:
         expected = outcome(lambda: call(self.blocks))
@@ -133,6 +157,18 @@ class BothCores(RuleBasedStateMachine):
         if kind == "ok":
             self.ids.append(request.id)
             self.scheduled.add(request.id)
+            self.seen.append(prompt)
+
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]))
+    def serve(self, data: st.DataObject, salt: str | None) -> None:
+        # A whole request (begun, its prompt's KV committed, finished): it leaves its blocks
+        # cached, so that later prompts hit, fully too (the other rules rarely commit a prompt
+        # whole).
+        prompt = self.prompt(data)
+        kind, request = self.both("serve: begin", lambda c: c.begin(prompt, salt=salt))
+        if kind == "ok":
+            self.both("serve: commit", lambda c: c.commit(request.id, len(prompt)))
+            self.both("serve: finish", lambda c: c.finish(request.id))
             self.seen.append(prompt)
 
     @rule(data=st.data(), adapter=st.sampled_from([None, "lora-a", "lora-b"]))
@@ -305,8 +341,6 @@ test_the_run_core_answers_every_call_as_the_default_core = BothCores.TestCase
 def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedFeatureError, match="sliding_window is not served by the run"):
         PrefixCache(8, sliding_window=16, core="runs")
-    with pytest.raises(UnsupportedFeatureError, match='full_hit="reuse_last_block"'):
-        PrefixCache(8, full_hit="reuse_last_block", core="runs")
     with pytest.raises(InvalidInputError, match="core must be one of"):
         PrefixCache(8, core="radix")
     cache = PrefixCache(8, block_size=BLOCK_SIZE, core="runs")

@@ -375,6 +375,7 @@ class CoreRunCache:
         block_size: int,
         context_fingerprint: bytes,
         vocab_size: int | None = None,
+        reuse_last_block: bool = False,
     ) -> CoreRunCache: ...
     @property
     def num_blocks(self) -> int: ...

@@ -199,9 +199,9 @@ class PrefixCache:
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
             on long prompts (1.72× on the production-shaped replay), handing out the same
-            blocks in the same order; `pin`, `unpin` and the eviction log too. It refuses by name, changing
-            nothing, what it does not serve yet: `multimodal` extras, `sliding_window`,
-            ``full_hit="reuse_last_block"``, the low-level block calls
+            blocks in the same order; `pin`, `unpin`, the eviction log and both `full_hit`
+            modes too. It refuses by name, changing nothing, what it does not serve yet:
+            `multimodal` extras, `sliding_window`, the low-level block calls
             (`match_and_acquire`, `allocate`, `commit_blocks`, `release`) and KV events
             (`UnsupportedFeatureError`), and `clear` / `set_context` while a request is
             scheduled (`InvalidInputError`; waiting and preempted ones stay, keyed anew). Its
@@ -262,9 +262,13 @@ class PrefixCache:
         self.core = core
         self._core: _core.CoreCache | _core.CoreRunCache
         if core == "runs":
-            _check_runs_serve(full_hit, sliding_window, window_release, _key_bits)
+            _check_runs_serve(sliding_window, window_release, _key_bits)
             self._core = _core.CoreRunCache(
-                num_blocks, context.block_size, context.fingerprint(), vocab_size
+                num_blocks,
+                context.block_size,
+                context.fingerprint(),
+                vocab_size,
+                full_hit == "reuse_last_block",
             )
         elif core == "blocks":
             self._core = _core.CoreCache(
@@ -689,14 +693,11 @@ def _extras(
     return extras
 
 
-def _check_runs_serve(
-    full_hit: str, sliding_window: int | None, window_release: str, key_bits: int
-) -> None:
+def _check_runs_serve(sliding_window: int | None, window_release: str, key_bits: int) -> None:
     """Refuses, by name, a setting the run core does not serve yet."""
     unserved = [
         name
         for name, asked in (
-            ('full_hit="reuse_last_block"', full_hit == "reuse_last_block"),
             ("sliding_window", sliding_window is not None),
             ('window_release="explicit"', window_release != "on_commit"),
             ("_key_bits", key_bits != 128),

@@ -1,11 +1,11 @@
 //! `CoreRunCache`: the cache on runs of blocks (`prefixkv_core::run_cache::RunPrefixCache`,
 //! issue 24), behind `prefixkv.PrefixCache(core="runs")`. Its methods are `CoreCache`'s, with
 //! the same conversions and the same GIL rule (`gil.rs`); what the run cache does not serve
-//! yet (multimodal extras, sliding windows, pins, the low-level block calls, the
-//! eviction log) is refused by name with an `UnsupportedFeatureError`, changing nothing.
+//! yet (multimodal extras, sliding windows, the low-level block calls) is refused by name with
+//! an `UnsupportedFeatureError`, changing nothing.
 
 use prefixkv_core::run_cache::{RunPrefixCache, RunSlots};
-use prefixkv_core::RequestId;
+use prefixkv_core::{FullHit, RequestId};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -48,7 +48,7 @@ impl From<RunSlots> for Slots {
             num_computed_tokens: slots.num_computed_tokens,
             num_cached_tokens: slots.num_cached_tokens,
             full_hit: slots.full_hit,
-            last_token_shared: false,
+            last_token_shared: slots.last_token_shared,
         }
     }
 }
@@ -71,12 +71,13 @@ impl CoreRunCache {
 #[pymethods]
 impl CoreRunCache {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None))]
+    #[pyo3(signature = (num_blocks, block_size, context_fingerprint, vocab_size=None, reuse_last_block=false))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         context_fingerprint: &[u8],
         vocab_size: Option<&Bound<'_, PyAny>>,
+        reuse_last_block: bool,
     ) -> PyResult<Self> {
         let positive = |v: i128| v > 0;
         let num_blocks: u32 = int_in(num_blocks, "num_blocks", U32_RANGE, positive)?;
@@ -86,7 +87,12 @@ impl CoreRunCache {
             .map(|v| int_in(v, "vocab_size", U32_RANGE, positive))
             .transpose()?;
         let context = fingerprint(context_fingerprint)?;
-        RunPrefixCache::new(num_blocks, block_size, context, vocab_size)
+        let full_hit = if reuse_last_block {
+            FullHit::ReuseLastBlock
+        } else {
+            FullHit::RecomputeLastBlock
+        };
+        RunPrefixCache::new(num_blocks, block_size, context, vocab_size, full_hit)
             .map(Self)
             .map_err(to_py_err)
     }
@@ -133,7 +139,7 @@ impl CoreRunCache {
         Ok(PrefixMatch {
             num_cached_tokens: found.num_cached_tokens,
             full_hit: found.full_hit,
-            last_token_shared: false,
+            last_token_shared: found.last_token_shared,
             block_ids: found.blocks,
         })
     }
@@ -178,7 +184,7 @@ impl CoreRunCache {
             block_table: slots.block_ids,
             num_cached_tokens: slots.num_cached_tokens,
             full_hit: slots.full_hit,
-            last_token_shared: false,
+            last_token_shared: slots.last_token_shared,
             num_prompt_tokens,
         })
     }

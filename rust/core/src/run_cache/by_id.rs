@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use super::{lookup_in, Held, RunCache, RunLookup, RunRequest, RunSlots};
-use crate::cache::{block_extras, Reset};
+use crate::cache::{block_extras, FullHit, Reset};
 use crate::error::{CacheError, Result};
 use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
 use crate::pins::Pins;
@@ -38,6 +38,8 @@ pub struct RunPrefixCache {
     num_blocks: u32,
     block_size: usize,
     vocab_size: Option<u32>,
+    /// How full hits are served (lookups shape theirs without the writer's lock).
+    full_hit: FullHit,
 }
 
 struct State {
@@ -74,15 +76,17 @@ struct Counters {
 
 impl RunPrefixCache {
     /// A cache of `num_blocks` blocks of `block_size` tokens under `context`; token ids at or
-    /// above `vocab_size` are refused. Refused when the sizes are out of range or the
-    /// metadata would take more than the cache's bound on memory allocated up front.
+    /// above `vocab_size` are refused; full hits served as `full_hit` says. Refused when the
+    /// sizes are out of range or the metadata would take more than the cache's bound on memory
+    /// allocated up front.
     pub fn new(
         num_blocks: u32,
         block_size: usize,
         context: BlockKey,
         vocab_size: Option<u32>,
+        full_hit: FullHit,
     ) -> Result<Self> {
-        let cache = fresh(num_blocks, block_size)?;
+        let cache = fresh(num_blocks, block_size, full_hit)?;
         Ok(Self {
             reader: RwLock::new((cache.shared_table(), context)),
             probes: AtomicU64::new(0),
@@ -97,6 +101,7 @@ impl RunPrefixCache {
             num_blocks,
             block_size,
             vocab_size,
+            full_hit,
         })
     }
 
@@ -161,7 +166,7 @@ impl RunPrefixCache {
         };
         self.probes.fetch_add(1, Ordering::Relaxed);
         let root = run_root(&root_key(&context, salt), extras.adapter.as_deref());
-        Ok(lookup_in(&table, &root, tokens))
+        Ok(lookup_in(&table, &root, tokens, self.full_hit))
     }
 
     /// Pins the cached prefix of `tokens` (under `salt` and `extras`) so that eviction never
@@ -514,7 +519,7 @@ impl RunPrefixCache {
                  {scheduled} are (finish or preempt them first)"
             )));
         }
-        let mut cache = fresh(self.num_blocks, self.block_size)?;
+        let mut cache = fresh(self.num_blocks, self.block_size, self.full_hit)?;
         // The log stays on, emptied: blocks evicted under the old context must not reach a
         // tier now (the core's `clear`).
         cache.eviction_log = state.cache.eviction_log.as_ref().map(|_| Vec::new());
@@ -678,6 +683,7 @@ impl State {
             num_computed_tokens: done.start,
             num_cached_tokens: done.num_cached,
             full_hit: done.full_hit,
+            last_token_shared: done.last_token_shared,
         };
         self.counters.count_match(request, &slots);
         Ok(slots)
@@ -731,16 +737,18 @@ fn poisoned() -> CacheError {
     )
 }
 
-fn fresh(num_blocks: u32, block_size: usize) -> Result<RunCache> {
-    RunCache::new(num_blocks, block_size, SEED).ok_or_else(|| {
-        CacheError::InvalidInput(format!(
+fn fresh(num_blocks: u32, block_size: usize, full_hit: FullHit) -> Result<RunCache> {
+    RunCache::new(num_blocks, block_size, SEED)
+        .map(|cache| cache.with_full_hit(full_hit))
+        .ok_or_else(|| {
+            CacheError::InvalidInput(format!(
             "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata would take \
              more than the {} bytes allowed up front (or blocks of more than {} tokens), or the \
              memory is not there",
             crate::cache::MAX_UP_FRONT_BYTES,
             crate::cache::MAX_BLOCK_SIZE
         ))
-    })
+        })
 }
 
 fn get<'a>(

@@ -5,9 +5,9 @@
 //! (add, allocate_slots chunk by chunk, append_tokens, commit, preempt, finish), and hands out
 //! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
 //! contract with vLLM: the tests run both side by side, block table for block table. It
-//! serves `PrefixCache(core="runs")` (`by_id.rs`), pins (`pins.rs`) and the eviction log
-//! included; what it leaves out for now: events, multimodal extras, sliding windows, groups,
-//! `FullHit::ReuseLastBlock` and the low-level `release`.
+//! serves `PrefixCache(core="runs")` (`by_id.rs`), pins (`pins.rs`), the eviction log and both
+//! `FullHit` modes (`hit.rs`) included; what it leaves out for now: events, multimodal extras,
+//! sliding windows, groups and the low-level `release`.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -64,6 +64,7 @@
 //! in their places in the order; `invariants.rs`: what the tests check after their steps.
 
 mod by_id;
+mod hit;
 mod invariants;
 mod observe;
 mod order;
@@ -78,11 +79,14 @@ mod tests;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use crate::cache::FullHit;
 use crate::key::BlockKey;
 use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
 pub use by_id::RunPrefixCache;
+pub(crate) use hit::HitShape;
+pub use hit::{lookup_in, RunLookup};
 pub use observe::RunBlockCounts;
 use order::Order;
 pub use steps::RunSlots;
@@ -198,8 +202,12 @@ pub struct RunRequest {
     held: Vec<Held>,
     blocks: Vec<BlockId>,
     cached_blocks: usize,
-    /// Every block of the prompt was cached (the last one is recomputed all the same).
+    /// Every block of the prompt was cached: the last one is recomputed all the same, or with
+    /// `FullHit::ReuseLastBlock` held shared too (`last_token_shared`).
     full_hit: bool,
+    /// The hit holds the prompt's last block shared: only the last token is computed, reading
+    /// its KV from that block (`FullHit::ReuseLastBlock`).
+    last_token_shared: bool,
     /// Full blocks committed (the rest of the table is private).
     committed: usize,
     /// Tokens whose KV is written: the hit's, then what `commit` said.
@@ -244,10 +252,18 @@ impl RunRequest {
     }
 
     /// Whether every block of the prompt was cached (then the last one is recomputed into a
-    /// private block, as the core's default `FullHit::RecomputeLastBlock` does).
+    /// private block, as the core's default `FullHit::RecomputeLastBlock` does, or held shared
+    /// under `FullHit::ReuseLastBlock`).
     #[must_use]
     pub fn full_hit(&self) -> bool {
         self.full_hit
+    }
+
+    /// Whether its hit holds the prompt's last block shared (`FullHit::ReuseLastBlock`): the
+    /// engine computes the last token's logits reading its KV there and must not write it.
+    #[must_use]
+    pub fn last_token_shared(&self) -> bool {
+        self.last_token_shared
     }
 }
 
@@ -257,39 +273,6 @@ impl RunRequest {
 pub struct RunRefusal {
     pub needed: usize,
     pub obtainable: usize,
-}
-
-/// What `RunCache::lookup` found.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RunLookup {
-    /// Cached blocks, in prompt order.
-    pub blocks: Vec<BlockId>,
-    /// Tokens whose KV can be read from the cache.
-    pub num_cached_tokens: usize,
-    /// Every block of the prompt is cached (`blocks` stops one short, as `begin` recomputes
-    /// the last block).
-    pub full_hit: bool,
-}
-
-/// The cached prefix of `tokens` under `root` in `table`, without taking references: what a
-/// `RunCache` writing it would answer to `lookup`, read lock-free (a reader on another thread
-/// sees some recent state: every block it returns was in that prompt's chain at some instant
-/// of the call, `run_table`'s stamps tell it so).
-#[must_use]
-pub fn lookup_in(table: &RunTable, root: &BlockKey, tokens: &[u32]) -> RunLookup {
-    let bs = table.block_size();
-    let full = tokens.len() / bs;
-    let mut blocks = Vec::with_capacity(full);
-    table.match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
-    let full_hit = !blocks.is_empty() && blocks.len() * bs == tokens.len();
-    if full_hit {
-        blocks.pop();
-    }
-    RunLookup {
-        num_cached_tokens: blocks.len() * bs,
-        blocks,
-        full_hit,
-    }
 }
 
 /// What the cache did, counted (what tests check they exercised, and what benches report).
@@ -315,6 +298,8 @@ pub struct RunCounters {
 pub struct RunCache {
     num_blocks: u32,
     block_size: usize,
+    /// How a full hit is served (`with_full_hit`).
+    full_hit: FullHit,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// What a lock-free reader reads: runs' block ids in chunks, the blocks' token rows, the
@@ -357,6 +342,7 @@ impl RunCache {
         Some(Self {
             num_blocks,
             block_size,
+            full_hit: FullHit::default(),
             runs: Vec::new(),
             free_runs: Vec::new(),
             by_slot: vec![NONE; table.num_slots()],
@@ -370,6 +356,20 @@ impl RunCache {
             tick: 0,
             counters: RunCounters::default(),
         })
+    }
+
+    /// This cache, serving full hits as `full_hit` says (the default recomputes the last
+    /// block). Set it before the first request: the mode shapes every match.
+    #[must_use]
+    pub fn with_full_hit(mut self, full_hit: FullHit) -> Self {
+        self.full_hit = full_hit;
+        self
+    }
+
+    /// How the cache serves full hits.
+    #[must_use]
+    pub fn full_hit_mode(&self) -> FullHit {
+        self.full_hit
     }
 
     /// What the cache did so far.
@@ -457,13 +457,6 @@ impl RunCache {
         index
     }
 
-    /// Whether a match of `matched` whole blocks covers every block of a prompt of `len`
-    /// tokens (then its last block is recomputed, as vLLM's runner does and the core's default,
-    /// `FullHit::RecomputeLastBlock`).
-    fn is_full_hit(&self, matched: usize, len: usize) -> bool {
-        matched > 0 && matched * self.block_size == len
-    }
-
     /// The longest cached prefix of `tokens` under `root`, held; then fresh blocks for the
     /// rest: `add` and `allocate_slots` for the whole prompt, in one step. Refused, with
     /// nothing changed, when the blocks are not there.
@@ -491,11 +484,11 @@ impl RunCache {
     }
 
     /// The cached prefix of `tokens` under `root`, without taking references: what `begin`
-    /// would hit now (a full hit stops one block short, as `begin` recomputes the last block).
-    /// Reads only the run table, as a reader on another thread could (`lookup_in`).
+    /// would hit now (a full hit shaped by the cache's `FullHit` mode). Reads only the run
+    /// table, as a reader on another thread could (`lookup_in`).
     #[must_use]
     pub fn lookup(&self, root: &BlockKey, tokens: &[u32]) -> RunLookup {
-        lookup_in(&self.table, root, tokens)
+        lookup_in(&self.table, root, tokens, self.full_hit)
     }
 
     /// Takes a reference on the run's first `upto` blocks; those that were free leave the

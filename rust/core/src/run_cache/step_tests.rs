@@ -8,7 +8,7 @@
 use super::tests::{Draw, Pair, SALTS};
 use super::{RunCache, RunRequest};
 use crate::error::CacheError;
-use crate::{RequestExtras, RequestId};
+use crate::{FullHit, RequestExtras, RequestId};
 
 /// One request in both caches.
 struct Live {
@@ -25,6 +25,8 @@ struct Live {
 #[derive(Debug, Default)]
 struct Reached {
     hit_tokens: u64,
+    /// Full hits that hold the prompt's last block shared (`FullHit::ReuseLastBlock`).
+    shared_last_blocks: u64,
     rematched_tokens: u64,
     out_of_blocks: u64,
     invalid: u64,
@@ -64,7 +66,13 @@ fn same_outcome<T: PartialEq + std::fmt::Debug, U: std::fmt::Debug>(
 
 fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     let num_blocks = [12u32, 40, 160][seed as usize % 3];
-    let mut pair = Pair::with_block_size(num_blocks, block_size);
+    // Every other pair of seeds shares a full hit's last block instead of recomputing it.
+    let full_hit = if (seed / 2).is_multiple_of(2) {
+        FullHit::RecomputeLastBlock
+    } else {
+        FullHit::ReuseLastBlock
+    };
+    let mut pair = Pair::with_full_hit(num_blocks, block_size, full_hit);
     let mut draw = Draw::new(seed ^ 0x5157);
     let mut next_id = 0i64;
     let mut next_fresh = 1_000u32;
@@ -187,11 +195,13 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                             c.num_computed_tokens,
                             c.num_cached_tokens,
                             c.full_hit,
+                            c.last_token_shared,
                         ) == (
                             &m.block_ids,
                             m.num_computed_tokens,
                             m.num_cached_tokens,
                             m.full_hit,
+                            m.last_token_shared,
                         )
                     },
                     &format!("{what}: allocate_slots({num_new}, {lookahead}, {watermark})"),
@@ -200,6 +210,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                     Ok(slots) => {
                         if waiting {
                             reached.hit_tokens += slots.num_cached_tokens as u64;
+                            reached.shared_last_blocks += u64::from(slots.last_token_shared);
                             if slots.num_computed_tokens < start {
                                 reached.capped += 1;
                             }
@@ -445,6 +456,7 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
     eprintln!("block size {block_size}: {reached:?}");
     let Reached {
         hit_tokens,
+        shared_last_blocks,
         rematched_tokens,
         out_of_blocks,
         invalid,
@@ -463,6 +475,7 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
     } = reached;
     for (name, n) in [
         ("hit tokens", hit_tokens),
+        ("shared last blocks", shared_last_blocks),
         ("rematched tokens", rematched_tokens),
         ("out of blocks", out_of_blocks),
         ("invalid", invalid),

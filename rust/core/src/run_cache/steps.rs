@@ -6,13 +6,12 @@
 //! again; `finish` ends it. Every call refuses, changing nothing, exactly where
 //! [`crate::PrefixCache`]'s own does (the tests run both side by side).
 
-use super::{Held, RunCache, RunRequest};
+use super::{Held, HitShape, RunCache, RunRequest};
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::pool::BlockId;
 
-/// What `allocate_slots` hands the engine (the core's `Slots`; a full hit here always
-/// recomputes the last block, so no token of it is shared).
+/// What `allocate_slots` hands the engine (the core's `Slots`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunSlots {
     /// Blocks this call appended to the request's block table: on its first call (or the first
@@ -22,8 +21,12 @@ pub struct RunSlots {
     pub num_computed_tokens: usize,
     /// Tokens of the cached prefix this call matched (0 on a later call).
     pub num_cached_tokens: usize,
-    /// This call matched every block of the prompt (its last one is recomputed).
+    /// This call matched every block of the prompt (its last one is recomputed, or shared
+    /// under `FullHit::ReuseLastBlock`).
     pub full_hit: bool,
+    /// The last prompt token's KV is in a shared block: compute its logits reading that KV,
+    /// and do not write it (`FullHit::ReuseLastBlock` full hits).
+    pub last_token_shared: bool,
 }
 
 /// Where a scheduling call starts, and the blocks it appended (`request.blocks[from..]`).
@@ -32,6 +35,7 @@ pub(super) struct Scheduled {
     pub(super) start: usize,
     pub(super) num_cached: usize,
     pub(super) full_hit: bool,
+    pub(super) last_token_shared: bool,
 }
 
 impl RunRequest {
@@ -90,6 +94,7 @@ impl RunCache {
             blocks: Vec::new(),
             cached_blocks: 0,
             full_hit: false,
+            last_token_shared: false,
             committed: 0,
             num_computed: 0,
             scheduled: false,
@@ -121,6 +126,7 @@ impl RunCache {
             num_computed_tokens: done.start,
             num_cached_tokens: done.num_cached,
             full_hit: done.full_hit,
+            last_token_shared: done.last_token_shared,
         })
     }
 
@@ -132,11 +138,18 @@ impl RunCache {
         if request.scheduled {
             return request.num_computed;
         }
+        let bs = self.block_size;
         let verified = &request.tokens[..request.num_verified()];
-        let found = self.lookup(&request.root, verified);
-        let matched = found.blocks.len() + usize::from(found.full_hit);
-        let (keep, _) = self.hit_blocks(matched, verified.len(), request.max_cached_tokens);
-        keep * self.block_size
+        let mut matched = Vec::new();
+        let full = verified.len() / bs;
+        self.table.match_prompt(
+            &request.root,
+            &verified[..full * bs],
+            &mut matched,
+            |_, _| true,
+        );
+        self.hit_shape(matched.len(), verified.len(), request.max_cached_tokens)
+            .num_cached
     }
 
     /// Drops every reference the request holds, as `finish` does; it keeps its tokens and
@@ -154,25 +167,23 @@ impl RunCache {
         request.blocks.clear();
         request.cached_blocks = 0;
         request.full_hit = false;
+        request.last_token_shared = false;
         request.committed = 0;
         request.num_computed = 0;
         request.scheduled = false;
     }
 
-    /// Blocks of a `matched`-block hit on a `len`-token prompt the request may use under `cap`
-    /// (tokens), and whether that is a full hit: a full hit leaves its last block to recompute
-    /// (`FullHit::RecomputeLastBlock`); a cap below the hit cuts it to the whole blocks under
-    /// the cap, never a full hit then (as the core's `hit_length`).
-    fn hit_blocks(&self, matched: usize, len: usize, cap: Option<usize>) -> (usize, bool) {
+    /// How a `matched`-block hit on a `len`-token prompt is served under `cap` (tokens): a
+    /// full hit by the cache's `FullHit` mode; a cap below the hit cuts it to the whole blocks
+    /// under the cap, never a full hit then (as the core's `hit_length`).
+    fn hit_shape(&self, matched: usize, len: usize, cap: Option<usize>) -> HitShape {
         let bs = self.block_size;
-        let (keep, full_hit) = if self.is_full_hit(matched, len) {
-            (matched - 1, true)
-        } else {
-            (matched, false)
-        };
+        let shape = HitShape::of(matched, len, bs, self.full_hit);
         match cap {
-            Some(cap) if keep * bs > cap => (matched.min(cap / bs), false),
-            _ => (keep, full_hit),
+            Some(cap) if shape.num_cached > cap => {
+                HitShape::of(matched.min(cap / bs), len, bs, self.full_hit)
+            }
+            _ => shape,
         }
     }
 
@@ -203,6 +214,7 @@ impl RunCache {
                 start: plan.start,
                 num_cached: 0,
                 full_hit: false,
+                last_token_shared: false,
             });
         }
         for &(run, upto) in &plan.held {
@@ -216,8 +228,9 @@ impl RunCache {
             .map(|(run, to)| Held::Blocks { run, from: 0, to })
             .collect();
         request.blocks = blocks;
-        request.cached_blocks = plan.start / self.block_size;
+        request.cached_blocks = plan.keep;
         request.full_hit = plan.full_hit;
+        request.last_token_shared = plan.last_token_shared;
         request.committed = 0;
         request.num_computed = plan.start;
         request.scheduled = true;
@@ -226,6 +239,7 @@ impl RunCache {
             start: plan.start,
             num_cached: plan.start,
             full_hit: plan.full_hit,
+            last_token_shared: plan.last_token_shared,
         })
     }
 
@@ -274,8 +288,10 @@ impl RunCache {
             return Ok(Plan {
                 held: Vec::new(),
                 hit: Vec::new(),
+                keep: 0,
                 start,
                 full_hit: false,
+                last_token_shared: false,
                 fresh: blocks_past(bs, start, len, num_new, lookahead, request.blocks.len())?,
                 obtainable: self.order.free_count,
             });
@@ -313,7 +329,8 @@ impl RunCache {
                 !self.runs[run as usize].children.is_empty()
             },
         );
-        let (keep, full_hit) = self.hit_blocks(hit.len(), verified, cap);
+        let shape = self.hit_shape(hit.len(), verified, cap);
+        let keep = shape.keep;
         // The blocks past the hit leave the holds, last run first.
         let mut excess = hit.len() - keep;
         hit.truncate(keep);
@@ -326,7 +343,8 @@ impl RunCache {
                 held.pop();
             }
         }
-        let start = keep * bs;
+        // A shared last block leaves only the last token to compute: it starts there.
+        let start = shape.num_cached;
         let fresh = blocks_past(bs, start, len, num_new, lookahead, keep)?;
         // The obtainable blocks the hit would take out of the order (its pinned ones were
         // never counted obtainable).
@@ -341,8 +359,10 @@ impl RunCache {
         Ok(Plan {
             held,
             hit,
+            keep,
             start,
-            full_hit,
+            full_hit: shape.full_hit,
+            last_token_shared: shape.last_token_shared,
             fresh,
             obtainable: self.order.free_count - taken,
         })
@@ -441,9 +461,12 @@ struct Plan {
     /// On a waiting request: (run, its first n blocks) held by the hit, and the hit's blocks.
     held: Vec<(u32, u32)>,
     hit: Vec<BlockId>,
-    /// Position the scheduled tokens start at (the hit's end on a waiting request).
+    /// Blocks of the hit (`hit.len()` on a waiting request).
+    keep: usize,
+    /// Position the scheduled tokens start at (the hit's cached tokens on a waiting request).
     start: usize,
     full_hit: bool,
+    last_token_shared: bool,
     fresh: usize,
     /// Blocks the pool could supply once the hit is held.
     obtainable: usize,

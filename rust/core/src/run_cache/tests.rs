@@ -4,7 +4,7 @@
 
 use super::{RunCache, RunRequest};
 use crate::key::{context_fingerprint, root_key, BlockKey};
-use crate::{CacheConfig, PrefixCache, RequestExtras, RequestId};
+use crate::{CacheConfig, FullHit, PrefixCache, RequestExtras, RequestId};
 
 pub(super) const BLOCK_SIZE: usize = 16;
 
@@ -29,7 +29,6 @@ pub(super) struct Pair {
     pub(super) core: PrefixCache,
     pub(super) runs: RunCache,
     pub(super) roots: [BlockKey; 2],
-    block_size: usize,
 }
 
 pub(super) const SALTS: [&[u8]; 2] = [b"", b"tenant"];
@@ -40,13 +39,20 @@ impl Pair {
     }
 
     pub(super) fn with_block_size(num_blocks: u32, block_size: usize) -> Self {
+        Self::with_full_hit(num_blocks, block_size, FullHit::default())
+    }
+
+    /// Both caches serving full hits as `full_hit` says.
+    pub(super) fn with_full_hit(num_blocks: u32, block_size: usize, full_hit: FullHit) -> Self {
         let context = context_fingerprint(b"t");
+        let mut config = CacheConfig::new(num_blocks, block_size);
+        config.full_hit = full_hit;
         Self {
-            core: PrefixCache::new(CacheConfig::new(num_blocks, block_size), context)
-                .expect("cache"),
-            runs: RunCache::new(num_blocks, block_size, 0x7072_6566).expect("cache"),
+            core: PrefixCache::new(config, context).expect("cache"),
+            runs: RunCache::new(num_blocks, block_size, 0x7072_6566)
+                .expect("cache")
+                .with_full_hit(full_hit),
             roots: SALTS.map(|salt| root_key(&context, salt)),
-            block_size,
         }
     }
 
@@ -65,8 +71,18 @@ impl Pair {
             .expect("lookup");
         let mine = self.runs.lookup(&self.roots[salt], prompt);
         assert_eq!(
-            (&mine.blocks, mine.num_cached_tokens, mine.full_hit),
-            (&probe.blocks, probe.num_cached_tokens, probe.full_hit),
+            (
+                &mine.blocks,
+                mine.num_cached_tokens,
+                mine.full_hit,
+                mine.last_token_shared
+            ),
+            (
+                &probe.blocks,
+                probe.num_cached_tokens,
+                probe.full_hit,
+                probe.last_token_shared
+            ),
             "{what}: lookup"
         );
         let core = self.core.begin(
@@ -85,14 +101,16 @@ impl Pair {
             (Ok(core), Some(mine)) => {
                 assert_eq!(
                     (
-                        mine.cached_blocks() * self.block_size,
+                        mine.num_computed_tokens(),
                         mine.blocks(),
-                        mine.full_hit()
+                        mine.full_hit(),
+                        mine.last_token_shared()
                     ),
                     (
                         core.num_cached_tokens,
                         core.block_table.as_slice(),
-                        core.full_hit
+                        core.full_hit,
+                        core.last_token_shared
                     ),
                     "{what}: begin"
                 );
