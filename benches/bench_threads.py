@@ -74,6 +74,8 @@ CHUNK_TOKENS = 2048
 DECODE_STEPS = 16
 PROBE_LENGTHS = (4096, 8192, 12288, 16384)
 REQUEST_LENGTHS = (4096, 8192, 12288, 16384)
+#: Prompts a router probes in one `lookup_many` call (the batched router of section 2).
+PROBE_BATCH = 32
 #: Prompts the scheduler's second form cycles through, built before the timed loop.
 PREBUILT_PROMPTS = 256
 
@@ -153,6 +155,9 @@ class Workload:
                 self.pins.append(self._pin(tokens[: n // 2]))
                 self.probes.append(tokens)
         self.next_probe = 0
+        self.probe_batch_prompts = [
+            self.probes[k % len(self.probes)] for k in range(PROBE_BATCH)
+        ]
         self.next_request = 0
         # The prompts built before the timed loop (module docs), with their own random stream
         # so the in-loop prompts are the same as without them.
@@ -168,19 +173,11 @@ class Workload:
         self.cache.finish(request)
 
     def _pin(self, tokens: np.ndarray) -> Any:
-        """A pin, or on the run core (which takes none) a request holding the prefix."""
-        if self.cache.core == "blocks":
-            return self.cache.pin(tokens)
-        request = self.cache.begin(tokens)
-        self.cache.commit(request, len(tokens))
-        return request
+        return self.cache.pin(tokens)
 
     def close(self) -> None:
         for pin in self.pins:
-            if self.cache.core == "blocks":
-                self.cache.unpin(pin)
-            else:
-                self.cache.finish(pin)
+            self.cache.unpin(pin)
 
     def _request_tokens(self) -> np.ndarray:
         self.next_request += 1
@@ -198,6 +195,12 @@ class Workload:
         self.next_probe += 1
         self.cache.lookup(tokens)
         return 1
+
+    def probe_batch(self) -> int:
+        """The router's probes `PROBE_BATCH` at a time (`lookup_many`): the GIL handed over
+        once a batch instead of once a probe."""
+        self.cache.lookup_many(self.probe_batch_prompts)
+        return PROBE_BATCH
 
     def begin_commit_finish(self) -> int:
         return self._serve_request(self._request_tokens())
@@ -387,6 +390,18 @@ def run(quick: bool = False) -> dict[str, Any]:
             other.begin_commit_finish,
         ),
         "router lookup + scheduler step calls (vLLM-shaped)": (work.probe, work.step_calls),
+        f"router lookup_many ({PROBE_BATCH} a call) + scheduler begin/commit/finish": (
+            work.probe_batch,
+            work.begin_commit_finish,
+        ),
+        f"router lookup_many ({PROBE_BATCH} a call) + scheduler begin/commit/finish, "
+        "prompts built before": (work.probe_batch, work.begin_commit_finish_prebuilt),
+        f"router lookup_many ({PROBE_BATCH} a call) + scheduler step calls (vLLM-shaped)": (
+            work.probe_batch,
+            work.step_calls,
+        ),
+        f'router lookup_many ({PROBE_BATCH} a call) + scheduler begin/commit/finish, prompts '
+        'built before, core="runs"': (runs.probe_batch, runs.begin_commit_finish_prebuilt),
         'router lookup + scheduler begin/commit/finish, core="runs"': (
             runs.probe,
             runs.begin_commit_finish,

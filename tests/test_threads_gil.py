@@ -156,6 +156,11 @@ def _lookup(cache: PrefixCache, seed: int) -> Watched:
     return lambda: cache.lookup(tokens), lambda: None
 
 
+def _lookup_many(cache: PrefixCache, seed: int) -> Watched:
+    prompts = [_prompt(seed + k, PROMPT // 8) for k in range(8)]
+    return lambda: cache.lookup_many(prompts), lambda: None
+
+
 def _begin(cache: PrefixCache, seed: int) -> Watched:
     tokens = _prompt(seed)
     requests = []
@@ -184,6 +189,7 @@ RELEASED = {
     "request_block_keys": _request_block_keys,
     "append_tokens of many tokens": _append_tokens,
     "lookup": _lookup,
+    "lookup_many": _lookup_many,
     "begin": _begin,
     "finish": _finish,
     "PrefixIndex.score": _index_score,

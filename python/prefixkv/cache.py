@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -328,6 +328,32 @@ class PrefixCache:
         """The cached prefix of `tokens`, without taking references (lock-free probe)."""
         keys = _extras(salt, adapter, multimodal, extras)
         return self._core.lookup(as_token_ids(tokens), keys)
+
+    def lookup_many(
+        self,
+        prompts: Iterable[TokenIds],
+        *,
+        salt: str | bytes | None = None,
+        adapter: str | bytes | None = None,
+    ) -> list[PrefixMatch]:
+        """`lookup` of each prompt, under the same `salt` and `adapter`, in one call.
+
+        The answers are those of `lookup` prompt by prompt (no references taken; each probe
+        counted in `stats`). The GIL is released once for the whole batch rather than once a
+        prompt, so a router thread probing a batch leaves the interpreter to the scheduler
+        thread meanwhile (`benches/bench_threads.py`). A prompt that is refused (a token id out
+        of range or outside the vocabulary) refuses the whole call, naming its position in the
+        batch; the cache is unchanged either way. Prompts with multimodal items are probed one
+        by one with `lookup`.
+        """
+        keys = _extras(salt, adapter, None, None)
+        batch = []
+        for index, tokens in enumerate(prompts):
+            try:
+                batch.append(as_token_ids(tokens))
+            except InvalidInputError as error:
+                raise InvalidInputError(f"prompt {index} of the batch: {error}") from None
+        return self._core.lookup_many(batch, keys)
 
     def lookup_in_window(
         self,

@@ -137,6 +137,23 @@ impl CoreCache {
         Ok(m.into())
     }
 
+    /// `lookup` of each prompt under the same keys, the GIL released once (`probes.rs`).
+    fn lookup_many(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Bound<'_, PyAny>>,
+        keys: &KeyExtras,
+    ) -> PyResult<Vec<PrefixMatch>> {
+        let mut prompts = crate::probes::read_prompts(&prompts)?;
+        let found = crate::probes::lookup_each(
+            py,
+            &mut prompts,
+            |tokens| self.0.check_tokens(tokens),
+            |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
+        )?;
+        Ok(found.into_iter().map(Into::into).collect())
+    }
+
     fn lookup_in_window(
         &self,
         py: Python<'_>,

@@ -447,6 +447,23 @@ impl TokenView<'_> {
             TokenView::Owned(tokens) => Ok(tokens),
         }
     }
+
+    /// The token ids appended to `out`, or the first one that is not a valid id (then `out`
+    /// may hold part of them past its old length).
+    pub fn append_to(self, out: &mut Vec<u32>) -> Result<(), CacheError> {
+        match self {
+            TokenView::Packed(data) => widen_into(data, 4, false, out),
+            TokenView::Wide {
+                data,
+                width,
+                signed,
+            } => widen_into(data, width, signed, out),
+            TokenView::Owned(tokens) => {
+                out.extend_from_slice(&tokens);
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Little-endian integers of `width` bytes as token ids. One branch-free pass per width that
@@ -454,6 +471,19 @@ impl TokenView<'_> {
 /// `0 ..= u32::MAX` are OR-ed together, and only if any is set does a second pass find the
 /// first such value to name it.
 fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError> {
+    let mut out = Vec::new();
+    widen_into(data, width, signed, &mut out)?;
+    Ok(out)
+}
+
+/// `widen`, appending to `out` (a batch's buffer, reused across calls: `probes.rs`). On a
+/// refusal `out` may hold part of the ids past its old length.
+fn widen_into(
+    data: &[u8],
+    width: usize,
+    signed: bool,
+    out: &mut Vec<u32>,
+) -> Result<(), CacheError> {
     // The ids usually come cold from DRAM (an engine's prompt array, written long before), and
     // the hardware prefetcher stops at every 4 KiB page: it must see new misses on each page
     // before it streams it. So each 512-byte piece asks for the piece one page ahead first.
@@ -463,13 +493,13 @@ fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError
     const PREFETCH_AHEAD: usize = 4096;
     fn pass<const W: usize>(
         data: &[u8],
+        out: &mut Vec<u32>,
         read: impl Fn([u8; W]) -> (u32, u64),
-    ) -> Result<(Vec<u32>, bool), CacheError> {
+    ) -> Result<bool, CacheError> {
         // Reserved fallibly (an array of small ids can widen past memory: refused, not an
         // abort), then extended from an exact-length iterator: no zeroing first and no
         // capacity check per token. Against a `push` loop with a range check per value: 13 ->
         // 3.25 instructions a token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
-        let mut out = Vec::new();
         let count = data.len() / W;
         if out.try_reserve_exact(count).is_err() {
             return Err(CacheError::InvalidInput(format!(
@@ -490,29 +520,29 @@ fn widen(data: &[u8], width: usize, signed: bool) -> Result<Vec<u32>, CacheError
                 value
             }));
         }
-        Ok((out, stray == 0))
+        Ok(stray == 0)
     }
-    let (out, valid) = match (width, signed) {
+    let valid = match (width, signed) {
         // A negative i64 read as u64 has its high bits set: one test covers both signs.
-        (8, _) => pass::<8>(data, |b| {
+        (8, _) => pass::<8>(data, out, |b| {
             let v = u64::from_le_bytes(b);
             (v as u32, v >> 32)
         }),
-        (4, true) => pass::<4>(data, |b| {
+        (4, true) => pass::<4>(data, out, |b| {
             let v = u32::from_le_bytes(b);
             (v, u64::from(v >> 31))
         }),
-        (4, false) => pass::<4>(data, |b| (u32::from_le_bytes(b), 0)),
-        (2, true) => pass::<2>(data, |b| {
+        (4, false) => pass::<4>(data, out, |b| (u32::from_le_bytes(b), 0)),
+        (2, true) => pass::<2>(data, out, |b| {
             let v = u16::from_le_bytes(b);
             (u32::from(v), u64::from(v >> 15))
         }),
-        (2, false) => pass::<2>(data, |b| (u32::from(u16::from_le_bytes(b)), 0)),
-        (_, true) => pass::<1>(data, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
-        (_, false) => pass::<1>(data, |b| (u32::from(b[0]), 0)),
+        (2, false) => pass::<2>(data, out, |b| (u32::from(u16::from_le_bytes(b)), 0)),
+        (_, true) => pass::<1>(data, out, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
+        (_, false) => pass::<1>(data, out, |b| (u32::from(b[0]), 0)),
     }?;
     if valid {
-        return Ok(out);
+        return Ok(());
     }
     for (position, bytes) in data.chunks_exact(width).enumerate() {
         wide_token(position, bytes, signed)?;

@@ -4,7 +4,7 @@
 //! yet (multimodal extras, sliding windows, the low-level block calls) is refused by name with
 //! an `UnsupportedFeatureError`, changing nothing.
 
-use prefixkv_core::run_cache::{RunPrefixCache, RunSlots};
+use prefixkv_core::run_cache::{RunLookup, RunPrefixCache, RunSlots};
 use prefixkv_core::{FullHit, RequestId};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -38,6 +38,16 @@ fn no_extras(keys: &KeyExtras) -> PyResult<()> {
         Ok(())
     } else {
         Err(unserved("multimodal extras"))
+    }
+}
+
+/// What a lookup found, as `CoreCache`'s lookups answer.
+fn prefix_match(found: RunLookup) -> PrefixMatch {
+    PrefixMatch {
+        num_cached_tokens: found.num_cached_tokens,
+        full_hit: found.full_hit,
+        last_token_shared: found.last_token_shared,
+        block_ids: found.blocks,
     }
 }
 
@@ -136,12 +146,25 @@ impl CoreRunCache {
                     .and_then(|t| self.0.lookup(&t, &keys.salt, &keys.extras))
             })
             .map_err(to_py_err)?;
-        Ok(PrefixMatch {
-            num_cached_tokens: found.num_cached_tokens,
-            full_hit: found.full_hit,
-            last_token_shared: found.last_token_shared,
-            block_ids: found.blocks,
-        })
+        Ok(prefix_match(found))
+    }
+
+    /// `lookup` of each prompt under the same keys, the GIL released once (`probes.rs`).
+    fn lookup_many(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Bound<'_, PyAny>>,
+        keys: &KeyExtras,
+    ) -> PyResult<Vec<PrefixMatch>> {
+        no_extras(keys)?;
+        let mut prompts = crate::probes::read_prompts(&prompts)?;
+        let found = crate::probes::lookup_each(
+            py,
+            &mut prompts,
+            |tokens| self.0.check_tokens(tokens),
+            |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
+        )?;
+        Ok(found.into_iter().map(prefix_match).collect())
     }
 
     #[allow(clippy::unused_self)] // `CoreCache`'s signature

@@ -410,7 +410,8 @@ impl PrefixCache {
 
     // ----- internals shared by the request, pin and low-level calls --------------------------
 
-    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    /// Refuses token ids outside the vocabulary (`CacheConfig::vocab_size`), by position.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if let Some(vocab) = self.config.vocab_size {
             if let Some((index, token)) = tokens.iter().enumerate().find(|(_, &t)| t >= vocab) {
                 return Err(CacheError::InvalidInput(format!(
