@@ -491,11 +491,13 @@ fn widen_into(
     // the production trace; 1, 8 or 16 KiB ahead read the same within the noise).
     const PIECE: usize = 512;
     const PREFETCH_AHEAD: usize = 4096;
+    // `out` is taken and handed back by value, not borrowed: a loop extending a borrowed
+    // vector ran 5% slower on a warm 12k-token prompt (the vector's fields reloaded).
     fn pass<const W: usize>(
         data: &[u8],
-        out: &mut Vec<u32>,
+        mut out: Vec<u32>,
         read: impl Fn([u8; W]) -> (u32, u64),
-    ) -> Result<bool, CacheError> {
+    ) -> Result<(Vec<u32>, bool), CacheError> {
         // Reserved fallibly (an array of small ids can widen past memory: refused, not an
         // abort), then extended from an exact-length iterator: no zeroing first and no
         // capacity check per token. Against a `push` loop with a range check per value: 13 ->
@@ -520,27 +522,29 @@ fn widen_into(
                 value
             }));
         }
-        Ok(stray == 0)
+        Ok((out, stray == 0))
     }
-    let valid = match (width, signed) {
+    let taken = std::mem::take(out);
+    let (widened, valid) = match (width, signed) {
         // A negative i64 read as u64 has its high bits set: one test covers both signs.
-        (8, _) => pass::<8>(data, out, |b| {
+        (8, _) => pass::<8>(data, taken, |b| {
             let v = u64::from_le_bytes(b);
             (v as u32, v >> 32)
         }),
-        (4, true) => pass::<4>(data, out, |b| {
+        (4, true) => pass::<4>(data, taken, |b| {
             let v = u32::from_le_bytes(b);
             (v, u64::from(v >> 31))
         }),
-        (4, false) => pass::<4>(data, out, |b| (u32::from_le_bytes(b), 0)),
-        (2, true) => pass::<2>(data, out, |b| {
+        (4, false) => pass::<4>(data, taken, |b| (u32::from_le_bytes(b), 0)),
+        (2, true) => pass::<2>(data, taken, |b| {
             let v = u16::from_le_bytes(b);
             (u32::from(v), u64::from(v >> 15))
         }),
-        (2, false) => pass::<2>(data, out, |b| (u32::from(u16::from_le_bytes(b)), 0)),
-        (_, true) => pass::<1>(data, out, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
-        (_, false) => pass::<1>(data, out, |b| (u32::from(b[0]), 0)),
+        (2, false) => pass::<2>(data, taken, |b| (u32::from(u16::from_le_bytes(b)), 0)),
+        (_, true) => pass::<1>(data, taken, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
+        (_, false) => pass::<1>(data, taken, |b| (u32::from(b[0]), 0)),
     }?;
+    *out = widened;
     if valid {
         return Ok(());
     }

@@ -11,7 +11,8 @@
 //! - **always released**: work proportional to a whole prompt or a whole request (hashing and
 //!   matching a prompt: `lookup`, `begin`, `block_keys`, `pin`...; releasing every block of a
 //!   request: `finish`, `preempt`; `request_block_keys`' SHA-256; bulk pool calls). These run once
-//!   per request or per probe, never per decode step.
+//!   per request or per probe, never per decode step. `lookup_many` releases it once for a whole
+//!   batch of probes (`probes.rs`): a router thread then hands the GIL over once a batch.
 //! - **released when large** ([`detach_if`] with [`many`]): the per-step calls whose cost
 //!   follows the tokens they cover: `allocate_slots` and `can_allocate_slots` of a prefill chunk,
 //!   or of a waiting request whose first allocation matches a long prompt, against one decode
