@@ -162,9 +162,7 @@ class Workload:
                 self.pins.append(self._pin(tokens[: n // 2]))
                 self.probes.append(tokens)
         self.next_probe = 0
-        self.probe_batch_prompts = [
-            self.probes[k % len(self.probes)] for k in range(PROBE_BATCH)
-        ]
+        self.probe_batch_prompts = [self.probes[k % len(self.probes)] for k in range(PROBE_BATCH)]
         self.next_request = 0
         # The prompts built before the timed loop (module docs), with their own random stream
         # so the in-loop prompts are the same as without them.
@@ -417,7 +415,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             work.probe_batch,
             work.step_calls,
         ),
-        f'router lookup_many ({PROBE_BATCH} a call) + scheduler begin/commit/finish, prompts '
+        f"router lookup_many ({PROBE_BATCH} a call) + scheduler begin/commit/finish, prompts "
         'built before, core="runs"': (runs.probe_batch, runs.begin_commit_finish_prebuilt),
         f"router lookup_many ({LARGE_PROBE_BATCH} a call) + scheduler begin/commit/finish, "
         "prompts built before": (

@@ -94,3 +94,40 @@ def test_an_empty_batch_and_any_iterable(core: str) -> None:
     rows = np.arange(12, dtype=np.int64).reshape(3, 4)  # a 2-D array: one prompt per row
     assert [m.num_cached_tokens for m in cache.lookup_many(rows)] == [0, 0, 0]
     assert len(cache.lookup_many(iter([[1, 2], [3]]))) == 2
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_generator_refilling_one_buffer_gets_each_prompts_answer(
+    core: str, as_array: bool
+) -> None:
+    # Found by a review: the core reads the prompts once the iterator is done, so an iterator
+    # handing out one buffer refilled for each prompt made every prompt read the last one.
+    cache = a_cache(core)
+    request = cache.begin([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    cache.commit(request, 9)
+    cache.finish(request)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 7, 7, 7, 7], [1, 2, 3, 4, 9]]
+
+    def rows() -> Any:
+        if as_array:
+            buffer = np.zeros(9, dtype=np.int64)
+            for prompt in prompts:
+                view = buffer[: len(prompt)]
+                view[:] = prompt
+                yield view
+        else:
+            shared: list[int] = []
+            for prompt in prompts:
+                shared[:] = prompt
+                yield shared
+
+    one_by_one = [answer(cache.lookup(p)) for p in prompts]
+    assert [answer(m) for m in cache.lookup_many(rows())] == one_by_one
+    assert [m.num_cached_tokens for m in cache.lookup_many(rows())] == [8, 0, 4]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_prompts_that_are_not_an_iterable_are_refused_by_name(core: str) -> None:
+    with pytest.raises(InvalidInputError, match="prompts must be an iterable"):
+        a_cache(core).lookup_many(7)  # type: ignore[arg-type]

@@ -134,6 +134,16 @@ def as_token_ids(
     )
 
 
+def _owned(ids: Any) -> Any:
+    """`as_token_ids`' result made independent of the caller's object: a list copied, an array
+    (or a tensor's view) copied; tuples, bytes and ranges cannot change."""
+    if isinstance(ids, list):
+        return list(ids)
+    if type(ids) is tuple and len(ids) == 3 and isinstance(ids[0], np.ndarray):
+        return (ids[0].copy(), ids[1], ids[2])
+    return ids
+
+
 _NDARRAY = np.ndarray
 #: (width, signed) of each little-endian integer dtype, looked up in one step for the common
 #: case (a one-dimensional array of such a dtype, `as_token_ids`): the checks of
@@ -343,16 +353,31 @@ class PrefixCache:
         prompt, so a router thread probing a batch leaves the interpreter to the scheduler
         thread meanwhile (`benches/bench_threads.py`). A prompt that is refused (a token id out
         of range or outside the vocabulary) refuses the whole call, naming its position in the
-        batch; the cache is unchanged either way. Prompts with multimodal items are probed one
-        by one with `lookup`.
+        batch; the cache is unchanged either way. `prompts` may be any iterable (a list, a 2-D
+        array's rows, a generator); a generator may hand out one buffer refilled for each
+        prompt, since each is copied as it comes. The batch's ids are held together while it
+        runs (4 bytes a token). For prompts with multimodal items, use `lookup`.
         """
         keys = _extras(salt, adapter, None, None)
-        batch = []
-        for index, tokens in enumerate(prompts):
+        # A container's items stay as they are while the call runs; an iterator's need not (one
+        # list or array refilled for each prompt), so each of those is copied as it comes: the
+        # core reads every prompt only once the iterator is done.
+        held = isinstance(prompts, (list, tuple, np.ndarray))
+        try:
+            items = enumerate(prompts)
+        except TypeError:
+            raise InvalidInputError(
+                f"prompts must be an iterable of token id sequences, not {type(prompts).__name__}"
+            ) from None
+        batch: list[Any] = []
+        for index, tokens in items:
             try:
-                batch.append(as_token_ids(tokens))
+                ids = as_token_ids(tokens)
             except InvalidInputError as error:
                 raise InvalidInputError(f"prompt {index} of the batch: {error}") from None
+            if not held:
+                ids = _owned(ids)
+            batch.append(ids)
         return self._core.lookup_many(batch, keys)
 
     def lookup_in_window(

@@ -459,6 +459,10 @@ impl TokenView<'_> {
                 signed,
             } => widen_into(data, width, signed, out),
             TokenView::Owned(tokens) => {
+                // Fallibly, as `widen_into` reserves: a batch too large is refused, not an abort.
+                if out.try_reserve(tokens.len()).is_err() {
+                    return Err(too_large(out.len() + tokens.len()));
+                }
                 out.extend_from_slice(&tokens);
                 Ok(())
             }
@@ -502,11 +506,11 @@ fn widen_into(
         // abort), then extended from an exact-length iterator: no zeroing first and no
         // capacity check per token. Against a `push` loop with a range check per value: 13 ->
         // 3.25 instructions a token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
+        // Amortised (`try_reserve`): a batch's buffer grows geometrically prompt after prompt;
+        // an empty vector gets exactly `count` all the same.
         let count = data.len() / W;
-        if out.try_reserve_exact(count).is_err() {
-            return Err(CacheError::InvalidInput(format!(
-                "a token array of {count} ids is too large to convert"
-            )));
+        if out.try_reserve(count).is_err() {
+            return Err(too_large(out.len() + count));
         }
         let mut stray = 0u64;
         let whole = &data[..count * W];
@@ -553,6 +557,13 @@ fn widen_into(
     }
     Err(CacheError::InvalidInput(
         "a token id is out of range".into(),
+    ))
+}
+
+/// The refusal of ids that do not fit in memory once converted.
+fn too_large(count: usize) -> CacheError {
+    CacheError::InvalidInput(format!(
+        "{count} token ids are too large to convert (a prompt, or a batch's prompts together)"
     ))
 }
 

@@ -125,6 +125,15 @@ impl Pair {
     }
 }
 
+/// Half the seeds (odd ones) serve full hits with the last block shared.
+fn full_hit_of(seed: u64) -> FullHit {
+    if seed % 2 == 1 {
+        FullHit::ReuseLastBlock
+    } else {
+        FullHit::RecomputeLastBlock
+    }
+}
+
 /// Prompts that share prefixes the way traffic does: a new prompt starts with a random cut of
 /// an earlier one (a block boundary or not; sometimes the whole of it, cut to whole blocks,
 /// which is a full hit), then fresh tokens from a small vocabulary (so blocks sometimes repeat
@@ -307,7 +316,7 @@ struct Reached {
 /// core's answer: the same refusal, or the same hit and block table.
 fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
     let num_blocks = how.cache_blocks[seed as usize % 3];
-    let mut pair = Pair::new(num_blocks);
+    let mut pair = Pair::with_full_hit(num_blocks, BLOCK_SIZE, full_hit_of(seed));
     let mut draw = Draw::new(seed);
     let mut finished: Vec<(Vec<u32>, usize)> = Vec::new();
     let mut next_fresh = 100_000u32;
@@ -395,7 +404,7 @@ fn interleave(seed: u64, how: &Interleaving, reached: &mut Reached) {
                 match pair.begin(&prompt, salt, priority, &what) {
                     None => reached.refusals += 1,
                     Some((id, mine)) => {
-                        reached.hit_tokens += (mine.cached_blocks() * BLOCK_SIZE) as u64;
+                        reached.hit_tokens += mine.num_computed_tokens() as u64;
                         in_flight.push(InFlight {
                             id,
                             mine,
@@ -700,7 +709,7 @@ fn edges(seed: u64, block_size: usize) -> (u64, u64) {
     let max_in_flight = 1 + draw.below(8);
     let patterns = [None, Some(1usize), Some(2), Some(4)][draw.below(4)];
     let priorities = draw.below(3);
-    let mut pair = Pair::with_block_size(num_blocks, block_size);
+    let mut pair = Pair::with_full_hit(num_blocks, block_size, full_hit_of(seed));
     let pool_tokens = num_blocks as usize * block_size;
     let mut finished: Vec<(Vec<u32>, usize)> = Vec::new();
     let mut next_fresh = 100_000u32;
