@@ -62,7 +62,7 @@
 //! running several groups side by side can make them agree on one length (the shortest any
 //! group can serve): a group then serves the longest hit not above the cap.
 
-use crate::cache::{block_extras, FullHit, PrefixCache, PrefixMatch};
+use crate::cache::{block_extras, PrefixCache, PrefixMatch};
 use crate::key::{block_key_with, BlockKey, RequestExtras, TableKey};
 use crate::pool::BlockId;
 use crate::table::{Anchor, Parent};
@@ -185,11 +185,9 @@ impl PrefixCache {
         };
         let num_full = present.len();
         if num_full > 0 && num_full * bs == num_tokens {
-            let shape = match self.config.full_hit {
-                FullHit::RecomputeLastBlock => (num_tokens - bs, num_full - 1, false),
-                FullHit::ReuseLastBlock => (num_tokens - 1, num_full, true),
-            };
-            let (num_cached, blocks, shared) = shape;
+            let shape = self.config.full_hit.shape(num_full, num_tokens, bs);
+            let (num_cached, blocks, shared) =
+                (shape.num_cached, shape.keep, shape.last_token_shared);
             // A full hit, as in full mode, has every needed block and the last one cached.
             if present[num_full - 1] && allowed(num_cached) {
                 if let Some(first_needed) = servable(num_cached, blocks) {

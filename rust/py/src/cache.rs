@@ -144,10 +144,9 @@ impl CoreCache {
         prompts: Vec<Bound<'_, PyAny>>,
         keys: &KeyExtras,
     ) -> PyResult<Vec<PrefixMatch>> {
-        let mut prompts = crate::probes::read_prompts(&prompts)?;
         let found = crate::probes::lookup_each(
             py,
-            &mut prompts,
+            &prompts,
             |tokens| self.0.check_tokens(tokens),
             |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
         )?;

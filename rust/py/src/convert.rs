@@ -448,24 +448,18 @@ impl TokenView<'_> {
         }
     }
 
-    /// The token ids appended to `out`, or the first one that is not a valid id (then `out`
-    /// may hold part of them past its old length).
-    pub fn append_to(self, out: &mut Vec<u32>) -> Result<(), CacheError> {
+    /// The token ids, narrowed and appended to `out` (`None`), or when already converted (a
+    /// list's) handed back as they are (`Some`), not copied; or the first id that is not valid
+    /// (then `out` may hold part of them past its old length).
+    pub fn read_into(self, out: &mut Vec<u32>) -> Result<Option<Vec<u32>>, CacheError> {
         match self {
-            TokenView::Packed(data) => widen_into(data, 4, false, out),
+            TokenView::Packed(data) => widen_into(data, 4, false, out).map(|()| None),
             TokenView::Wide {
                 data,
                 width,
                 signed,
-            } => widen_into(data, width, signed, out),
-            TokenView::Owned(tokens) => {
-                // Fallibly, as `widen_into` reserves: a batch too large is refused, not an abort.
-                if out.try_reserve(tokens.len()).is_err() {
-                    return Err(too_large(out.len() + tokens.len()));
-                }
-                out.extend_from_slice(&tokens);
-                Ok(())
-            }
+            } => widen_into(data, width, signed, out).map(|()| None),
+            TokenView::Owned(tokens) => Ok(Some(tokens)),
         }
     }
 }

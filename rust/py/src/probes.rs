@@ -15,7 +15,7 @@ use crate::errors::{invalid, to_py_err, InvalidInputError};
 
 /// Each prompt of a batch read as `Tokens` (a list's ids are converted here, an array's read in
 /// place later); a refusal names the prompt's position in the batch.
-pub fn read_prompts<'py>(prompts: &[Bound<'py, PyAny>]) -> PyResult<Vec<Tokens<'py>>> {
+fn read_prompts<'py>(prompts: &[Bound<'py, PyAny>]) -> PyResult<Vec<Tokens<'py>>> {
     prompts
         .iter()
         .enumerate()
@@ -48,13 +48,15 @@ thread_local! {
 /// `lookup` of each prompt, in order, with the GIL released for all of them. Every prompt is
 /// read and `check`ed (its ids in range and in the vocabulary) before the first lookup, so a
 /// refused prompt refuses the whole call, naming its position in the batch, with nothing
-/// changed: not even the probe counters.
+/// changed: not even the probe counters. Both cores' `lookup_many` are this, with their own
+/// `check` and `lookup`.
 pub fn lookup_each<T: Send>(
     py: Python<'_>,
-    prompts: &mut [Tokens<'_>],
+    prompts: &[Bound<'_, PyAny>],
     check: impl Fn(&[u32]) -> Result<(), CacheError> + Sync,
     lookup: impl Fn(&[u32]) -> Result<T, CacheError> + Sync,
 ) -> PyResult<Vec<T>> {
+    let mut prompts = read_prompts(prompts)?;
     let views: Vec<TokenView<'_>> = prompts.iter_mut().map(Tokens::view).collect();
     py.detach(|| {
         BATCH.with_borrow_mut(|ids| {
@@ -69,28 +71,43 @@ pub fn lookup_each<T: Send>(
     .map_err(to_py_err)
 }
 
-/// Every prompt read into `ids` end to end and checked, then each looked up.
+/// Where a prompt's ids are once read: a range of the batch's buffer (an array's, narrowed
+/// there), or the vector they were converted into (a list's, not copied again).
+enum Read {
+    InBatch(std::ops::Range<usize>),
+    Converted(Vec<u32>),
+}
+
+impl Read {
+    fn tokens<'a>(&'a self, batch: &'a [u32]) -> &'a [u32] {
+        match self {
+            Read::InBatch(range) => &batch[range.clone()],
+            Read::Converted(tokens) => tokens,
+        }
+    }
+}
+
+/// Every prompt read (into `ids`, end to end, or kept as converted) and checked, then each
+/// looked up.
 fn read_then_look_up<T>(
     views: Vec<TokenView<'_>>,
     ids: &mut Vec<u32>,
     check: impl Fn(&[u32]) -> Result<(), CacheError>,
     lookup: impl Fn(&[u32]) -> Result<T, CacheError>,
 ) -> Result<Vec<T>, CacheError> {
-    let mut ends = Vec::with_capacity(views.len());
+    let mut read = Vec::with_capacity(views.len());
     for (index, view) in views.into_iter().enumerate() {
         let start = ids.len();
-        view.append_to(ids).map_err(|err| in_prompt(index, err))?;
-        check(&ids[start..]).map_err(|err| in_prompt(index, err))?;
-        ends.push(ids.len());
+        let prompt = match view.read_into(ids).map_err(|err| in_prompt(index, err))? {
+            Some(converted) => Read::Converted(converted),
+            None => Read::InBatch(start..ids.len()),
+        };
+        check(prompt.tokens(ids)).map_err(|err| in_prompt(index, err))?;
+        read.push(prompt);
     }
-    let mut start = 0;
-    ends.iter()
+    read.iter()
         .enumerate()
-        .map(|(index, &end)| {
-            let prompt = &ids[start..end];
-            start = end;
-            lookup(prompt).map_err(|err| in_prompt(index, err))
-        })
+        .map(|(index, prompt)| lookup(prompt.tokens(ids)).map_err(|err| in_prompt(index, err)))
         .collect()
 }
 

@@ -157,10 +157,9 @@ impl CoreRunCache {
         keys: &KeyExtras,
     ) -> PyResult<Vec<PrefixMatch>> {
         no_extras(keys)?;
-        let mut prompts = crate::probes::read_prompts(&prompts)?;
         let found = crate::probes::lookup_each(
             py,
-            &mut prompts,
+            &prompts,
             |tokens| self.0.check_tokens(tokens),
             |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
         )?;

@@ -121,6 +121,45 @@ pub enum FullHit {
     ReuseLastBlock,
 }
 
+/// How a hit of whole blocks is served: the blocks it holds, the tokens cached, and whether it
+/// is a full hit and shares the last token's block. Both cores (and sliding-window matches)
+/// shape their hits here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HitShape {
+    pub(crate) keep: usize,
+    pub(crate) num_cached: usize,
+    pub(crate) full_hit: bool,
+    pub(crate) last_token_shared: bool,
+}
+
+impl FullHit {
+    /// A hit of `matched` leading whole blocks of a `len`-token prompt: a full hit (every
+    /// block cached) recomputes the last block or shares it, by this mode.
+    pub(crate) fn shape(self, matched: usize, len: usize, block_size: usize) -> HitShape {
+        let full_hit = matched > 0 && matched * block_size == len;
+        match (full_hit, self) {
+            (false, _) => HitShape {
+                keep: matched,
+                num_cached: matched * block_size,
+                full_hit: false,
+                last_token_shared: false,
+            },
+            (true, Self::RecomputeLastBlock) => HitShape {
+                keep: matched - 1,
+                num_cached: len - block_size,
+                full_hit: true,
+                last_token_shared: false,
+            },
+            (true, Self::ReuseLastBlock) => HitShape {
+                keep: matched,
+                num_cached: len - 1,
+                full_hit: true,
+                last_token_shared: true,
+            },
+        }
+    }
+}
+
 impl CacheConfig {
     /// A production configuration.
     #[must_use]

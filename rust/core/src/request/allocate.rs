@@ -13,7 +13,7 @@
 
 use super::drafts::no_pending_drafts;
 use super::{release_tail_first, with_request, Request};
-use crate::cache::{block_extras, FullHit, Inner, PrefixCache};
+use crate::cache::{block_extras, Inner, PrefixCache};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
 use crate::request::{RequestId, Slots};
@@ -389,13 +389,11 @@ impl PrefixCache {
     /// (cached tokens, full hit, last token shared) for `matched` leading cached blocks of a
     /// `num_tokens` prompt under the cache's `FullHit` mode.
     pub(crate) fn hit_shape(&self, matched: usize, num_tokens: usize) -> (usize, bool, bool) {
-        let bs = self.config.block_size;
-        let full_hit = num_tokens > 0 && matched * bs == num_tokens;
-        match (full_hit, self.config.full_hit) {
-            (false, _) => (matched * bs, false, false),
-            (true, FullHit::RecomputeLastBlock) => (num_tokens - bs, true, false),
-            (true, FullHit::ReuseLastBlock) => (num_tokens - 1, true, true),
-        }
+        let shape = self
+            .config
+            .full_hit
+            .shape(matched, num_tokens, self.config.block_size);
+        (shape.num_cached, shape.full_hit, shape.last_token_shared)
     }
 
     /// Matches a waiting request in a sliding-window cache (`sliding.rs`): the anchors of the

@@ -1,6 +1,6 @@
-//! What a match hands out: a hit of whole blocks shaped by the cache's `FullHit` mode (a full
-//! hit's last block recomputed, or held shared), and the lock-free lookup that any thread may
-//! run on the shared run table beside the writer.
+//! What a lookup hands out: a hit of whole blocks shaped by the cache's `FullHit` mode (a full
+//! hit's last block recomputed, or held shared: `FullHit::shape`, as the default core shapes
+//! its own), read lock-free on the shared run table by any thread beside the writer.
 
 use crate::cache::FullHit;
 use crate::key::BlockKey;
@@ -37,50 +37,12 @@ pub fn lookup_in(
     let full = tokens.len() / bs;
     let mut blocks = Vec::with_capacity(full);
     table.match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
-    let shape = HitShape::of(blocks.len(), tokens.len(), bs, full_hit);
+    let shape = full_hit.shape(blocks.len(), tokens.len(), bs);
     blocks.truncate(shape.keep);
     RunLookup {
         blocks,
         num_cached_tokens: shape.num_cached,
         full_hit: shape.full_hit,
         last_token_shared: shape.last_token_shared,
-    }
-}
-
-/// How a hit of whole blocks is served (the core's `hit_shape`): the blocks it holds, the
-/// tokens cached, and whether it is a full hit and shares the last token's block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct HitShape {
-    pub(crate) keep: usize,
-    pub(crate) num_cached: usize,
-    pub(crate) full_hit: bool,
-    pub(crate) last_token_shared: bool,
-}
-
-impl HitShape {
-    /// A hit of `matched` leading whole blocks of a `len`-token prompt: a full hit (every
-    /// block cached) recomputes the last block or shares it, by `mode`.
-    pub(crate) fn of(matched: usize, len: usize, block_size: usize, mode: FullHit) -> Self {
-        let full_hit = matched > 0 && matched * block_size == len;
-        match (full_hit, mode) {
-            (false, _) => Self {
-                keep: matched,
-                num_cached: matched * block_size,
-                full_hit: false,
-                last_token_shared: false,
-            },
-            (true, FullHit::RecomputeLastBlock) => Self {
-                keep: matched - 1,
-                num_cached: len - block_size,
-                full_hit: true,
-                last_token_shared: false,
-            },
-            (true, FullHit::ReuseLastBlock) => Self {
-                keep: matched,
-                num_cached: len - 1,
-                full_hit: true,
-                last_token_shared: true,
-            },
-        }
     }
 }

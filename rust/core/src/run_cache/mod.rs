@@ -85,7 +85,6 @@ use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
 pub use by_id::RunPrefixCache;
-pub(crate) use hit::HitShape;
 pub use hit::{lookup_in, RunLookup};
 pub use observe::RunBlockCounts;
 use order::Order;
@@ -364,12 +363,6 @@ impl RunCache {
     pub fn with_full_hit(mut self, full_hit: FullHit) -> Self {
         self.full_hit = full_hit;
         self
-    }
-
-    /// How the cache serves full hits.
-    #[must_use]
-    pub fn full_hit_mode(&self) -> FullHit {
-        self.full_hit
     }
 
     /// What the cache did so far.

@@ -5,10 +5,10 @@
 //! the same refusal (out of blocks, or invalid input), the same block table, the same start
 //! position; and at the end the same evictions and every block obtainable again.
 
-use super::tests::{Draw, Pair, SALTS};
+use super::tests::{full_hit_of, Draw, Pair, SALTS};
 use super::{RunCache, RunRequest};
 use crate::error::CacheError;
-use crate::{FullHit, RequestExtras, RequestId};
+use crate::{RequestExtras, RequestId};
 
 /// One request in both caches.
 struct Live {
@@ -66,13 +66,9 @@ fn same_outcome<T: PartialEq + std::fmt::Debug, U: std::fmt::Debug>(
 
 fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     let num_blocks = [12u32, 40, 160][seed as usize % 3];
-    // Every other pair of seeds shares a full hit's last block instead of recomputing it.
-    let full_hit = if (seed / 2).is_multiple_of(2) {
-        FullHit::RecomputeLastBlock
-    } else {
-        FullHit::ReuseLastBlock
-    };
-    let mut pair = Pair::with_full_hit(num_blocks, block_size, full_hit);
+    // Every other pair of seeds shares a full hit's last block instead of recomputing it (by
+    // pairs: the seed's parity already decides the eviction log).
+    let mut pair = Pair::with_full_hit(num_blocks, block_size, full_hit_of(seed / 2));
     let mut draw = Draw::new(seed ^ 0x5157);
     let mut next_id = 0i64;
     let mut next_fresh = 1_000u32;

@@ -6,7 +6,8 @@
 //! again; `finish` ends it. Every call refuses, changing nothing, exactly where
 //! [`crate::PrefixCache`]'s own does (the tests run both side by side).
 
-use super::{Held, HitShape, RunCache, RunRequest};
+use super::{Held, RunCache, RunRequest};
+use crate::cache::HitShape;
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::pool::BlockId;
@@ -178,10 +179,10 @@ impl RunCache {
     /// under the cap, never a full hit then (as the core's `hit_length`).
     fn hit_shape(&self, matched: usize, len: usize, cap: Option<usize>) -> HitShape {
         let bs = self.block_size;
-        let shape = HitShape::of(matched, len, bs, self.full_hit);
+        let shape = self.full_hit.shape(matched, len, bs);
         match cap {
             Some(cap) if shape.num_cached > cap => {
-                HitShape::of(matched.min(cap / bs), len, bs, self.full_hit)
+                self.full_hit.shape(matched.min(cap / bs), len, bs)
             }
             _ => shape,
         }

@@ -126,7 +126,7 @@ impl Pair {
 }
 
 /// Half the seeds (odd ones) serve full hits with the last block shared.
-fn full_hit_of(seed: u64) -> FullHit {
+pub(super) fn full_hit_of(seed: u64) -> FullHit {
     if seed % 2 == 1 {
         FullHit::ReuseLastBlock
     } else {
