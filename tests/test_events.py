@@ -1,4 +1,5 @@
-"""KV event recording: what is recorded, what is withheld, overflow, and optional packages."""
+"""KV event recording: what is recorded, what is withheld, overflow, and optional packages.
+Both cores record events; `test_run_cache.py` checks that they record the same ones."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import InvalidInputError, MissingDependencyError
 from prefixkv.events import EventRecorder, PrefixIndex, hash64
 
+CORES = pytest.mark.parametrize("core", ["blocks", "runs"])
 
-def cache(num_blocks: int = 8, block_size: int = 2) -> PrefixCache:
-    return PrefixCache(num_blocks, context=CacheContext(model_id="ev", block_size=block_size))
+
+def cache(num_blocks: int = 8, block_size: int = 2, core: str = "blocks") -> PrefixCache:
+    context = CacheContext(model_id="ev", block_size=block_size)
+    return PrefixCache(num_blocks, context=context, core=core)
 
 
 def serve(c: PrefixCache, tokens: list[int], **keys: str) -> None:
@@ -23,8 +27,9 @@ def serve(c: PrefixCache, tokens: list[int], **keys: str) -> None:
     c.finish(request)
 
 
-def test_stored_events_carry_the_block_keys_without_rehashing() -> None:
-    c = cache()
+@CORES
+def test_stored_events_carry_the_block_keys_without_rehashing(core: str) -> None:
+    c = cache(core=core)
     recorder = EventRecorder(c)
     serve(c, [1, 2, 3, 4, 5], adapter="lora-a")
     (event,) = recorder.drain().events
@@ -41,8 +46,9 @@ def test_stored_events_carry_the_block_keys_without_rehashing() -> None:
     assert event.keys == c.block_keys([1, 2, 3, 4, 7, 8], adapter="lora-a")[2:]
 
 
-def test_deduplicated_commits_publish_nothing_and_evictions_are_removals() -> None:
-    c = cache(num_blocks=4)
+@CORES
+def test_deduplicated_commits_publish_nothing_and_evictions_are_removals(core: str) -> None:
+    c = cache(num_blocks=4, core=core)
     recorder = EventRecorder(c)
     a, b = c.begin([1, 2, 3, 4]), c.begin([1, 2, 3, 4])
     c.commit(a, 4)
@@ -55,9 +61,10 @@ def test_deduplicated_commits_publish_nothing_and_evictions_are_removals() -> No
     assert kinds == ["removed", "stored"]
 
 
+@CORES
 @pytest.mark.parametrize("policy", ["all", "unsalted", "none"])
-def test_token_ids_policy_for_salted_tenants(policy: str) -> None:
-    c = cache()
+def test_token_ids_policy_for_salted_tenants(core: str, policy: str) -> None:
+    c = cache(core=core)
     recorder = EventRecorder(c, token_ids=policy)  # type: ignore[arg-type]
     serve(c, [1, 2, 3, 4], salt="tenant-a")
     serve(c, [5, 6], adapter="x")
@@ -68,8 +75,9 @@ def test_token_ids_policy_for_salted_tenants(policy: str) -> None:
     assert salted.keys == c.block_keys([1, 2, 3, 4], salt="tenant-a")
 
 
-def test_a_slow_consumer_overflows_into_a_counted_resynchronisation() -> None:
-    c = cache(num_blocks=64, block_size=1)
+@CORES
+def test_a_slow_consumer_overflows_into_a_counted_resynchronisation(core: str) -> None:
+    c = cache(num_blocks=64, block_size=1, core=core)
     recorder = EventRecorder(c, capacity=4)
     for token in range(10):
         serve(c, [100 + token])
@@ -84,8 +92,9 @@ def test_a_slow_consumer_overflows_into_a_counted_resynchronisation() -> None:
     assert not recorder.drain().resynchronised
 
 
-def test_enabling_on_a_warm_cache_snapshots_it_and_clear_is_one_event() -> None:
-    c = cache()
+@CORES
+def test_enabling_on_a_warm_cache_snapshots_it_and_clear_is_one_event(core: str) -> None:
+    c = cache(core=core)
     serve(c, [1, 2, 3, 4])
     recorder = EventRecorder(c)
     drain = recorder.drain()

@@ -2,7 +2,9 @@
 core through the public API: a state machine drives both with the same calls (the request
 cycle, the step API with chunks, lookahead, watermarks, drafts, truncation, preemption, caps,
 ids given and picked, bad input) and every call must answer alike, the same result or the same
-exception class, with the same block tables and block counts after it. The Rust suite checks
+exception class, with the same block tables and block counts after it, and the same KV events
+(drained after every step, event for event: keys, parents, tokens, adapters, overflows and the
+snapshots that resynchronise them). The Rust suite checks
 the core type call for call far harder (`run_cache/step_tests.rs`); this checks the binding,
 the request map and the conversions. Then what the run core does not serve yet: refused by
 name, nothing changed."""
@@ -33,6 +35,7 @@ from prefixkv.errors import (
     UnknownRequestError,
     UnsupportedFeatureError,
 )
+from prefixkv.events import EventRecorder
 
 BLOCK_SIZE = 4
 VOCAB = 40
@@ -55,6 +58,14 @@ def answer(value: Any) -> Any:
     if hasattr(value, "num_blocks"):  # a `Pin`
         return ("pin", value.id, value.num_blocks)
     return value
+
+
+def drained(recorder: EventRecorder) -> tuple[Any, ...]:
+    """A drain, comparable: every event's fields, then the flag and counters."""
+    drain = recorder.drain()
+    events = [(e.kind, e.keys, e.parent, e.token_ids, e.adapter, e.extras) for e in drain.events]
+    counts = (drain.recorded_blocks, drain.dropped_blocks, drain.overflows)
+    return (events, drain.resynchronised, counts)
 
 
 @st.composite
@@ -90,9 +101,14 @@ class BothCores(RuleBasedStateMachine):
         # Live requests scheduled (given slots since added or preempted): the run core resets
         # only while none is.
         self.scheduled: set[int | str] = set()
+        # Each core's event recorder, while events are on.
+        self.recorders: list[EventRecorder] = []
 
-    @initialize(full_hit=st.sampled_from(["recompute_last_block", "reuse_last_block"]))
-    def serve_full_hits(self, full_hit: str) -> None:
+    @initialize(
+        full_hit=st.sampled_from(["recompute_last_block", "reuse_last_block"]),
+        events=st.booleans(),
+    )
+    def serve_full_hits(self, full_hit: str, events: bool) -> None:
         # Both modes: a full hit's last block recomputed into a private block, or held shared
         # with only the last token computed (`last_token_shared`).
         context = CacheContext(block_size=BLOCK_SIZE)
@@ -104,6 +120,25 @@ class BothCores(RuleBasedStateMachine):
         )
         for cache in (self.blocks, self.runs):
             cache.set_eviction_log(True)
+        if events:
+            self.recorders = [EventRecorder(c) for c in (self.blocks, self.runs)]
+
+    @rule(
+        on=st.booleans(),
+        capacity=st.integers(1, 12),
+        token_ids=st.sampled_from(["all", "unsalted", "none"]),
+    )
+    def events(self, on: bool, capacity: int, token_ids: str) -> None:
+        """Events on (again: a snapshot of what is cached follows; a small queue overflows
+        into a resynchronisation) or off."""
+        for recorder in self.recorders:
+            recorder.close()
+        self.recorders = []
+        if on:
+            self.recorders = [
+                EventRecorder(c, capacity=capacity, token_ids=token_ids)  # type: ignore[arg-type]
+                for c in (self.blocks, self.runs)
+            ]
 
     def both(self, what: str, call: Callable[[PrefixCache], Any]) -> tuple[str, Any]:
         expected = outcome(lambda: call(self.blocks))
@@ -328,6 +363,11 @@ class BothCores(RuleBasedStateMachine):
             assert getattr(got, field) == getattr(expected, field), field
         assert got.blocks_pinned == expected.blocks_pinned, "blocks_pinned"
         assert self.runs.drain_evicted() == self.blocks.drain_evicted(), "drain_evicted"
+        if self.recorders:
+            expected_drain, got_drain = (drained(r) for r in self.recorders)
+            assert got_drain == expected_drain, "drain_events"
+            expected_keys, got_keys = (sorted(r.cached_keys()) for r in self.recorders)
+            assert got_keys == expected_keys, "cached_keys"
         for block in range(self.num_blocks):
             self.both("ref_count", lambda c, block=block: c.ref_count(block))
             self.both("is_cached", lambda c, block=block: c.is_cached(block))

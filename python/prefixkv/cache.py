@@ -209,13 +209,13 @@ class PrefixCache:
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
             on long prompts (1.72× on the production-shaped replay), handing out the same
-            blocks in the same order; `pin`, `unpin`, the eviction log and both `full_hit`
-            modes too. It refuses by name, changing nothing, what it does not serve yet:
-            `multimodal` extras, `sliding_window`, the low-level block calls
-            (`match_and_acquire`, `allocate`, `commit_blocks`, `release`) and KV events
-            (`UnsupportedFeatureError`), and `clear` / `set_context` while a request is
-            scheduled (`InvalidInputError`; waiting and preempted ones stay, keyed anew). Its
-            `lookup` does not take the writer's lock.
+            blocks in the same order; `pin`, `unpin`, the eviction log, both `full_hit` modes
+            and KV events (`EventRecorder`: the same events as the default core's) too. It
+            refuses by name, changing nothing, what it does not serve yet: `multimodal` extras,
+            `sliding_window`, the low-level block calls (`match_and_acquire`, `allocate`,
+            `commit_blocks`, `release`) and KV groups (`UnsupportedFeatureError`), and `clear`
+            / `set_context` while a request is scheduled (`InvalidInputError`; waiting and
+            preempted ones stay, keyed anew). Its `lookup` does not take the writer's lock.
 
     Every request-keyed call takes the `Request` that `begin` returned, or the request's id:
     the engine's own (an int or a str, given to `add_request` or `begin`), or the int `begin`
@@ -710,7 +710,7 @@ class PrefixCache:
         self._core.check_invariants()
 
     def _block_core(self, what: str) -> _core.CoreCache:
-        """The per-block core, for `what` (KV events, KV groups), which only it serves."""
+        """The per-block core, for `what` (KV groups), which only it serves."""
         if not isinstance(self._core, _core.CoreCache):
             raise UnsupportedFeatureError(
                 f'{what} is not served by the run core yet (core="runs"); use the default '

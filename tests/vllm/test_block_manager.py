@@ -188,11 +188,10 @@ def test_run_core_served_through_additional_config(tiny_model: Path) -> None:
 @pytest.mark.parametrize(
     ("setup", "name"),
     [
-        (SchedulerSetup(enable_kv_cache_events=True), "KV cache events"),
         (SchedulerSetup(sliding_window=8), "a sliding window of 8 tokens"),
         (SchedulerSetup(hybrid_windows=(8,)), "a layout of 2 KV cache groups"),
     ],
-    ids=["events", "sliding-window", "hybrid"],
+    ids=["sliding-window", "hybrid"],
 )
 def test_run_core_refuses_what_it_does_not_serve_by_name(
     tiny_model: Path, setup: SchedulerSetup, name: str
@@ -449,8 +448,9 @@ def test_length_dependent_rope_refused(tiny_model: Path) -> None:
 
 
 # -- events ---------------------------------------------------------------------------------
-def test_events_in_vllms_types(tiny_model: Path) -> None:
-    setup = SchedulerSetup(num_blocks=16, block_size=4, enable_kv_cache_events=True)
+@pytest.mark.parametrize("core", ["blocks", "runs"])
+def test_events_in_vllms_types(tiny_model: Path, core: str) -> None:
+    setup = SchedulerSetup(num_blocks=16, block_size=4, enable_kv_cache_events=True, core=core)
     scheduler = make_scheduler(tiny_model, setup, "prefixkv")
     # vLLM's scheduler takes the events every step and hands them to its publisher.
     published: list[object] = []

@@ -40,7 +40,7 @@ class EventRecorder:
             raise InvalidInputError(
                 f"EventRecorder needs a prefixkv PrefixCache, got {type(cache).__name__}"
             )
-        core = cache._block_core("KV events")
+        core = cache._core
         self._cache = cache
         self._core = core
         self.token_ids = token_ids

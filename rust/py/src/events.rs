@@ -1,14 +1,83 @@
-//! KV events: turning recording on and off on a `CoreCache`, and draining what it recorded.
-//! Free functions over the cache (not methods) so that this concern stays in its own file;
-//! `prefixkv.events.EventRecorder` is the documented API on top.
+//! KV events: turning recording on and off on a `CoreCache` or a `CoreRunCache`, and draining
+//! what it recorded. Free functions over the cache (not methods) so that this concern stays in
+//! its own file; `prefixkv.events.EventRecorder` is the documented API on top.
 
-use prefixkv_core::{EventConfig, EventDrain as CoreDrain, HashForm, KvEvent, TokenIds};
+use prefixkv_core::{
+    BlockKey, EventConfig, EventCounters as CoreCounters, EventDrain as CoreDrain, HashForm,
+    KvEvent, TokenIds,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::cache::CoreCache;
 use crate::convert::int_in;
-use crate::errors::invalid;
+use crate::errors::{invalid, to_py_err};
+use crate::runs::CoreRunCache;
+
+/// Either core: both record the same events (`prefixkv_core::run_cache` hooks them where runs
+/// change).
+#[derive(FromPyObject)]
+pub enum EventCore<'py> {
+    Blocks(PyRef<'py, CoreCache>),
+    Runs(PyRef<'py, CoreRunCache>),
+}
+
+impl EventCore<'_> {
+    fn enable(&self, config: EventConfig) -> PyResult<()> {
+        match self {
+            Self::Blocks(cache) => {
+                cache.0.enable_events(config);
+                Ok(())
+            }
+            Self::Runs(cache) => cache.0.enable_events(config).map_err(to_py_err),
+        }
+    }
+
+    fn disable(&self) -> PyResult<()> {
+        match self {
+            Self::Blocks(cache) => {
+                cache.0.disable_events();
+                Ok(())
+            }
+            Self::Runs(cache) => cache.0.disable_events().map_err(to_py_err),
+        }
+    }
+
+    fn enabled(&self) -> PyResult<bool> {
+        match self {
+            Self::Blocks(cache) => Ok(cache.0.events_enabled()),
+            Self::Runs(cache) => cache.0.events_enabled().map_err(to_py_err),
+        }
+    }
+
+    fn counters(&self) -> PyResult<CoreCounters> {
+        match self {
+            Self::Blocks(cache) => Ok(cache.0.event_counters()),
+            Self::Runs(cache) => cache.0.event_counters().map_err(to_py_err),
+        }
+    }
+
+    fn drain(&self) -> PyResult<CoreDrain> {
+        match self {
+            Self::Blocks(cache) => Ok(cache.0.drain_events()),
+            Self::Runs(cache) => cache.0.drain_events().map_err(to_py_err),
+        }
+    }
+
+    /// Walks every cached block (hashing each): the GIL is released meanwhile.
+    fn cached_keys(&self, py: Python<'_>) -> PyResult<Vec<BlockKey>> {
+        match self {
+            Self::Blocks(cache) => {
+                let core = &*cache.0;
+                Ok(py.detach(|| core.cached_keys()))
+            }
+            Self::Runs(cache) => {
+                let core = &cache.0;
+                py.detach(|| core.cached_keys()).map_err(to_py_err)
+            }
+        }
+    }
+}
 
 /// One recorded change: `kind` is "stored", "removed" or "cleared". For "stored", `keys` are
 /// SHA-256 block keys in chain order, `parent` the key `keys[0]` chains on (None: a first
@@ -133,19 +202,19 @@ pub struct EventCounters {
 
 /// `cache`'s event counters now (they survive disable and enable).
 #[pyfunction]
-pub fn event_counters(cache: &CoreCache) -> EventCounters {
-    let c = cache.0.event_counters();
-    EventCounters {
+pub fn event_counters(cache: EventCore<'_>) -> PyResult<EventCounters> {
+    let c = cache.counters()?;
+    Ok(EventCounters {
         recorded_blocks: c.recorded_blocks,
         dropped_blocks: c.dropped_blocks,
         overflows: c.overflows,
-    }
+    })
 }
 
 /// Starts (or reconfigures) event recording on `cache`.
 #[pyfunction]
 pub fn enable_events(
-    cache: &CoreCache,
+    cache: EventCore<'_>,
     capacity: &Bound<'_, PyAny>,
     token_ids: &str,
 ) -> PyResult<()> {
@@ -160,36 +229,38 @@ pub fn enable_events(
             )))
         }
     };
-    cache.0.enable_events(EventConfig {
+    cache.enable(EventConfig {
         capacity,
         token_ids,
-    });
-    Ok(())
+    })
 }
 
 /// Stops event recording on `cache` (queued events are discarded, counters kept).
 #[pyfunction]
-pub fn disable_events(cache: &CoreCache) {
-    cache.0.disable_events();
+pub fn disable_events(cache: EventCore<'_>) -> PyResult<()> {
+    cache.disable()
 }
 
 /// Whether `cache` records events.
 #[pyfunction]
-pub fn events_enabled(cache: &CoreCache) -> bool {
-    cache.0.events_enabled()
+pub fn events_enabled(cache: EventCore<'_>) -> PyResult<bool> {
+    cache.enabled()
 }
 
 /// The events `cache` recorded since the last drain.
 #[pyfunction]
-pub fn drain_events(py: Python<'_>, cache: &CoreCache) -> PyResult<EventDrain> {
-    EventDrain::new(py, cache.0.drain_events())
+pub fn drain_events(py: Python<'_>, cache: EventCore<'_>) -> PyResult<EventDrain> {
+    EventDrain::new(py, cache.drain()?)
 }
 
 /// The SHA-256 block key of every block `cache` holds now, in no particular order.
 #[pyfunction]
-pub fn cached_keys<'py>(py: Python<'py>, cache: &CoreCache) -> Vec<Bound<'py, PyBytes>> {
-    let keys = py.detach(|| cache.0.cached_keys());
-    keys.iter().map(|k| PyBytes::new(py, &k.0)).collect()
+pub fn cached_keys<'py>(
+    py: Python<'py>,
+    cache: EventCore<'py>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let keys = cache.cached_keys(py)?;
+    Ok(keys.iter().map(|k| PyBytes::new(py, &k.0)).collect())
 }
 
 /// `events` as the msgpack array of vLLM's `KVEventBatch.events` (see

@@ -7,7 +7,7 @@
 //! - `gil`: which calls release the GIL, and why not all of them;
 //! - `cache`: `CoreCache`, a list of thin methods.
 //! - `groups`: `CoreGroups`, a hybrid model's KV groups driven as one over shared `CoreCache`s;
-//! - `events`: KV event recording on a `CoreCache`, drained as `CoreEvent`s;
+//! - `events`: KV event recording on a `CoreCache` or `CoreRunCache`, drained as `CoreEvent`s;
 //! - `index`: `PrefixIndex`, the router-side prefix index, and `prompt_hashes`;
 //! - `runs`: `CoreRunCache`, the cache on runs of blocks (issue 24), experimental: for benches.
 

@@ -2,7 +2,8 @@
 //! issue 24), behind `prefixkv.PrefixCache(core="runs")`. Its methods are `CoreCache`'s, with
 //! the same conversions and the same GIL rule (`gil.rs`); what the run cache does not serve
 //! yet (multimodal extras, sliding windows, the low-level block calls) is refused by name with
-//! an `UnsupportedFeatureError`, changing nothing.
+//! an `UnsupportedFeatureError`, changing nothing. KV events are `events.rs`' functions, as for
+//! `CoreCache`.
 
 use prefixkv_core::run_cache::{RunLookup, RunPrefixCache, RunSlots};
 use prefixkv_core::{FullHit, RequestId};
@@ -21,7 +22,7 @@ use crate::stats::CacheStats;
 /// The cache on runs of blocks. Use `prefixkv.PrefixCache(core="runs")`, which documents
 /// every method.
 #[pyclass(frozen, module = "prefixkv._core")]
-pub struct CoreRunCache(RunPrefixCache);
+pub struct CoreRunCache(pub(crate) RunPrefixCache);
 
 /// Refuses a call the run core does not serve yet, by name.
 fn unserved(call: &str) -> PyErr {

@@ -259,11 +259,7 @@ class PrefixKVCacheManager:
         )
         if context is None:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
-        check_core(
-            core,
-            ("KV cache events", enable_kv_cache_events),
-            (f"a sliding window of {self._window} tokens", self._window is not None),
-        )
+        check_core(core, (f"a sliding window of {self._window} tokens", self._window is not None))
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
         self._cache = PrefixCache(
             kv_cache_config.num_blocks - 1,
@@ -273,7 +269,7 @@ class PrefixKVCacheManager:
             core=core,
         )
         if enable_kv_cache_events:
-            _core.enable_events(self._cache._block_core("KV events"), EVENT_CAPACITY, "all")
+            _core.enable_events(self._cache._core, EVENT_CAPACITY, "all")
         self._requests: dict[str, _Tracked] = {}
         self.block_pool = BlockPoolView(self._cache, self._ids, self)
         self.coordinator = CoordinatorView(self, (spec,), self.block_size, self.block_pool)
@@ -626,7 +622,7 @@ class PrefixKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         if not self.enable_kv_cache_events:
             return []
-        drain = _core.drain_events(self._cache._block_core("KV events"))
+        drain = _core.drain_events(self._cache._core)
         kind, window = self.kv_cache_event_metadata[0]
         return vllm_events(
             drain.events, block_size=self.block_size, kind=kind, sliding_window=window

@@ -59,7 +59,7 @@ SETTINGS = {"core": "blocks"}
 def prefixkv_settings(vllm_config: Any) -> dict[str, str]:
     """prefixkv's settings from ``vllm_config.additional_config["prefixkv"]``: ``core``, the
     cache's core ("blocks", the default, or "runs": the cache on runs of blocks, for one
-    full-attention group without KV events, text only). An unknown setting, or one of another
+    full-attention group, text only). An unknown setting, or one of another
     type, is refused by name."""
     extra = getattr(vllm_config, "additional_config", None)
     ours = extra.get("prefixkv", {}) if isinstance(extra, dict) else {}

@@ -560,9 +560,10 @@ impl PrefixCache {
 pub(crate) const LOOKAHEAD: usize = 16;
 
 /// The encoded extra keys of block `index` (see `key.rs`), written into `buffer`, which a loop
-/// over a prompt's blocks keeps: a request without extra keys (almost every one) leaves it
-/// empty and never allocated, so no `Vec` is built and dropped per block (PROFILE.md, issue
-/// 24, round 13).
+/// over a prompt's blocks keeps: a request without extra keys (almost every one) never
+/// allocates it, so no `Vec` is built and dropped per block (PROFILE.md, issue 24, round 13).
+/// Emptied for a request without extras: a loop over several requests' blocks (a snapshot of
+/// the run cache) must not key a plain block with the extras of the one before.
 #[inline(always)]
 pub(crate) fn block_extras<'a>(
     extras: &RequestExtras,
@@ -570,7 +571,9 @@ pub(crate) fn block_extras<'a>(
     block_size: usize,
     buffer: &'a mut Vec<u8>,
 ) -> &'a [u8] {
-    if !extras.is_empty() {
+    if extras.is_empty() {
+        buffer.clear();
+    } else {
         *buffer = encoded_extras(extras, index, block_size);
     }
     buffer

@@ -326,85 +326,91 @@ pub struct EventDrain {
     pub counters: EventCounters,
 }
 
-impl PrefixCache {
-    /// Turns event recording on (or changes its settings). The first drain then yields a
-    /// snapshot of every block already cached, so a consumer starting now sees them.
-    pub fn enable_events(&self, config: EventConfig) {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let counters = inner.events.counters;
-        let num_blocks = inner.pool.num_blocks();
+impl Events {
+    /// Turns recording on (or changes its settings) over a cache under `context` whose blocks
+    /// have the keys `cached` (by block id, one per block of the pool; `None`: not cached). The
+    /// first drain then yields a snapshot of them, so a consumer starting now sees them.
+    pub(crate) fn enable(
+        &mut self,
+        config: EventConfig,
+        context: &BlockKey,
+        cached: Vec<Option<BlockKey>>,
+    ) {
         let mut recorder = Box::new(Recorder {
             config,
-            keys: vec![None; num_blocks],
-            unsalted_root: root_key(&self.context(), b""),
+            keys: cached,
+            unsalted_root: root_key(context, b""),
             queue: Vec::new(),
             queued_blocks: 0,
             overflowed: false,
             snapshot_pending: false,
-            counters,
+            counters: self.counters,
             scratch: Vec::new(),
         });
-        recorder.keys = self.cached_block_keys(inner);
         // Announce the blocks already cached as a resynchronisation does; after an earlier
         // recorder, also tell consumers to forget what they learned from it.
-        recorder.snapshot_pending =
-            inner.events.was_enabled || recorder.keys.iter().any(Option::is_some);
-        if let Some(previous) = inner.events.recorder.take() {
+        recorder.snapshot_pending = self.was_enabled || recorder.keys.iter().any(Option::is_some);
+        if let Some(previous) = self.recorder.take() {
             recorder.counters = previous.counters;
         }
-        inner.events.was_enabled = true;
-        inner.events.recorder = Some(recorder);
+        self.was_enabled = true;
+        self.recorder = Some(recorder);
     }
 
-    /// Turns event recording off; queued events are discarded. Counters are kept.
-    pub fn disable_events(&self) {
-        let mut guard = self.inner.lock();
-        let events = &mut guard.events;
-        if let Some(recorder) = events.recorder.take() {
-            events.counters = recorder.counters;
+    /// Turns recording off; queued events are discarded. Counters are kept.
+    pub(crate) fn disable(&mut self) {
+        if let Some(recorder) = self.recorder.take() {
+            self.counters = recorder.counters;
         }
     }
 
     /// Whether events are being recorded.
-    #[must_use]
-    pub fn events_enabled(&self) -> bool {
-        self.inner.lock().events.recorder.is_some()
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.recorder.is_some()
     }
 
     /// The recorder's counters now (kept across disable and enable).
-    #[must_use]
-    pub fn event_counters(&self) -> EventCounters {
-        let inner = self.inner.lock();
-        inner
-            .events
-            .recorder
-            .as_ref()
-            .map_or(inner.events.counters, |r| r.counters)
+    pub(crate) fn counters(&self) -> EventCounters {
+        self.recorder.as_ref().map_or(self.counters, |r| r.counters)
     }
 
-    /// The events recorded since the last drain (empty when events are off).
-    pub fn drain_events(&self) -> EventDrain {
-        let mut guard = self.inner.lock();
-        let inner = &mut *guard;
-        let Some(recorder) = inner.events.recorder.as_deref_mut() else {
-            return EventDrain {
-                counters: inner.events.counters,
+    /// Which token ids `Stored` events carry (a snapshot withholds the same ones).
+    pub(crate) fn token_policy(&self) -> TokenIds {
+        self.recorder
+            .as_ref()
+            .map_or(TokenIds::All, |r| r.config.token_ids)
+    }
+
+    /// The events recorded since the last drain; `None` when this drain must resynchronise
+    /// instead (after an overflow, or a late enable): the cache then builds its snapshot and
+    /// hands it to [`Events::resynchronised`].
+    pub(crate) fn drain(&mut self) -> Option<EventDrain> {
+        let Some(recorder) = self.recorder.as_deref_mut() else {
+            return Some(EventDrain {
+                counters: self.counters,
                 ..EventDrain::default()
-            };
+            });
         };
-        if !recorder.suspended() {
-            recorder.queued_blocks = 0;
-            return EventDrain {
-                events: std::mem::take(&mut recorder.queue),
-                resynchronised: false,
-                counters: recorder.counters,
-            };
+        if recorder.suspended() {
+            return None;
         }
+        recorder.queued_blocks = 0;
+        Some(EventDrain {
+            events: std::mem::take(&mut recorder.queue),
+            resynchronised: false,
+            counters: recorder.counters,
+        })
+    }
+
+    /// The drain that replaces what was lost by `snapshot` (`Cleared`, then every cached block).
+    pub(crate) fn resynchronised(&mut self, snapshot: Vec<KvEvent>) -> EventDrain {
+        let recorder = self
+            .recorder
+            .as_deref_mut()
+            .expect("a resynchronisation while recording");
         recorder.overflowed = false;
         recorder.snapshot_pending = false;
-        let snapshot = self.snapshot(inner);
-        let recorder = inner.events.recorder.as_deref_mut().expect("checked above");
         recorder.queue.clear();
         recorder.queued_blocks = 0;
         EventDrain {
@@ -412,6 +418,73 @@ impl PrefixCache {
             resynchronised: true,
             counters: recorder.counters,
         }
+    }
+}
+
+/// A snapshot's `Stored` of one cached block, its tokens withheld as `policy` says (`root`: its
+/// chain's root key, compared with `unsalted_root`).
+pub(crate) fn snapshot_stored(
+    (key, parent): (BlockKey, Option<BlockKey>),
+    tokens: &[u32],
+    (root, unsalted_root): (&BlockKey, &BlockKey),
+    extras: &[u8],
+    adapter: Option<Vec<u8>>,
+    policy: TokenIds,
+) -> KvEvent {
+    let with_tokens = match policy {
+        TokenIds::All => true,
+        TokenIds::Unsalted => root == unsalted_root,
+        TokenIds::None => false,
+    };
+    KvEvent::Stored {
+        keys: vec![key],
+        parent,
+        token_ids: if with_tokens {
+            tokens.to_vec()
+        } else {
+            Vec::new()
+        },
+        adapter,
+        extras: vec![extras.to_vec()],
+    }
+}
+
+impl PrefixCache {
+    /// Turns event recording on (or changes its settings). The first drain then yields a
+    /// snapshot of every block already cached, so a consumer starting now sees them.
+    pub fn enable_events(&self, config: EventConfig) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let cached = self.cached_block_keys(inner);
+        inner.events.enable(config, &self.context(), cached);
+    }
+
+    /// Turns event recording off; queued events are discarded. Counters are kept.
+    pub fn disable_events(&self) {
+        self.inner.lock().events.disable();
+    }
+
+    /// Whether events are being recorded.
+    #[must_use]
+    pub fn events_enabled(&self) -> bool {
+        self.inner.lock().events.enabled()
+    }
+
+    /// The recorder's counters now (kept across disable and enable).
+    #[must_use]
+    pub fn event_counters(&self) -> EventCounters {
+        self.inner.lock().events.counters()
+    }
+
+    /// The events recorded since the last drain (empty when events are off).
+    pub fn drain_events(&self) -> EventDrain {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        if let Some(drain) = inner.events.drain() {
+            return drain;
+        }
+        let snapshot = self.snapshot(inner);
+        inner.events.resynchronised(snapshot)
     }
 
     /// The block key of every cached block, in no particular order: the set a consumer's view of

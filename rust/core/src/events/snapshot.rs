@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::{KvEvent, TokenIds};
+use super::{snapshot_stored, KvEvent};
 use crate::cache::{Inner, PrefixCache};
 use crate::key::{block_key_with, root_key, BlockKey};
 use crate::pool::BlockId;
@@ -18,11 +18,7 @@ impl PrefixCache {
     pub(super) fn snapshot(&self, inner: &mut Inner) -> Vec<KvEvent> {
         let keys = self.cached_block_keys(inner);
         let unsalted_root = root_key(&self.context(), b"");
-        let token_policy = inner
-            .events
-            .recorder
-            .as_ref()
-            .map_or(TokenIds::All, |r| r.config.token_ids);
+        let policy = inner.events.token_policy();
         let guard = self.table.guard();
         let mut events = vec![KvEvent::Cleared];
         for (block, parent, root) in self.cached_in_chain_order(inner) {
@@ -30,22 +26,17 @@ impl PrefixCache {
                 .table
                 .entry(block, &guard)
                 .expect("cached blocks have entries");
-            let with_tokens = match token_policy {
-                TokenIds::All => true,
-                TokenIds::Unsalted => root == unsalted_root,
-                TokenIds::None => false,
-            };
-            events.push(KvEvent::Stored {
-                keys: vec![keys[block as usize].expect("computed for every cached block")],
-                parent: parent.map(|p| keys[p as usize].expect("a cached parent")),
-                token_ids: if with_tokens {
-                    entry.tokens.to_vec()
-                } else {
-                    Vec::new()
-                },
-                adapter: adapter_of(&entry.extras),
-                extras: vec![entry.extras.to_vec()],
-            });
+            events.push(snapshot_stored(
+                (
+                    keys[block as usize].expect("computed for every cached block"),
+                    parent.map(|p| keys[p as usize].expect("a cached parent")),
+                ),
+                &entry.tokens,
+                (&root, &unsalted_root),
+                &entry.extras,
+                adapter_of(&entry.extras),
+                policy,
+            ));
         }
         events
     }

@@ -14,9 +14,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use super::{lookup_in, Held, RunCache, RunLookup, RunRequest, RunSlots};
+use super::{lookup_in, Held, Origin, RunCache, RunLookup, RunRequest, RunSlots};
 use crate::cache::{block_extras, FullHit, Reset};
 use crate::error::{CacheError, Result};
+use crate::events::{EventConfig, EventCounters, EventDrain};
 use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
 use crate::pins::Pins;
 use crate::pool::BlockId;
@@ -53,12 +54,9 @@ struct State {
     pins: Pins<Vec<Held>>,
 }
 
-/// A live request, and what its block keys are computed from (the root the run cache matches
-/// under folds its adapter in: `run_root`).
+/// A live request (what its block keys chain from is its `Origin`).
 struct Live {
     request: RunRequest,
-    root: BlockKey,
-    extras: RequestExtras,
     /// Its tenant salt, to key it again under a new context (`reset`).
     salt: Vec<u8>,
 }
@@ -468,14 +466,50 @@ impl RunPrefixCache {
     /// The key of every full block of a live request's verified tokens.
     pub fn request_block_keys(&self, id: &RequestId) -> Result<Vec<BlockKey>> {
         let state = self.state()?;
-        let live = get_live(&state.requests, id)?;
-        let request = &live.request;
+        let request = get(&state.requests, id)?;
         Ok(key_chain(
-            live.root,
-            &live.extras,
+            request.origin.root,
+            &request.origin.extras,
             &request.tokens[..request.num_verified()],
             self.block_size,
         ))
+    }
+
+    /// Turns KV event recording on (or changes its settings), as the core's `enable_events`:
+    /// the first drain then yields a snapshot of every block already cached.
+    pub fn enable_events(&self, config: EventConfig) -> Result<()> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        state.cache.enable_events(config, &state.context);
+        Ok(())
+    }
+
+    /// Turns event recording off (queued events discarded, counters kept).
+    pub fn disable_events(&self) -> Result<()> {
+        self.state()?.cache.disable_events();
+        Ok(())
+    }
+
+    /// Whether events are being recorded.
+    pub fn events_enabled(&self) -> Result<bool> {
+        Ok(self.state()?.cache.events_enabled())
+    }
+
+    /// The recorder's counters (kept across disable, enable and resets).
+    pub fn event_counters(&self) -> Result<EventCounters> {
+        Ok(self.state()?.cache.event_counters())
+    }
+
+    /// The events recorded since the last drain (empty when events are off).
+    pub fn drain_events(&self) -> Result<EventDrain> {
+        let mut guard = self.state()?;
+        let state = &mut *guard;
+        Ok(state.cache.drain_events(&state.context))
+    }
+
+    /// The SHA-256 block key of every cached block, in no particular order.
+    pub fn cached_keys(&self) -> Result<Vec<BlockKey>> {
+        Ok(self.state()?.cache.cached_keys())
     }
 
     /// Turns the eviction log on (emptied) or off, as the core's `set_eviction_log`.
@@ -530,6 +564,8 @@ impl RunPrefixCache {
         let old = std::mem::replace(&mut state.cache, cache);
         state.counters.evictions_before += old.counters().evictions;
         state.counters.copies_before += old.counters().copies;
+        // The recorder goes on, its consumers told that every block is gone.
+        state.cache.events = old.events;
         state.pins.drop_all(if context.is_some() {
             Reset::SetContext
         } else {
@@ -538,10 +574,14 @@ impl RunPrefixCache {
         if let Some(context) = context {
             state.context = context;
         }
+        state.cache.events.cleared(&state.context);
         // The requests left wait, holding nothing: only their keys depend on the context.
         for live in state.requests.values_mut() {
-            live.root = root_key(&state.context, &live.salt);
-            live.request.root = run_root(&live.root, live.extras.adapter.as_deref());
+            let origin = Origin {
+                root: root_key(&state.context, &live.salt),
+                extras: live.request.origin.extras.clone(),
+            };
+            live.request.rekey(Arc::new(origin));
         }
         // Under the writer's lock still: no request can begin under the old context meanwhile.
         *self.reader.write().map_err(|_| poisoned())? = (table, state.context);
@@ -657,12 +697,12 @@ impl State {
 
     /// A waiting request under this state's context.
     fn live(&self, tokens: Vec<u32>, salt: &[u8], extras: RequestExtras, priority: i32) -> Live {
-        let root = root_key(&self.context, salt);
-        let matched_under = run_root(&root, extras.adapter.as_deref());
-        Live {
-            request: RunCache::add(matched_under, tokens, priority),
-            root,
+        let origin = Origin {
+            root: root_key(&self.context, salt),
             extras,
+        };
+        Live {
+            request: RunCache::add_from(Arc::new(origin), tokens, priority),
             salt: salt.to_vec(),
         }
     }

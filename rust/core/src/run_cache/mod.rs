@@ -6,8 +6,8 @@
 //! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
 //! contract with vLLM: the tests run both side by side, block table for block table. It
 //! serves `PrefixCache(core="runs")` (`by_id.rs`), pins (`pins.rs`), the eviction log and both
-//! `FullHit` modes (`hit.rs`) included; what it leaves out for now: events, multimodal extras,
-//! sliding windows, groups and the low-level `release`.
+//! `FullHit` modes (`hit.rs`) and KV events (`events.rs`) included; what it leaves out for now:
+//! multimodal extras, sliding windows, groups and the low-level block calls.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -64,6 +64,7 @@
 //! in their places in the order; `invariants.rs`: what the tests check after their steps.
 
 mod by_id;
+mod events;
 mod hit;
 mod invariants;
 mod observe;
@@ -80,11 +81,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::cache::FullHit;
+use crate::events::Events;
 use crate::key::BlockKey;
 use crate::pool::BlockId;
 use crate::run_table::{RunAllocator, RunParent, RunRef, RunTable};
 
 pub use by_id::RunPrefixCache;
+pub use events::Origin;
 pub use hit::{lookup_in, RunLookup};
 pub use observe::RunBlockCounts;
 use order::Order;
@@ -163,6 +166,9 @@ struct Run {
     /// The run a split gave this run's former tail to (what a request holding past the split
     /// point continues into).
     continued: u32,
+    /// A first run's origin, what its blocks' SHA-256 keys chain from (`events.rs`); `None`
+    /// for a child run.
+    origin: Option<Arc<Origin>>,
 }
 
 /// Blocks `lo..hi` of `run`, free, of one priority: a segment about to be queued.
@@ -195,7 +201,10 @@ enum Held {
 
 /// A request between `begin` and `finish`.
 pub struct RunRequest {
+    /// The root the run table matches it under (its origin's `run_root`).
     root: BlockKey,
+    /// What its block keys chain from (events, `block_keys`).
+    origin: Arc<Origin>,
     tokens: Vec<u32>,
     priority: i32,
     held: Vec<Held>,
@@ -320,6 +329,8 @@ pub struct RunCache {
     /// The release clock: one tick per finish, one more for its spares.
     tick: u64,
     counters: RunCounters,
+    /// KV events, recorded while on (`events.rs`).
+    events: Events,
 }
 
 impl RunCache {
@@ -354,6 +365,7 @@ impl RunCache {
             eviction_log: None,
             tick: 0,
             counters: RunCounters::default(),
+            events: Events::default(),
         })
     }
 
@@ -429,6 +441,7 @@ impl RunCache {
                 pinned: 0,
                 with_successor: 0,
                 continued: NONE,
+                origin: None,
             });
             return u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks");
         };
@@ -443,6 +456,7 @@ impl RunCache {
                 && r.pins.is_empty()
                 && r.pinned == 0
                 && r.with_successor == 0
+                && r.origin.is_none()
         );
         r.parent = parent;
         r.one_priority = None;

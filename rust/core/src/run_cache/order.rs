@@ -447,6 +447,11 @@ impl RunCache {
                 if let Some(log) = self.eviction_log.as_mut() {
                     log.extend_from_slice(&into[first..]);
                 }
+                if self.events.enabled() {
+                    for &block in &into[first..] {
+                        self.events.removed(block);
+                    }
+                }
                 let r = &mut self.runs[run as usize];
                 r.refs.truncate(stop as usize);
                 r.priority.truncate(stop as usize);
@@ -494,6 +499,8 @@ impl RunCache {
         // The copy's row takes the canonical block's; the run keeps its id (its content is
         // the same), so its children stay found under it.
         let canonical = self.table.replace(shared, pos as usize, copy);
+        // The content stays cached under the same key: nothing for a router to learn.
+        self.events.moved(canonical, copy);
         self.forget_as_successor(run, pos, canonical);
         let r = &self.runs[run as usize];
         if pos + 1 == r.len && !r.children.is_empty() {
@@ -532,6 +539,7 @@ impl RunCache {
         );
         debug_assert_eq!(r.pinned, 0, "an emptied run had no pinned block");
         r.pins.clear();
+        r.origin = None;
         let shared = r.shared.take().expect("a run with blocks was in the table");
         let parent = r.parent;
         self.table.remove(&mut self.alloc, shared);

@@ -3,6 +3,7 @@
 //! request's holds across the splits made since it took them.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use super::{slab_put, Dup, Held, RunCache, RunRequest, NONE};
 use crate::error::{CacheError, Result};
@@ -111,9 +112,19 @@ impl RunCache {
             None => {
                 let parent = self.shared_parent(target, request.root);
                 let shared = self.table.create(&mut self.alloc, parent, blocks, tokens);
-                self.runs[target as usize].shared = Some(shared);
+                let t = &mut self.runs[target as usize];
+                t.shared = Some(shared);
+                if run == NONE {
+                    t.origin = Some(Arc::clone(&request.origin));
+                }
                 self.by_slot[shared.slot as usize] = target;
             }
+        }
+        if self.events.enabled() {
+            // The block this commit's first one hangs after: the canonical one, whose key a
+            // duplicate of it shares.
+            let parent = (run != NONE).then(|| self.block(run, end - 1));
+            self.record_stored(request, parent, at, full);
         }
         if target != run && run != NONE {
             self.runs[run as usize].children.push(target);

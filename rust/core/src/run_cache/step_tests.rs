@@ -3,11 +3,13 @@
 //! committed block by block, preemptions that re-match, caps on the cached prefix, finishes
 //! in any order. After every call both caches must have answered alike: the same slots or
 //! the same refusal (out of blocks, or invalid input), the same block table, the same start
-//! position; and at the end the same evictions and every block obtainable again.
+//! position, the same KV events (drained after every call, snapshots and overflows included);
+//! and at the end the same evictions and every block obtainable again.
 
 use super::tests::{full_hit_of, Draw, Pair, SALTS};
 use super::{RunCache, RunRequest};
 use crate::error::CacheError;
+use crate::events::{EventConfig, KvEvent, TokenIds};
 use crate::{RequestExtras, RequestId};
 
 /// One request in both caches.
@@ -42,6 +44,33 @@ struct Reached {
     pinned: u64,
     unpinned: u64,
     logged: u64,
+    stored_events: u64,
+    removed_events: u64,
+    resynchronisations: u64,
+}
+
+/// Seed `seed`'s events: on for two seeds in three, a small queue for one in four (overflows,
+/// resynchronised by snapshots), each token policy in turn.
+fn event_config(seed: u64) -> Option<EventConfig> {
+    (seed % 3 != 2).then(|| EventConfig {
+        capacity: if seed.is_multiple_of(4) { 6 } else { 1 << 20 },
+        token_ids: [TokenIds::All, TokenIds::Unsalted, TokenIds::None][(seed / 3 % 3) as usize],
+    })
+}
+
+/// Both caches' events since the last drain must be the same, event for event.
+fn same_events(pair: &mut Pair, what: &str, reached: &mut Reached) {
+    let core = pair.core.drain_events();
+    let mine = pair.runs.drain_events(&pair.context);
+    assert_eq!(core, mine, "{what}: KV events");
+    reached.resynchronisations += u64::from(core.resynchronised);
+    for event in &core.events {
+        match event {
+            KvEvent::Stored { keys, .. } => reached.stored_events += keys.len() as u64,
+            KvEvent::Removed { keys } => reached.removed_events += keys.len() as u64,
+            KvEvent::Cleared => {}
+        }
+    }
 }
 
 /// The same kind of refusal, or the same answer.
@@ -83,8 +112,18 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
         pair.core.set_eviction_log(true);
         pair.runs.eviction_log = Some(Vec::new());
     }
+    let events = event_config(seed);
+    if let Some(config) = events {
+        pair.core.enable_events(config);
+        pair.runs.enable_events(config, &pair.context);
+    }
     let max_prompt = num_blocks as usize * block_size * 3 / 4;
     for step in 0..500 {
+        if let Some(config) = events.filter(|_| step % 97 == 50) {
+            // Enabled again over a warm cache: the next drain is a snapshot of it.
+            pair.core.enable_events(config);
+            pair.runs.enable_events(config, &pair.context);
+        }
         let winding_down = step >= 440;
         let what = format!("seed {seed}, block size {block_size}, step {step}");
         let action = if winding_down { 5 } else { draw.below(15) };
@@ -380,8 +419,13 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 l.id
             );
         }
+        same_events(&mut pair, &what, reached);
         if step % 8 == 0 {
             pair.runs.check_invariants();
+            let (mut core_keys, mut mine) = (pair.core.cached_keys(), pair.runs.cached_keys());
+            core_keys.sort();
+            mine.sort();
+            assert_eq!(core_keys, mine, "{what}: the cached set's block keys");
             pair.runs
                 .check_block_states(live.iter().map(|l| l.mine.blocks()));
             let counts = pair.runs.block_counts();
@@ -468,6 +512,9 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         pinned,
         unpinned,
         logged,
+        stored_events,
+        removed_events,
+        resynchronisations,
     } = reached;
     for (name, n) in [
         ("hit tokens", hit_tokens),
@@ -487,6 +534,9 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         ("pinned blocks", pinned),
         ("unpins", unpinned),
         ("evictions logged", logged),
+        ("blocks stored (events)", stored_events),
+        ("blocks removed (events)", removed_events),
+        ("resynchronisations", resynchronisations),
     ] {
         assert!(n > 10, "block size {block_size}: only {n} {name}");
     }

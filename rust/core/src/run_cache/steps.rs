@@ -6,10 +6,12 @@
 //! again; `finish` ends it. Every call refuses, changing nothing, exactly where
 //! [`crate::PrefixCache`]'s own does (the tests run both side by side).
 
-use super::{Held, RunCache, RunRequest};
+use std::sync::Arc;
+
+use super::{Held, Origin, RunCache, RunRequest};
 use crate::cache::HitShape;
 use crate::error::{CacheError, Result};
-use crate::key::BlockKey;
+use crate::key::{BlockKey, RequestExtras};
 use crate::pool::BlockId;
 
 /// What `allocate_slots` hands the engine (the core's `Slots`).
@@ -84,11 +86,23 @@ impl RunRequest {
 }
 
 impl RunCache {
-    /// A request for `tokens` under `root`, waiting: nothing matched, nothing held.
+    /// A request for `tokens` under `root` (a `key::root_key`, with no adapter), waiting:
+    /// nothing matched, nothing held.
     #[must_use]
     pub fn add(root: BlockKey, tokens: Vec<u32>, priority: i32) -> RunRequest {
-        RunRequest {
+        let origin = Origin {
             root,
+            extras: RequestExtras::default(),
+        };
+        Self::add_from(Arc::new(origin), tokens, priority)
+    }
+
+    /// A request for `tokens` keyed from `origin` (its root and adapter), waiting.
+    #[must_use]
+    pub fn add_from(origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
+        RunRequest {
+            root: origin.run_root(),
+            origin,
             tokens,
             priority,
             held: Vec::new(),

@@ -29,6 +29,7 @@ pub(super) struct Pair {
     pub(super) core: PrefixCache,
     pub(super) runs: RunCache,
     pub(super) roots: [BlockKey; 2],
+    pub(super) context: BlockKey,
 }
 
 pub(super) const SALTS: [&[u8]; 2] = [b"", b"tenant"];
@@ -53,6 +54,7 @@ impl Pair {
                 .expect("cache")
                 .with_full_hit(full_hit),
             roots: SALTS.map(|salt| root_key(&context, salt)),
+            context,
         }
     }
 
