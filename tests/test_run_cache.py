@@ -39,6 +39,7 @@ from prefixkv.events import EventRecorder
 
 BLOCK_SIZE = 4
 VOCAB = 40
+Items = list[tuple[int, int, str]] | None
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -66,6 +67,24 @@ def drained(recorder: EventRecorder) -> tuple[Any, ...]:
     events = [(e.kind, e.keys, e.parent, e.token_ids, e.adapter, e.extras) for e in drain.events]
     counts = (drain.recorded_blocks, drain.dropped_blocks, drain.overflows)
     return (events, drain.resynchronised, counts)
+
+
+#: Multimodal items: none mostly, else one or two from a few placements and two contents, so
+#: that prompts share them (hits through them) or differ only by them (equal placeholder tokens,
+#: other image: never a hit).
+ITEMS = st.one_of(
+    st.none(),
+    st.none(),
+    st.lists(
+        st.tuples(
+            st.sampled_from([0, 2, 4, 5, 8]),
+            st.sampled_from([1, 4, 6]),
+            st.sampled_from(["img-a", "img-b"]),
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+)
 
 
 @st.composite
@@ -162,9 +181,15 @@ class BothCores(RuleBasedStateMachine):
         salt=st.sampled_from([None, "tenant"]),
         adapter=st.sampled_from([None, None, "lora-a", "lora-b"]),
         priority=st.integers(-1, 1),
+        items=ITEMS,
     )
     def add_request(
-        self, data: st.DataObject, salt: str | None, adapter: str | None, priority: int
+        self,
+        data: st.DataObject,
+        salt: str | None,
+        adapter: str | None,
+        priority: int,
+        items: Items,
     ) -> None:
         prompt = self.prompt(data)
         rid: int | str = f"r{self.next_id}" if self.next_id % 2 else self.next_id + 1000
@@ -173,7 +198,9 @@ class BothCores(RuleBasedStateMachine):
             rid = self.ids[0]  # a live id again: refused by both
         kind, _ = self.both(
             "add_request",
-            lambda c: c.add_request(rid, prompt, salt=salt, adapter=adapter, priority=priority),
+            lambda c: c.add_request(
+                rid, prompt, salt=salt, adapter=adapter, priority=priority, multimodal=items
+            ),
         )
         if kind == "ok":
             self.ids.append(rid)
@@ -183,34 +210,41 @@ class BothCores(RuleBasedStateMachine):
         data=st.data(),
         salt=st.sampled_from([None, "tenant"]),
         adapter=st.sampled_from([None, None, "lora-a"]),
+        items=ITEMS,
     )
-    def begin(self, data: st.DataObject, salt: str | None, adapter: str | None) -> None:
+    def begin(
+        self, data: st.DataObject, salt: str | None, adapter: str | None, items: Items
+    ) -> None:
         prompt = self.prompt(data)
         as_numpy = data.draw(st.booleans())
         tokens: Any = np.array(prompt, dtype=np.int64) if as_numpy else prompt
-        kind, request = self.both("begin", lambda c: c.begin(tokens, salt=salt, adapter=adapter))
+        kind, request = self.both(
+            "begin", lambda c: c.begin(tokens, salt=salt, adapter=adapter, multimodal=items)
+        )
         if kind == "ok":
             self.ids.append(request.id)
             self.scheduled.add(request.id)
             self.seen.append(prompt)
 
-    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]))
-    def serve(self, data: st.DataObject, salt: str | None) -> None:
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant"]), items=ITEMS)
+    def serve(self, data: st.DataObject, salt: str | None, items: Items) -> None:
         # A whole request (begun, its prompt's KV committed, finished): it leaves its blocks
         # cached, so that later prompts hit, fully too (the other rules rarely commit a prompt
         # whole).
         prompt = self.prompt(data)
-        kind, request = self.both("serve: begin", lambda c: c.begin(prompt, salt=salt))
+        kind, request = self.both(
+            "serve: begin", lambda c: c.begin(prompt, salt=salt, multimodal=items)
+        )
         if kind == "ok":
             self.both("serve: commit", lambda c: c.commit(request.id, len(prompt)))
             self.both("serve: finish", lambda c: c.finish(request.id))
             self.seen.append(prompt)
 
-    @rule(data=st.data(), adapter=st.sampled_from([None, "lora-a", "lora-b"]))
-    def lookup(self, data: st.DataObject, adapter: str | None) -> None:
+    @rule(data=st.data(), adapter=st.sampled_from([None, "lora-a", "lora-b"]), items=ITEMS)
+    def lookup(self, data: st.DataObject, adapter: str | None, items: Items) -> None:
         prompt = self.prompt(data)
-        self.both("lookup", lambda c: c.lookup(prompt, adapter=adapter))
-        self.both("block_keys", lambda c: c.block_keys(prompt, adapter=adapter))
+        self.both("lookup", lambda c: c.lookup(prompt, adapter=adapter, multimodal=items))
+        self.both("block_keys", lambda c: c.block_keys(prompt, adapter=adapter, multimodal=items))
 
     @precondition(lambda self: self.ids)
     @rule(data=st.data())
@@ -253,14 +287,23 @@ class BothCores(RuleBasedStateMachine):
         salt=st.sampled_from([None, "tenant"]),
         adapter=st.sampled_from([None, None, None, "lora-a"]),
         priority=st.integers(-1, 1),
+        items=ITEMS,
     )
     def whole_request(
-        self, data: st.DataObject, salt: str | None, adapter: str | None, priority: int
+        self,
+        data: st.DataObject,
+        salt: str | None,
+        adapter: str | None,
+        priority: int,
+        items: Items,
     ) -> None:
         """Begun, committed and finished in one go, as traffic fills the cache."""
         prompt = self.prompt(data)
         kind, request = self.both(
-            "begin", lambda c: c.begin(prompt, salt=salt, adapter=adapter, priority=priority)
+            "begin",
+            lambda c: c.begin(
+                prompt, salt=salt, adapter=adapter, priority=priority, multimodal=items
+            ),
         )
         if kind == "ok":
             self.seen.append(prompt)
@@ -309,12 +352,15 @@ class BothCores(RuleBasedStateMachine):
         data=st.data(),
         salt=st.sampled_from([None, "tenant"]),
         adapter=st.sampled_from([None, None, "lora-a"]),
+        items=ITEMS,
     )
-    def pin(self, data: st.DataObject, salt: str | None, adapter: str | None) -> None:
+    def pin(self, data: st.DataObject, salt: str | None, adapter: str | None, items: Items) -> None:
         """A pinned prefix stays out of eviction's reach (not a reference): the same blocks
         pinned, and from then on the same victims, counts and refusals."""
         prompt = self.prompt(data)
-        kind, pin = self.both("pin", lambda c: c.pin(prompt, salt=salt, adapter=adapter))
+        kind, pin = self.both(
+            "pin", lambda c: c.pin(prompt, salt=salt, adapter=adapter, multimodal=items)
+        )
         if kind == "ok":
             self.pins.append(pin.id)
 
@@ -391,8 +437,6 @@ def test_what_the_run_core_does_not_serve_is_refused_by_name() -> None:
 
     before = state()
     unserved: list[tuple[str, Callable[[], Any]]] = [
-        ("multimodal", lambda: cache.begin([1, 2], multimodal=[(0, 1, "img")])),
-        ("multimodal", lambda: cache.lookup([1, 2], multimodal=[(0, 1, "img")])),
         ("match_and_acquire", lambda: cache.match_and_acquire([1, 2, 3, 4])),
         ("allocate", lambda: cache.allocate(1)),
         ("commit_blocks", lambda: cache.commit_blocks([1, 2, 3, 4], [0])),
@@ -497,3 +541,23 @@ def test_a_reset_with_requests_waiting_keys_them_anew_and_empties_the_eviction_l
     # Published under the new context: a lookup of the prompt hits it (all but the last block,
     # which a full hit recomputes).
     assert outcomes[0][2] == 8 - BLOCK_SIZE, "the preempted request published anew"
+
+
+@pytest.mark.parametrize("core", ["blocks", "runs"])
+def test_an_images_blocks_hit_only_with_the_same_image(core: str) -> None:
+    """Placeholder tokens are the same for every image: the blocks an image overlaps, and all
+    after them, hit only for the same image in the same place (the run core tags those blocks;
+    the state machine above checks it call for call against the default core)."""
+    cache = PrefixCache(32, block_size=BLOCK_SIZE, core=core)
+    prompt = [1, 2, 3, 4] + [9] * 8 + [5, 6, 7, 8, 0]
+    image = [(4, 8, "cat")]
+    request = cache.begin(prompt, multimodal=image)
+    cache.commit(request, len(prompt))
+    cache.finish(request)
+    assert cache.lookup(prompt, multimodal=image).num_cached_tokens == 16
+    # Another image, or none, in the same placeholders: only the text before it hits.
+    assert cache.lookup(prompt, multimodal=[(4, 8, "dog")]).num_cached_tokens == 4
+    assert cache.lookup(prompt).num_cached_tokens == 4
+    # The same image placed one token later covers other blocks' tokens: a miss from there.
+    assert cache.lookup(prompt, multimodal=[(5, 8, "cat")]).num_cached_tokens == 4
+    cache.check_invariants()

@@ -209,9 +209,10 @@ class PrefixCache:
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
             on long prompts (1.72× on the production-shaped replay), handing out the same
-            blocks in the same order; `pin`, `unpin`, the eviction log, both `full_hit` modes
-            and KV events (`EventRecorder`: the same events as the default core's) too. It
-            refuses by name, changing nothing, what it does not serve yet: `multimodal` extras,
+            blocks in the same order; `pin`, `unpin`, the eviction log, both `full_hit` modes,
+            KV events (`EventRecorder`: the same events as the default core's) and `multimodal`
+            items (a block they overlap starts a run of its own, found only under its items'
+            tag) too. It refuses by name, changing nothing, what it does not serve yet:
             `sliding_window`, the low-level block calls (`match_and_acquire`, `allocate`,
             `commit_blocks`, `release`) and KV groups (`UnsupportedFeatureError`), and `clear`
             / `set_context` while a request is scheduled (`InvalidInputError`; waiting and

@@ -58,6 +58,8 @@ pub const KEY_BYTES: usize = 32;
 const CONTEXT_DOMAIN: &[u8] = b"prefixkv.context.v1\0";
 const ROOT_DOMAIN: &[u8] = b"prefixkv.root.v1\0";
 const RUN_ROOT_DOMAIN: &[u8] = b"prefixkv.run-root.v1\0";
+const RUN_TAG_DOMAIN: &[u8] = b"prefixkv.run-tag.v1\0";
+const TAGGED_ROOT_DOMAIN: &[u8] = b"prefixkv.tagged-root.v1\0";
 const BLOCK_PLAIN: u8 = 0x00;
 const BLOCK_WITH_EXTRAS: u8 = 0x01;
 
@@ -116,6 +118,28 @@ pub fn run_root(root: &BlockKey, adapter: Option<&[u8]>) -> BlockKey {
     hasher.update(root.0);
     hasher.update(len_u32(adapter.len()).to_le_bytes());
     hasher.update(adapter);
+    BlockKey(hasher.finalize().into())
+}
+
+/// The run cache's tag of a block with multimodal items: a SHA-256 key of the items'
+/// encoding (`RequestExtras::multimodal_for_block`), so that equal tokens with other items, or
+/// none, never match. The adapter is not in it: it parts the roots (`run_root`).
+#[must_use]
+pub fn run_tag(items: &[u8]) -> BlockKey {
+    let mut hasher = Sha256::new();
+    hasher.update(RUN_TAG_DOMAIN);
+    hasher.update(items);
+    BlockKey(hasher.finalize().into())
+}
+
+/// Where the run cache hangs a first run whose first block is tagged (`run_tag`): a key of the
+/// run root and the tag, in a domain of its own.
+#[must_use]
+pub fn tagged_root(root: &BlockKey, tag: &BlockKey) -> BlockKey {
+    let mut hasher = Sha256::new();
+    hasher.update(TAGGED_ROOT_DOMAIN);
+    hasher.update(root.0);
+    hasher.update(tag.0);
     BlockKey(hasher.finalize().into())
 }
 
@@ -305,6 +329,46 @@ impl RequestExtras {
             out.extend_from_slice(&len_u32(adapter.len()).to_le_bytes());
             out.extend_from_slice(adapter);
         }
+        self.encode_multimodal(block_start, block_end, &mut out);
+        out
+    }
+
+    /// The multimodal part of `for_block` alone (empty when no item overlaps the block).
+    #[must_use]
+    pub fn multimodal_for_block(&self, block_start: u64, block_end: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode_multimodal(block_start, block_end, &mut out);
+        out
+    }
+
+    /// The run cache's tag (`run_tag`) of every block among the first `num_blocks` of
+    /// `block_size` tokens that a multimodal item overlaps, by block index, ascending.
+    #[must_use]
+    pub fn run_tags(&self, num_blocks: usize, block_size: usize) -> Vec<(u32, BlockKey)> {
+        if self.multimodal.is_empty() {
+            return Vec::new();
+        }
+        let bs = block_size as u64;
+        let mut tagged: Vec<u32> = Vec::new();
+        for item in &self.multimodal {
+            let end = item.start.saturating_add(item.length).div_ceil(bs) + 1;
+            let first = item.start / bs;
+            tagged.extend((first..end.min(num_blocks as u64)).map(|b| b as u32));
+        }
+        tagged.sort_unstable();
+        tagged.dedup();
+        // Each candidate checked by `for_block`'s own rule of overlap.
+        tagged
+            .into_iter()
+            .filter_map(|b| {
+                let start = u64::from(b) * bs;
+                let items = self.multimodal_for_block(start, start + bs);
+                (!items.is_empty()).then(|| (b, run_tag(&items)))
+            })
+            .collect()
+    }
+
+    fn encode_multimodal(&self, block_start: u64, block_end: u64, out: &mut Vec<u8>) {
         for item in &self.multimodal {
             let item_end = item.start.saturating_add(item.length);
             if item.start < block_end && item_end > block_start {
@@ -318,7 +382,6 @@ impl RequestExtras {
                 out.extend_from_slice(&item.hash);
             }
         }
-        out
     }
 }
 

@@ -1,7 +1,7 @@
 //! `CoreRunCache`: the cache on runs of blocks (`prefixkv_core::run_cache::RunPrefixCache`,
 //! issue 24), behind `prefixkv.PrefixCache(core="runs")`. Its methods are `CoreCache`'s, with
 //! the same conversions and the same GIL rule (`gil.rs`); what the run cache does not serve
-//! yet (multimodal extras, sliding windows, the low-level block calls) is refused by name with
+//! yet (sliding windows, the low-level block calls) is refused by name with
 //! an `UnsupportedFeatureError`, changing nothing. KV events are `events.rs`' functions, as for
 //! `CoreCache`.
 
@@ -30,16 +30,6 @@ fn unserved(call: &str) -> PyErr {
         "{call} is not served by the run core yet (PrefixCache(core=\"runs\")); use the \
          default core=\"blocks\" for it"
     ))
-}
-
-/// The run core keys blocks by context, salt, adapter and tokens, so far: multimodal items,
-/// which part blocks of equal tokens, are refused.
-fn no_extras(keys: &KeyExtras) -> PyResult<()> {
-    if keys.extras.multimodal.is_empty() {
-        Ok(())
-    } else {
-        Err(unserved("multimodal extras"))
-    }
 }
 
 /// What a lookup found, as `CoreCache`'s lookups answer.
@@ -139,7 +129,6 @@ impl CoreRunCache {
         mut tokens: Tokens<'_>,
         keys: &KeyExtras,
     ) -> PyResult<PrefixMatch> {
-        no_extras(keys)?;
         let view = tokens.view();
         let found = py
             .detach(|| {
@@ -157,7 +146,6 @@ impl CoreRunCache {
         prompts: Vec<Bound<'_, PyAny>>,
         keys: &KeyExtras,
     ) -> PyResult<Vec<PrefixMatch>> {
-        no_extras(keys)?;
         let found = crate::probes::lookup_each(
             py,
             &prompts,
@@ -190,7 +178,6 @@ impl CoreRunCache {
         request: Option<RequestRef>,
     ) -> PyResult<Request> {
         let priority = convert::priority(priority)?;
-        no_extras(keys)?;
         let num_prompt_tokens = tokens.len();
         let view = tokens.view();
         let id = request.map(|r| r.0);
@@ -222,7 +209,6 @@ impl CoreRunCache {
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let priority = convert::priority(priority)?;
-        no_extras(keys)?;
         let view = tokens.view();
         py.detach(|| {
             view.into_vec().and_then(|t| {
@@ -469,7 +455,6 @@ impl CoreRunCache {
     }
 
     fn pin(&self, py: Python<'_>, mut tokens: Tokens<'_>, keys: &KeyExtras) -> PyResult<Pin> {
-        no_extras(keys)?;
         let view = tokens.view();
         let (id, num_blocks) = py
             .detach(|| {
@@ -503,7 +488,6 @@ impl CoreRunCache {
         mut tokens: Tokens<'py>,
         keys: &KeyExtras,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        no_extras(keys)?;
         let view = tokens.view();
         let block_keys = py
             .detach(|| {

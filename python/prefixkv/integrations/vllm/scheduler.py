@@ -59,7 +59,7 @@ SETTINGS = {"core": "blocks"}
 def prefixkv_settings(vllm_config: Any) -> dict[str, str]:
     """prefixkv's settings from ``vllm_config.additional_config["prefixkv"]``: ``core``, the
     cache's core ("blocks", the default, or "runs": the cache on runs of blocks, for one
-    full-attention group, text only). An unknown setting, or one of another
+    full-attention group). An unknown setting, or one of another
     type, is refused by name."""
     extra = getattr(vllm_config, "additional_config", None)
     ours = extra.get("prefixkv", {}) if isinstance(extra, dict) else {}
@@ -97,11 +97,6 @@ def install_block_manager(scheduler: _VllmScheduler) -> PrefixKVCacheManager:
         )
     context = vllm_cache_context(scheduler.vllm_config, scheduler.block_size)
     settings = prefixkv_settings(scheduler.vllm_config)
-    if settings["core"] == "runs" and scheduler.vllm_config.model_config.is_multimodal_model:
-        raise UnsupportedFeatureError(
-            'a multimodal model with prefixkv\'s run core (core="runs") is not supported yet: '
-            'its blocks keyed by images are not served; use the default core="blocks"'
-        )
     manager = make_block_manager(
         kv_cache_config=scheduler.kv_cache_config,
         max_model_len=scheduler.max_model_len,

@@ -131,18 +131,6 @@ impl RunPrefixCache {
         Ok(())
     }
 
-    /// The run cache keys blocks by context, salt, adapter and tokens: multimodal items, which
-    /// part blocks of equal tokens, are refused by name.
-    fn check_extras(extras: &RequestExtras) -> Result<()> {
-        if extras.multimodal.is_empty() {
-            Ok(())
-        } else {
-            Err(CacheError::InvalidInput(
-                "multimodal extras are not served by the run cache yet".into(),
-            ))
-        }
-    }
-
     fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
         self.check_tokens(tokens)?;
         if tokens.is_empty() {
@@ -157,25 +145,25 @@ impl RunPrefixCache {
     /// beside the writer (its read lock is held only to clone the table's pointer).
     pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<RunLookup> {
         self.check_tokens(tokens)?;
-        Self::check_extras(extras)?;
+        let tags = extras.run_tags(self.num_blocks as usize, self.block_size);
         let (table, context) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
             (Arc::clone(&reader.0), reader.1)
         };
         self.probes.fetch_add(1, Ordering::Relaxed);
         let root = run_root(&root_key(&context, salt), extras.adapter.as_deref());
-        Ok(lookup_in(&table, &root, tokens, self.full_hit))
+        Ok(lookup_in(&table, &root, tokens, &tags, self.full_hit))
     }
 
     /// Pins the cached prefix of `tokens` (under `salt` and `extras`) so that eviction never
     /// takes it, as the core's `pin`: a pin id for `unpin`, and the blocks pinned.
     pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
         self.check_tokens(tokens)?;
-        Self::check_extras(extras)?;
+        let tags = extras.run_tags(self.num_blocks as usize, self.block_size);
         let mut guard = self.state()?;
         let state = &mut *guard;
         let root = run_root(&root_key(&state.context, salt), extras.adapter.as_deref());
-        let (held, count) = state.cache.pin(&root, tokens);
+        let (held, count) = state.cache.pin(&root, tokens, &tags);
         Ok((state.pins.add(held), count))
     }
 
@@ -198,7 +186,6 @@ impl RunPrefixCache {
         priority: i32,
     ) -> Result<()> {
         self.check_prompt(&tokens)?;
-        Self::check_extras(&extras)?;
         let mut state = self.state()?;
         if state.requests.contains_key(&id) {
             return Err(CacheError::DuplicateRequest(id));
@@ -219,7 +206,6 @@ impl RunPrefixCache {
         priority: i32,
     ) -> Result<(RequestId, RunSlots)> {
         self.check_prompt(&tokens)?;
-        Self::check_extras(&extras)?;
         let mut guard = self.state()?;
         let state = &mut *guard;
         if let Some(id) = &id {
@@ -458,7 +444,6 @@ impl RunPrefixCache {
         extras: &RequestExtras,
     ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
-        Self::check_extras(extras)?;
         let root = root_key(&self.state()?.context, salt);
         Ok(key_chain(root, extras, tokens, self.block_size))
     }
@@ -702,7 +687,7 @@ impl State {
             extras,
         };
         Live {
-            request: RunCache::add_from(Arc::new(origin), tokens, priority),
+            request: self.cache.add_from(Arc::new(origin), tokens, priority),
             salt: salt.to_vec(),
         }
     }

@@ -31,6 +31,22 @@ pub struct Origin {
 }
 
 impl Origin {
+    /// This origin without its multimodal items: what a first run keeps, the items keying
+    /// only the blocks they overlap (tagged runs keep those blocks' extras).
+    #[must_use]
+    pub fn without_multimodal(self: &Arc<Self>) -> Arc<Self> {
+        if self.extras.multimodal.is_empty() {
+            return Arc::clone(self);
+        }
+        Arc::new(Self {
+            root: self.root,
+            extras: RequestExtras {
+                adapter: self.extras.adapter.clone(),
+                multimodal: Vec::new(),
+            },
+        })
+    }
+
     /// The root the run table matches the request under (`key::run_root`: the adapter folded
     /// in, as it parts every block key of the per-block cache).
     #[must_use]
@@ -43,6 +59,9 @@ impl Origin {
 struct Chained {
     /// Blocks before it in its chain (its index in every prompt that holds it).
     depth: usize,
+    /// Where it is: position `pos` of run `run`.
+    run: u32,
+    pos: u32,
     block: BlockId,
     parent: Option<BlockId>,
     origin: Arc<Origin>,
@@ -147,7 +166,7 @@ impl RunCache {
             let parent = c
                 .parent
                 .map(|p| keys[p as usize].expect("a parent is keyed"));
-            let extras = block_extras(&c.origin.extras, c.depth, self.block_size, &mut buffer);
+            let extras = self.extras_of(&c, &mut buffer);
             events.push(snapshot_stored(
                 (key, parent),
                 &self.table.read_row(c.block),
@@ -158,6 +177,15 @@ impl RunCache {
             ));
         }
         events
+    }
+
+    /// A cached block's encoded extras: a tagged run's first block keeps its own; every other
+    /// one has only its chain's adapter (`Origin::without_multimodal`).
+    fn extras_of<'a>(&'a self, c: &Chained, buffer: &'a mut Vec<u8>) -> &'a [u8] {
+        match &self.runs[c.run as usize].tag {
+            Some(tag) if c.pos == 0 => &tag.extras,
+            _ => block_extras(&c.origin.extras, c.depth, self.block_size, buffer),
+        }
     }
 
     /// Every cached block in chain order (by depth, then block id), and the key of each block
@@ -195,8 +223,15 @@ impl RunCache {
             let r = &self.runs[run as usize];
             for pos in 0..r.len {
                 let block = self.block(run, pos);
-                let depth = depth + pos as usize;
-                let extras = block_extras(&origin.extras, depth, self.block_size, &mut buffer);
+                let c = Chained {
+                    depth: depth + pos as usize,
+                    run,
+                    pos,
+                    block,
+                    parent,
+                    origin: Arc::clone(&origin),
+                };
+                let extras = self.extras_of(&c, &mut buffer);
                 let key = block_key_with(
                     &mut scratch,
                     &parent_key,
@@ -204,12 +239,7 @@ impl RunCache {
                     extras,
                 );
                 keys[block as usize] = Some(key);
-                chained.push(Chained {
-                    depth,
-                    block,
-                    parent,
-                    origin: Arc::clone(&origin),
-                });
+                chained.push(c);
                 (parent, parent_key) = (Some(block), key);
             }
             for &child in &r.children {

@@ -22,8 +22,9 @@ pub struct RunLookup {
     pub last_token_shared: bool,
 }
 
-/// The cached prefix of `tokens` under `root` in `table`, without taking references, a full
-/// hit shaped by `full_hit`: what a `RunCache` writing it would answer to `lookup`, read
+/// The cached prefix of `tokens` under `root` in `table` (its multimodal blocks tagged by
+/// `tags`: `RequestExtras::run_tags`), without taking references, a full hit shaped by
+/// `full_hit`: what a `RunCache` writing it would answer to `lookup`, read
 /// lock-free (a reader on another thread sees some recent state: every block it returns was
 /// in that prompt's chain at some instant of the call, `run_table`'s stamps tell it so).
 #[must_use]
@@ -31,12 +32,13 @@ pub fn lookup_in(
     table: &RunTable,
     root: &BlockKey,
     tokens: &[u32],
+    tags: &[(u32, BlockKey)],
     full_hit: FullHit,
 ) -> RunLookup {
     let bs = table.block_size();
     let full = tokens.len() / bs;
     let mut blocks = Vec::with_capacity(full);
-    table.match_prompt(root, &tokens[..full * bs], &mut blocks, |_, _| true);
+    table.match_prompt(root, &tokens[..full * bs], tags, &mut blocks, |_, _| true);
     let shape = full_hit.shape(blocks.len(), tokens.len(), bs);
     blocks.truncate(shape.keep);
     RunLookup {

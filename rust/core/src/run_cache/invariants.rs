@@ -103,7 +103,7 @@ impl RunCache {
         );
         match snapshot.parent {
             RunParent::Root(_) => assert_eq!(r.parent, NONE, "run {run} is a first run"),
-            RunParent::Run { len, .. } => {
+            RunParent::Run { len, .. } | RunParent::Tagged { len, .. } => {
                 assert_eq!(
                     snapshot.parent,
                     self.shared_parent(run, BlockKey([0; 32])),
@@ -129,9 +129,13 @@ impl RunCache {
                 child.shared.is_some() && child.parent == run,
                 "child {c} of {run}"
             );
+            // (Children with multimodal items are told apart by their tags too.)
             assert!(
-                firsts.insert(self.table.read_row(self.block(c, 0))),
-                "two children of run {run} begin with the same tokens"
+                firsts.insert((
+                    self.table.read_row(self.block(c, 0)),
+                    child.tag_key().copied()
+                )),
+                "two children of run {run} begin with the same tokens and tag"
             );
         }
         assert!(r.pinned <= r.len, "run {run}'s pinned blocks are its own");

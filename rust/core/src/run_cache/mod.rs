@@ -6,8 +6,8 @@
 //! exactly the blocks [`crate::PrefixCache`] hands out, in its order, which is the step API's
 //! contract with vLLM: the tests run both side by side, block table for block table. It
 //! serves `PrefixCache(core="runs")` (`by_id.rs`), pins (`pins.rs`), the eviction log and both
-//! `FullHit` modes (`hit.rs`) and KV events (`events.rs`) included; what it leaves out for now:
-//! multimodal extras, sliding windows, groups and the low-level block calls.
+//! `FullHit` modes (`hit.rs`), KV events (`events.rs`) and multimodal items included; what it
+//! leaves out for now: sliding windows, groups and the low-level block calls.
 //!
 //! ## Runs
 //! A run is a chain of blocks with no branch inside: what a commit publishes under one parent,
@@ -15,6 +15,11 @@
 //! tail becomes a child run, as a radix tree splits a node). A first run is found by its root
 //! key and first block, a run's children by the run's id and length and their first block
 //! (`RunTable::find`); every token of a hit is verified against the blocks' token rows.
+//!
+//! A block with multimodal items (equal placeholder tokens, other images) is always a run's
+//! first block, hung under a parent that names its items' tag (`RunParent::Tagged`, or a first
+//! run's `key::tagged_root`): a prompt's tagged block is looked up only there, and a run is
+//! compared only up to the prompt's next tagged block (`RunTable::match_prompt`).
 //!
 //! ## The eviction order, per run
 //! The core evicts in vLLM's order of release: blocks holding no entry first (its free list,
@@ -91,6 +96,7 @@ pub use events::Origin;
 pub use hit::{lookup_in, RunLookup};
 pub use observe::RunBlockCounts;
 use order::Order;
+use publish::RunTag;
 pub use steps::RunSlots;
 
 /// "No run, block, segment or record".
@@ -166,9 +172,12 @@ struct Run {
     /// The run a split gave this run's former tail to (what a request holding past the split
     /// point continues into).
     continued: u32,
-    /// A first run's origin, what its blocks' SHA-256 keys chain from (`events.rs`); `None`
-    /// for a child run.
+    /// A first run's origin, what its blocks' SHA-256 keys chain from (`events.rs`), without
+    /// multimodal items (they key only the blocks they overlap: `tag`); `None` for a child run.
     origin: Option<Arc<Origin>>,
+    /// When its first block has multimodal items: their tag (`key::run_tag`, which its place in
+    /// the run table names) and the block's encoded extras (its events' `extras`).
+    tag: Option<Box<RunTag>>,
 }
 
 /// Blocks `lo..hi` of `run`, free, of one priority: a segment about to be queued.
@@ -203,6 +212,9 @@ enum Held {
 pub struct RunRequest {
     /// The root the run table matches it under (its origin's `run_root`).
     root: BlockKey,
+    /// Its blocks with multimodal items, by block index, ascending, and their tags
+    /// (`RequestExtras::run_tags`): each is matched and published only as a run's first block.
+    tags: Vec<(u32, BlockKey)>,
     /// What its block keys chain from (events, `block_keys`).
     origin: Arc<Origin>,
     tokens: Vec<u32>,
@@ -410,18 +422,15 @@ impl RunCache {
         self.table.block_at(&self.alloc, shared, pos as usize)
     }
 
-    /// Where `run`'s blocks hang, as the run table knows it (`root`: a first run's root).
+    /// Where `run`'s blocks hang, as the run table knows it (`root`: a first run's root),
+    /// under its first block's tag if it has one.
     fn shared_parent(&self, run: u32, root: BlockKey) -> RunParent {
         let r = &self.runs[run as usize];
-        if r.parent == NONE {
-            RunParent::Root(root)
-        } else {
+        let under = (r.parent != NONE).then(|| {
             let p = &self.runs[r.parent as usize];
-            RunParent::Run {
-                id: p.shared.expect("a parent is in the table").id,
-                len: p.len,
-            }
-        }
+            (p.shared.expect("a parent is in the table").id, p.len)
+        });
+        RunParent::of_block(under, &root, r.tag.as_ref().map(|t| &t.key))
     }
 
     /// A run record for a new run under `parent` (`NONE`: a first run), empty until published.
@@ -442,6 +451,7 @@ impl RunCache {
                 with_successor: 0,
                 continued: NONE,
                 origin: None,
+                tag: None,
             });
             return u32::try_from(self.runs.len() - 1).expect("fewer runs than blocks");
         };
@@ -457,6 +467,7 @@ impl RunCache {
                 && r.pinned == 0
                 && r.with_successor == 0
                 && r.origin.is_none()
+                && r.tag.is_none()
         );
         r.parent = parent;
         r.one_priority = None;
@@ -490,12 +501,12 @@ impl RunCache {
         }
     }
 
-    /// The cached prefix of `tokens` under `root`, without taking references: what `begin`
-    /// would hit now (a full hit shaped by the cache's `FullHit` mode). Reads only the run
-    /// table, as a reader on another thread could (`lookup_in`).
+    /// The cached prefix of `tokens` under `root` (a text prompt), without taking references:
+    /// what `begin` would hit now (a full hit shaped by the cache's `FullHit` mode). Reads only
+    /// the run table, as a reader on another thread could (`lookup_in`).
     #[must_use]
     pub fn lookup(&self, root: &BlockKey, tokens: &[u32]) -> RunLookup {
-        lookup_in(&self.table, root, tokens, self.full_hit)
+        lookup_in(&self.table, root, tokens, &[], self.full_hit)
     }
 
     /// Takes a reference on the run's first `upto` blocks; those that were free leave the

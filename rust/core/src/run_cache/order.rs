@@ -540,6 +540,7 @@ impl RunCache {
         debug_assert_eq!(r.pinned, 0, "an emptied run had no pinned block");
         r.pins.clear();
         r.origin = None;
+        r.tag = None;
         let shared = r.shared.take().expect("a run with blocks was in the table");
         let parent = r.parent;
         self.table.remove(&mut self.alloc, shared);

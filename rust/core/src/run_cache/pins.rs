@@ -18,17 +18,27 @@ use crate::key::BlockKey;
 impl RunCache {
     /// Pins the cached prefix of `tokens` under `root` (every full block matched, the last one
     /// of a full hit too); the runs' ranges pinned, and how many blocks.
-    pub(super) fn pin(&mut self, root: &BlockKey, tokens: &[u32]) -> (Vec<Held>, usize) {
+    pub(super) fn pin(
+        &mut self,
+        root: &BlockKey,
+        tokens: &[u32],
+        tags: &[(u32, BlockKey)],
+    ) -> (Vec<Held>, usize) {
         let bs = self.block_size;
         let full = tokens.len() / bs;
         let mut matched = Vec::new();
         let mut spans: Vec<(u32, u32)> = Vec::new();
-        self.table
-            .match_prompt(root, &tokens[..full * bs], &mut matched, |slot, found| {
+        self.table.match_prompt(
+            root,
+            &tokens[..full * bs],
+            tags,
+            &mut matched,
+            |slot, found| {
                 let run = self.by_slot[slot as usize];
                 spans.push((run, found.matched));
                 !self.runs[run as usize].children.is_empty()
-            });
+            },
+        );
         let mut held = Vec::with_capacity(spans.len());
         for (run, to) in spans {
             if to == 0 {

@@ -1,14 +1,45 @@
 //! Publishing a request's blocks (`RunCache::commit`): duplicates of blocks published first,
-//! then a run grown in place, split where the request branches, or a new child; and reading a
+//! then a run grown in place, split where the request branches, or a new child (a block with
+//! multimodal items always starts one: its tag names it in the run table); and reading a
 //! request's holds across the splits made since it took them.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
-use super::{slab_put, Dup, Held, RunCache, RunRequest, NONE};
+use super::{slab_put, Dup, Held, Run, RunCache, RunRequest, NONE};
+use crate::cache::block_extras;
 use crate::error::{CacheError, Result};
 use crate::key::BlockKey;
 use crate::run_table::RunParent;
+
+/// A tagged run's first block: see `Run::tag`.
+pub(super) struct RunTag {
+    pub(super) key: BlockKey,
+    pub(super) extras: Vec<u8>,
+}
+
+impl Run {
+    /// Its first block's tag, if it has multimodal items.
+    pub(super) fn tag_key(&self) -> Option<&BlockKey> {
+        self.tag.as_ref().map(|t| &t.key)
+    }
+}
+
+impl RunRequest {
+    /// Block `index`'s tag, if multimodal items overlap it.
+    fn tag_at(&self, index: usize) -> Option<&BlockKey> {
+        let at = self.tags.partition_point(|&(b, _)| (b as usize) < index);
+        self.tags
+            .get(at)
+            .filter(|&&(b, _)| b as usize == index)
+            .map(|(_, tag)| tag)
+    }
+
+    /// The first tagged block after block `index` (`usize::MAX`: none).
+    fn next_tag_after(&self, index: usize) -> usize {
+        let at = self.tags.partition_point(|&(b, _)| (b as usize) <= index);
+        self.tags.get(at).map_or(usize::MAX, |&(b, _)| b as usize)
+    }
+}
 
 impl RunCache {
     /// The KV of the request's first `num_computed_tokens` tokens is written: publishes the
@@ -52,7 +83,9 @@ impl RunCache {
         let copies_from = at;
         while at < full {
             let block = &request.tokens[at * bs..(at + 1) * bs];
-            let Some((canonical_run, pos)) = self.cached_after(&request.root, run, end, block)
+            let tag = request.tag_at(at);
+            let Some((canonical_run, pos)) =
+                self.cached_after(&request.root, (run, end), block, tag)
             else {
                 break;
             };
@@ -89,42 +122,71 @@ impl RunCache {
         if at == full {
             return Ok(());
         }
+        // The block this commit's first one hangs after: the canonical one, whose key a
+        // duplicate of it shares (its KV events' parent).
+        let parent_block = (run != NONE).then(|| self.block(run, end - 1));
+        let first_published = at;
+        // A tagged block (multimodal items) starts a run of its own: the rest is published in
+        // stretches, each but the first beginning at one.
+        while at < full {
+            let stop = request.next_tag_after(at).min(full);
+            let target = self.publish_stretch(request, run, end, at..stop);
+            (run, end) = (target, self.runs[target as usize].len);
+            at = stop;
+        }
+        if self.events.enabled() {
+            self.record_stored(request, parent_block, first_published, full);
+        }
+        Ok(())
+    }
+
+    /// Publishes the request's blocks `range` (no tagged one past its first) after the first
+    /// `end` blocks of `run` (`NONE`: at its root): the run grows in place if it ends there with
+    /// no child and the first block is untagged, is split if it goes on, or gets a new child.
+    /// Returns the run that took them.
+    fn publish_stretch(
+        &mut self,
+        request: &mut RunRequest,
+        run: u32,
+        end: u32,
+        range: std::ops::Range<usize>,
+    ) -> u32 {
+        let bs = self.block_size;
+        let tag = request.tag_at(range.start).copied();
         let target = if run == NONE {
             self.new_run(NONE)
         } else {
             if end < self.runs[run as usize].len {
                 self.split(run, end);
             }
-            if self.runs[run as usize].children.is_empty() {
+            if self.runs[run as usize].children.is_empty() && tag.is_none() {
                 run
             } else {
                 self.new_run(run)
             }
         };
+        if let Some(key) = tag {
+            let mut extras = Vec::new();
+            block_extras(&request.origin.extras, range.start, bs, &mut extras);
+            self.runs[target as usize].tag = Some(Box::new(RunTag { key, extras }));
+        }
         // Published (and indexed) before the writer's length grows: a new run hangs under its
         // parent's length as it is.
         let (blocks, tokens) = (
-            &request.blocks[at..full],
-            &request.tokens[at * bs..full * bs],
+            &request.blocks[range.clone()],
+            &request.tokens[range.start * bs..range.end * bs],
         );
         match self.runs[target as usize].shared {
             Some(shared) => self.table.extend(&mut self.alloc, shared, blocks, tokens),
             None => {
                 let parent = self.shared_parent(target, request.root);
                 let shared = self.table.create(&mut self.alloc, parent, blocks, tokens);
+                let origin = (run == NONE).then(|| request.origin.without_multimodal());
                 let t = &mut self.runs[target as usize];
                 t.shared = Some(shared);
-                if run == NONE {
-                    t.origin = Some(Arc::clone(&request.origin));
-                }
+                t.origin = origin;
                 self.by_slot[shared.slot as usize] = target;
             }
-        }
-        if self.events.enabled() {
-            // The block this commit's first one hangs after: the canonical one, whose key a
-            // duplicate of it shares.
-            let parent = (run != NONE).then(|| self.block(run, end - 1));
-            self.record_stored(request, parent, at, full);
         }
         if target != run && run != NONE {
             self.runs[run as usize].children.push(target);
@@ -136,7 +198,7 @@ impl RunCache {
             Some(p) if p == request.priority => Some(p),
             _ => None,
         };
-        t.len += u32::try_from(full - at).expect("a run is shorter than the pool");
+        t.len += u32::try_from(range.len()).expect("a run is shorter than the pool");
         t.refs.resize(t.len as usize, 1);
         t.priority.resize(t.len as usize, request.priority);
         if !t.pins.is_empty() {
@@ -147,7 +209,7 @@ impl RunCache {
             from,
             to: t.len,
         });
-        Ok(())
+        target
     }
 
     /// Why `request` may not record `num_computed_tokens` tokens of KV, if it may not: more
@@ -207,32 +269,34 @@ impl RunCache {
         out
     }
 
-    /// The cached block with tokens `block` right after the first `matched` blocks of `run`
-    /// (`NONE`: at `root`), as (run, position).
+    /// The cached block with tokens `block` (and multimodal items tagged `tag`) right after
+    /// the first `matched` blocks of `run` (`NONE`: at `root`), as (run, position).
     fn cached_after(
         &self,
         root: &BlockKey,
-        run: u32,
-        matched: u32,
+        (run, matched): (u32, u32),
         block: &[u32],
+        tag: Option<&BlockKey>,
     ) -> Option<(u32, u32)> {
-        let (parent, hash) = if run == NONE {
-            (RunParent::Root(*root), self.table.head_hash(root, block))
+        let under = if run == NONE {
+            None
         } else {
             let r = &self.runs[run as usize];
             if matched < r.len {
+                // Inside a run every block is untagged (a tagged one starts its run).
+                if tag.is_some() {
+                    return None;
+                }
                 let candidate = self.block(run, matched);
                 return self
                     .table
                     .block_holds(candidate, block)
                     .then_some((run, matched));
             }
-            let id = r.shared?.id;
-            (
-                RunParent::Run { id, len: r.len },
-                self.table.branch_hash(id, r.len, block),
-            )
+            Some((r.shared?.id, r.len))
         };
+        let parent = RunParent::of_block(under, root, tag);
+        let hash = self.table.hash_of(&parent, block);
         let (slot, _) = self.table.find(hash, &parent, block, &mut Vec::new())?;
         Some((self.by_slot[slot as usize], 0))
     }
@@ -280,15 +344,14 @@ impl RunCache {
         let r = &mut self.runs[run as usize];
         r.dups = kept;
         r.with_successor -= moved_with_successor;
-        // The children hang under the tail now, in the run table too.
-        let under_tail = RunParent::Run {
-            id: tail_shared.id,
-            len: tail_len,
-        };
+        // The children hang under the tail now, in the run table too (each under its tag).
         for &c in &children {
-            self.runs[c as usize].parent = tail;
-            let child = self.runs[c as usize].shared.expect("in the table");
-            self.table.set_parent(&mut self.alloc, child, under_tail);
+            let child = &mut self.runs[c as usize];
+            child.parent = tail;
+            let under = Some((tail_shared.id, tail_len));
+            let parent = RunParent::of_block(under, &BlockKey([0; 32]), child.tag_key());
+            let child = child.shared.expect("in the table");
+            self.table.set_parent(&mut self.alloc, child, parent);
         }
         let one_priority = self.runs[run as usize].one_priority;
         let t = &mut self.runs[tail as usize];

@@ -7,16 +7,21 @@
 //! and at the end the same evictions and every block obtainable again.
 
 use super::tests::{full_hit_of, Draw, Pair, SALTS};
-use super::{RunCache, RunRequest};
+use crate::key::BlockKey;
+use std::sync::Arc;
+
+use super::{Origin, RunRequest};
 use crate::error::CacheError;
 use crate::events::{EventConfig, KvEvent, TokenIds};
-use crate::{RequestExtras, RequestId};
+use crate::{MultimodalItem, RequestExtras, RequestId};
 
 /// One request in both caches.
 struct Live {
     id: RequestId,
     mine: RunRequest,
     salt: usize,
+    /// Its multimodal items (`items`).
+    items: usize,
     /// Tokens the last `allocate_slots` scheduled up to (what the engine may commit).
     scheduled_to: usize,
     /// Decode tokens it still generates once its prompt is computed.
@@ -47,6 +52,47 @@ struct Reached {
     stored_events: u64,
     removed_events: u64,
     resynchronisations: u64,
+    /// Requests with multimodal items, and the tokens their matches hit past an item's start.
+    with_items: u64,
+    hits_through_items: u64,
+}
+
+/// Multimodal items, by index (0: none): an image across blocks 0-1 in two contents, one over
+/// blocks 2-4, and two images in one prompt. Requests share them, or differ only by them (equal
+/// placeholder tokens, another image).
+fn items(index: usize, block_size: usize) -> RequestExtras {
+    let bs = block_size as u64;
+    let item = |start: u64, length: u64, hash: &[u8]| MultimodalItem {
+        start,
+        length,
+        hash: hash.to_vec(),
+    };
+    let multimodal = match index {
+        0 => Vec::new(),
+        1 => vec![item(bs / 2, bs, b"a")],
+        2 => vec![item(bs / 2, bs, b"b")],
+        3 => vec![item(2 * bs, 3 * bs, b"a")],
+        _ => vec![item(bs / 2, bs, b"a"), item(3 * bs + 1, 2, b"b")],
+    };
+    RequestExtras {
+        adapter: None,
+        multimodal,
+    }
+}
+
+/// A request of the run cache for `tokens` under `root` with the items of index `items`.
+fn run_request(
+    pair: &Pair,
+    (root, items_index): (BlockKey, usize),
+    tokens: Vec<u32>,
+    priority: i32,
+    block_size: usize,
+) -> RunRequest {
+    let origin = Origin {
+        root,
+        extras: items(items_index, block_size),
+    };
+    pair.runs.add_from(Arc::new(origin), tokens, priority)
 }
 
 /// Seed `seed`'s events: on for two seeds in three, a small queue for one in four (overflows,
@@ -102,7 +148,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
     let mut next_id = 0i64;
     let mut next_fresh = 1_000u32;
     // Token sequences seen (prompts and what was generated after them), with their salt.
-    let mut seen: Vec<(Vec<u32>, usize)> = Vec::new();
+    let mut seen: Vec<(Vec<u32>, usize, usize)> = Vec::new();
     let mut live: Vec<Live> = Vec::new();
     // Live pins: the core's id, the run cache's ranges.
     let mut pins: Vec<(u64, Vec<super::Held>)> = Vec::new();
@@ -133,16 +179,26 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
             0 | 1 if live.len() < 6 => {
                 let mut tokens = Vec::new();
                 let mut salt = usize::from(draw.below(8) == 0);
+                // One request in five has images; one in four of those built on another's
+                // prompt has other ones.
+                let mut with_items = if draw.below(5) == 0 {
+                    1 + draw.below(4)
+                } else {
+                    0
+                };
                 let bases = seen.len() + live.len();
                 if bases > 0 && draw.below(4) != 0 {
                     let pick = draw.below(bases);
-                    let (base, base_salt) = if pick < seen.len() {
-                        (seen[pick].0.clone(), seen[pick].1)
+                    let (base, base_salt, base_items) = if pick < seen.len() {
+                        seen[pick].clone()
                     } else {
                         let other = &live[pick - seen.len()];
-                        (other.mine.tokens.clone(), other.salt)
+                        (other.mine.tokens.clone(), other.salt, other.items)
                     };
                     salt = base_salt;
+                    if draw.below(4) != 0 {
+                        with_items = base_items;
+                    }
                     let cut = if draw.below(3) == 0 {
                         base.len() / block_size * block_size
                     } else {
@@ -170,11 +226,13 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                         id.clone(),
                         tokens.clone(),
                         SALTS[salt],
-                        RequestExtras::default(),
+                        items(with_items, block_size),
                         priority,
                     )
                     .expect("add");
-                let mut mine = RunCache::add(pair.roots[salt], tokens, priority);
+                reached.with_items += u64::from(with_items != 0);
+                let root = (pair.roots[salt], with_items);
+                let mut mine = run_request(&pair, root, tokens, priority, block_size);
                 if draw.below(6) == 0 {
                     let cap = Some(draw.below(mine.num_tokens() + 1));
                     pair.core.limit_cached_prefix(&id, cap).expect("cap");
@@ -184,6 +242,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                     id,
                     mine,
                     salt,
+                    items: with_items,
                     scheduled_to: 0,
                     decode_left: draw.below(2 * block_size + 2),
                 });
@@ -245,6 +304,10 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                     Ok(slots) => {
                         if waiting {
                             reached.hit_tokens += slots.num_cached_tokens as u64;
+                            // Every item starts by block 4 (`items`).
+                            if l.items != 0 && slots.num_cached_tokens > 4 * block_size {
+                                reached.hits_through_items += slots.num_cached_tokens as u64;
+                            }
                             reached.shared_last_blocks += u64::from(slots.last_token_shared);
                             if slots.num_computed_tokens < start {
                                 reached.capped += 1;
@@ -311,7 +374,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 let i = draw.below(live.len());
                 let l = live.swap_remove(i);
                 pair.core.finish(&l.id).expect("finish");
-                seen.push((l.mine.tokens.clone(), l.salt));
+                seen.push((l.mine.tokens.clone(), l.salt, l.items));
                 pair.runs.finish(l.mine);
             }
             // Speculative decoding: drafts appended (their slots come from a later
@@ -367,18 +430,20 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
             // core pins it: the same blocks counted, and from then on the same victims.
             13 if !seen.is_empty() || !live.is_empty() => {
                 let pick = draw.below(seen.len() + live.len());
-                let (tokens, salt) = if pick < seen.len() {
-                    (seen[pick].0.clone(), seen[pick].1)
+                let (tokens, salt, with_items) = if pick < seen.len() {
+                    seen[pick].clone()
                 } else {
                     let l = &live[pick - seen.len()];
-                    (l.mine.tokens.clone(), l.salt)
+                    (l.mine.tokens.clone(), l.salt, l.items)
                 };
                 let cut = draw.below(tokens.len() + 1);
+                let extras = items(with_items, block_size);
                 let (id, count) = pair
                     .core
-                    .pin(&tokens[..cut], SALTS[salt], &RequestExtras::default())
+                    .pin(&tokens[..cut], SALTS[salt], &extras)
                     .expect("pin");
-                let (held, mine) = pair.runs.pin(&pair.roots[salt], &tokens[..cut]);
+                let tags = extras.run_tags(num_blocks as usize, block_size);
+                let (held, mine) = pair.runs.pin(&pair.roots[salt], &tokens[..cut], &tags);
                 assert_eq!(mine, count, "{what}: blocks pinned");
                 reached.pinned += count as u64;
                 pins.push((id, held));
@@ -515,6 +580,8 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         stored_events,
         removed_events,
         resynchronisations,
+        with_items,
+        hits_through_items,
     } = reached;
     for (name, n) in [
         ("hit tokens", hit_tokens),
@@ -537,6 +604,8 @@ fn steps_over(seeds: std::ops::Range<u64>, block_size: usize) -> Reached {
         ("blocks stored (events)", stored_events),
         ("blocks removed (events)", removed_events),
         ("resynchronisations", resynchronisations),
+        ("requests with images", with_items),
+        ("tokens hit through images", hits_through_items),
     ] {
         assert!(n > 10, "block size {block_size}: only {n} {name}");
     }

@@ -94,14 +94,26 @@ impl RunCache {
             root,
             extras: RequestExtras::default(),
         };
-        Self::add_from(Arc::new(origin), tokens, priority)
+        Self::add_untagged(Arc::new(origin), tokens, priority)
     }
 
-    /// A request for `tokens` keyed from `origin` (its root and adapter), waiting.
+    /// A request for `tokens` keyed from `origin` (its root, adapter and multimodal items),
+    /// waiting.
     #[must_use]
-    pub fn add_from(origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
+    pub fn add_from(&self, origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
+        let tags = origin
+            .extras
+            .run_tags(self.num_blocks as usize, self.block_size);
+        RunRequest {
+            tags,
+            ..Self::add_untagged(origin, tokens, priority)
+        }
+    }
+
+    fn add_untagged(origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
         RunRequest {
             root: origin.run_root(),
+            tags: Vec::new(),
             origin,
             tokens,
             priority,
@@ -160,6 +172,7 @@ impl RunCache {
         self.table.match_prompt(
             &request.root,
             &verified[..full * bs],
+            &request.tags,
             &mut matched,
             |_, _| true,
         );
@@ -337,6 +350,7 @@ impl RunCache {
         self.table.match_prompt(
             &request.root,
             &request.tokens[..full * bs],
+            &request.tags,
             &mut hit,
             |slot, found| {
                 let run = self.by_slot[slot as usize];

@@ -607,12 +607,17 @@ fn a_reader_on_another_thread_sees_a_prefix_of_some_state() {
                     let mut blocks = Vec::new();
                     let mut at = Vec::new();
                     let whole = p.len() / BLOCK_SIZE * BLOCK_SIZE;
-                    runs.table()
-                        .match_prompt(&root, &p[..whole], &mut blocks, |slot, found| {
+                    runs.table().match_prompt(
+                        &root,
+                        &p[..whole],
+                        &[],
+                        &mut blocks,
+                        |slot, found| {
                             let run = runs.by_slot[slot as usize];
                             at.extend((0..found.matched).map(|pos| (run, pos)));
                             true
-                        });
+                        },
+                    );
                     let copies = |&(run, pos): &(u32, u32)| {
                         runs.runs[run as usize]
                             .dups
@@ -649,7 +654,9 @@ fn a_reader_on_another_thread_sees_a_prefix_of_some_state() {
                     let whole = probes[probe].len() / BLOCK_SIZE * BLOCK_SIZE;
                     let before = calls.load(Ordering::Acquire);
                     let mut blocks = Vec::new();
-                    table.match_prompt(&root, &probes[probe][..whole], &mut blocks, |_, _| true);
+                    table.match_prompt(&root, &probes[probe][..whole], &[], &mut blocks, |_, _| {
+                        true
+                    });
                     let after = calls.load(Ordering::Acquire);
                     if !blocks.is_empty() {
                         hits_read.fetch_add(1, Ordering::Relaxed);

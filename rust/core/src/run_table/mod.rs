@@ -117,7 +117,37 @@ pub enum RunParent {
         /// The parent's length when this run was hung under it.
         len: u32,
     },
+    /// As `Run`, for a run whose first block carries multimodal items (`key::run_tag`): only
+    /// a prompt block with the same tag finds it. A tagged block is always its run's first
+    /// (the run cache's rule), so a reader comparing tokens inside a run never passes one; a
+    /// first run's tagged first block hangs under `Root(key::tagged_root(..))`.
+    Tagged {
+        /// The parent run's id.
+        id: u64,
+        /// The parent's length when this run was hung under it.
+        len: u32,
+        /// The first block's tag.
+        tag: BlockKey,
+    },
 }
+
+impl RunParent {
+    /// Where a prompt's block hangs: after the first `len` blocks of run `id` (`None`: at the
+    /// prompt's start, under `root`), with the block's tag if it has one.
+    #[must_use]
+    pub fn of_block(under: Option<(u64, u32)>, root: &BlockKey, tag: Option<&BlockKey>) -> Self {
+        match (under, tag) {
+            (None, None) => Self::Root(*root),
+            (None, Some(tag)) => Self::Root(crate::key::tagged_root(root, tag)),
+            (Some((id, len)), None) => Self::Run { id, len },
+            (Some((id, len)), Some(&tag)) => Self::Tagged { id, len, tag },
+        }
+    }
+}
+
+/// Set in a slot's `parent_len` for a `Tagged` parent (the tag is then in `roots`). Runs are
+/// shorter than the pool, which `RunTable::new` keeps under 2^31 blocks.
+const TAGGED: u32 = 1 << 31;
 
 /// A run slot and the run's id in it: what the writer's operations take. The id guards the
 /// slot's reuse (a writer-side check: `writer.rs` asserts it).
@@ -331,6 +361,13 @@ impl RunTable {
         match *parent {
             RunParent::Root(ref root) => self.head_hash(root, first),
             RunParent::Run { id, len } => self.branch_hash(id, len, first),
+            RunParent::Tagged { id, len, ref tag } => {
+                let mut prefix = [0u8; 44];
+                prefix[..8].copy_from_slice(&id.to_le_bytes());
+                prefix[8..12].copy_from_slice(&len.to_le_bytes());
+                prefix[12..].copy_from_slice(&tag.0);
+                self.hash_first(&prefix, first)
+            }
         }
     }
 
@@ -372,14 +409,18 @@ impl RunTable {
 
     /// Matches a prompt's whole blocks (`tokens`, a multiple of the block size) under `root`:
     /// the first run by the root and the first block, each next one by the run it continues
-    /// and its own first block, every token verified (`find`). The matched block ids are
-    /// appended to `blocks`; `each_run(slot, found)` sees each run matched into and says
-    /// whether to look for a run continuing it (the writer knows when it has no child; a
-    /// reader asks the index). Lock-free.
+    /// and its own first block, every token verified (`find`). `tags` are the prompt's tagged
+    /// blocks (`key::run_tag`, by block index, ascending; empty for a text prompt): a tagged
+    /// block is matched only as a run's first block, under a parent with its tag, so a run is
+    /// compared only up to the prompt's next tagged block. The matched block ids are appended
+    /// to `blocks`; `each_run(slot, found)` sees each run matched into and says whether to look
+    /// for a run continuing it (the writer knows when it has no child; a reader asks the
+    /// index). Lock-free.
     pub fn match_prompt(
         &self,
         root: &BlockKey,
         tokens: &[u32],
+        tags: &[(u32, BlockKey)],
         blocks: &mut Vec<BlockId>,
         mut each_run: impl FnMut(u32, &RunMatch) -> bool,
     ) {
@@ -389,23 +430,29 @@ impl RunTable {
         if full == 0 {
             return;
         }
-        let mut parent = RunParent::Root(*root);
-        let mut hash = self.head_hash(root, &tokens[..bs]);
-        while let Some((slot, found)) = self.find(
-            hash,
-            &parent,
-            &tokens[(blocks.len() - first) * bs..full * bs],
-            blocks,
-        ) {
-            let at = blocks.len() - first;
+        let mut at = 0;
+        let mut under = None;
+        loop {
+            // Tags from here on: the block at `at` may be one, the next one ends the run's
+            // comparison.
+            let ahead = &tags[tags.partition_point(|&(b, _)| (b as usize) < at)..];
+            let tag = ahead.first().filter(|&&(b, _)| b as usize == at);
+            let stop = ahead
+                .iter()
+                .map(|&(b, _)| b as usize)
+                .find(|&b| b > at)
+                .map_or(full, |b| b.min(full));
+            let parent = RunParent::of_block(under, root, tag.map(|(_, t)| t));
+            let hash = self.hash_of(&parent, &tokens[at * bs..(at + 1) * bs]);
+            let Some((slot, found)) = self.find(hash, &parent, &tokens[at * bs..stop * bs], blocks)
+            else {
+                return;
+            };
+            at = blocks.len() - first;
             if !each_run(slot, &found) || found.matched < found.len || at == full {
                 return;
             }
-            parent = RunParent::Run {
-                id: found.id,
-                len: found.len,
-            };
-            hash = self.branch_hash(found.id, found.len, &tokens[at * bs..(at + 1) * bs]);
+            under = Some((found.id, found.len));
         }
     }
 
@@ -532,16 +579,24 @@ impl RunTable {
     /// The parent fields of the run in `record` (under the caller's stamp).
     fn read_parent(&self, slot: u32, record: &RunSlot) -> RunParent {
         let id = record.parent.load(Ordering::Relaxed);
-        if id == 0 {
+        let read_key = || {
             let mut key = [0u8; 32];
             for (bytes, word) in key.chunks_exact_mut(8).zip(&self.roots[slot as usize]) {
                 bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
             }
-            RunParent::Root(BlockKey(key))
+            BlockKey(key)
+        };
+        if id == 0 {
+            return RunParent::Root(read_key());
+        }
+        let len = record.parent_len.load(Ordering::Relaxed);
+        if len & TAGGED == 0 {
+            RunParent::Run { id, len }
         } else {
-            RunParent::Run {
+            RunParent::Tagged {
                 id,
-                len: record.parent_len.load(Ordering::Relaxed),
+                len: len & !TAGGED,
+                tag: read_key(),
             }
         }
     }

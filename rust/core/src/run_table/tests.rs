@@ -512,3 +512,60 @@ proptest! {
         run_ops(&ops);
     }
 }
+
+#[test]
+fn a_tagged_child_is_found_only_under_its_tag_and_keeps_it_when_moved() {
+    let table = RunTable::new(64, BLOCK, 7).expect("small");
+    let mut alloc = RunAllocator::new(&table);
+    let key = BlockKey([9; 32]);
+    let head = table.create(&mut alloc, RunParent::Root(key), &[1, 2], &rows(&[5, 6]));
+    let tag = |byte| BlockKey([byte; 32]);
+    let under = |tag| RunParent::Tagged {
+        id: head.id,
+        len: 2,
+        tag,
+    };
+    // Two children with the same tokens: one plain, one with an image (tag 3).
+    let plain = table.create(
+        &mut alloc,
+        RunParent::Run {
+            id: head.id,
+            len: 2,
+        },
+        &[3],
+        &row(7),
+    );
+    let tagged = table.create(&mut alloc, under(tag(3)), &[4, 5], &rows(&[7, 8]));
+    let prompt = rows(&[5, 6, 7, 8]);
+    let matched = |tags: &[(u32, BlockKey)]| {
+        let mut blocks = Vec::new();
+        table.match_prompt(&key, &prompt, tags, &mut blocks, |_, _| true);
+        blocks
+    };
+    assert_eq!(matched(&[]), vec![1, 2, 3]);
+    assert_eq!(matched(&[(2, tag(3))]), vec![1, 2, 4, 5]);
+    // Another image in the same place: neither child.
+    assert_eq!(matched(&[(2, tag(4))]), vec![1, 2]);
+    // A tagged block inside the run stops the comparison there.
+    assert_eq!(matched(&[(1, tag(3))]), vec![1]);
+    assert_eq!(
+        table.snapshot(tagged.slot).map(|s| s.parent),
+        Some(under(tag(3)))
+    );
+    assert_eq!(
+        table.snapshot(plain.slot).map(|s| s.parent),
+        Some(RunParent::Run {
+            id: head.id,
+            len: 2
+        })
+    );
+    // Hung elsewhere (a split moved what it continues), it keeps its tag.
+    let moved = RunParent::Tagged {
+        id: plain.id,
+        len: 1,
+        tag: tag(3),
+    };
+    table.set_parent(&mut alloc, tagged, moved);
+    assert_eq!(table.snapshot(tagged.slot).map(|s| s.parent), Some(moved));
+    assert_eq!(matched(&[(2, tag(3))]), vec![1, 2]);
+}

@@ -332,19 +332,32 @@ impl RunTable {
 
     /// The parent fields, inside the caller's window.
     fn write_parent(&self, slot: u32, record: &RunSlot, parent: RunParent) {
+        let write_key = |key: &crate::key::BlockKey| {
+            for (word, bytes) in self.roots[slot as usize].iter().zip(key.0.chunks_exact(8)) {
+                let bytes: [u8; 8] = bytes.try_into().unwrap_or_default();
+                word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
+            }
+        };
         match parent {
             RunParent::Root(key) => {
                 record.parent.store(0, Ordering::Relaxed);
                 record.parent_len.store(0, Ordering::Relaxed);
-                for (word, bytes) in self.roots[slot as usize].iter().zip(key.0.chunks_exact(8)) {
-                    let bytes: [u8; 8] = bytes.try_into().unwrap_or_default();
-                    word.store(u64::from_le_bytes(bytes), Ordering::Relaxed);
-                }
+                write_key(&key);
             }
             RunParent::Run { id, len } => {
                 assert!(id != 0 && len != 0, "a parent run has an id and blocks");
+                debug_assert!(len < super::TAGGED, "runs are shorter than 2^31 blocks");
                 record.parent.store(id, Ordering::Relaxed);
                 record.parent_len.store(len, Ordering::Relaxed);
+            }
+            RunParent::Tagged { id, len, tag } => {
+                assert!(id != 0 && len != 0, "a parent run has an id and blocks");
+                debug_assert!(len < super::TAGGED, "runs are shorter than 2^31 blocks");
+                record.parent.store(id, Ordering::Relaxed);
+                record
+                    .parent_len
+                    .store(len | super::TAGGED, Ordering::Relaxed);
+                write_key(&tag);
             }
         }
     }
