@@ -25,7 +25,9 @@
 //! the new block outside its window (the third); `create` writing a new run's rows after its
 //! window (the first). One they do not: `truncate` keeping the run's id (the models list
 //! states by the ids the writer returns; the unit test `a_run_cut_and_grown_again_is_a_new_run`
-//! catches it). Not modelled: a `Root` parent (four more loads a read), `set_parent`,
+//! catches it). The last model reads a `Tagged` parent (its tag is four more loads, as a root
+//! key would be) against a slot reused under another tag. Not modelled: a `Root` parent,
+//! `set_parent`,
 //! `snapshot` and `find`; the real-thread race test in `run_table/tests.rs` covers those.
 #![cfg(loom)]
 
@@ -219,5 +221,40 @@ fn a_run_split_is_read_whole_or_as_its_head() {
             },
         ];
         check(&states, &[10, 11], answer, &found);
+    });
+}
+
+#[test]
+fn a_tagged_run_replaced_by_one_of_another_tag_is_never_read_under_the_first_tag() {
+    // A run hung under `UNDER`'s run with an image tagged 1 is removed, and its slot taken by a
+    // run of the same tokens under tag 2 (another image in the same placeholders): a reader
+    // asking for tag 1 sees the first run or nothing, never the second, whose tag words the
+    // writer stores inside its window (`write_parent`).
+    model(|| {
+        let table = Arc::new(RunTable::new(2, 1, 7).expect("small"));
+        let mut alloc = RunAllocator::new(&table);
+        let tagged = |byte| RunParent::Tagged {
+            id: 1 << 40,
+            len: 1,
+            tag: prefixkv_core::BlockKey([byte; 32]),
+        };
+        let first = table.create(&mut alloc, tagged(1), &[0], &rows(&[10]));
+        let reading = {
+            let table = table.clone();
+            thread::spawn(move || {
+                let mut found = Vec::new();
+                let answer = table.match_run(first.slot, &tagged(1), &rows(&[10]), &mut found);
+                (answer, found)
+            })
+        };
+        table.remove(&mut alloc, first);
+        let next = table.create(&mut alloc, tagged(2), &[1], &rows(&[10]));
+        assert_eq!(next.slot, first.slot, "the model reuses the slot");
+        let (answer, found) = reading.join().expect("the reader");
+        let states = [State {
+            id: first.id,
+            blocks: vec![(0, 10)],
+        }];
+        check(&states, &[10], answer, &found);
     });
 }
