@@ -2,8 +2,9 @@
 updates, and how long a router waits for a score.
 
 1. Events off vs on, per request (begin + commit + finish of a 2k-token prompt whose last 10%
-   is new, on a pool small enough that every request also evicts): three caches served the same
-   requests interleaved, request by request, so machine drift hits each alike:
+   is new, on a pool small enough that every request also evicts), on each core (the default
+   and `core="runs"`): four caches served the same requests interleaved, request by request, so
+   machine drift hits each alike:
    - off: no recorder;
    - recorded: the core records, and Python drains it after every request (no transport);
    - published: `KVEventPublisher.flush()` after every request: drain, msgpack (in Rust), ZMQ
@@ -47,14 +48,14 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def request_overhead(num_requests: int) -> dict[str, Any]:
+def request_overhead(num_requests: int, core_name: str) -> dict[str, Any]:
     rng = random.Random(0)
     shared = [rng.randrange(32000) for _ in range(1843)]
     prompts = [shared + [rng.randrange(32000) for _ in range(205)] for _ in range(num_requests)]
     context = CacheContext(model_id="bench-events", block_size=BLOCK)
     # 512 blocks: the shared prefix (116) plus a few dozen requests' tails; the rest evicts.
     variants = ("off", "recorded", "published", "published / 8")
-    caches = {name: PrefixCache(512, context=context) for name in variants}
+    caches = {name: PrefixCache(512, context=context, core=core_name) for name in variants}
     recorder = EventRecorder(caches["recorded"])
     publisher = KVEventPublisher(caches["published"], "tcp://127.0.0.1:*")
     stepped = KVEventPublisher(caches["published / 8"], "tcp://127.0.0.1:*")
@@ -188,35 +189,18 @@ def main() -> None:
     args = parser.parse_args()
     result = {
         "machine": machine(),
-        "overhead": request_overhead(150 if args.quick else 600),
+        "overhead": {
+            name: request_overhead(150 if args.quick else 600, name) for name in ("blocks", "runs")
+        },
         "index": index_updates(5_000 if args.quick else 50_000),
         "score": score_latency(2_000 if args.quick else 10_000, 5_000 if args.quick else 50_000),
     }
-    o, i, s = result["overhead"], result["index"], result["score"]
-    m = o["median_ns"]
+    i, s = result["index"], result["score"]
     print(
         f"machine: {result['machine']['cpu']}, core build {result['machine']['prefixkv_core_build']}"
     )
-    print(
-        f"\n1. per request ({o['prompt_tokens']} tokens, {o['requests']} requests, "
-        f"{o['evictions']} evictions), median µs"
-    )
-    print(
-        md_table(
-            ["events", "µs / request", "overhead"],
-            [
-                ["off", fmt_us(m["off"]), "–"],
-                ["recorded + drained", fmt_us(m["recorded"]), f"{o['overhead_recorded']:+.1%}"],
-                ["published (ZMQ)", fmt_us(m["published"]), f"{o['overhead_published']:+.1%}"],
-                [
-                    "published, 1 flush / 8 requests (mean)",
-                    fmt_us(o["mean_ns"]["published / 8"]),
-                    f"{o['overhead_published_per_8']:+.1%} (vs mean off "
-                    f"{fmt_us(o['mean_ns']['off'])})",
-                ],
-            ],
-        )
-    )
+    for core_name, o in result["overhead"].items():
+        print_overhead(core_name, o)
     print("\n2. index updates")
     print(
         md_table(
@@ -248,6 +232,30 @@ def main() -> None:
     )
     if args.json:
         write_json(args.json, result)
+
+
+def print_overhead(core_name: str, o: dict[str, Any]) -> None:
+    m = o["median_ns"]
+    print(
+        f"\n1. per request, core={core_name!r} ({o['prompt_tokens']} tokens, "
+        f"{o['requests']} requests, {o['evictions']} evictions), median µs"
+    )
+    print(
+        md_table(
+            ["events", "µs / request", "overhead"],
+            [
+                ["off", fmt_us(m["off"]), "–"],
+                ["recorded + drained", fmt_us(m["recorded"]), f"{o['overhead_recorded']:+.1%}"],
+                ["published (ZMQ)", fmt_us(m["published"]), f"{o['overhead_published']:+.1%}"],
+                [
+                    "published, 1 flush / 8 requests (mean)",
+                    fmt_us(o["mean_ns"]["published / 8"]),
+                    f"{o['overhead_published_per_8']:+.1%} (vs mean off "
+                    f"{fmt_us(o['mean_ns']['off'])})",
+                ],
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":
