@@ -561,3 +561,20 @@ def test_an_images_blocks_hit_only_with_the_same_image(core: str) -> None:
     # The same image placed one token later covers other blocks' tokens: a miss from there.
     assert cache.lookup(prompt, multimodal=[(5, 8, "cat")]).num_cached_tokens == 4
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("core", ["blocks", "runs"])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_an_image_reaching_the_last_position_keys_its_blocks(core: str, block_size: int) -> None:
+    """An item's end at 2**64 - 1: a review found the run core's tag range overflowing at block
+    size 1, so the image's blocks went untagged and hit for another image or for text."""
+    cache = PrefixCache(16, block_size=block_size, core=core)
+    prompt = [5] * 4 * block_size
+    cat, dog = [(0, 2**64 - 1, "cat")], [(0, 2**64 - 1, "dog")]
+    request = cache.begin(prompt, multimodal=cat)
+    cache.commit(request, len(prompt))
+    cache.finish(request)
+    assert cache.lookup(prompt, multimodal=cat).num_cached_tokens == 3 * block_size
+    assert cache.lookup(prompt, multimodal=dog).num_cached_tokens == 0
+    assert cache.lookup(prompt).num_cached_tokens == 0
+    cache.check_invariants()

@@ -49,6 +49,7 @@
 //! wrong hit.
 
 use std::fmt;
+use std::ops::Range;
 
 use sha2::{Digest, Sha256};
 
@@ -341,19 +342,25 @@ impl RequestExtras {
         out
     }
 
-    /// The run cache's tag (`run_tag`) of every block among the first `num_blocks` of
-    /// `block_size` tokens that a multimodal item overlaps, by block index, ascending.
+    /// The run cache's tag (`run_tag`) of every block in `blocks` (indices of blocks of
+    /// `block_size` tokens) that a multimodal item overlaps, by block index, ascending. The work
+    /// is bounded by `blocks` times the items, whatever the items' positions and lengths.
     #[must_use]
-    pub fn run_tags(&self, num_blocks: usize, block_size: usize) -> Vec<(u32, BlockKey)> {
-        if self.multimodal.is_empty() {
+    pub fn run_tags(&self, blocks: Range<usize>, block_size: usize) -> Vec<(u32, BlockKey)> {
+        if self.multimodal.is_empty() || blocks.is_empty() {
             return Vec::new();
         }
         let bs = block_size as u64;
+        let (lo, last) = (blocks.start as u64, blocks.end as u64 - 1);
         let mut tagged: Vec<u32> = Vec::new();
         for item in &self.multimodal {
-            let end = item.start.saturating_add(item.length).div_ceil(bs) + 1;
-            let first = item.start / bs;
-            tagged.extend((first..end.min(num_blocks as u64)).map(|b| b as u32));
+            // The blocks from the item's first token's to its end's, clamped to `blocks` before
+            // they are counted (an item may end near 2^64: no arithmetic here can overflow).
+            let first = (item.start / bs).max(lo);
+            let end = (item.start.saturating_add(item.length) / bs).min(last);
+            if first <= end {
+                tagged.extend((first..=end).map(|b| b as u32));
+            }
         }
         tagged.sort_unstable();
         tagged.dedup();

@@ -145,7 +145,7 @@ impl RunPrefixCache {
     /// beside the writer (its read lock is held only to clone the table's pointer).
     pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<RunLookup> {
         self.check_tokens(tokens)?;
-        let tags = extras.run_tags(self.num_blocks as usize, self.block_size);
+        let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
         let (table, context) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
             (Arc::clone(&reader.0), reader.1)
@@ -159,7 +159,7 @@ impl RunPrefixCache {
     /// takes it, as the core's `pin`: a pin id for `unpin`, and the blocks pinned.
     pub fn pin(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<(u64, usize)> {
         self.check_tokens(tokens)?;
-        let tags = extras.run_tags(self.num_blocks as usize, self.block_size);
+        let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
         let mut guard = self.state()?;
         let state = &mut *guard;
         let root = run_root(&root_key(&state.context, salt), extras.adapter.as_deref());

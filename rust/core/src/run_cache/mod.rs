@@ -214,7 +214,11 @@ pub struct RunRequest {
     root: BlockKey,
     /// Its blocks with multimodal items, by block index, ascending, and their tags
     /// (`RequestExtras::run_tags`): each is matched and published only as a run's first block.
+    /// Computed for its first `tagged_to` blocks, the full ones so far (`extend_tags`).
     tags: Vec<(u32, BlockKey)>,
+    tagged_to: usize,
+    /// The block size its tags are computed at; 0 without multimodal items (nothing to tag).
+    tag_block_size: usize,
     /// What its block keys chain from (events, `block_keys`).
     origin: Arc<Origin>,
     tokens: Vec<u32>,

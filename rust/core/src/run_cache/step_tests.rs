@@ -58,8 +58,9 @@ struct Reached {
 }
 
 /// Multimodal items, by index (0: none): an image across blocks 0-1 in two contents, one over
-/// blocks 2-4, and two images in one prompt. Requests share them, or differ only by them (equal
-/// placeholder tokens, another image).
+/// blocks 2-4, two images in one prompt, and one from block 1 to the last token id there can be
+/// (a review found its end overflowing at block size 1: no tag, a wrong hit). Requests share
+/// them, or differ only by them (equal placeholder tokens, another image).
 fn items(index: usize, block_size: usize) -> RequestExtras {
     let bs = block_size as u64;
     let item = |start: u64, length: u64, hash: &[u8]| MultimodalItem {
@@ -72,7 +73,8 @@ fn items(index: usize, block_size: usize) -> RequestExtras {
         1 => vec![item(bs / 2, bs, b"a")],
         2 => vec![item(bs / 2, bs, b"b")],
         3 => vec![item(2 * bs, 3 * bs, b"a")],
-        _ => vec![item(bs / 2, bs, b"a"), item(3 * bs + 1, 2, b"b")],
+        4 => vec![item(bs / 2, bs, b"a"), item(3 * bs + 1, 2, b"b")],
+        _ => vec![item(bs, u64::MAX - bs, b"c")],
     };
     RequestExtras {
         adapter: None,
@@ -182,7 +184,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                 // One request in five has images; one in four of those built on another's
                 // prompt has other ones.
                 let mut with_items = if draw.below(5) == 0 {
-                    1 + draw.below(4)
+                    1 + draw.below(5)
                 } else {
                     0
                 };
@@ -442,7 +444,7 @@ fn steps(seed: u64, block_size: usize, reached: &mut Reached) {
                     .core
                     .pin(&tokens[..cut], SALTS[salt], &extras)
                     .expect("pin");
-                let tags = extras.run_tags(num_blocks as usize, block_size);
+                let tags = extras.run_tags(0..cut / block_size, block_size);
                 let (held, mine) = pair.runs.pin(&pair.roots[salt], &tokens[..cut], &tags);
                 assert_eq!(mine, count, "{what}: blocks pinned");
                 reached.pinned += count as u64;

@@ -53,7 +53,24 @@ impl RunRequest {
         if draft {
             self.num_drafts += tokens.len();
         }
+        self.extend_tags();
         Ok(())
+    }
+
+    /// Tags the full blocks its tokens now reach (an item may reach past the prompt into
+    /// decode tokens, which the default core keys with it too). A tag depends only on the
+    /// block's index and the items, so tags past a truncation stay right.
+    fn extend_tags(&mut self) {
+        let bs = self.tag_block_size;
+        if bs == 0 {
+            return;
+        }
+        let full = self.tokens.len() / bs;
+        if full > self.tagged_to {
+            let more = self.origin.extras.run_tags(self.tagged_to..full, bs);
+            self.tags.extend(more);
+            self.tagged_to = full;
+        }
     }
 
     /// Tokens not drafts.
@@ -101,19 +118,20 @@ impl RunCache {
     /// waiting.
     #[must_use]
     pub fn add_from(&self, origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
-        let tags = origin
-            .extras
-            .run_tags(self.num_blocks as usize, self.block_size);
-        RunRequest {
-            tags,
-            ..Self::add_untagged(origin, tokens, priority)
+        let mut request = Self::add_untagged(origin, tokens, priority);
+        if !request.origin.extras.multimodal.is_empty() {
+            request.tag_block_size = self.block_size;
+            request.extend_tags();
         }
+        request
     }
 
     fn add_untagged(origin: Arc<Origin>, tokens: Vec<u32>, priority: i32) -> RunRequest {
         RunRequest {
             root: origin.run_root(),
             tags: Vec::new(),
+            tagged_to: 0,
+            tag_block_size: 0,
             origin,
             tokens,
             priority,
@@ -418,6 +436,7 @@ impl RunCache {
         let from = request.blocks.len();
         self.allocate(needed, &mut request.blocks);
         request.tokens.extend_from_slice(tokens);
+        request.extend_tags();
         Ok(request.blocks[from..].to_vec())
     }
 
