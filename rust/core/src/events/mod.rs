@@ -239,11 +239,7 @@ impl Recorder {
         adapter: Option<&Vec<u8>>,
     ) {
         self.keys[block as usize] = Some(key);
-        let with_tokens = match self.config.token_ids {
-            TokenIds::All => true,
-            TokenIds::Unsalted => *root == self.unsalted_root,
-            TokenIds::None => false,
-        };
+        let with_tokens = self.config.token_ids.shows(root, &self.unsalted_root);
         // Extend the last event when this block continues its chain (a commit of n blocks is
         // one event, as in vLLM).
         if !self.suspended() && self.queued_blocks < self.config.capacity {
@@ -271,17 +267,14 @@ impl Recorder {
                 }
             }
         }
-        let event = KvEvent::Stored {
-            keys: vec![key],
-            parent,
-            token_ids: if with_tokens {
-                tokens.to_vec()
-            } else {
-                Vec::new()
-            },
-            adapter: adapter.cloned(),
-            extras: vec![extras.to_vec()],
-        };
+        let event = stored_event(
+            (key, parent),
+            tokens,
+            (root, &self.unsalted_root),
+            extras,
+            adapter.cloned(),
+            self.config.token_ids,
+        );
         self.push(event, 1);
     }
 
@@ -421,9 +414,20 @@ impl Events {
     }
 }
 
-/// A snapshot's `Stored` of one cached block, its tokens withheld as `policy` says (`root`: its
-/// chain's root key, compared with `unsalted_root`).
-pub(crate) fn snapshot_stored(
+impl TokenIds {
+    /// Whether a block of a chain rooted at `root` goes out with its tokens.
+    fn shows(self, root: &BlockKey, unsalted_root: &BlockKey) -> bool {
+        match self {
+            Self::All => true,
+            Self::Unsalted => root == unsalted_root,
+            Self::None => false,
+        }
+    }
+}
+
+/// The `Stored` of one block (a snapshot's, or the first of a recorded chain), its tokens
+/// withheld as `policy` says (`root`: its chain's root key, compared with `unsalted_root`).
+pub(crate) fn stored_event(
     (key, parent): (BlockKey, Option<BlockKey>),
     tokens: &[u32],
     (root, unsalted_root): (&BlockKey, &BlockKey),
@@ -431,11 +435,7 @@ pub(crate) fn snapshot_stored(
     adapter: Option<Vec<u8>>,
     policy: TokenIds,
 ) -> KvEvent {
-    let with_tokens = match policy {
-        TokenIds::All => true,
-        TokenIds::Unsalted => root == unsalted_root,
-        TokenIds::None => false,
-    };
+    let with_tokens = policy.shows(root, unsalted_root);
     KvEvent::Stored {
         keys: vec![key],
         parent,

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::{snapshot_stored, KvEvent};
+use super::{stored_event, KvEvent};
 use crate::cache::{Inner, PrefixCache};
 use crate::key::{block_key_with, root_key, BlockKey};
 use crate::pool::BlockId;
@@ -26,7 +26,7 @@ impl PrefixCache {
                 .table
                 .entry(block, &guard)
                 .expect("cached blocks have entries");
-            events.push(snapshot_stored(
+            events.push(stored_event(
                 (
                     keys[block as usize].expect("computed for every cached block"),
                     parent.map(|p| keys[p as usize].expect("a cached parent")),

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::{RunCache, RunRequest, NONE};
 use crate::cache::block_extras;
-use crate::events::{snapshot_stored, EventConfig, EventCounters, EventDrain, KvEvent};
+use crate::events::{stored_event, EventConfig, EventCounters, EventDrain, KvEvent};
 use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
 use crate::pool::BlockId;
 
@@ -167,7 +167,7 @@ impl RunCache {
                 .parent
                 .map(|p| keys[p as usize].expect("a parent is keyed"));
             let extras = self.extras_of(&c, &mut buffer);
-            events.push(snapshot_stored(
+            events.push(stored_event(
                 (key, parent),
                 &self.table.read_row(c.block),
                 (&c.origin.root, &unsalted_root),
