@@ -148,7 +148,7 @@ impl CoreCache {
             py,
             &prompts,
             |tokens| self.0.check_tokens(tokens),
-            |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
+            |tokens| Ok(self.0.lookup_checked(tokens, &keys.salt, &keys.extras)),
         )?;
         Ok(found.into_iter().map(Into::into).collect())
     }

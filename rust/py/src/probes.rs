@@ -49,7 +49,7 @@ thread_local! {
 /// read and `check`ed (its ids in range and in the vocabulary) before the first lookup, so a
 /// refused prompt refuses the whole call, naming its position in the batch, with nothing
 /// changed: not even the probe counters. Both cores' `lookup_many` are this, with their own
-/// `check` and `lookup`.
+/// `check` and `lookup` (their `lookup_checked`: the tokens are not scanned a second time).
 pub fn lookup_each<T: Send>(
     py: Python<'_>,
     prompts: &[Bound<'_, PyAny>],

@@ -150,7 +150,7 @@ impl CoreRunCache {
             py,
             &prompts,
             |tokens| self.0.check_tokens(tokens),
-            |tokens| self.0.lookup(tokens, &keys.salt, &keys.extras),
+            |tokens| self.0.lookup_checked(tokens, &keys.salt, &keys.extras),
         )?;
         Ok(found.into_iter().map(prefix_match).collect())
     }

@@ -19,13 +19,24 @@ impl PrefixCache {
         extras: &RequestExtras,
     ) -> Result<PrefixMatch> {
         self.check_tokens(tokens)?;
+        Ok(self.lookup_checked(tokens, salt, extras))
+    }
+
+    /// `lookup` of tokens that already passed `check_tokens` (a batch checks every prompt
+    /// before its first lookup: `lookup_many`), not scanned again.
+    pub fn lookup_checked(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> PrefixMatch {
         // A statistics counter, not part of any protocol: relaxed.
         self.probes.fetch_add(1, Ordering::Relaxed);
         if let Some(window) = self.config.sliding_window {
-            return Ok(self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras));
+            return self.sliding_lookup(&mut Vec::new(), window, tokens, salt, extras);
         }
         let blocks = self.matched_blocks(&mut Vec::new(), tokens, salt, extras);
-        Ok(self.prefix_match(blocks, tokens.len()))
+        self.prefix_match(blocks, tokens.len())
     }
 
     /// `lookup` under a sliding window of `window` tokens in place of the cache's: what a

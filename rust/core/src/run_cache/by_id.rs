@@ -145,6 +145,17 @@ impl RunPrefixCache {
     /// beside the writer (its read lock is held only to clone the table's pointer).
     pub fn lookup(&self, tokens: &[u32], salt: &[u8], extras: &RequestExtras) -> Result<RunLookup> {
         self.check_tokens(tokens)?;
+        self.lookup_checked(tokens, salt, extras)
+    }
+
+    /// `lookup` of tokens that already passed `check_tokens` (a batch checks every prompt
+    /// before its first lookup: `lookup_many`), not scanned again.
+    pub fn lookup_checked(
+        &self,
+        tokens: &[u32],
+        salt: &[u8],
+        extras: &RequestExtras,
+    ) -> Result<RunLookup> {
         let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
         let (table, context) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
