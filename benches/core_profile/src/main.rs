@@ -4,7 +4,48 @@
 //! layouts (the core used BLAKE3 before commit c021a06), and what a miss's commit is made of:
 //! its table keys, bare inserts into the same presized lock-free table, and the rest.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
+
+/// The system allocator, counting the allocations made while `COUNTING` is set (the timed
+/// calls of `replay-runs`), by size class: what a request allocates.
+struct Counting;
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: [AtomicU64; 4] = [
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+];
+static REALLOCS: AtomicU64 = AtomicU64::new(0);
+// Safety: forwards to `System` unchanged; only counts.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            let class = match layout.size() {
+                0..=256 => 0,
+                257..=4096 => 1,
+                4097..=65536 => 2,
+                _ => 3,
+            };
+            ALLOCS[class].fetch_add(1, Ordering::Relaxed);
+        }
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            REALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.realloc(ptr, layout, new_size)
+    }
+}
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 mod run_queue;
 mod run_segments;
@@ -12,7 +53,9 @@ mod stand_in;
 
 use stand_in::StandIn;
 
+use prefixkv_core::cache::FullHit;
 use prefixkv_core::key::TableKey;
+use prefixkv_core::run_cache::RunPrefixCache;
 use prefixkv_core::table::{NewEntry, Parent, Table};
 use prefixkv_core::{
     block_key, context_fingerprint, root_key, BeginResult, CacheConfig, PrefixCache, RequestExtras,
@@ -542,6 +585,80 @@ fn replay(path: &str, rounds: usize) {
     }
 }
 
+/// `replay-runs TRACE [ROUNDS] [POLLUTE_MIB]`: the production trace through the run core
+/// (`PrefixCache(core="runs")`'s `RunPrefixCache`) alone, begin + commit + finish per request:
+/// per round the mean, p50 and p99 µs a request (CPU time), the mean of each phase, the hit rate
+/// and the evictions. Also the loop to `perf record` the run core by.
+fn replay_runs(path: &str, rounds: usize, pollute_mib: usize) {
+    let (num_blocks, warmup, prompts) = read_trace(path);
+    let mut polluter = vec![0u8; pollute_mib << 20];
+    let context = context_fingerprint(b"bench");
+    for _ in 0..rounds {
+        let cache = RunPrefixCache::new(
+            num_blocks,
+            BLOCK_SIZE,
+            context,
+            None,
+            FullHit::RecomputeLastBlock,
+        )
+        .expect("cache");
+        let mut rows: Vec<[u128; 3]> = Vec::new();
+        let (mut prompt_tokens, mut hit_tokens) = (0usize, 0usize);
+        for (i, prompt) in prompts.iter().enumerate() {
+            // What an engine does between two requests (its model's weights and activations,
+            // the interpreter) evicts the cache's lines from the core's caches: `pollute` MiB
+            // written between requests stands in for it.
+            for line in polluter.chunks_mut(64) {
+                line[0] = line[0].wrapping_add(1);
+            }
+            // Copied before the clock starts, as the Python benches hand each side a fresh
+            // (warm) copy of the prompt.
+            let owned = prompt.to_vec();
+            COUNTING.store(i >= warmup, Ordering::Relaxed);
+            let t0 = thread_ns();
+            let (id, slots) = cache
+                .begin(None, owned, b"", RequestExtras::default(), 0)
+                .expect("begin");
+            let t1 = thread_ns();
+            cache.commit(&id, prompt.len()).expect("commit");
+            let t2 = thread_ns();
+            cache.finish(&id).expect("finish");
+            let t3 = thread_ns();
+            COUNTING.store(false, Ordering::Relaxed);
+            if i >= warmup {
+                rows.push([t1 - t0, t2 - t1, t3 - t2]);
+                prompt_tokens += prompt.len();
+                hit_tokens += slots.num_cached_tokens;
+            }
+        }
+        let n = rows.len() as f64;
+        let mut totals: Vec<u128> = rows.iter().map(|r| r.iter().sum()).collect();
+        let mean = totals.iter().sum::<u128>() as f64 / n / 1e3;
+        totals.sort_unstable();
+        let phase = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
+        println!(
+            "{{\"runs_mean_us\": {:.2}, \"p50_us\": {:.2}, \"p99_us\": {:.1}, \"phases_us\": [{:.2}, {:.2}, {:.2}], \"hit_rate\": {:.5}, \"evictions\": {}}}",
+            mean,
+            percentile(&totals, 0.5) / 1e3,
+            percentile(&totals, 0.99) / 1e3,
+            phase(0),
+            phase(1),
+            phase(2),
+            hit_tokens as f64 / prompt_tokens as f64,
+            cache.stats().expect("stats").evictions,
+        );
+        let per = |a: &AtomicU64| a.swap(0, Ordering::Relaxed) as f64 / n;
+        println!(
+            "{{\"allocs_per_request_by_size\": [{:.2}, {:.2}, {:.2}, {:.2}], \"reallocs\": {:.2}}}",
+            per(&ALLOCS[0]),
+            per(&ALLOCS[1]),
+            per(&ALLOCS[2]),
+            per(&ALLOCS[3]),
+            per(&REALLOCS)
+        );
+    }
+}
+
 /// One block's line in `memory_bound`'s stand-in arrays: 64 bytes, aligned, as the cache's
 /// pool metadata, table slot and token row each are.
 #[derive(Clone, Copy, Default)]
@@ -811,6 +928,15 @@ fn main() {
         if mode == "replay" {
             let path = args.get(2).expect("replay TRACE [ROUNDS]");
             replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
+            return;
+        }
+        if mode == "replay-runs" {
+            let path = args.get(2).expect("replay-runs TRACE [ROUNDS]");
+            replay_runs(
+                path,
+                args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1),
+                args.get(4).and_then(|s| s.parse().ok()).unwrap_or(0),
+            );
             return;
         }
         if mode == "run-table" {

@@ -438,9 +438,14 @@ impl RunCache {
                 let first = into.len();
                 self.table
                     .read_ids(&self.alloc, shared, stop as usize, hi as usize, into);
-                for (i, pos) in (stop..hi).enumerate() {
-                    let block = into[first + i];
-                    self.forget_as_successor(run, pos, block);
+                if r.with_successor > 0 || (stop == 0 && r.parent != NONE) {
+                    // When no copy of this run's blocks has a successor, an evicted block
+                    // can be one only at the run's first position (a copy in the parent run):
+                    // skipped otherwise, the pass would find nothing at one call a block.
+                    for (i, pos) in (stop..hi).enumerate() {
+                        let block = into[first + i];
+                        self.forget_as_successor(run, pos, block);
+                    }
                 }
                 // Handed out top first, as the core's pool evicts a chain from its tail.
                 into[first..].reverse();

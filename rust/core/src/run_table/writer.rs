@@ -36,6 +36,11 @@ pub struct RunAllocator {
     hash: Vec<u32>,
 }
 
+/// How many blocks ahead `create` asks for the token row it will write: each row is a cold
+/// line, and a store to a missing line waits in the store buffer, which holds a few rows'
+/// stores; asked for ahead, the lines arrive in parallel.
+const ROW_PREFETCH_AHEAD: usize = 16;
+
 impl RunAllocator {
     /// The bookkeeping of an empty `table`.
     #[must_use]
@@ -150,6 +155,13 @@ impl RunTable {
             run.id
         );
         let chunks = &alloc.chunks[run.slot as usize];
+        if to > from {
+            // An evicted tail's chunks are cold lines scattered over the arena: asked for all
+            // at once, their misses overlap instead of queueing one chunk after another.
+            for &chunk in &chunks[from / CHUNK..=(to - 1) / CHUNK] {
+                crate::prefetch::prefetch(&self.chunk_blocks[chunk as usize * CHUNK]);
+            }
+        }
         let mut position = from;
         while position < to {
             // The chunk holding `position`: positions `start..start + CHUNK` of the run.
@@ -287,7 +299,14 @@ impl RunTable {
         tokens: &[u32],
     ) -> RunRef {
         self.check_blocks(blocks, Some(tokens));
-        for (&block, row) in blocks.iter().zip(tokens.chunks_exact(self.block_size)) {
+        for (i, (&block, row)) in blocks
+            .iter()
+            .zip(tokens.chunks_exact(self.block_size))
+            .enumerate()
+        {
+            if let Some(&ahead) = blocks.get(i + ROW_PREFETCH_AHEAD) {
+                crate::prefetch::prefetch(&self.row(ahead)[0]);
+            }
             self.write_row(block, row);
         }
         let hash = self.hash_of(&parent, &tokens[..self.block_size]);
