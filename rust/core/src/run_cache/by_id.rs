@@ -33,7 +33,7 @@ pub struct RunPrefixCache {
     state: Mutex<State>,
     /// What lookups read without the writer's lock: the table and the context its blocks are
     /// keyed under (both replaced together by `reset`).
-    reader: RwLock<(Arc<RunTable>, BlockKey)>,
+    reader: RwLock<(Arc<RunTable>, Roots)>,
     /// Lookups, counted apart from the state (they do not take its lock).
     probes: AtomicU64,
     num_blocks: u32,
@@ -49,9 +49,36 @@ struct State {
     /// Next id `begin` tries when given none.
     next_auto: i64,
     context: BlockKey,
+    /// Its roots (`context`'s, kept beside it).
+    roots: Roots,
     counters: Counters,
     /// The live pins, each with the runs' ranges it pinned.
     pins: Pins<Vec<Held>>,
+}
+
+/// The roots of a context's requests (`key::root_key`), the unsalted one computed once: most
+/// requests have no salt, and its SHA-256 was a fixed cost of every `begin` and `lookup`.
+#[derive(Clone, Copy)]
+struct Roots {
+    context: BlockKey,
+    unsalted: BlockKey,
+}
+
+impl Roots {
+    fn new(context: BlockKey) -> Self {
+        Self {
+            context,
+            unsalted: root_key(&context, b""),
+        }
+    }
+
+    fn root(&self, salt: &[u8]) -> BlockKey {
+        if salt.is_empty() {
+            self.unsalted
+        } else {
+            root_key(&self.context, salt)
+        }
+    }
 }
 
 /// A live request (what its block keys chain from is its `Origin`).
@@ -86,13 +113,14 @@ impl RunPrefixCache {
     ) -> Result<Self> {
         let cache = fresh(num_blocks, block_size, full_hit)?;
         Ok(Self {
-            reader: RwLock::new((cache.shared_table(), context)),
+            reader: RwLock::new((cache.shared_table(), Roots::new(context))),
             probes: AtomicU64::new(0),
             state: Mutex::new(State {
                 cache,
                 requests: HashMap::default(),
                 next_auto: 1,
                 context,
+                roots: Roots::new(context),
                 counters: Counters::default(),
                 pins: Pins::default(),
             }),
@@ -157,12 +185,12 @@ impl RunPrefixCache {
         extras: &RequestExtras,
     ) -> Result<RunLookup> {
         let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
-        let (table, context) = {
+        let (table, roots) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
             (Arc::clone(&reader.0), reader.1)
         };
         self.probes.fetch_add(1, Ordering::Relaxed);
-        let root = run_root(&root_key(&context, salt), extras.adapter.as_deref());
+        let root = run_root(&roots.root(salt), extras.adapter.as_deref());
         Ok(lookup_in(&table, &root, tokens, &tags, self.full_hit))
     }
 
@@ -173,7 +201,7 @@ impl RunPrefixCache {
         let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
         let mut guard = self.state()?;
         let state = &mut *guard;
-        let root = run_root(&root_key(&state.context, salt), extras.adapter.as_deref());
+        let root = run_root(&state.roots.root(salt), extras.adapter.as_deref());
         let (held, count) = state.cache.pin(&root, tokens, &tags);
         Ok((state.pins.add(held), count))
     }
@@ -569,18 +597,19 @@ impl RunPrefixCache {
         });
         if let Some(context) = context {
             state.context = context;
+            state.roots = Roots::new(context);
         }
         state.cache.events.cleared(&state.context);
         // The requests left wait, holding nothing: only their keys depend on the context.
         for live in state.requests.values_mut() {
             let origin = Origin {
-                root: root_key(&state.context, &live.salt),
+                root: state.roots.root(&live.salt),
                 extras: live.request.origin.extras.clone(),
             };
             live.request.rekey(Arc::new(origin));
         }
         // Under the writer's lock still: no request can begin under the old context meanwhile.
-        *self.reader.write().map_err(|_| poisoned())? = (table, state.context);
+        *self.reader.write().map_err(|_| poisoned())? = (table, state.roots);
         Ok(())
     }
 
@@ -694,7 +723,7 @@ impl State {
     /// A waiting request under this state's context.
     fn live(&self, tokens: Vec<u32>, salt: &[u8], extras: RequestExtras, priority: i32) -> Live {
         let origin = Origin {
-            root: root_key(&self.context, salt),
+            root: self.roots.root(salt),
             extras,
         };
         Live {
