@@ -589,17 +589,22 @@ fn replay(path: &str, rounds: usize) {
 /// (`PrefixCache(core="runs")`'s `RunPrefixCache`) alone, begin + commit + finish per request:
 /// per round the mean, p50 and p99 µs a request (CPU time), the mean of each phase, the hit rate
 /// and the evictions. Also the loop to `perf record` the run core by.
-fn replay_runs(path: &str, rounds: usize, pollute_mib: usize) {
+fn replay_runs(path: &str, rounds: usize, pollute_mib: usize, on_runs: bool) {
     let (num_blocks, warmup, prompts) = read_trace(path);
     let mut polluter = vec![0u8; pollute_mib << 20];
     let context = context_fingerprint(b"bench");
     for _ in 0..rounds {
-        let cache = RunPrefixCache::new(
-            num_blocks,
+        let runs = RunPrefixCache::new(
+            if on_runs { num_blocks } else { 1 },
             BLOCK_SIZE,
             context,
             None,
             FullHit::RecomputeLastBlock,
+        )
+        .expect("cache");
+        let blocks = PrefixCache::new(
+            CacheConfig::new(if on_runs { 1 } else { num_blocks }, BLOCK_SIZE),
+            context,
         )
         .expect("cache");
         let mut rows: Vec<[u128; 3]> = Vec::new();
@@ -615,20 +620,35 @@ fn replay_runs(path: &str, rounds: usize, pollute_mib: usize) {
             // (warm) copy of the prompt.
             let owned = prompt.to_vec();
             COUNTING.store(i >= warmup, Ordering::Relaxed);
-            let t0 = thread_ns();
-            let (id, slots) = cache
-                .begin(None, owned, b"", RequestExtras::default(), 0)
-                .expect("begin");
-            let t1 = thread_ns();
-            cache.commit(&id, prompt.len()).expect("commit");
-            let t2 = thread_ns();
-            cache.finish(&id).expect("finish");
-            let t3 = thread_ns();
+            let (t0, t1, t2, t3, cached);
+            if on_runs {
+                t0 = thread_ns();
+                let (id, slots) = runs
+                    .begin(None, owned, b"", RequestExtras::default(), 0)
+                    .expect("begin");
+                t1 = thread_ns();
+                runs.commit(&id, prompt.len()).expect("commit");
+                t2 = thread_ns();
+                runs.finish(&id).expect("finish");
+                t3 = thread_ns();
+                cached = slots.num_cached_tokens;
+            } else {
+                t0 = thread_ns();
+                let r = blocks
+                    .begin(None, owned, b"", RequestExtras::default(), 0)
+                    .expect("begin");
+                t1 = thread_ns();
+                blocks.commit(&r.request_id, prompt.len()).expect("commit");
+                t2 = thread_ns();
+                blocks.finish(&r.request_id).expect("finish");
+                t3 = thread_ns();
+                cached = r.num_cached_tokens;
+            }
             COUNTING.store(false, Ordering::Relaxed);
             if i >= warmup {
                 rows.push([t1 - t0, t2 - t1, t3 - t2]);
                 prompt_tokens += prompt.len();
-                hit_tokens += slots.num_cached_tokens;
+                hit_tokens += cached;
             }
         }
         let n = rows.len() as f64;
@@ -637,7 +657,7 @@ fn replay_runs(path: &str, rounds: usize, pollute_mib: usize) {
         totals.sort_unstable();
         let phase = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
         println!(
-            "{{\"runs_mean_us\": {:.2}, \"p50_us\": {:.2}, \"p99_us\": {:.1}, \"phases_us\": [{:.2}, {:.2}, {:.2}], \"hit_rate\": {:.5}, \"evictions\": {}}}",
+            "{{\"mean_us\": {:.2}, \"p50_us\": {:.2}, \"p99_us\": {:.1}, \"phases_us\": [{:.2}, {:.2}, {:.2}], \"hit_rate\": {:.5}, \"evictions\": {}}}",
             mean,
             percentile(&totals, 0.5) / 1e3,
             percentile(&totals, 0.99) / 1e3,
@@ -645,7 +665,11 @@ fn replay_runs(path: &str, rounds: usize, pollute_mib: usize) {
             phase(1),
             phase(2),
             hit_tokens as f64 / prompt_tokens as f64,
-            cache.stats().expect("stats").evictions,
+            if on_runs {
+                runs.stats().expect("stats").evictions
+            } else {
+                blocks.stats().evictions
+            },
         );
         let per = |a: &AtomicU64| a.swap(0, Ordering::Relaxed) as f64 / n;
         println!(
@@ -930,12 +954,13 @@ fn main() {
             replay(path, args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1));
             return;
         }
-        if mode == "replay-runs" {
-            let path = args.get(2).expect("replay-runs TRACE [ROUNDS]");
+        if mode == "replay-runs" || mode == "replay-blocks" {
+            let path = args.get(2).expect("replay-runs|replay-blocks TRACE [ROUNDS] [POLLUTE_MIB]");
             replay_runs(
                 path,
                 args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1),
                 args.get(4).and_then(|s| s.parse().ok()).unwrap_or(0),
+                mode == "replay-runs",
             );
             return;
         }
