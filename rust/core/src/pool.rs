@@ -108,7 +108,7 @@ const NO_BLOCK: BlockId = BlockId::MAX;
 /// How far up a chain `BlockMeta::chain_hint` points: enough evictions ahead that the line
 /// asked for arrives before the walk does (an eviction step with its lines at hand takes a few
 /// tens of nanoseconds, a line from memory about a hundred).
-pub const CHAIN_HINT_DISTANCE: usize = 8;
+pub const CHAIN_HINT_DISTANCE: usize = 32;
 
 /// One block's state; one cache line (`block_meta_fits_one_cache_line`).
 #[derive(Clone, Debug, Default)]
