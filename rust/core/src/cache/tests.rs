@@ -537,11 +537,18 @@ fn every_victim_of_any_batch_size_loses_its_entry_and_no_other_does() {
 #[test]
 fn published_blocks_hint_the_block_a_fixed_distance_up_their_chain() {
     use crate::pool::CHAIN_HINT_DISTANCE as D;
-    let c = cache(64, 2);
-    let tokens: Vec<u32> = (0..40).collect();
+    // More than twice the distance, so that most blocks have a hint whatever `D` is (with 20
+    // blocks and `D` 32 none had one, and the test checked nothing: found by a review).
+    let blocks = 2 * D + 8;
+    let c = cache(u32::try_from(blocks + 8).unwrap(), 2);
+    let tokens: Vec<u32> = (0..u32::try_from(2 * blocks).unwrap()).collect();
     let r = c.begin(None, tokens, b"", no_extras(), 0).unwrap();
-    c.commit(&r.request_id, 40).unwrap();
+    // Two commits: a commit's first block goes through the general publish loop, the rest
+    // through `publish_fresh_run`; each sets hints its own way, both checked past `D`.
+    c.commit(&r.request_id, 2 * (D + 4)).unwrap();
+    c.commit(&r.request_id, 2 * blocks).unwrap();
     let table = c.block_table(&r.request_id).unwrap();
+    assert_eq!(table.len(), blocks);
     let inner = c.inner.lock();
     for (position, &block) in table.iter().enumerate() {
         let expected = position.checked_sub(D).map_or(BlockId::MAX, |p| table[p]);

@@ -873,3 +873,45 @@ fn edge_shapes_get_the_cores_blocks() {
         );
     }
 }
+
+/// A whole child run evicted whose first block is the successor of a copy in its parent run:
+/// the truncation takes the child from position 0 (its own runs have no copy with a
+/// successor), and the parent's copy must forget it, or the copy's successor stays stale and,
+/// once the block id is reused under the canonical parent block, that block looks like a leaf
+/// and is evicted out of order (round 25 skips the per-block successor pass only where it can
+/// find nothing; a review planted the skip without the first-block clause and only this caught
+/// it).
+#[test]
+fn a_whole_child_run_evicted_forgets_its_first_block_as_a_copys_successor() {
+    let prompt = |blocks: &[u32]| -> Vec<u32> {
+        blocks
+            .iter()
+            .flat_map(|&b| std::iter::repeat_n(b, BLOCK_SIZE))
+            .collect()
+    };
+    let whole = 3 * BLOCK_SIZE;
+    let mut pair = Pair::new(6);
+    let (a_id, mut a) = pair.begin(&prompt(&[1, 2, 5]), 0, -1, "a").expect("a");
+    let (b_id, mut b) = pair.begin(&prompt(&[1, 2, 3]), 0, 1, "b").expect("b");
+    for (id, request) in [(&a_id, &mut a), (&b_id, &mut b)] {
+        pair.core.commit(id, whole).expect("commit");
+        pair.runs.commit(request, whole).expect("commit");
+    }
+    pair.core.finish(&b_id).expect("finish");
+    pair.runs.finish(b);
+    let (e_id, mut e) = pair.begin(&prompt(&[1, 2, 7]), 0, -1, "e").expect("e");
+    pair.core.commit(&e_id, whole).expect("commit");
+    pair.runs.commit(&mut e, whole).expect("commit");
+    pair.core.finish(&a_id).expect("finish");
+    pair.runs.finish(a);
+    pair.core.finish(&e_id).expect("finish");
+    pair.runs.finish(e);
+    pair.runs.check_invariants();
+    // The core evicts blocks 5 and 2 for this prompt; with the stale successor the run core
+    // took block 1.
+    let (f_id, f) = pair.begin(&prompt(&[9, 10]), 0, -1, "f").expect("f");
+    pair.core.finish(&f_id).expect("finish");
+    pair.runs.finish(f);
+    pair.runs.check_invariants();
+    assert_eq!(pair.runs.counters().evictions, pair.core.stats().evictions);
+}
