@@ -585,6 +585,76 @@ fn replay(path: &str, rounds: usize) {
     }
 }
 
+/// The core `replay-runs` (the run core) or `replay-blocks` (the default core) drives.
+enum Core {
+    Runs(RunPrefixCache),
+    Blocks(PrefixCache),
+}
+
+impl Core {
+    /// Begin + commit + finish of one request whose prompt is already copied: the CPU ns of
+    /// each phase, and the cached tokens.
+    fn request(&self, prompt: Vec<u32>) -> ([u128; 3], usize) {
+        let len = prompt.len();
+        let t0 = thread_ns();
+        let (cached, t1, t2) = match self {
+            Core::Runs(cache) => {
+                let (id, slots) = cache
+                    .begin(None, prompt, b"", RequestExtras::default(), 0)
+                    .expect("begin");
+                let t1 = thread_ns();
+                cache.commit(&id, len).expect("commit");
+                let t2 = thread_ns();
+                cache.finish(&id).expect("finish");
+                (slots.num_cached_tokens, t1, t2)
+            }
+            Core::Blocks(cache) => {
+                let r = cache
+                    .begin(None, prompt, b"", RequestExtras::default(), 0)
+                    .expect("begin");
+                let t1 = thread_ns();
+                cache.commit(&r.request_id, len).expect("commit");
+                let t2 = thread_ns();
+                cache.finish(&r.request_id).expect("finish");
+                (r.num_cached_tokens, t1, t2)
+            }
+        };
+        let t3 = thread_ns();
+        ([t1 - t0, t2 - t1, t3 - t2], cached)
+    }
+
+    fn evictions(&self) -> u64 {
+        match self {
+            Core::Runs(cache) => cache.stats().expect("stats").evictions,
+            Core::Blocks(cache) => cache.stats().evictions,
+        }
+    }
+}
+
+/// Per-request figures of a replay, in µs: the mean, p50 and p99 of the totals, and each
+/// phase's mean.
+struct Summary {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    phases: [f64; 3],
+}
+
+impl Summary {
+    fn of(rows: &[[u128; 3]]) -> Self {
+        let n = rows.len() as f64;
+        let mut totals: Vec<u128> = rows.iter().map(|r| r.iter().sum()).collect();
+        totals.sort_unstable();
+        let phase = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
+        Self {
+            mean: totals.iter().sum::<u128>() as f64 / n / 1e3,
+            p50: percentile(&totals, 0.5) / 1e3,
+            p99: percentile(&totals, 0.99) / 1e3,
+            phases: [phase(0), phase(1), phase(2)],
+        }
+    }
+}
+
 /// `replay-runs TRACE [ROUNDS] [POLLUTE_MIB]`: the production trace through the run core
 /// (`PrefixCache(core="runs")`'s `RunPrefixCache`) alone, begin + commit + finish per request:
 /// per round the mean, p50 and p99 µs a request (CPU time), the mean of each phase, the hit rate
@@ -594,19 +664,22 @@ fn replay_runs(path: &str, rounds: usize, pollute_mib: usize, on_runs: bool) {
     let mut polluter = vec![0u8; pollute_mib << 20];
     let context = context_fingerprint(b"bench");
     for _ in 0..rounds {
-        let runs = RunPrefixCache::new(
-            if on_runs { num_blocks } else { 1 },
-            BLOCK_SIZE,
-            context,
-            None,
-            FullHit::RecomputeLastBlock,
-        )
-        .expect("cache");
-        let blocks = PrefixCache::new(
-            CacheConfig::new(if on_runs { 1 } else { num_blocks }, BLOCK_SIZE),
-            context,
-        )
-        .expect("cache");
+        let core = if on_runs {
+            Core::Runs(
+                RunPrefixCache::new(
+                    num_blocks,
+                    BLOCK_SIZE,
+                    context,
+                    None,
+                    FullHit::RecomputeLastBlock,
+                )
+                .expect("cache"),
+            )
+        } else {
+            Core::Blocks(
+                PrefixCache::new(CacheConfig::new(num_blocks, BLOCK_SIZE), context).expect("cache"),
+            )
+        };
         let mut rows: Vec<[u128; 3]> = Vec::new();
         let (mut prompt_tokens, mut hit_tokens) = (0usize, 0usize);
         for (i, prompt) in prompts.iter().enumerate() {
@@ -620,56 +693,26 @@ fn replay_runs(path: &str, rounds: usize, pollute_mib: usize, on_runs: bool) {
             // (warm) copy of the prompt.
             let owned = prompt.to_vec();
             COUNTING.store(i >= warmup, Ordering::Relaxed);
-            let (t0, t1, t2, t3, cached);
-            if on_runs {
-                t0 = thread_ns();
-                let (id, slots) = runs
-                    .begin(None, owned, b"", RequestExtras::default(), 0)
-                    .expect("begin");
-                t1 = thread_ns();
-                runs.commit(&id, prompt.len()).expect("commit");
-                t2 = thread_ns();
-                runs.finish(&id).expect("finish");
-                t3 = thread_ns();
-                cached = slots.num_cached_tokens;
-            } else {
-                t0 = thread_ns();
-                let r = blocks
-                    .begin(None, owned, b"", RequestExtras::default(), 0)
-                    .expect("begin");
-                t1 = thread_ns();
-                blocks.commit(&r.request_id, prompt.len()).expect("commit");
-                t2 = thread_ns();
-                blocks.finish(&r.request_id).expect("finish");
-                t3 = thread_ns();
-                cached = r.num_cached_tokens;
-            }
+            let (phases, cached) = core.request(owned);
             COUNTING.store(false, Ordering::Relaxed);
             if i >= warmup {
-                rows.push([t1 - t0, t2 - t1, t3 - t2]);
+                rows.push(phases);
                 prompt_tokens += prompt.len();
                 hit_tokens += cached;
             }
         }
         let n = rows.len() as f64;
-        let mut totals: Vec<u128> = rows.iter().map(|r| r.iter().sum()).collect();
-        let mean = totals.iter().sum::<u128>() as f64 / n / 1e3;
-        totals.sort_unstable();
-        let phase = |k: usize| rows.iter().map(|r| r[k]).sum::<u128>() as f64 / n / 1e3;
+        let s = Summary::of(&rows);
         println!(
             "{{\"mean_us\": {:.2}, \"p50_us\": {:.2}, \"p99_us\": {:.1}, \"phases_us\": [{:.2}, {:.2}, {:.2}], \"hit_rate\": {:.5}, \"evictions\": {}}}",
-            mean,
-            percentile(&totals, 0.5) / 1e3,
-            percentile(&totals, 0.99) / 1e3,
-            phase(0),
-            phase(1),
-            phase(2),
+            s.mean,
+            s.p50,
+            s.p99,
+            s.phases[0],
+            s.phases[1],
+            s.phases[2],
             hit_tokens as f64 / prompt_tokens as f64,
-            if on_runs {
-                runs.stats().expect("stats").evictions
-            } else {
-                blocks.stats().evictions
-            },
+            core.evictions(),
         );
         let per = |a: &AtomicU64| a.swap(0, Ordering::Relaxed) as f64 / n;
         println!(
@@ -777,11 +820,8 @@ fn run_table_replay(path: &str, rounds: usize) {
             queue.evictions,
         ];
         for side in 0..SIDES {
-            let mut totals: Vec<u128> = rows[side].iter().map(|r| r.0.iter().sum()).collect();
-            let n = totals.len() as f64;
-            let mean = totals.iter().sum::<u128>() as f64 / n / 1e3;
-            totals.sort_unstable();
-            let phase = |k: usize| rows[side].iter().map(|r| r.0[k]).sum::<u128>() as f64 / n / 1e3;
+            let phases: Vec<[u128; 3]> = rows[side].iter().map(|r| r.0).collect();
+            let s = Summary::of(&phases);
             let long: Vec<[u128; 3]> = rows[side]
                 .iter()
                 .filter(|r| r.1 >= 65_536)
@@ -793,12 +833,12 @@ fn run_table_replay(path: &str, rounds: usize) {
             println!(
                 "{{\"side\": \"{}\", \"mean_us\": {:.1}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"phases_us\": [{:.1}, {:.1}, {:.1}], \"64k+_phases_us\": [{:.1}, {:.1}, {:.1}], \"hit_rate\": {:.5}, \"evictions\": {}, \"hits_differ\": {}, \"block_tables_differ\": {}}}",
                 names[side],
-                mean,
-                percentile(&totals, 0.5) / 1e3,
-                percentile(&totals, 0.99) / 1e3,
-                phase(0),
-                phase(1),
-                phase(2),
+                s.mean,
+                s.p50,
+                s.p99,
+                s.phases[0],
+                s.phases[1],
+                s.phases[2],
                 long_phase(0),
                 long_phase(1),
                 long_phase(2),
@@ -955,7 +995,9 @@ fn main() {
             return;
         }
         if mode == "replay-runs" || mode == "replay-blocks" {
-            let path = args.get(2).expect("replay-runs|replay-blocks TRACE [ROUNDS] [POLLUTE_MIB]");
+            let path = args
+                .get(2)
+                .expect("replay-runs|replay-blocks TRACE [ROUNDS] [POLLUTE_MIB]");
             replay_runs(
                 path,
                 args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1),

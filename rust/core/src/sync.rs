@@ -22,15 +22,19 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    fn new(fingerprint: BlockKey) -> Self {
+    pub(crate) fn new(fingerprint: BlockKey) -> Self {
         Self {
             fingerprint,
             unsalted_root: root_key(&fingerprint, b""),
         }
     }
 
+    pub(crate) fn fingerprint(&self) -> BlockKey {
+        self.fingerprint
+    }
+
     /// The root key of a request with `salt` under this context.
-    fn root(&self, salt: &[u8]) -> BlockKey {
+    pub(crate) fn root(&self, salt: &[u8]) -> BlockKey {
         if salt.is_empty() {
             self.unsalted_root
         } else {

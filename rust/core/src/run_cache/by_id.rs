@@ -18,12 +18,13 @@ use super::{lookup_in, Held, Origin, RunCache, RunLookup, RunRequest, RunSlots};
 use crate::cache::{block_extras, FullHit, Reset};
 use crate::error::{CacheError, Result};
 use crate::events::{EventConfig, EventCounters, EventDrain};
-use crate::key::{block_key_with, root_key, run_root, BlockKey, RequestExtras};
+use crate::key::{block_key_with, run_root, BlockKey, RequestExtras};
 use crate::pins::Pins;
 use crate::pool::BlockId;
 use crate::request::RequestId;
 use crate::run_table::RunTable;
 use crate::stats::CacheStats;
+use crate::sync::Context;
 
 /// Seeds the run table's index hashes (fixed: the index is private to a process).
 const SEED: u64 = 0x7072_6566_6978_6b76;
@@ -33,7 +34,7 @@ pub struct RunPrefixCache {
     state: Mutex<State>,
     /// What lookups read without the writer's lock: the table and the context its blocks are
     /// keyed under (both replaced together by `reset`).
-    reader: RwLock<(Arc<RunTable>, Roots)>,
+    reader: RwLock<(Arc<RunTable>, Context)>,
     /// Lookups, counted apart from the state (they do not take its lock).
     probes: AtomicU64,
     num_blocks: u32,
@@ -48,37 +49,11 @@ struct State {
     requests: HashMap<RequestId, Live, foldhash::quality::RandomState>,
     /// Next id `begin` tries when given none.
     next_auto: i64,
-    context: BlockKey,
-    /// Its roots (`context`'s, kept beside it).
-    roots: Roots,
+    /// The context, with its unsalted root computed once (`sync::Context`).
+    context: Context,
     counters: Counters,
     /// The live pins, each with the runs' ranges it pinned.
     pins: Pins<Vec<Held>>,
-}
-
-/// The roots of a context's requests (`key::root_key`), the unsalted one computed once: most
-/// requests have no salt, and its SHA-256 was a fixed cost of every `begin` and `lookup`.
-#[derive(Clone, Copy)]
-struct Roots {
-    context: BlockKey,
-    unsalted: BlockKey,
-}
-
-impl Roots {
-    fn new(context: BlockKey) -> Self {
-        Self {
-            context,
-            unsalted: root_key(&context, b""),
-        }
-    }
-
-    fn root(&self, salt: &[u8]) -> BlockKey {
-        if salt.is_empty() {
-            self.unsalted
-        } else {
-            root_key(&self.context, salt)
-        }
-    }
 }
 
 /// A live request (what its block keys chain from is its `Origin`).
@@ -113,14 +88,13 @@ impl RunPrefixCache {
     ) -> Result<Self> {
         let cache = fresh(num_blocks, block_size, full_hit)?;
         Ok(Self {
-            reader: RwLock::new((cache.shared_table(), Roots::new(context))),
+            reader: RwLock::new((cache.shared_table(), Context::new(context))),
             probes: AtomicU64::new(0),
             state: Mutex::new(State {
                 cache,
                 requests: HashMap::default(),
                 next_auto: 1,
-                context,
-                roots: Roots::new(context),
+                context: Context::new(context),
                 counters: Counters::default(),
                 pins: Pins::default(),
             }),
@@ -185,12 +159,12 @@ impl RunPrefixCache {
         extras: &RequestExtras,
     ) -> Result<RunLookup> {
         let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
-        let (table, roots) = {
+        let (table, context) = {
             let reader = self.reader.read().map_err(|_| poisoned())?;
             (Arc::clone(&reader.0), reader.1)
         };
         self.probes.fetch_add(1, Ordering::Relaxed);
-        let root = run_root(&roots.root(salt), extras.adapter.as_deref());
+        let root = run_root(&context.root(salt), extras.adapter.as_deref());
         Ok(lookup_in(&table, &root, tokens, &tags, self.full_hit))
     }
 
@@ -201,7 +175,7 @@ impl RunPrefixCache {
         let tags = extras.run_tags(0..tokens.len() / self.block_size, self.block_size);
         let mut guard = self.state()?;
         let state = &mut *guard;
-        let root = run_root(&state.roots.root(salt), extras.adapter.as_deref());
+        let root = run_root(&state.context.root(salt), extras.adapter.as_deref());
         let (held, count) = state.cache.pin(&root, tokens, &tags);
         Ok((state.pins.add(held), count))
     }
@@ -483,7 +457,7 @@ impl RunPrefixCache {
         extras: &RequestExtras,
     ) -> Result<Vec<BlockKey>> {
         self.check_tokens(tokens)?;
-        let root = root_key(&self.state()?.context, salt);
+        let root = self.state()?.context.root(salt);
         Ok(key_chain(root, extras, tokens, self.block_size))
     }
 
@@ -504,7 +478,9 @@ impl RunPrefixCache {
     pub fn enable_events(&self, config: EventConfig) -> Result<()> {
         let mut guard = self.state()?;
         let state = &mut *guard;
-        state.cache.enable_events(config, &state.context);
+        state
+            .cache
+            .enable_events(config, &state.context.fingerprint());
         Ok(())
     }
 
@@ -528,7 +504,7 @@ impl RunPrefixCache {
     pub fn drain_events(&self) -> Result<EventDrain> {
         let mut guard = self.state()?;
         let state = &mut *guard;
-        Ok(state.cache.drain_events(&state.context))
+        Ok(state.cache.drain_events(&state.context.fingerprint()))
     }
 
     /// The SHA-256 block key of every cached block, in no particular order.
@@ -596,20 +572,19 @@ impl RunPrefixCache {
             Reset::Clear
         });
         if let Some(context) = context {
-            state.context = context;
-            state.roots = Roots::new(context);
+            state.context = Context::new(context);
         }
-        state.cache.events.cleared(&state.context);
+        state.cache.events.cleared(&state.context.fingerprint());
         // The requests left wait, holding nothing: only their keys depend on the context.
         for live in state.requests.values_mut() {
             let origin = Origin {
-                root: state.roots.root(&live.salt),
+                root: state.context.root(&live.salt),
                 extras: live.request.origin.extras.clone(),
             };
             live.request.rekey(Arc::new(origin));
         }
         // Under the writer's lock still: no request can begin under the old context meanwhile.
-        *self.reader.write().map_err(|_| poisoned())? = (table, state.roots);
+        *self.reader.write().map_err(|_| poisoned())? = (table, state.context);
         Ok(())
     }
 
@@ -723,7 +698,7 @@ impl State {
     /// A waiting request under this state's context.
     fn live(&self, tokens: Vec<u32>, salt: &[u8], extras: RequestExtras, priority: i32) -> Live {
         let origin = Origin {
-            root: self.roots.root(salt),
+            root: self.context.root(salt),
             extras,
         };
         Live {
