@@ -107,9 +107,13 @@ def as_token_ids(
     in Python.
     """
     if type(tokens) is _NDARRAY:  # the common case first, inlined: it runs on every request
-        width_signed = _LITTLE_ENDIAN_INTS.get(tokens.dtype)
-        if width_signed is not None and tokens.ndim == 1:
-            return (tokens, width_signed[0], width_signed[1])
+        dtype = tokens.dtype
+        if tokens.ndim == 1:
+            if dtype is _INT64:  # numpy's default integer: one identity check
+                return (tokens, 8, True)
+            kind = dtype.kind
+            if (kind == "i" or kind == "u") and dtype.byteorder in _LITTLE_ENDIAN_ORDERS:
+                return (tokens, dtype.itemsize, kind == "i")
         return _array_tokens(tokens)
     if isinstance(tokens, (list, tuple)):
         if type(tokens) is tuple and len(tokens) == 3 and isinstance(tokens[2], bool):
@@ -145,22 +149,20 @@ def _owned(ids: Any) -> Any:
 
 
 _NDARRAY = np.ndarray
-#: (width, signed) of each little-endian integer dtype, looked up in one step for the common
-#: case (a one-dimensional array of such a dtype, `as_token_ids`): the checks of
-#: `_array_tokens` cost ~0.7 µs a call.
-_LITTLE_ENDIAN_INTS = {
-    np.dtype(code).newbyteorder("<"): (np.dtype(code).itemsize, np.dtype(code).kind == "i")
-    for code in ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")
-}
+#: The byte orders numpy gives an integer dtype the core reads as it is: little-endian
+#: (`<`, or `=` on a little-endian machine) or one byte (`|`). Checked from the dtype's own
+#: attributes, never by looking the dtype up in a shared dict: on a free-threaded interpreter
+#: a dict keyed by objects other than str takes a lock on every lookup, and two threads
+#: converting prompts then queue on it (`benches/PROFILE.md`, issue 24, round 26).
+_LITTLE_ENDIAN_ORDERS = ("<", "|", "=") if sys.byteorder == "little" else ("<", "|")
+#: Little-endian int64 (numpy's builtin dtypes are singletons, so `is` finds it).
+_INT64 = np.dtype("<i8")
 
 
 def _array_tokens(values: np.ndarray) -> tuple[np.ndarray, int, bool]:
     # Only metadata is checked here; the core reads the array in place through the buffer
     # protocol (gathering a strided view), checks every value (negative, above 2**32 - 1)
     # and narrows to u32 with the GIL released.
-    width_signed = _LITTLE_ENDIAN_INTS.get(values.dtype)
-    if width_signed is not None and values.ndim == 1:
-        return values, *width_signed
     if values.ndim != 1:
         raise InvalidInputError(f"token ids must be one-dimensional, got shape {values.shape}")
     if values.dtype.kind not in "iu":  # bool is kind "b": refused here too

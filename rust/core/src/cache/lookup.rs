@@ -115,7 +115,9 @@ impl PrefixCache {
         salt: &[u8],
         extras: &RequestExtras,
     ) -> Vec<BlockId> {
-        let mut blocks = Vec::new();
+        // Room for every block at once: grown push by push, a long hit reallocated a dozen
+        // times, and on two threads each reallocation could wait for the allocator's lock.
+        let mut blocks = Vec::with_capacity(tokens.len() / self.config.block_size);
         self.match_chain(buffer, self.root_key(salt), tokens, extras, |anchor| {
             blocks.push(anchor.block);
         });
