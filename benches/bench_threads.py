@@ -46,7 +46,13 @@ harness, on the same pair of threads:
   sharing one cache costs.
 
 Also recorded per phase: the CPU time the process got per wall second (how many cores it ran
-on), and the 1-minute load average per round. The rounds alternate the phases, so load that
+on), and the 1-minute load average per round.
+
+The same script runs on a free-threaded interpreter (CPython 3.13t and later, with prefixkv's
+version-specific build: `docs/release.md`), where there is no GIL to hand over:
+`python benches/run.py` runs this section there too, in a second process, when
+`PREFIXKV_FREE_THREADED_PYTHON` names such an interpreter (`run_in`). The controls keep their
+names, which say what their calls do on an interpreter with a GIL. The rounds alternate the phases, so load that
 drifts over the run touches every figure alike; medians over rounds are reported with the range.
 """
 
@@ -54,9 +60,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -501,6 +511,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
     loads = [row["load_average"] for row in per_round]
     return {
+        "interpreter": interpreter(),
         "seconds_per_phase": seconds,
         "rounds": rounds,
         "cpus": len(os.sched_getaffinity(0)),
@@ -514,6 +525,69 @@ def run(quick: bool = False) -> dict[str, Any]:
         "decode_step": decode,
         "configs": configs,
     }
+
+
+def interpreter() -> dict[str, Any]:
+    """This interpreter: its version and whether the GIL is off (a free-threaded build that
+    kept it off after importing prefixkv and numpy)."""
+    gil_enabled = getattr(sys, "_is_gil_enabled", lambda: True)()
+    return {
+        "implementation": platform.python_implementation(),
+        "version": platform.python_version(),
+        "free_threaded": not gil_enabled,
+    }
+
+
+def interpreter_name(info: dict[str, Any]) -> str:
+    """'CPython 3.13.5, free-threaded (no GIL)' or 'CPython 3.11.7 (with the GIL)'."""
+    mode = "free-threaded (no GIL)" if info["free_threaded"] else "with the GIL"
+    return f"{info['implementation']} {info['version']}, {mode}"
+
+
+class InterpreterFailed(RuntimeError):
+    """The section's run in another interpreter exited with an error (its stderr's end is in
+    the message)."""
+
+
+def run_in(python: str, quick: bool = False) -> dict[str, Any]:
+    """`run` in the interpreter at `python` (its own process, its own prefixkv and numpy): what
+    `python benches/run.py` calls for `PREFIXKV_FREE_THREADED_PYTHON`. Refuses, by name and
+    before any benchmark runs, an interpreter that is not free-threaded or turns its GIL back
+    on when prefixkv and numpy are imported (an extension built for the GIL does that)."""
+    try:
+        probe = subprocess.run(
+            [python, "-c", _GIL_PROBE], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except OSError as exc:
+        raise InterpreterFailed(f"{python} cannot be run: {exc}") from exc
+    if probe.returncode != 0 or probe.stdout.strip() != "off":
+        said = probe.stdout.strip() or probe.stderr.strip()[-500:]
+        raise InterpreterFailed(
+            f"{python} is not a free-threaded interpreter whose GIL stays off with prefixkv and "
+            f"numpy imported ({said}); build one as docs/release.md says"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "threads.json"
+        command = [python, str(Path(__file__).resolve()), "--json", str(out)]
+        if quick:
+            command.append("--quick")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InterpreterFailed(
+                f"{python} benches/bench_threads.py exited with {done.returncode}: "
+                f"{done.stderr[-2000:].strip()}"
+            )
+        result: dict[str, Any] = json.loads(out.read_text())
+    if not result["interpreter"]["free_threaded"]:
+        raise InterpreterFailed(f"{python} turned its GIL on during the run")
+    return result
+
+
+#: Prints "off" when this interpreter's GIL stays off with what the section imports.
+_GIL_PROBE = (
+    "import sys, numpy, prefixkv; "
+    "print('on' if getattr(sys, '_is_gil_enabled', lambda: True)() else 'off')"
+)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -532,7 +606,10 @@ def markdown(result: dict[str, Any]) -> str:
             ]
         )
     loads = result["load_average_per_round"]
-    note = (
+    # Runs saved before the interpreter was recorded ran on the GIL build.
+    info = result.get("interpreter")
+    note = f"Interpreter: {interpreter_name(info)}. " if info else ""
+    note += (
         f"{result['rounds']} rounds × {result['seconds_per_phase']} s per phase, alternating; "
         f"{result['cpus']} CPUs shared with other processes; 1-minute load average "
         f"{min(loads):.1f}–{max(loads):.1f} over the rounds (median {statistics.median(loads):.1f}); "
@@ -548,9 +625,14 @@ def markdown(result: dict[str, Any]) -> str:
         "rounds): 1.00 when running beside the other thread did not slow it while it had a "
         "core; it does not depend on how much CPU the load left the process.\n"
     )
+    held = (
+        "Python-side part (the GIL-held part on a GIL build)"
+        if info and info["free_threaded"]
+        else "GIL held"
+    )
     for name, g in result["gil_held"].items():
         note += (
-            f"\nGIL held by one {name}, single thread, thread CPU time: {g['held_us']:.1f} of "
+            f"\n{held} of one {name}, single thread, thread CPU time: {g['held_us']:.1f} of "
             f"{g['total_us']:.1f} µs ({g['share']:.0%}, an upper bound)."
         )
     if "decode_step" in result:

@@ -52,6 +52,35 @@ def run_core_profile(quick: bool) -> dict[str, Any] | None:
     return {"lines": [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]}
 
 
+#: A free-threaded interpreter (with prefixkv's version-specific build and numpy installed) to
+#: run section 2 in as well (`bench_threads.run_in`); unset: section 2 runs only here.
+FREE_THREADED_PYTHON = "PREFIXKV_FREE_THREADED_PYTHON"
+
+
+def run_threads(quick: bool) -> dict[str, Any]:
+    """Section 2 here, and again on the free-threaded interpreter that `FREE_THREADED_PYTHON`
+    names, if any (under `free_threaded`)."""
+    result = bench_threads.run(quick)
+    python = os.environ.get(FREE_THREADED_PYTHON)
+    if python:
+        result["free_threaded"] = bench_threads.run_in(python, quick)
+    return result
+
+
+def threads_markdown(result: dict[str, Any]) -> str:
+    """Section 2, then the same pairs on the free-threaded interpreter if it ran there."""
+    text = bench_threads.markdown(result)
+    other = result.get("free_threaded")
+    if other:
+        text += (
+            "\n### The same pairs on a free-threaded interpreter\n\n"
+            "The same script in a second process, on an interpreter without a GIL "
+            f"(`{FREE_THREADED_PYTHON}`; prefixkv's version-specific build, `docs/release.md`), "
+            "right after the rounds above.\n\n" + bench_threads.markdown(other)
+        )
+    return text
+
+
 def core_markdown(result: dict[str, Any] | None) -> str:
     if result is None:
         return "cargo not found: skipped."
@@ -310,13 +339,18 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
                 f"{line['ns']:.0f} ns",
                 line["ns"] < 1000,
             )
-    if "threads" in results:
-        t = results["threads"]["configs"]
-        for name, c in t.items():
+    runs = [results["threads"]] if "threads" in results else []
+    runs += [r["free_threaded"] for r in runs if "free_threaded" in r]
+    for threads in runs:
+        info = threads.get("interpreter")
+        where = (
+            "; " + bench_threads.interpreter_name(info) if info and info["free_threaded"] else ""
+        )
+        for name, c in threads["configs"].items():
             if name.startswith("router"):
                 short = c.get("ratio_over_short_control")
                 add(
-                    f"two threads ≥1.8× one ({name}; ÷ the GIL-releasing control"
+                    f"two threads ≥1.8× one ({name}{where}; ÷ the GIL-releasing control"
                     + (
                         ", and ÷ the one releasing it for ~5 µs a call,"
                         if short is not None
@@ -448,6 +482,20 @@ def obstacles(results: dict[str, Any]) -> list[str]:
             f"{t['cpus']} CPUs over the rounds; in the same rounds the controls reached "
             f"{controls}, and with both threads running the process got {cores} cores."
         )
+        ft = t.get("free_threaded")
+        if ft:
+            pairs = [c["ratio"] for name, c in ft["configs"].items() if name.startswith("router")]
+            ft_controls = ", ".join(
+                f"{name.removeprefix('control: ')} {c['ratio']:.2f}×"
+                for name, c in ft["configs"].items()
+                if name.startswith("control")
+            )
+            lines.append(
+                f"- **Threads without a GIL** ({bench_threads.interpreter_name(ft['interpreter'])}, "
+                f"the same script in a second process): the router and scheduler pairs reached "
+                f"{min(pairs):.2f}–{max(pairs):.2f}×, {sum(p >= 1.8 for p in pairs)} of "
+                f"{len(pairs)} at 1.8× or more; the controls {ft_controls}."
+            )
     c = results.get("copies")
     if c and "diagnosis_ms" in c:
         d = c["diagnosis_ms"]
@@ -537,7 +585,7 @@ def write_markdown(path: Path, data: dict[str, Any]) -> None:
         (
             "threads",
             "2. A router and a scheduler on two threads",
-            bench_threads.markdown,
+            threads_markdown,
             "threads.png",
         ),
         ("compute", "3. Prefill compute saved", bench_compute.markdown, "compute.png"),
@@ -607,7 +655,7 @@ def main() -> None:
         "overhead": bench_overhead.run,
         "production": bench_production.run,
         "synthetic": bench_synthetic_peers.run,
-        "threads": bench_threads.run,
+        "threads": run_threads,
         "compute": bench_compute.run,
         "copies": bench_copies.run,
         "memory": bench_memory.run,

@@ -2,7 +2,11 @@
 # Build the version-specific (non-abi3) wheel for a free-threaded CPython and run the block
 # manager's tests under it, checking that importing prefixkv leaves the GIL disabled.
 #
-#   scripts/free_threaded_check.sh /path/to/python3.13t
+#   scripts/free_threaded_check.sh /path/to/python3.13t [VENV]
+#
+# With VENV, the virtual environment is made there and kept (prefixkv's free-threaded build and
+# numpy installed): `PREFIXKV_FREE_THREADED_PYTHON=VENV/bin/python python benches/run.py` then
+# runs section 2 (threads) on it too.
 #
 # abi3 extensions cannot load on a free-threaded interpreter, so this build turns the binding's
 # default `abi3` cargo feature off (--no-default-features). PyO3 0.27 supports 3.13t and 3.14t
@@ -19,16 +23,17 @@ sys.exit(0 if sysconfig.get_config_var("Py_GIL_DISABLED") else f"{sys.executable
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-"$ft" -m venv "$work/venv"
-py="$work/venv/bin/python"
+venv="${2:-$work/venv}"
+"$ft" -m venv "$venv"
+py="$venv/bin/python"
 # hypothesis: recent releases build a PyO3 extension that refuses 3.13t; its last pure-Python
 # wheel is enough for the tests.
 "$py" -m pip install --quiet "maturin>=1.9.2,<2" numpy pytest pytest-timeout
 "$py" -m pip install --quiet --only-binary hypothesis hypothesis
 
-CARGO_TARGET_DIR=target/free-threaded "$work/venv/bin/maturin" build --release \
+CARGO_TARGET_DIR=target/free-threaded "$venv/bin/maturin" build --release \
     --no-default-features -i "$py" --out "$work/dist"
-"$py" -m pip install --quiet "$work"/dist/prefixkv-*.whl
+"$py" -m pip install --quiet --force-reinstall --no-deps "$work"/dist/prefixkv-*.whl
 "$py" -c 'import sys, prefixkv
 assert not sys._is_gil_enabled(), "importing prefixkv turned the GIL on"
 print(f"prefixkv {prefixkv.__version__} on {sys.version.split()[0]} free-threaded: GIL stays off")'
