@@ -55,4 +55,7 @@ if grep -n torch "$root/tests/test_cache.py"; then
     exit 1
 fi
 # --noconftest: tests/conftest.py imports torch; pyproject.toml's pytest settings still apply.
-(cd "$root" && "$py" -m pytest --noconftest -p no:cacheprovider -q tests)
+# Deselected: the old module paths' shims, which import the moved modules, most of them needing
+# torch, jinja2 or gguf (extras this interpreter has none of); `make test` runs them.
+(cd "$root" && "$py" -m pytest --noconftest -p no:cacheprovider -q tests \
+    -k "not test_an_old_module_path_warns_and_is_the_module_at_its_new_path")
