@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export HYPOTHESIS_PROFILE ?= default
 
-.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras release vllm-test
+.PHONY: install test lint rust-test rust-stress loom ci demo bench no-extras free-threaded release vllm-test
 
 ## Build the Rust extension (release) and install the package with test and lint tools.
 install:
@@ -63,6 +63,13 @@ no-extras:
 	@if "$(NO_EXTRAS_VENV)/bin/python" -m pip show --quiet torch 2>/dev/null; then \
 		echo "no-extras: torch was installed without being asked for" >&2; exit 1; fi
 	"$(NO_EXTRAS_VENV)/bin/python" scripts/smoke_no_extras.py
+
+## The free-threaded build (no GIL, so no abi3: a version-specific wheel): a free-threaded
+## CPython 3.13 built from Debian's source package into FREE_THREADED_PREFIX (once; kept there),
+## prefixkv's wheel for it, and the block manager's tests run on it with the GIL checked off.
+FREE_THREADED_PREFIX ?= .free-threaded-python
+free-threaded:
+	scripts/free_threaded_check.sh "$$(scripts/build_free_threaded_python.sh "$(FREE_THREADED_PREFIX)")"
 
 ## Release artifacts for this platform, each checked: abi3 manylinux wheel (auditwheel), sdist
 ## (built from alone), `cargo package` of prefixkv-core. See docs/release.md.

@@ -13,7 +13,8 @@
 # (later PyO3 releases drop 3.13t). The tests run without torch, which has no small CPU build
 # for these interpreters on PyPI: tests/test_cache.py runs without its torch-tensor cases, plus
 # the thread, state-machine and packaging tests. docs/release.md says how the interpreter used
-# here was obtained.
+# here was obtained; scripts/build_free_threaded_python.sh builds one (`make free-threaded` runs
+# both, as CI does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
