@@ -46,14 +46,14 @@ harness, on the same pair of threads:
   sharing one cache costs.
 
 Also recorded per phase: the CPU time the process got per wall second (how many cores it ran
-on), and the 1-minute load average per round.
+on), and the 1-minute load average per round. The rounds alternate the phases, so load that
+drifts over the run touches every figure alike; medians over rounds are reported with the range.
 
 The same script runs on a free-threaded interpreter (CPython 3.13t and later, with prefixkv's
 version-specific build: `docs/release.md`), where there is no GIL to hand over:
 `python benches/run.py` runs this section there too, in a second process, when
 `PREFIXKV_FREE_THREADED_PYTHON` names such an interpreter (`run_in`). The controls keep their
-names, which say what their calls do on an interpreter with a GIL. The rounds alternate the phases, so load that
-drifts over the run touches every figure alike; medians over rounds are reported with the range.
+names, which say what their calls do on an interpreter with a GIL.
 """
 
 from __future__ import annotations
@@ -539,7 +539,7 @@ def interpreter() -> dict[str, Any]:
 
 
 def interpreter_name(info: dict[str, Any]) -> str:
-    """'CPython 3.13.5, free-threaded (no GIL)' or 'CPython 3.11.7 (with the GIL)'."""
+    """'CPython 3.13.5, free-threaded (no GIL)' or 'CPython 3.11.7, with the GIL'."""
     mode = "free-threaded (no GIL)" if info["free_threaded"] else "with the GIL"
     return f"{info['implementation']} {info['version']}, {mode}"
 

@@ -390,6 +390,15 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _controls(configs: dict[str, Any]) -> str:
+    """Section 2's controls and their speedups, for a sentence."""
+    return ", ".join(
+        f"{name.removeprefix('control: ')} {c['ratio']:.2f}×"
+        for name, c in configs.items()
+        if name.startswith("control")
+    )
+
+
 def obstacles(results: dict[str, Any]) -> list[str]:
     """What stands in the way of the missed aims, as measured in this run (bullet lines)."""
     lines: list[str] = []
@@ -465,11 +474,7 @@ def obstacles(results: dict[str, Any]) -> list[str]:
     t = results.get("threads")
     if t:
         shares = ", ".join(f"{name} {g['share']:.0%}" for name, g in t["gil_held"].items())
-        controls = ", ".join(
-            f"{name.removeprefix('control: ')} {c['ratio']:.2f}×"
-            for name, c in t["configs"].items()
-            if name.startswith("control")
-        )
+        controls = _controls(t["configs"])
         loads = t["load_average_per_round"]
         cores = " and ".join(
             f"{c['cores_together']:.2f}"
@@ -485,16 +490,11 @@ def obstacles(results: dict[str, Any]) -> list[str]:
         ft = t.get("free_threaded")
         if ft:
             pairs = [c["ratio"] for name, c in ft["configs"].items() if name.startswith("router")]
-            ft_controls = ", ".join(
-                f"{name.removeprefix('control: ')} {c['ratio']:.2f}×"
-                for name, c in ft["configs"].items()
-                if name.startswith("control")
-            )
             lines.append(
                 f"- **Threads without a GIL** ({bench_threads.interpreter_name(ft['interpreter'])}, "
                 f"the same script in a second process): the router and scheduler pairs reached "
                 f"{min(pairs):.2f}–{max(pairs):.2f}×, {sum(p >= 1.8 for p in pairs)} of "
-                f"{len(pairs)} at 1.8× or more; the controls {ft_controls}."
+                f"{len(pairs)} at 1.8× or more; the controls {_controls(ft['configs'])}."
             )
     c = results.get("copies")
     if c and "diagnosis_ms" in c:
