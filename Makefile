@@ -69,7 +69,8 @@ no-extras:
 ## prefixkv's wheel for it, and the block manager's tests run on it with the GIL checked off.
 FREE_THREADED_PREFIX ?= .free-threaded-python
 free-threaded:
-	scripts/free_threaded_check.sh "$$(scripts/build_free_threaded_python.sh "$(FREE_THREADED_PREFIX)")"
+	python="$$(scripts/build_free_threaded_python.sh "$(FREE_THREADED_PREFIX)")" && \
+		scripts/free_threaded_check.sh "$$python"
 
 ## Release artifacts for this platform, each checked: abi3 manylinux wheel (auditwheel), sdist
 ## (built from alone), `cargo package` of prefixkv-core. See docs/release.md.

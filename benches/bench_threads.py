@@ -549,11 +549,13 @@ class InterpreterFailed(RuntimeError):
     the message)."""
 
 
-def run_in(python: str, quick: bool = False) -> dict[str, Any]:
-    """`run` in the interpreter at `python` (its own process, its own prefixkv and numpy): what
-    `python benches/run.py` calls for `PREFIXKV_FREE_THREADED_PYTHON`. Refuses, by name and
-    before any benchmark runs, an interpreter that is not free-threaded or turns its GIL back
-    on when prefixkv and numpy are imported (an extension built for the GIL does that)."""
+def check_interpreter(python: str) -> str:
+    """The absolute path of `python` (a relative one is read from the current directory), once
+    it is shown to be a free-threaded interpreter whose GIL stays off with prefixkv and numpy
+    imported (an extension built for the GIL turns it back on); `InterpreterFailed`, naming
+    it, otherwise. `python benches/run.py` calls this before its first section, so that a bad
+    `PREFIXKV_FREE_THREADED_PYTHON` costs no run."""
+    python = os.path.abspath(python)
     try:
         probe = subprocess.run(
             [python, "-c", _GIL_PROBE], capture_output=True, text=True, cwd=Path(__file__).parent
@@ -566,6 +568,14 @@ def run_in(python: str, quick: bool = False) -> dict[str, Any]:
             f"{python} is not a free-threaded interpreter whose GIL stays off with prefixkv and "
             f"numpy imported ({said}); build one as docs/release.md says"
         )
+    return python
+
+
+def run_in(python: str, quick: bool = False) -> dict[str, Any]:
+    """`run` in the interpreter at `python` (its own process, its own prefixkv and numpy): what
+    `python benches/run.py` calls for `PREFIXKV_FREE_THREADED_PYTHON`. Checked first
+    (`check_interpreter`), before any benchmark runs."""
+    python = check_interpreter(python)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "threads.json"
         command = [python, str(Path(__file__).resolve()), "--json", str(out)]

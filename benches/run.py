@@ -493,7 +493,7 @@ def obstacles(results: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- **Threads without a GIL** ({bench_threads.interpreter_name(ft['interpreter'])}, "
                 f"the same script in a second process): the router and scheduler pairs reached "
-                f"{min(pairs):.2f}–{max(pairs):.2f}×, {sum(p >= 1.8 for p in pairs)} of "
+                f"{min(pairs):.3f}–{max(pairs):.3f}×, {sum(p >= 1.8 for p in pairs)} of "
                 f"{len(pairs)} at 1.8× or more; the controls {_controls(ft['configs'])}."
             )
     c = results.get("copies")
@@ -648,6 +648,10 @@ def main() -> None:
             f"warning: prefixkv._core build is {info['prefixkv_core_build']!r}; timings need a release build",
             file=sys.stderr,
         )
+    free_threaded = os.environ.get(FREE_THREADED_PYTHON)
+    if free_threaded and "threads" in sections:
+        # Refused now, by name, rather than after the sections before it have run.
+        os.environ[FREE_THREADED_PYTHON] = bench_threads.check_interpreter(free_threaded)
     started = time.time()
     load_start = os.getloadavg()[0]
     results: dict[str, Any] = {}

@@ -28,19 +28,20 @@ for package in build-essential libssl-dev zlib1g-dev libffi-dev; do
     dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
 done
 if ((${#missing[@]})); then
-    $sudo apt-get update -qq
+    $sudo apt-get update -qq >&2
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/parts" "$work/archives/partial"
+mkdir -p "$work/lists/partial" "$work/parts" "$work/archives/partial" "$work/cache"
 echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main" \
     >"$work/sources.list"
 apt_private=(
     -o "Dir::Etc::SourceList=$work/sources.list"
     -o "Dir::Etc::SourceParts=$work/parts"
     -o "Dir::State::Lists=$work/lists"
+    -o "Dir::Cache=$work/cache"
     -o "Dir::Cache::Archives=$work/archives"
     -o "APT::Sandbox::User=root"
 )

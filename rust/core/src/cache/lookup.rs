@@ -115,12 +115,22 @@ impl PrefixCache {
         salt: &[u8],
         extras: &RequestExtras,
     ) -> Vec<BlockId> {
-        // Room for every block at once: grown push by push, a long hit reallocated a dozen
-        // times, and on two threads each reallocation could wait for the allocator's lock.
-        let mut blocks = Vec::with_capacity(tokens.len() / self.config.block_size);
+        // Room for every block at once, taken at the first hit (a miss allocates nothing):
+        // grown push by push, a long hit reallocated a dozen times, and on two threads each
+        // reallocation could wait for the allocator's lock. No hit is longer than the pool.
+        let room = (tokens.len() / self.config.block_size).min(self.config.num_blocks as usize);
+        let mut blocks = Vec::new();
         self.match_chain(buffer, self.root_key(salt), tokens, extras, |anchor| {
+            if blocks.capacity() == 0 {
+                blocks.reserve_exact(room);
+            }
             blocks.push(anchor.block);
         });
+        // The list may live on in a `PrefixMatch` or a pin: a short hit of a long prompt keeps
+        // no room it never used.
+        if blocks.capacity() > 2 * blocks.len() {
+            blocks.shrink_to_fit();
+        }
         blocks
     }
 

@@ -618,3 +618,41 @@ fn a_recommit_past_cached_blocks_under_truncated_keys_fills_no_key() {
         c.check_invariants();
     }
 }
+
+#[test]
+fn a_short_hit_of_a_long_prompt_keeps_no_room_it_never_used() {
+    // The block list is reserved for the whole prompt at the first hit, then handed to a
+    // `PrefixMatch` or a pin that may live long: a one-block hit of a 4,096-block prompt must
+    // not hold room for 4,096 ids.
+    let c = cache(64, 2);
+    let held = c.allocate(1).unwrap();
+    c.commit_blocks(&[1, 2], &held, b"", &no_extras(), 0)
+        .unwrap();
+    let mut long = vec![1, 2];
+    long.extend((0..8190).map(|t| 3 + t % 1000));
+    let hit = c.lookup(&long, b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, held);
+    assert!(
+        hit.blocks.capacity() <= 2,
+        "{} ids of room kept",
+        hit.blocks.capacity()
+    );
+    let miss = c.lookup(&[9; 8192], b"", &no_extras()).unwrap();
+    assert!(miss.blocks.is_empty());
+    assert_eq!(miss.blocks.capacity(), 0, "a miss allocates nothing");
+    // A hit as long as the pool allows is reserved once and kept whole.
+    let all = c.allocate(32).unwrap();
+    let tokens: Vec<u32> = (0..64).map(|t| 2000 + t).collect();
+    c.commit_blocks(&tokens, &all, b"", &no_extras(), 0)
+        .unwrap();
+    let mut longer = tokens.clone();
+    longer.extend([5; 9000]);
+    let hit = c.lookup(&longer, b"", &no_extras()).unwrap();
+    assert_eq!(hit.blocks, all);
+    assert!(
+        hit.blocks.capacity() <= 64,
+        "capped at the pool: {}",
+        hit.blocks.capacity()
+    );
+    c.check_invariants();
+}
