@@ -593,10 +593,10 @@ def run_in(python: str, quick: bool = False) -> dict[str, Any]:
     return result
 
 
-#: Prints "off" when this interpreter's GIL stays off with what the section imports.
+#: Prints "off" when this interpreter's GIL stays off with what the section imports (this
+#: module imports numpy and prefixkv; run in benches/, where it is found).
 _GIL_PROBE = (
-    "import sys, numpy, prefixkv; "
-    "print('on' if getattr(sys, '_is_gil_enabled', lambda: True)() else 'off')"
+    "import bench_threads; print('off' if bench_threads.interpreter()['free_threaded'] else 'on')"
 )
 
 

@@ -651,7 +651,7 @@ def main() -> None:
     free_threaded = os.environ.get(FREE_THREADED_PYTHON)
     if free_threaded and "threads" in sections:
         # Refused now, by name, rather than after the sections before it have run.
-        os.environ[FREE_THREADED_PYTHON] = bench_threads.check_interpreter(free_threaded)
+        bench_threads.check_interpreter(free_threaded)
     started = time.time()
     load_start = os.getloadavg()[0]
     results: dict[str, Any] = {}
