@@ -12,6 +12,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::{invalid, InvalidBlockError};
+use crate::narrow;
 
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
@@ -314,7 +315,7 @@ impl Drop for Exported {
 /// `docs/release.md`) has no lock keeping another thread from changing the list between the
 /// reads, and takes the safe path below.
 #[cfg(feature = "abi3")]
-#[allow(unsafe_code)] // one of the binding's two `unsafe`s (with `Exported`): the workspace denies it, the core forbids it
+#[allow(unsafe_code)] // one of the binding's three `unsafe` sites (with `Exported` and `narrow.rs`): the workspace denies it, the core allows only its two hints
 fn sequence_tokens<'py>(
     sequence: &Bound<'py, PyAny>,
     len: usize,
@@ -482,66 +483,14 @@ fn widen_into(
     signed: bool,
     out: &mut Vec<u32>,
 ) -> Result<(), CacheError> {
-    // The ids usually come cold from DRAM (an engine's prompt array, written long before), and
-    // the hardware prefetcher stops at every 4 KiB page: it must see new misses on each page
-    // before it streams it. So each 512-byte piece asks for the piece one page ahead first.
-    // A 12k-token int64 prompt read cold: 11.5 -> 8.4-9.6 µs a call (an empty cache's lookup,
-    // the production trace; 1, 8 or 16 KiB ahead read the same within the noise).
-    const PIECE: usize = 512;
-    const PREFETCH_AHEAD: usize = 4096;
-    // `out` is taken and handed back by value, not borrowed: a loop extending a borrowed
-    // vector ran 5% slower on a warm 12k-token prompt (the vector's fields reloaded).
-    fn pass<const W: usize>(
-        data: &[u8],
-        mut out: Vec<u32>,
-        read: impl Fn([u8; W]) -> (u32, u64),
-    ) -> Result<(Vec<u32>, bool), CacheError> {
-        // Reserved fallibly (an array of small ids can widen past memory: refused, not an
-        // abort), then extended from an exact-length iterator: no zeroing first and no
-        // capacity check per token. Against a `push` loop with a range check per value: 13 ->
-        // 3.25 instructions a token for int64 ids (callgrind; CHANGELOG, issue 24 fifth round).
-        // Amortised (`try_reserve`): a batch's buffer grows geometrically prompt after prompt;
-        // an empty vector gets exactly `count` all the same.
-        let count = data.len() / W;
-        if out.try_reserve(count).is_err() {
-            return Err(too_large(out.len() + count));
-        }
-        let mut stray = 0u64;
-        let whole = &data[..count * W];
-        for (index, piece) in whole.chunks(PIECE).enumerate() {
-            if let Some(ahead) = whole.get(index * PIECE + PREFETCH_AHEAD..) {
-                for line in ahead.chunks(64).take(PIECE / 64) {
-                    prefixkv_core::prefetch::prefetch(&line[0]);
-                }
-            }
-            out.extend(piece.chunks_exact(W).map(|chunk| {
-                let (value, bits) = read(chunk.try_into().unwrap_or([0; W]));
-                stray |= bits;
-                value
-            }));
-        }
-        Ok((out, stray == 0))
-    }
-    let taken = std::mem::take(out);
-    let (widened, valid) = match (width, signed) {
-        // A negative i64 read as u64 has its high bits set: one test covers both signs.
-        (8, _) => pass::<8>(data, taken, |b| {
-            let v = u64::from_le_bytes(b);
-            (v as u32, v >> 32)
-        }),
-        (4, true) => pass::<4>(data, taken, |b| {
-            let v = u32::from_le_bytes(b);
-            (v, u64::from(v >> 31))
-        }),
-        (4, false) => pass::<4>(data, taken, |b| (u32::from_le_bytes(b), 0)),
-        (2, true) => pass::<2>(data, taken, |b| {
-            let v = u16::from_le_bytes(b);
-            (u32::from(v), u64::from(v >> 15))
-        }),
-        (2, false) => pass::<2>(data, taken, |b| (u32::from(u16::from_le_bytes(b)), 0)),
-        (_, true) => pass::<1>(data, taken, |b| (u32::from(b[0]), u64::from(b[0] >> 7))),
-        (_, false) => pass::<1>(data, taken, |b| (u32::from(b[0]), 0)),
-    }?;
+    let narrowed = narrow::narrow(
+        narrow::Units::best(),
+        data,
+        width,
+        signed,
+        std::mem::take(out),
+    );
+    let (widened, valid) = narrowed.map_err(too_large)?;
     *out = widened;
     if valid {
         return Ok(());

@@ -18,6 +18,7 @@ mod events;
 mod gil;
 mod groups;
 mod index;
+mod narrow;
 mod probes;
 mod results;
 mod runs;
