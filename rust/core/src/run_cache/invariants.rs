@@ -180,6 +180,30 @@ impl RunCache {
                 assert!(r.refs[dup.pos as usize] > 0, "an inherited copy is held");
                 assert_eq!(dup.segment, NONE, "an inherited copy is no spare");
             }
+            if dup.successor != NONE {
+                // It hangs right after the copy: at the next position of the run (its block
+                // there or a copy of it), or first in a child run (or a copy of that). Once
+                // evicted it is forgotten, never left naming an id handed out again.
+                let next = dup.pos + 1;
+                let mut after: Vec<(u32, u32)> = vec![];
+                if next < r.len {
+                    after.push((run, next));
+                } else {
+                    after.extend(r.children.iter().map(|&child| (child, 0)));
+                }
+                let hangs_after = after.iter().any(|&(owner, pos)| {
+                    self.block(owner, pos) == dup.successor
+                        || self.runs[owner as usize].dups.iter().any(|&other| {
+                            let other = &self.dups[other as usize];
+                            other.pos == pos && other.block == dup.successor
+                        })
+                });
+                assert!(
+                    hangs_after,
+                    "duplicate {d}'s successor {} hangs right after it",
+                    dup.successor
+                );
+            }
         }
     }
 

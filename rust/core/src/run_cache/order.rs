@@ -337,6 +337,39 @@ impl RunCache {
         }
     }
 
+    /// `forget_as_successor` for blocks `stop..hi` of `run`, evicted together (`blocks[i]` was
+    /// at `stop + i`), in one pass over the run's duplicates: per block, that pass was
+    /// O(blocks × duplicates) for a run whose copies have successors.
+    fn forget_as_successors(&mut self, run: u32, stop: u32, hi: u32, blocks: &[BlockId]) {
+        debug_assert_eq!(blocks.len(), (hi - stop) as usize);
+        if stop == 0 {
+            // A first block's predecessor is the parent run's last block.
+            self.forget_as_successor(run, 0, blocks[0]);
+        }
+        let r = &self.runs[run as usize];
+        if r.with_successor == 0 {
+            return;
+        }
+        // A duplicate at `pos` has its successor at `pos + 1`, evicted here when that position
+        // is in `stop.max(1)..hi`.
+        let from = stop.max(1);
+        let stale: Vec<u32> = r
+            .dups
+            .iter()
+            .copied()
+            .filter(|&d| {
+                let dup = &self.dups[d as usize];
+                let next = dup.pos + 1;
+                dup.successor != NONE
+                    && (from..hi).contains(&next)
+                    && dup.successor == blocks[(next - stop) as usize]
+            })
+            .collect();
+        for d in stale {
+            self.set_successor(d, NONE);
+        }
+    }
+
     /// The segment to take from next, and whether another of the same tick could give a
     /// block too (then one block at a time: the core takes the lowest id among them). The
     /// lowest priority's queue first; a queue whose segments are all blocked gives none.
@@ -441,11 +474,8 @@ impl RunCache {
                 if r.with_successor > 0 || (stop == 0 && r.parent != NONE) {
                     // When no copy of this run's blocks has a successor, an evicted block
                     // can be one only at the run's first position (a copy in the parent run):
-                    // skipped otherwise, the pass would find nothing at one call a block.
-                    for (i, pos) in (stop..hi).enumerate() {
-                        let block = into[first + i];
-                        self.forget_as_successor(run, pos, block);
-                    }
+                    // skipped otherwise, the pass would find nothing.
+                    self.forget_as_successors(run, stop, hi, &into[first..]);
                 }
                 // Handed out top first, as the core's pool evicts a chain from its tail.
                 into[first..].reverse();
