@@ -91,7 +91,7 @@ vllm-test:
 	"$(VLLM_VENV)/bin/python" scripts/prepare_smollm2.py "$(VLLM_MODEL)"
 	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" -m pytest tests/vllm
 	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_MODEL)" --expect full
-	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_MODEL)" --expect full --core runs
+	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_MODEL)" --expect full --core blocks
 	"$(VLLM_VENV)/bin/python" scripts/prepare_tiny_windowed.py "$(VLLM_VENV)/tiny-sliding" --kind sliding --tokenizer "$(VLLM_MODEL)"
 	OMP_NUM_THREADS=1 "$(VLLM_VENV)/bin/python" scripts/vllm_e2e_scheduler.py --model "$(VLLM_VENV)/tiny-sliding" --prompt-repeats 3 --expect sliding
 	"$(VLLM_VENV)/bin/python" scripts/prepare_tiny_windowed.py "$(VLLM_VENV)/tiny-hybrid" --kind hybrid --tokenizer "$(VLLM_MODEL)"

@@ -5,8 +5,9 @@ Usage (in a venv with vLLM, see scripts/install_vllm.sh):
 
 For each number of running requests, vLLM's real `Scheduler` (the unit tests' harness,
 `tests/vllm/harness.py`: a mocked KV cache config and a fake model runner) runs the same
-workload with the stock `KVCacheManager` and with `PrefixKVCacheManager`, on prefixkv's default core and on its run
-core (``additional_config={"prefixkv": {"core": "runs"}}``): every request shares a
+workload with the stock `KVCacheManager` and with `PrefixKVCacheManager`, on prefixkv's block
+core (``additional_config={"prefixkv": {"core": "blocks"}}``) and on its run core (``"runs"``,
+what "auto", the default, picks for this full-attention layout): every request shares a
 64-token system prompt and adds its own 32 tokens, all are admitted and prefilled, then
 `--steps` decode steps are timed, each `schedule()` plus `update_from_output()`, the engine
 core's whole scheduler work per step. The two managers alternate within one run (stock,

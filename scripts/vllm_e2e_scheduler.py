@@ -1,7 +1,8 @@
 """End to end: vLLM offline on SmolLM2 with prefixkv's scheduler gives vLLM's own results.
 
 Usage: python scripts/vllm_e2e_scheduler.py [--model DIR] [--mp] [--prompt-repeats N]
-                                            [--expect {full,sliding,hybrid}] [--core {blocks,runs}]
+                                            [--expect {full,sliding,hybrid}]
+                                            [--core {auto,blocks,runs}]
 
 Runs the same prompts (one long shared system prompt, several questions, in two rounds so the
 second round hits what the first cached, plus a batch that shares prefixes within one step)
@@ -14,8 +15,10 @@ preamble N times, so that a sliding-window model's window slides (a tiny Mistral
 then leave the window and later prompts hit past them; ``scripts/prepare_tiny_windowed.py``
 writes one, and a hybrid Gemma 3 one). ``--expect`` fails the run unless prefixkv served the
 model with that layout (full attention, a sliding-window cache, the hybrid manager).
-``--core runs`` serves prefixkv's side on the run core (``additional_config={"prefixkv":
-{"core": "runs"}}``), and ``--expect`` then also checks it ran there. CPU backend: ``enforce_eager=True``, a small
+``--core blocks`` or ``--core runs`` serves prefixkv's side on that core (``additional_config=
+{"prefixkv": {"core": ...}}``; without it, the default "auto" picks the run core for full
+attention, the block core otherwise), and ``--expect`` then also checks it ran there. CPU
+backend: ``enforce_eager=True``, a small
 ``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
 """
 
@@ -49,7 +52,7 @@ QUESTIONS = [
 ]
 
 
-def run_one(kind: str, model: str, out: Path, repeats: int = 1, core: str = "blocks") -> None:
+def run_one(kind: str, model: str, out: Path, repeats: int = 1, core: str = "auto") -> None:
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, object] = {
@@ -64,7 +67,7 @@ def run_one(kind: str, model: str, out: Path, repeats: int = 1, core: str = "blo
     }
     if kind == "prefixkv":
         kwargs["scheduler_cls"] = SCHEDULER
-        if core != "blocks":
+        if core != "auto":
             kwargs["additional_config"] = {"prefixkv": {"core": core}}
     llm = LLM(**kwargs)  # type: ignore[arg-type]
     params = SamplingParams(temperature=0.0, max_tokens=24)
@@ -143,9 +146,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--core",
-        choices=["blocks", "runs"],
-        default="blocks",
-        help='prefixkv\'s core, through additional_config={"prefixkv": {"core": ...}}',
+        choices=["auto", "blocks", "runs"],
+        default="auto",
+        help='prefixkv\'s core, through additional_config={"prefixkv": {"core": ...}} '
+        "(auto, the default, gives none)",
     )
     parser.add_argument("--kind", choices=["stock", "prefixkv"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -194,8 +198,10 @@ def main() -> None:
         )
         if layout != args.expect:
             failures.append(f"prefixkv served a {layout} layout, not {args.expect}")
-        if served.get("core") != args.core:
-            failures.append(f"prefixkv served core={served.get('core')!r}, not {args.core!r}")
+        # What "auto" picks: the run core for one full-attention group, else the block core.
+        core = args.core if args.core != "auto" else "runs" if layout == "full" else "blocks"
+        if served.get("core") != core:
+            failures.append(f"prefixkv served core={served.get('core')!r}, not {core!r}")
     for i, (want, got) in enumerate(zip(stock, ours, strict=True)):
         for field in ("token_ids", "num_cached_tokens"):
             if want[field] != got[field]:

@@ -206,11 +206,12 @@ class PrefixCache:
             released positions, and a finished request's table, then leave last first.
             Refused without a `sliding_window`.
         core: which structure holds the cache. ``"blocks"`` (the default) serves every call
-            here. ``"runs"`` (experimental, issue 24) keeps one table entry per run of blocks,
-            as a radix tree keeps a node, and serves the request cycle and the step API
+            here. ``"runs"`` (issue 24; the vLLM integration's default for full attention)
+            keeps one table entry per run of blocks, as a radix tree keeps a node, and serves
+            the request cycle and the step API
             (`begin`, `add_request`, `allocate_slots`, `append_tokens` with drafts,
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
-            on long prompts (1.72× on the production-shaped replay), handing out the same
+            on long prompts (1.85× on the production-shaped replay), handing out the same
             blocks in the same order; `pin`, `unpin`, the eviction log, both `full_hit` modes,
             KV events (`EventRecorder`: the same events as the default core's) and `multimodal`
             items (a block they overlap starts a run of its own, found only under its items'

@@ -92,8 +92,9 @@ class SchedulerSetup:
     #: A hybrid layout: besides the first group, one sliding-window group per window listed
     #: (gpt-oss: one; Gemma 3: several of one window), all drawing from the one block pool.
     hybrid_windows: tuple[int, ...] = ()
-    #: prefixkv's core (``additional_config["prefixkv"]["core"]``): "blocks" or "runs".
-    core: str = "blocks"
+    #: prefixkv's core (``additional_config["prefixkv"]["core"]``): "auto" (the default, set
+    #: by giving none), "blocks" or "runs".
+    core: str = "auto"
 
 
 def _window_spec(setup: SchedulerSetup, dtype: Any, window: int) -> SlidingWindowSpec:
@@ -152,7 +153,7 @@ def make_scheduler(model_dir: Path, setup: SchedulerSetup, kind: str) -> Any:
         cache_config=cache_config,
         speculative_config=speculative_config,
         kv_events_config=kv_events_config,
-        additional_config={"prefixkv": {"core": setup.core}} if setup.core != "blocks" else {},
+        additional_config={"prefixkv": {"core": setup.core}} if setup.core != "auto" else {},
     )
     # vLLM's CPU platform turns async scheduling off; the GPU default is on. The scheduler
     # itself runs the same either way, so the harness restores what the setup asks for.

@@ -181,8 +181,30 @@ def test_run_core_served_through_additional_config(tiny_model: Path) -> None:
     assert manager.prefix_cache.core == "runs"
     # Free blocks come from the run core's count, not a walk of its blocks.
     assert manager.block_pool.get_num_free_blocks() == 15
-    default = make_scheduler(tiny_model, dataclasses.replace(setup, core="blocks"), "prefixkv")
-    assert default.kv_cache_manager.prefix_cache.core == "blocks"
+    blocks = make_scheduler(tiny_model, dataclasses.replace(setup, core="blocks"), "prefixkv")
+    assert blocks.kv_cache_manager.prefix_cache.core == "blocks"
+
+
+@pytest.mark.parametrize(
+    ("setup", "core"),
+    [
+        (SchedulerSetup(), "runs"),
+        # A window covering the whole context is full attention: the run core serves it.
+        (SchedulerSetup(sliding_window=64), "runs"),
+        (SchedulerSetup(sliding_window=8), "blocks"),
+        (SchedulerSetup(hybrid_windows=(8,)), "blocks"),
+    ],
+    ids=["full-attention", "covering-window", "sliding-window", "hybrid"],
+)
+def test_the_default_core_is_the_run_core_where_it_serves_the_layout(
+    tiny_model: Path, setup: SchedulerSetup, core: str
+) -> None:
+    """No ``core`` setting ("auto"): the run core for one full-attention group, the block core
+    for a sliding window or several groups, which the run core does not serve yet."""
+    setup = dataclasses.replace(setup, num_blocks=32, block_size=4, max_model_len=64)
+    assert setup.core == "auto"
+    manager = make_scheduler(tiny_model, setup, "prefixkv").kv_cache_manager
+    assert manager.prefix_cache.core == core
 
 
 @pytest.mark.parametrize(
@@ -240,7 +262,7 @@ def test_unknown_or_bad_prefixkv_settings_refused_by_name(
 def test_prefixkv_settings_default_and_other_plugins_left_alone() -> None:
     for extra in ({}, {"other_plugin": {"x": 1}}, None):
         config = types.SimpleNamespace(additional_config=extra)
-        assert prefixkv_settings(config) == {"core": "blocks"}
+        assert prefixkv_settings(config) == {"core": "auto"}
     with pytest.raises(InvalidInputError, match="core must be one of"):
         _manager(core="radix")
 

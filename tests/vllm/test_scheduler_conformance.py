@@ -187,15 +187,15 @@ def test_async_scheduler_schedules_match_stock(tiny_model: Path, data: st.DataOb
 
 
 @given(data=st.data())
-def test_run_core_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
-    """The same comparison with prefixkv's run core (``additional_config={"prefixkv":
-    {"core": "runs"}}``): drafts or not, async or not, a window covering the context or full
-    attention; every step as vLLM's, free blocks and usage included (the run core's count of
-    obtainable blocks stands in for its stats' walk)."""
+def test_block_core_schedules_match_stock(tiny_model: Path, data: st.DataObject) -> None:
+    """The same comparison with prefixkv's block core (``additional_config={"prefixkv":
+    {"core": "blocks"}}``) where the default ("auto") picks the run core: drafts or not, async
+    or not, a window covering the context or full attention; every step as vLLM's, free
+    blocks and usage included."""
     setup = data.draw(
         setups(spec_decode=None, async_scheduling=None, covering_window=data.draw(st.booleans()))
     )
-    setup = replace(setup, core="runs")
+    setup = replace(setup, core="blocks")
     workload = data.draw(workloads(setup))
     note(f"{setup=}\n{workload=}")
     _record_events(_compare(tiny_model, setup, workload), workload)

@@ -116,18 +116,30 @@ def refuse_unsupported_settings(
             raise UnsupportedFeatureError(f"{name} is not supported by prefixkv's block manager")
 
 
-def check_core(core: str, *settings: tuple[str, bool]) -> None:
-    """Refuses, by name, a core that is neither "blocks" nor "runs", and with the run core
-    (``core="runs"``) the settings asked for (`(name, asked)`) that it does not serve yet,
-    before any cache is built."""
-    if core not in CORES:
-        raise InvalidInputError(f"core must be one of {', '.join(map(repr, CORES))}, not {core!r}")
-    unserved = [name for name, asked in settings if asked and core == "runs"]
-    if unserved:
+#: The cores a vLLM block manager is built on: `PrefixCache`'s two, and ``"auto"`` (the
+#: default): the run core where it serves the layout (one full-attention group, a window covering
+#: the context included), else the block core.
+VLLM_CORES = ("auto", *CORES)
+
+
+def check_core(core: str, *settings: tuple[str, bool]) -> str:
+    """The core to build on: `core`, with ``"auto"`` resolved to ``"runs"`` unless one of the
+    settings asked for (`(name, asked)`) is one the run core does not serve yet, then to
+    ``"blocks"``. Refuses, by name and before any cache is built, a core that is not one of
+    `VLLM_CORES`, and ``"runs"`` asked for with such a setting."""
+    if core not in VLLM_CORES:
+        raise InvalidInputError(
+            f"core must be one of {', '.join(map(repr, VLLM_CORES))}, not {core!r}"
+        )
+    unserved = [name for name, asked in settings if asked]
+    if core == "auto":
+        return "blocks" if unserved else "runs"
+    if unserved and core == "runs":
         raise UnsupportedFeatureError(
             f'{", ".join(unserved)} with prefixkv\'s run core (core="runs") is not supported '
-            'yet; use the default core="blocks"'
+            'yet; use core="blocks" (or "auto", the default, which picks it)'
         )
+    return core
 
 
 def refuse_unsupported_window(spec: SlidingWindowSpec) -> None:
@@ -205,7 +217,7 @@ class PrefixKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         context: CacheContext | None = None,
-        core: str = "blocks",
+        core: str = "auto",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -259,7 +271,9 @@ class PrefixKVCacheManager:
         )
         if context is None:
             context = CacheContext(block_size=self.block_size, extra={"engine": "vllm"})
-        check_core(core, (f"a sliding window of {self._window} tokens", self._window is not None))
+        core = check_core(
+            core, (f"a sliding window of {self._window} tokens", self._window is not None)
+        )
         # vLLM's block 0 is its null block: prefixkv's pool is the other num_blocks - 1.
         self._cache = PrefixCache(
             kv_cache_config.num_blocks - 1,

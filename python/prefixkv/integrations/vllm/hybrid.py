@@ -132,10 +132,11 @@ class HybridPrefixKVCacheManager(PrefixKVCacheManager):
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         context: CacheContext | None = None,
-        core: str = "blocks",
+        core: str = "auto",
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
-        check_core(core, (f"a layout of {len(groups)} KV cache groups", True))
+        # Several groups share one block-core cache: "auto" picks it, "runs" is refused.
+        core = check_core(core, (f"a layout of {len(groups)} KV cache groups", True))
         specs = tuple(g.kv_cache_spec for g in groups)
         kinds = ", ".join(type(s).__name__ for s in specs)
         for spec in specs:
@@ -204,6 +205,7 @@ class HybridPrefixKVCacheManager(PrefixKVCacheManager):
             context=context,
             sliding_window=full_window,
             window_release="explicit",
+            core=core,
         )
         self._requests = {}
         self._hybrid: dict[str, _HybridTracked] = {}

@@ -21,13 +21,12 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
-from prefixkv.cache import CORES
 from prefixkv.errors import (
     InvalidInputError,
     UnsupportedEngineVersionError,
     UnsupportedFeatureError,
 )
-from prefixkv.integrations.vllm.block_manager import PrefixKVCacheManager
+from prefixkv.integrations.vllm.block_manager import VLLM_CORES, PrefixKVCacheManager
 from prefixkv.integrations.vllm.context import vllm_cache_context
 from prefixkv.integrations.vllm.hybrid import HybridPrefixKVCacheManager
 from prefixkv.integrations.vllm.signatures import missing_attributes
@@ -52,14 +51,15 @@ def make_block_manager(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Prefi
 
 
 #: prefixkv's settings in vLLM's ``additional_config`` (``--additional-config
-#: '{"prefixkv": {"core": "runs"}}'``), with their defaults.
-SETTINGS = {"core": "blocks"}
+#: '{"prefixkv": {"core": "blocks"}}'``), with their defaults.
+SETTINGS = {"core": "auto"}
 
 
 def prefixkv_settings(vllm_config: Any) -> dict[str, str]:
     """prefixkv's settings from ``vllm_config.additional_config["prefixkv"]``: ``core``, the
-    cache's core ("blocks", the default, or "runs": the cache on runs of blocks, for one
-    full-attention group). An unknown setting, or one of another
+    cache's core: "auto" (the default: the run core for one full-attention group, the block
+    core for a sliding window or several groups), "runs" (the cache on runs of blocks, refused
+    where it does not serve the layout) or "blocks". An unknown setting, or one of another
     type, is refused by name."""
     extra = getattr(vllm_config, "additional_config", None)
     ours = extra.get("prefixkv", {}) if isinstance(extra, dict) else {}
@@ -74,9 +74,10 @@ def prefixkv_settings(vllm_config: Any) -> dict[str, str]:
             f"(known: {', '.join(SETTINGS)})"
         )
     settings = {**SETTINGS, **ours}
-    if settings["core"] not in CORES:
+    if settings["core"] not in VLLM_CORES:
         raise InvalidInputError(
-            f'additional_config["prefixkv"]["core"] must be one of {", ".join(map(repr, CORES))}, '
+            'additional_config["prefixkv"]["core"] must be one of '
+            f"{', '.join(map(repr, VLLM_CORES))}, "
             f"not {settings['core']!r}"
         )
     return settings
