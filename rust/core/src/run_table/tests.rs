@@ -47,6 +47,16 @@ fn a_run_matches_its_rows_block_by_block_and_stops_at_the_first_difference() {
     let some = table.match_run(run.slot, &root(1), &prompt, &mut found);
     assert_eq!(some.map(|m| m.matched), Some(20));
     assert_eq!(found, blocks[..20]);
+    // A difference on either side of a chunk boundary (`CHUNK` ids to a chunk, read a chunk
+    // at a time): the match stops right there.
+    for at in [0, 1, 15, 16, 17, 31, 32, 33, 39] {
+        let mut prompt = rows(&values);
+        prompt[at * BLOCK] += 1;
+        found.clear();
+        let some = table.match_run(run.slot, &root(1), &prompt, &mut found);
+        assert_eq!(some.map(|m| m.matched), Some(at as u32), "a difference in block {at}");
+        assert_eq!(found, blocks[..at]);
+    }
     // A shorter prompt, and one with a partial block at its end: whole blocks only.
     found.clear();
     let short = table.match_run(run.slot, &root(1), &prompt[..5 * BLOCK + 2], &mut found);
