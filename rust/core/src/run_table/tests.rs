@@ -54,7 +54,11 @@ fn a_run_matches_its_rows_block_by_block_and_stops_at_the_first_difference() {
         prompt[at * BLOCK] += 1;
         found.clear();
         let some = table.match_run(run.slot, &root(1), &prompt, &mut found);
-        assert_eq!(some.map(|m| m.matched), Some(at as u32), "a difference in block {at}");
+        assert_eq!(
+            some.map(|m| m.matched),
+            Some(at as u32),
+            "a difference in block {at}"
+        );
         assert_eq!(found, blocks[..at]);
     }
     // A shorter prompt, and one with a partial block at its end: whole blocks only.
