@@ -18,8 +18,8 @@ model with that layout (full attention, a sliding-window cache, the hybrid manag
 ``--core blocks`` or ``--core runs`` serves prefixkv's side on that core (``additional_config=
 {"prefixkv": {"core": ...}}``; without it, the default "auto" picks the run core for full
 attention, the block core otherwise), and ``--expect`` then also checks it ran there. CPU
-backend: ``enforce_eager=True``, a small
-``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU attention backend's).
+backend: ``enforce_eager=True``, a small ``VLLM_CPU_KVCACHE_SPACE``, block size 128 (the CPU
+attention backend's).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 //! together on the way, so that one test at the end says whether any id was out of range.
 //!
 //! This pass took a sixth to a quarter of the run core's time per request on the production
-//! trace (a 12.5k-token int64 prompt on average, every request). The wheel is built for x86-64's baseline (SSE2,
-//! four int64 ids a step), so the same pass is compiled again for AVX2 (eight) and AVX-512
-//! (sixteen, one narrowing move) and chosen at run time: a 12.5k-token int64 prompt's lookup on
-//! an empty cache takes 4.0 µs portable, 3.7 with AVX2, 3.3 with AVX-512 (2-core AMD EPYC VM,
-//! issue 24 round 27). AVX-512 is taken only where 512-bit vectors do not lower the clock of
-//! the code that follows (`Level::runs_here`). Every build gives the same ids and the same
-//! verdict (the tests).
+//! trace (a 12.5k-token int64 prompt on average, every request). The wheel is built for
+//! x86-64's baseline (SSE2, four int64 ids a step), so the same pass is compiled again for AVX2
+//! (eight) and AVX-512 (sixteen, one narrowing move) and chosen at run time: a 12.5k-token
+//! int64 prompt's lookup on an empty cache takes 4.0 µs portable, 3.7 with AVX2, 3.3 with
+//! AVX-512 (2-core AMD EPYC VM, issue 24 round 27). AVX-512 is taken only where 512-bit vectors
+//! do not lower the clock of the code that follows (`Level::runs_here`). Every build gives the
+//! same ids and the same verdict (the tests).
 
 use std::sync::OnceLock;
 
