@@ -162,10 +162,12 @@ impl CoreRunCache {
         keys: &KeyExtras,
         window: &Bound<'_, PyAny>,
     ) -> PyResult<PrefixMatch> {
-        let _ = (tokens, keys, window);
-        Err(invalid(
-            "lookup_in_window needs a sliding-window cache; this one has full attention".into(),
-        ))
+        let _ = (tokens, keys);
+        // The block core's words for the same refusal.
+        Err(invalid(format!(
+            "lookup_in_window: window {window} in a full-attention cache (a sliding-window \
+             cache and a window of at least 1 token are needed)"
+        )))
     }
 
     #[pyo3(signature = (tokens, keys, priority=None, request=None))]
@@ -345,8 +347,8 @@ impl CoreRunCache {
     fn set_request_window(&self, request: RequestRef, window: &Bound<'_, PyAny>) -> PyResult<()> {
         let _ = (request, window);
         Err(invalid(
-            "set_request_window needs a cache built with window_release=\"explicit\"; this one \
-             has full attention"
+            "set_request_window: only a sliding-window cache with window_release Explicit \
+             serves requests with their own windows"
                 .into(),
         ))
     }

@@ -604,17 +604,23 @@ pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// 2**28 blocks of 16 tokens, describing far more KV than any device holds.
 pub const MAX_UP_FRONT_BYTES: usize = 1 << 34;
 
-/// The bytes a cache of `config` allocates at construction, or the refusal naming the size
-/// that makes them absurd: everything is allocated (and written) up front, so an absurd size
-/// would take the memory, or report its absence as something else.
-fn check_up_front_bytes(config: &CacheConfig) -> Result<usize> {
-    let (num_blocks, block_size) = (config.num_blocks as usize, config.block_size);
+/// Refuses a block size above [`MAX_BLOCK_SIZE`], naming it (the run cache's too).
+pub(crate) fn check_block_size(block_size: usize) -> Result<()> {
     if block_size > MAX_BLOCK_SIZE {
         return Err(CacheError::InvalidInput(format!(
             "block_size {block_size} is above the largest supported, {MAX_BLOCK_SIZE} tokens \
              per block"
         )));
     }
+    Ok(())
+}
+
+/// The bytes a cache of `config` allocates at construction, or the refusal naming the size
+/// that makes them absurd: everything is allocated (and written) up front, so an absurd size
+/// would take the memory, or report its absence as something else.
+fn check_up_front_bytes(config: &CacheConfig) -> Result<usize> {
+    let (num_blocks, block_size) = (config.num_blocks as usize, config.block_size);
+    check_block_size(block_size)?;
     // `Inner::external_refs`, and the pool's own.
     let per_block = std::mem::size_of::<u32>() + BlockPool::BYTES_PER_BLOCK;
     let bytes = crate::table::Table::bytes_up_front(num_blocks, block_size)

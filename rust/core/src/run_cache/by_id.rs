@@ -778,16 +778,18 @@ fn poisoned() -> CacheError {
 }
 
 fn fresh(num_blocks: u32, block_size: usize, full_hit: FullHit) -> Result<RunCache> {
+    // Refused by name before anything is reserved, as the block core refuses them.
+    crate::cache::check_block_size(block_size)?;
+    crate::hugepages::from_env().map_err(CacheError::InvalidInput)?;
     RunCache::new(num_blocks, block_size, SEED)
         .map(|cache| cache.with_full_hit(full_hit))
         .ok_or_else(|| {
             CacheError::InvalidInput(format!(
-            "a run cache of {num_blocks} blocks of {block_size} tokens: its metadata would take \
-             more than the {} bytes allowed up front (or blocks of more than {} tokens), or the \
-             memory is not there",
-            crate::cache::MAX_UP_FRONT_BYTES,
-            crate::cache::MAX_BLOCK_SIZE
-        ))
+                "num_blocks {num_blocks} of block_size {block_size} tokens: the run cache's \
+                 metadata would take more bytes up front than the {} allowed, or the memory \
+                 is not there",
+                crate::cache::MAX_UP_FRONT_BYTES,
+            ))
         })
 }
 
