@@ -18,7 +18,9 @@ SHARED = RNG.integers(0, 128_000, 3808)
 
 
 def run(kind: str, form: str, requests: int = 120) -> float:
-    cache = PrefixCache(num_blocks=(requests + 4) * 256, context=CacheContext(model_id="m"))
+    cache = PrefixCache(
+        num_blocks=(requests + 4) * 256, context=CacheContext(model_id="m"), core="blocks"
+    )
     times = []
     for _ in range(requests):
         if kind == "hit":

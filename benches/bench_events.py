@@ -123,7 +123,7 @@ def index_updates(num_calls: int) -> dict[str, Any]:
             index.remove(i % 8, hashes)
         remove_ns = now() - start
     # The full subscriber path: a prefixkv batch of one 16-block commit, decoded and applied.
-    cache = PrefixCache(64, context=CacheContext(model_id="bench", block_size=BLOCK))
+    cache = PrefixCache(64, context=CacheContext(model_id="bench", block_size=BLOCK), core="blocks")
     recorder = EventRecorder(cache)
     request = cache.begin([rng.randrange(32000) for _ in range(16 * BLOCK)])
     cache.commit(request, 16 * BLOCK)
@@ -147,7 +147,7 @@ def index_updates(num_calls: int) -> dict[str, Any]:
 
 def score_latency(iterations: int, background: int) -> dict[str, Any]:
     rng = random.Random(2)
-    cache = PrefixCache(1, context=CacheContext(model_id="bench", block_size=BLOCK))
+    cache = PrefixCache(1, context=CacheContext(model_id="bench", block_size=BLOCK), core="blocks")
     prompt = [rng.randrange(32000) for _ in range(4096)]
     from prefixkv.events import prompt_hashes
 

@@ -38,7 +38,7 @@ def _child(kind: str, num_blocks: int) -> dict[str, Any]:
     if kind == "prefixkv":
         from prefixkv import PrefixCache
 
-        make = lambda: PrefixCache(num_blocks, block_size=BLOCK_SIZE)  # noqa: E731
+        make = lambda: PrefixCache(num_blocks, block_size=BLOCK_SIZE, core="blocks")  # noqa: E731
     else:
         from python_baseline import PyPrefixCache
 

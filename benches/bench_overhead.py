@@ -71,17 +71,17 @@ def _replay(workload: Workload) -> dict[str, Any]:
     """Times every request of `workload` through every variant; returns per-variant medians."""
     bs = BLOCK_SIZE
     ours = {
-        "list": PrefixCache(workload.num_blocks, block_size=bs),
-        "numpy": PrefixCache(workload.num_blocks, block_size=bs),
+        "list": PrefixCache(workload.num_blocks, block_size=bs, core="blocks"),
+        "numpy": PrefixCache(workload.num_blocks, block_size=bs, core="blocks"),
         # Fed the same requests as "numpy", to time begin, commit and finish apart: a clock read
         # is a ~0.6 µs system call here, so the totals are timed without any inside them.
-        "phases": PrefixCache(workload.num_blocks, block_size=bs),
+        "phases": PrefixCache(workload.num_blocks, block_size=bs, core="blocks"),
     }
     theirs = {
         "list": PyPrefixCache(workload.num_blocks, bs),
         "numpy": PyPrefixCache(workload.num_blocks, bs),
     }
-    floor_cache = PrefixCache(16, block_size=bs)
+    floor_cache = PrefixCache(16, block_size=bs, core="blocks")
     hash_only = PyPrefixCache(16, bs)
     forms = {"list": [p.tolist() for p in workload.prompts], "numpy": workload.prompts}
 
@@ -193,7 +193,7 @@ def hash_costs(num_tokens: int = 4096) -> dict[str, Any]:
         for chunk in blocks:
             key = make(key + chunk)
 
-    cache = PrefixCache(16, block_size=BLOCK_SIZE)
+    cache = PrefixCache(16, block_size=BLOCK_SIZE, core="blocks")
     as_bytes = prompt.astype("<u4").tobytes()
     n = len(blocks)
     with gc_paused():
@@ -235,7 +235,7 @@ def breakdown(num_tokens: int = 4000) -> dict[str, Any]:
     as_list = prompt.tolist()
     miss = rng.integers(0, 128_000, num_tokens, dtype=np.int64)
     # Room for every fresh prompt below, so no miss pays for evictions.
-    cache = PrefixCache(64 * num_tokens // BLOCK_SIZE, block_size=BLOCK_SIZE)
+    cache = PrefixCache(64 * num_tokens // BLOCK_SIZE, block_size=BLOCK_SIZE, core="blocks")
     request = cache.begin(prompt)
     cache.commit(request, num_tokens)
     cache.finish(request)

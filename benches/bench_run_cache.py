@@ -84,7 +84,7 @@ def replay(quick: bool, seed: int, shape: str) -> dict[str, Any]:
     num_blocks = trace.num_blocks()
     run = _request if shape == "request" else _steps
     sides = {
-        "prefixkv": PrefixCache(num_blocks, block_size=BLOCK_SIZE),
+        "prefixkv": PrefixCache(num_blocks, block_size=BLOCK_SIZE, core="blocks"),
         "runs": PrefixCache(num_blocks, block_size=BLOCK_SIZE, core="runs"),
     }
     names = list(sides)

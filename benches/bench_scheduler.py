@@ -41,7 +41,9 @@ def step_costs(quick: bool) -> dict[str, float]:
     steps = 64 if quick else 256
 
     def fresh() -> tuple[PrefixCache, list[str]]:
-        cache = PrefixCache(REQUESTS * (PROMPT // BLOCK + 2 * steps // BLOCK + 8), block_size=BLOCK)
+        cache = PrefixCache(
+            REQUESTS * (PROMPT // BLOCK + 2 * steps // BLOCK + 8), block_size=BLOCK, core="blocks"
+        )
         ids = [f"req-{i}" for i in range(REQUESTS)]
         for i, rid in enumerate(ids):
             cache.add_request(rid, [i + 1] * PROMPT)
@@ -91,7 +93,9 @@ def step_costs(quick: bool) -> dict[str, float]:
         results[name] = statistics.median(samples)
     samples = []
     for _ in range(5):
-        cache = PrefixCache(REQUESTS * (PROMPT // BLOCK + steps // BLOCK + 8), block_size=BLOCK)
+        cache = PrefixCache(
+            REQUESTS * (PROMPT // BLOCK + steps // BLOCK + 8), block_size=BLOCK, core="blocks"
+        )
         requests = []
         for i in range(REQUESTS):
             request = cache.begin([i + 1] * PROMPT)

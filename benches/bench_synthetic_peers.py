@@ -168,7 +168,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{', '.join(versions) or 'none'}. vLLM cached the same tokens as prefixkv on every "
         "request where it ran; *SGLang agrees* is the share of requests on which SGLang's hit "
         f"equals prefixkv's. Load average {result['load_average_before']:.1f} before, "
-        f"{result['load_average_after']:.1f} after.\n",
+        f"{result['load_average_after']:.1f} after. *prefixkv* is the block core "
+        '(`core="blocks"`); *core="runs"* the run core, `PrefixCache()`\'s default '
+        '(`core="auto"`) since round 29.\n',
     ]
     headers = ["trace", "prompt", "requests", "hit", "prefixkv µs (mean / p99)"]
     headers.append('core="runs" µs (mean / p99)')

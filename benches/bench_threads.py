@@ -338,7 +338,7 @@ def _decode_step_ns() -> dict[str, float]:
     stay attached (`gil.rs`); `commit` asks the core how far the request had computed first."""
     from common import median_ns
 
-    cache = PrefixCache(2048, block_size=BLOCK_SIZE)
+    cache = PrefixCache(2048, block_size=BLOCK_SIZE, core="blocks")
     tokens = np.arange(4096, dtype=np.int64)
     cache.add_request("decode", tokens)
     cache.allocate_slots("decode", len(tokens))

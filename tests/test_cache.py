@@ -27,6 +27,9 @@ from prefixkv import (
     UnknownRequestError,
 )
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 BS = 4
 
 
@@ -113,7 +116,7 @@ def test_next_chat_turn_hits_the_previous_answer():
 
 
 def test_duplicate_blocks_are_deduplicated_and_kept_as_spares_on_release():
-    cache = PrefixCache(16, block_size=BS)
+    cache = PrefixCache(16, block_size=BS, core="blocks")
     tokens = list(range(9))
     a = cache.begin(tokens)
     b = cache.begin(tokens)  # both miss: computed concurrently
@@ -193,7 +196,7 @@ def test_out_of_blocks_changes_nothing():
 
 
 def test_clear_detaches_referenced_blocks_and_stops_publishing():
-    cache = PrefixCache(16, block_size=BS)
+    cache = PrefixCache(16, block_size=BS, core="blocks")
     serve(cache, list(range(8)))
     live = cache.begin([*list(range(8)), 1, 2, 3, 4, 5])
     cache.clear()
@@ -544,7 +547,7 @@ def test_vocab_size_is_enforced():
 
 
 def test_bad_calls_raise_typed_errors_and_change_nothing():
-    cache = PrefixCache(8, block_size=BS)
+    cache = PrefixCache(8, block_size=BS, core="blocks")
     request = cache.begin(list(range(6)))
     raw = cache.allocate(1)
     before = snapshot(cache)
@@ -630,7 +633,7 @@ def test_low_level_blocks_computed_before_clear_are_never_published():
 
 
 def test_release_cannot_drop_a_reference_a_request_owns():
-    cache = PrefixCache(8, block_size=BS)
+    cache = PrefixCache(8, block_size=BS, core="blocks")
     request = cache.begin([1, 2, 3, 4, 5])
     before = snapshot(cache)
     with pytest.raises(BlockStateError, match="a block a request owns"):

@@ -24,6 +24,9 @@ from prefixkv.errors import (
     UnknownRequestError,
 )
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 BS = 4
 
 #: Values that are not integers, though Python would happily coerce most of them.
@@ -103,7 +106,7 @@ def test_size_arguments_are_typed_errors_naming_the_argument(bad) -> None:
 
 @given(bad=st.one_of(st.booleans(), st.floats(), st.text(max_size=3)))
 def test_counts_and_priorities_refuse_non_integers(bad) -> None:
-    cache = PrefixCache(16, block_size=BS)
+    cache = PrefixCache(16, block_size=BS, core="blocks")
     request = cache.begin(list(range(9)))
     before = snapshot(cache, request)
     for name, call in (
@@ -321,7 +324,7 @@ def test_results_are_named_and_frozen() -> None:
 def test_blocks_obtainable_counts_what_eviction_can_reach() -> None:
     # The engine's repro: one 24-token prompt served leaves a chain of 6 cached blocks, of
     # which only the last is an evictable leaf; allocation can still evict the whole chain.
-    cache = PrefixCache(8, block_size=BS)
+    cache = PrefixCache(8, block_size=BS, core="blocks")
     request = cache.begin(list(range(24)))
     cache.commit(request, 24)
     cache.finish(request)
@@ -338,7 +341,7 @@ def test_blocks_obtainable_counts_what_eviction_can_reach() -> None:
     hold=st.lists(st.booleans(), min_size=6, max_size=6),
 )
 def test_blocks_obtainable_is_exactly_what_allocate_grants(prompts, hold) -> None:
-    cache = PrefixCache(12, block_size=BS)
+    cache = PrefixCache(12, block_size=BS, core="blocks")
     held = []
     for index, num_blocks in enumerate(prompts):
         tokens = [index] * (num_blocks * BS)

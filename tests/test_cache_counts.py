@@ -54,7 +54,7 @@ def snapshot(cache: PrefixCache, requests) -> tuple:
 def busy_cache() -> tuple[PrefixCache, dict[str, tuple[int | str, int, int, int]]]:
     """A cache with a waiting request, a scheduled one with tokens left to compute and one
     with none left: name -> (request, start, tokens, blocks held)."""
-    cache = PrefixCache(NUM_BLOCKS, block_size=BS)
+    cache = PrefixCache(NUM_BLOCKS, block_size=BS, core="blocks")
     cache.add_request("waiting", list(range(1000, 1010)))
     done = cache.begin(list(range(10)))
     cache.commit(done, 10)

@@ -48,7 +48,9 @@ class CacheMachine(RuleBasedStateMachine):
             CacheContext(block_size=block_size),
             CacheContext(block_size=block_size, model_id="other"),
         ]
-        self.cache = prefixkv.PrefixCache(num_blocks, context=self.contexts[0], full_hit=full_hit)
+        self.cache = prefixkv.PrefixCache(
+            num_blocks, context=self.contexts[0], full_hit=full_hit, core="blocks"
+        )
         self.model = ReferenceCache(num_blocks, block_size, full_hit == "reuse_last_block")
         self.live: dict[int, int] = {}  # real request id -> model request id
         self.num_blocks = num_blocks

@@ -122,7 +122,9 @@ class StepsMachine(RuleBasedStateMachine):
             CacheContext(block_size=block_size),
             CacheContext(block_size=block_size, model_id="other"),
         ]
-        self.cache = prefixkv.PrefixCache(num_blocks, context=self.contexts[0], full_hit=full_hit)
+        self.cache = prefixkv.PrefixCache(
+            num_blocks, context=self.contexts[0], full_hit=full_hit, core="blocks"
+        )
         self.live: dict[int | str, Req] = {}
         self.raw: list[list[int]] = []
         self.pins: list[object] = []
@@ -678,7 +680,7 @@ def test_truncate_after_a_reset_never_cuts_into_a_block_another_request_reads() 
     guard in `truncate` counts only published blocks, so it lets a request cut back into such a
     block: the request then writes the KV of its next token into a block the other request reads
     (and `truncate` reports blocks as freed that the other request still holds)."""
-    cache = prefixkv.PrefixCache(8, block_size=2)
+    cache = prefixkv.PrefixCache(8, block_size=2, core="blocks")
     cache.add_request("b", [1, 2, 3, 4, 5])
     cache.allocate_slots("b", 5)
     cache.commit("b", 5)

@@ -9,8 +9,12 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from prefixkv import OutOfBlocksError, PrefixCache
+
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
 
 BS = 4
 

@@ -13,6 +13,9 @@ from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import InvalidInputError, MissingDependencyError
 from prefixkv.events import EventRecorder, PrefixIndex, hash64
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 CORES = pytest.mark.parametrize("core", ["blocks", "runs"])
 
 

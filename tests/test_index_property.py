@@ -33,7 +33,9 @@ prompts = st.lists(st.integers(0, 3), min_size=1, max_size=9)
 class IndexMatchesCache(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PrefixCache(6, context=CacheContext(model_id="prop", block_size=BLOCK_SIZE))
+        self.cache = PrefixCache(
+            6, context=CacheContext(model_id="prop", block_size=BLOCK_SIZE), core="blocks"
+        )
         self.recorder = EventRecorder(self.cache, capacity=5, token_ids="unsalted")
         self.buffer: list[bytes] = []  # the publisher's replay buffer: seq = position
         self.index = PrefixIndex(["engine"])

@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import InvalidInputError
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 BLOCK_SIZE = 4
 VOCAB = 50
 CORES = ("blocks", "runs")

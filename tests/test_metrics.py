@@ -11,6 +11,9 @@ from prefixkv.errors import InvalidInputError
 from prefixkv.events import EventRecorder
 from prefixkv.metrics import PrefixCacheCollector
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 
 def test_scrape_reports_queries_hits_usage_and_event_loss() -> None:
     cache = PrefixCache(8, context=CacheContext(model_id="m", block_size=2))

@@ -107,7 +107,7 @@ class BothCores(RuleBasedStateMachine):
         super().__init__()
         context = CacheContext(block_size=BLOCK_SIZE)
         self.num_blocks = 12
-        self.blocks = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB)
+        self.blocks = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB, core="blocks")
         self.runs = PrefixCache(self.num_blocks, context=context, vocab_size=VOCAB, core="runs")
         # The eviction log a host tier drains: the same blocks, in the same order.
         for cache in (self.blocks, self.runs):

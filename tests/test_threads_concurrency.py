@@ -26,6 +26,9 @@ from prefixkv import CacheContext, InvalidInputError, OutOfBlocksError, PrefixCa
 from prefixkv.group_cache import GroupedPrefixCache
 from prefixkv.kv_groups import KVGroupSpec
 
+# Each test runs on the default core as it ships ("auto") and on the block core.
+pytestmark = pytest.mark.usefixtures("each_default_core")
+
 BS = 4
 #: Prompts up to 240 tokens (60 blocks): past the 16 blocks from which calls release the GIL.
 MAX_PROMPT = 240

@@ -66,7 +66,7 @@ TokenIds = Any  # Sequence[int] | np.ndarray | torch.Tensor (kept Any: torch is 
 RequestRef = Request | int | str
 #: How a prompt whose every block is cached is served (see `PrefixCache`).
 FULL_HIT_MODES = ("recompute_last_block", "reuse_last_block")
-CORES = ("blocks", "runs")
+CORES = ("auto", "blocks", "runs")
 #: When a sliding-window cache releases what a request's window passed (`PrefixCache`).
 WINDOW_RELEASE_MODES = ("on_commit", "explicit")
 #: A multimodal item: (first placeholder position, number of placeholders, content hash).
@@ -205,7 +205,14 @@ class PrefixCache:
             schedule, as vLLM does (``docs/vllm.md``, "Hybrid and sliding-window layouts");
             released positions, and a finished request's table, then leave last first.
             Refused without a `sliding_window`.
-        core: which structure holds the cache. ``"blocks"`` (the default) serves every call
+        core: which structure holds the cache; `core` names the one in use. ``"auto"`` (the
+            default) picks the run core where it serves the settings (no `sliding_window`)
+            and the block core otherwise. An "auto" cache on the run core moves to the block
+            core at its first low-level block call (`match_and_acquire`, `allocate`,
+            `commit_blocks`, `release`), provided it has never handed out a block and holds
+            no request: both cores give the same hits and blocks, so the move changes only
+            speed. Past that point such a call is an `UnsupportedFeatureError` naming
+            ``core="blocks"``. ``"blocks"`` serves every call
             here. ``"runs"`` (issue 24; the vLLM integration's default for full attention)
             keeps one table entry per run of blocks, as a radix tree keeps a node, and serves
             the request cycle and the step API
@@ -213,7 +220,7 @@ class PrefixCache:
             `accept_drafts`, `truncate`, `commit`, `preempt`, `finish`, `lookup`, ...) faster
             on long prompts (1.85× on the production-shaped replay), handing out the same
             blocks in the same order; `pin`, `unpin`, the eviction log, both `full_hit` modes,
-            KV events (`EventRecorder`: the same events as the default core's) and `multimodal`
+            KV events (`EventRecorder`: the same events as the block core's) and `multimodal`
             items (a block they overlap starts a run of its own, found only under its items'
             tag) too. It refuses by name, changing nothing, what it does not serve yet:
             `sliding_window`, the low-level block calls (`match_and_acquire`, `allocate`,
@@ -238,7 +245,7 @@ class PrefixCache:
         full_hit: str = "recompute_last_block",
         sliding_window: int | None = None,
         window_release: str = "on_commit",
-        core: str = "blocks",
+        core: str = "auto",
         _key_bits: int = 128,
     ) -> None:
         if full_hit not in FULL_HIT_MODES:
@@ -273,7 +280,28 @@ class PrefixCache:
         # context other than the one the core keys blocks under.
         self._context_lock = threading.Lock()
         self.full_hit = full_hit
+        # "auto": the run core unless a setting needs the block core; it may still move to the
+        # block core once, while empty (`_block_core`).
+        self._auto = core == "auto"
+        if self._auto:
+            runs_serve = sliding_window is None and window_release == "on_commit"
+            core = "runs" if runs_serve and _key_bits == 128 else "blocks"
         self.core = core
+        # What the block core would be built with, kept for an "auto" cache's move to it.
+        self._block_core_arguments = (
+            num_blocks,
+            vocab_size,
+            _key_bits,
+            full_hit == "reuse_last_block",
+            sliding_window,
+            window_release,
+        )
+        #: Set by `set_eviction_log` and by an `EventRecorder` (capacity, token_ids), so that an
+        #: "auto" cache's move to the block core carries them over.
+        self._eviction_log = False
+        self._event_settings: tuple[int, str] | None = None
+        #: Lookup counters an "auto" cache's run core gathered before its move.
+        self._earlier_stats: CacheStats | None = None
         self._core: _core.CoreCache | _core.CoreRunCache
         if core == "runs":
             _check_runs_serve(sliding_window, window_release, _key_bits)
@@ -285,16 +313,7 @@ class PrefixCache:
                 full_hit == "reuse_last_block",
             )
         elif core == "blocks":
-            self._core = _core.CoreCache(
-                num_blocks,
-                context.block_size,
-                context.fingerprint(),
-                vocab_size,
-                _key_bits,
-                full_hit == "reuse_last_block",
-                sliding_window,
-                window_release,
-            )
+            self._core = self._new_block_core(context)
         else:
             raise InvalidInputError(f"core must be one of {CORES}, got {core!r}")
 
@@ -610,11 +629,12 @@ class PrefixCache:
     ) -> PrefixMatch:
         """Match the cached prefix and take one reference per matched block, atomically."""
         keys = _extras(salt, adapter, multimodal, extras)
-        return self._core.match_and_acquire(as_token_ids(tokens), keys, priority)
+        core = self._block_core("match_and_acquire")
+        return core.match_and_acquire(as_token_ids(tokens), keys, priority)
 
     def allocate(self, count: int) -> list[int]:
         """`count` blocks with one reference each, evicting cached blocks if needed."""
-        return self._core.allocate(count)
+        return self._block_core("allocate").allocate(count)
 
     def blocks_obtainable(self, up_to: int | None = None) -> int:
         """How many blocks `allocate` could hand out right now, capped at `up_to` (default: the
@@ -641,11 +661,12 @@ class PrefixCache:
         one was cached first; the caller's copy is then freed at its release).
         """
         keys = _extras(salt, adapter, multimodal, extras)
-        return self._core.commit_blocks(as_token_ids(tokens), block_ids, keys, priority)
+        core = self._block_core("commit_blocks")
+        return core.commit_blocks(as_token_ids(tokens), block_ids, keys, priority)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per listed block."""
-        self._core.release(block_ids)
+        self._block_core("release").release(block_ids)
 
     # -- retention -----------------------------------------------------------------------
     def pin(
@@ -668,8 +689,10 @@ class PrefixCache:
 
     # -- reset and observation -----------------------------------------------------------
     def clear(self) -> None:
-        """Forget every cached block (e.g. after a weights update). Live requests keep their
-        blocks, but nothing they compute from now on is published."""
+        """Forget every cached block (e.g. after a weights update). On the block core, live
+        requests keep their blocks, but nothing they compute from now on is published; the
+        run core refuses while a request is scheduled (`InvalidInputError`: preempt or finish
+        it first), and keys waiting and preempted ones anew."""
         self._core.clear()
 
     def set_context(self, context: CacheContext) -> None:
@@ -691,12 +714,16 @@ class PrefixCache:
         cached (`blocks_cached`: a table entry, or a spare copy of one) or private (held and
         not an entry), so `blocks_free + blocks_cached == blocks_total` once no request holds
         a private block (docs/design.md, "Block counts")."""
-        return self._core.stats()
+        stats = self._core.stats()
+        earlier = self._earlier_stats
+        return stats if earlier is None else stats._after(earlier)
 
     def set_eviction_log(self, enabled: bool) -> None:
         """Log the cached blocks allocations evict, for `drain_evicted` (a host tier saves
         their KV). Off by default; while on, drain after every allocation."""
-        self._core.set_eviction_log(bool(enabled))
+        with self._context_lock:
+            self._core.set_eviction_log(bool(enabled))
+            self._eviction_log = bool(enabled)
 
     def drain_evicted(self) -> list[int]:
         """Block ids evicted since the last drain, oldest first. Their pages still hold the
@@ -714,13 +741,62 @@ class PrefixCache:
         self._core.check_invariants()
 
     def _block_core(self, what: str) -> _core.CoreCache:
-        """The per-block core, for `what` (KV groups), which only it serves."""
-        if not isinstance(self._core, _core.CoreCache):
+        """The per-block core, for `what` (the low-level block calls, KV groups), which only it
+        serves. An "auto" cache on the run core moves to it here, if nothing yet depends on
+        the run core: no block ever handed out, no request, nothing cached or pinned."""
+        core = self._core
+        if isinstance(core, _core.CoreCache):
+            return core
+        if not self._auto:
             raise UnsupportedFeatureError(
-                f'{what} is not served by the run core yet (core="runs"); use the default '
-                'core="blocks" for it'
+                f'{what} is not served by the run core yet (core="runs"); use '
+                'core="blocks" (or "auto", which moves to it while the cache is empty) for it'
             )
-        return self._core
+        with self._context_lock:
+            core = self._core
+            if isinstance(core, _core.CoreCache):  # another thread moved it meanwhile
+                return core
+            stats = core.stats()
+            untouched = (
+                stats.requests_live == 0
+                and stats.blocks_free == stats.blocks_total
+                and stats.blocks_released == 0
+                and stats.committed_blocks == 0
+                and _core.event_counters(core).recorded_blocks == 0
+            )
+            if not untouched:
+                raise UnsupportedFeatureError(
+                    f'{what} is not served by the run core, which this cache (core="auto") '
+                    "chose at its first request call and has used since; create the cache "
+                    'with core="blocks" to use the low-level block calls or KV groups beside '
+                    "requests"
+                )
+            blocks = self._new_block_core(self._context)
+            if self._eviction_log:
+                blocks.set_eviction_log(True)
+            if self._event_settings is not None and _core.events_enabled(core):
+                _core.enable_events(blocks, *self._event_settings)
+            # The run core's counters are lookups that found nothing (nothing was cached):
+            # `stats` adds them to the block core's.
+            self._earlier_stats = stats
+            self._core = blocks
+            self.core = "blocks"
+            return blocks
+
+    def _new_block_core(self, context: CacheContext) -> _core.CoreCache:
+        num_blocks, vocab_size, key_bits, reuse_last_block, window, release = (
+            self._block_core_arguments
+        )
+        return _core.CoreCache(
+            num_blocks,
+            context.block_size,
+            context.fingerprint(),
+            vocab_size,
+            key_bits,
+            reuse_last_block,
+            window,
+            release,
+        )
 
     def __repr__(self) -> str:
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"

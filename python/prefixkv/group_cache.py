@@ -185,6 +185,7 @@ class GroupedPrefixCache:
                 vocab_size=vocab_size,
                 sliding_window=spec.sliding_window,
                 window_release="on_commit" if spec.sliding_window is None else window_release,
+                core="blocks",  # only the block core serves KV groups
             )
             for spec, count, size in zip(specs, num_blocks, block_sizes, strict=True)
         )

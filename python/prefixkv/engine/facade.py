@@ -251,6 +251,9 @@ class Engine:
                 context=self._cache_context(),
                 vocab_size=config.vocab_size,
                 full_hit=full_hit,
+                # The block core: `weights_changed` switches the context while requests are
+                # scheduled (they restart after it), which the run core refuses.
+                core="blocks",
             )
         if watermark_blocks is None:
             watermark_blocks = max(1, min(pool_sizes(self.kv_cache)) // 100)

@@ -40,11 +40,17 @@ class EventRecorder:
             raise InvalidInputError(
                 f"EventRecorder needs a prefixkv PrefixCache, got {type(cache).__name__}"
             )
-        core = cache._core
         self._cache = cache
-        self._core = core
         self.token_ids = token_ids
-        _core.enable_events(core, capacity, token_ids)
+        _core.enable_events(cache._core, capacity, token_ids)
+        # A `PrefixCache(core="auto")` may move to its block core while empty; it enables
+        # events there with these settings (`PrefixCache._block_core`).
+        cache._event_settings = (capacity, token_ids)
+
+    @property
+    def _core(self) -> _core.CoreCache | _core.CoreRunCache:
+        # Read at every call: an "auto" cache may have moved to its block core since.
+        return self._cache._core
 
     @property
     def cache(self) -> PrefixCache:

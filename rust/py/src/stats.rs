@@ -38,6 +38,24 @@ impl CacheStats {
         }
     }
 
+    /// These block states with `earlier`'s counters added: the figures of a
+    /// `PrefixCache(core="auto")` that moved to its block core, `earlier` being the run core's
+    /// at the move (`cache.py`, `PrefixCache._block_core`).
+    fn _after(&self, earlier: &CacheStats) -> CacheStats {
+        CacheStats {
+            lookups: self.lookups + earlier.lookups,
+            lookup_tokens: self.lookup_tokens + earlier.lookup_tokens,
+            hit_tokens: self.hit_tokens + earlier.hit_tokens,
+            probes: self.probes + earlier.probes,
+            evictions: self.evictions + earlier.evictions,
+            committed_blocks: self.committed_blocks + earlier.committed_blocks,
+            deduplicated_blocks: self.deduplicated_blocks + earlier.deduplicated_blocks,
+            collisions: self.collisions + earlier.collisions,
+            blocks_released: self.blocks_released + earlier.blocks_released,
+            ..*self
+        }
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "CacheStats(lookups={}, hit_rate={:.3}, hit_tokens={}, lookup_tokens={}, evictions={}, \
