@@ -209,8 +209,8 @@ class PrefixCache:
             default) picks the run core where it serves the settings (no `sliding_window`)
             and the block core otherwise. An "auto" cache on the run core moves to the block
             core at its first low-level block call (`match_and_acquire`, `allocate`,
-            `commit_blocks`, `release`), provided it has never handed out a block and holds
-            no request: both cores give the same hits and blocks, so the move changes only
+            `commit_blocks`, `release`), provided it holds no request and every block is
+            still free: both cores give the same hits and blocks, so the move changes only
             speed. Past that point such a call is an `UnsupportedFeatureError` naming
             ``core="blocks"``. ``"blocks"`` serves every call
             here. ``"runs"`` (issue 24; the vLLM integration's default for full attention)
@@ -742,8 +742,10 @@ class PrefixCache:
 
     def _block_core(self, what: str) -> _core.CoreCache:
         """The per-block core, for `what` (the low-level block calls, KV groups), which only it
-        serves. An "auto" cache on the run core moves to it here, if nothing yet depends on
-        the run core: no block ever handed out, no request, nothing cached or pinned."""
+        serves. An "auto" cache on the run core moves to it here, if nothing depends on the
+        run core yet: no request live, every block free (nothing cached, pinned or held),
+        nothing committed, no KV event recorded. The block core starts from its first free
+        order, as a cache built with ``core="blocks"`` does."""
         core = self._core
         if isinstance(core, _core.CoreCache):
             return core
@@ -760,7 +762,6 @@ class PrefixCache:
             untouched = (
                 stats.requests_live == 0
                 and stats.blocks_free == stats.blocks_total
-                and stats.blocks_released == 0
                 and stats.committed_blocks == 0
                 and _core.event_counters(core).recorded_blocks == 0
             )

@@ -593,12 +593,16 @@ impl RunPrefixCache {
         let state = self.state()?;
         let counts = state.cache.block_counts();
         let c = &state.counters;
-        let mut in_use = vec![false; self.num_blocks as usize];
-        for live in state.requests.values() {
-            for &block in live.request.blocks() {
-                in_use[block as usize] = true;
-            }
-        }
+        // Distinct blocks the live requests hold (a shared prefix is in several tables):
+        // sorted and deduplicated, O(held log held), where a map of every block would cost
+        // O(blocks) a call even with nothing held.
+        let mut in_use: Vec<BlockId> = state
+            .requests
+            .values()
+            .flat_map(|live| live.request.blocks().iter().copied())
+            .collect();
+        in_use.sort_unstable();
+        in_use.dedup();
         Ok(CacheStats {
             lookups: c.lookups,
             lookup_tokens: c.lookup_tokens,
@@ -612,7 +616,7 @@ impl RunPrefixCache {
             blocks_total: self.num_blocks as usize,
             blocks_free: counts.free,
             blocks_cached: counts.cached,
-            blocks_in_use: in_use.iter().filter(|&&u| u).count(),
+            blocks_in_use: in_use.len(),
             blocks_pinned: state.cache.num_pinned(),
             // Every cached block nobody holds: eviction reaches each of them (a run gives its
             // blocks up tail first).

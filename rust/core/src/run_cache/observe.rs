@@ -1,6 +1,8 @@
 //! What the run cache's blocks are, read for stats and tests: which are cached (a run's, or a
-//! spare copy of one), which are free. The writer keeps no per-block state, so these walk the
-//! runs: O(blocks), for observation, never on the request path.
+//! spare copy of one), which are free. The writer keeps no per-block state: the counts `stats`
+//! reads add up runs and duplicate records (O(runs), as `stats` is polled by metrics and by
+//! `prefixkv analyze` after every request); the per-block maps walk the runs' blocks
+//! (O(blocks)), for tests, `is_cached` and a reset, never on the request path.
 
 use super::{RunCache, NONE};
 use crate::pool::BlockId;
@@ -48,9 +50,26 @@ impl RunCache {
     pub fn block_counts(&self) -> RunBlockCounts {
         RunBlockCounts {
             free: self.order.free.len(),
-            cached: self.cached_map(true).iter().filter(|&&c| c).count(),
+            cached: self.num_cached(),
             obtainable: self.order.free_count,
         }
+    }
+
+    /// Blocks cached, spares included: each shared run's length plus the spare records. A
+    /// block is in at most one run, and a spare is a copy outside every run, so nothing is
+    /// counted twice (`check_block_states` compares this with the per-block map).
+    fn num_cached(&self) -> usize {
+        let in_runs: usize = self
+            .runs
+            .iter()
+            .filter(|r| r.shared.is_some())
+            .map(|r| r.len as usize)
+            .sum();
+        let spares = self
+            .live_dups()
+            .filter(|&d| self.dups[d].segment != NONE)
+            .count();
+        in_runs + spares
     }
 
     /// Blocks in the pool.
@@ -101,6 +120,11 @@ impl RunCache {
             free[block as usize] = true;
         }
         let count = |states: &[bool]| states.iter().filter(|&&s| s).count();
+        assert_eq!(
+            self.num_cached(),
+            count(&cached),
+            "the cached count (runs' lengths and spares) matches the blocks cached"
+        );
         assert_eq!(
             count(&free) + count(&cached) + count(&private),
             self.num_blocks(),
