@@ -48,7 +48,7 @@ cp Cargo.toml CHANGELOG.md LICENSE pyproject.toml "$root/"
 cp rust/core/Cargo.toml "$root/rust/core/"
 cp rust/py/Cargo.toml "$root/rust/py/"
 cp scripts/smoke_no_extras.py "$root/scripts/"
-cp tests/__init__.py tests/reference_cache.py tests/test_cache_threads.py \
+cp tests/__init__.py tests/core_defaults.py tests/reference_cache.py tests/test_cache_threads.py \
     tests/test_cache_state_machine.py tests/test_packaging.py "$root/tests/"
 sed -e '/^import torch$/d' -e '/torch\.tensor/d' tests/test_cache.py > "$root/tests/test_cache.py"
 if grep -n torch "$root/tests/test_cache.py"; then

@@ -23,6 +23,7 @@ from prefixkv.errors import (
     PrefixKVError,
     UnknownRequestError,
 )
+from tests.core_defaults import each_default_core  # noqa: F401  (a fixture)
 
 # Each test runs on the default core as it ships ("auto") and on the block core.
 pytestmark = pytest.mark.usefixtures("each_default_core")

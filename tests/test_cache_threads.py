@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from prefixkv import OutOfBlocksError, PrefixCache
+from tests.core_defaults import each_default_core  # noqa: F401  (a fixture)
 
 # Each test runs on the default core as it ships ("auto") and on the block core.
 pytestmark = pytest.mark.usefixtures("each_default_core")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import InvalidInputError
+from tests.core_defaults import each_default_core  # noqa: F401  (a fixture)
 
 # Each test runs on the default core as it ships ("auto") and on the block core.
 pytestmark = pytest.mark.usefixtures("each_default_core")

@@ -10,6 +10,7 @@ from prefixkv import CacheContext, PrefixCache
 from prefixkv.errors import InvalidInputError
 from prefixkv.events import EventRecorder
 from prefixkv.metrics import PrefixCacheCollector
+from tests.core_defaults import each_default_core  # noqa: F401  (a fixture)
 
 # Each test runs on the default core as it ships ("auto") and on the block core.
 pytestmark = pytest.mark.usefixtures("each_default_core")

@@ -25,6 +25,7 @@ import pytest
 from prefixkv import CacheContext, InvalidInputError, OutOfBlocksError, PrefixCache
 from prefixkv.group_cache import GroupedPrefixCache
 from prefixkv.kv_groups import KVGroupSpec
+from tests.core_defaults import each_default_core  # noqa: F401  (a fixture)
 
 # Each test runs on the default core as it ships ("auto") and on the block core.
 pytestmark = pytest.mark.usefixtures("each_default_core")
