@@ -839,7 +839,7 @@ def _check_runs_serve(sliding_window: int | None, window_release: str, key_bits:
     if unserved:
         raise UnsupportedFeatureError(
             f'{", ".join(unserved)} is not served by the run core yet (core="runs"); '
-            'use the default core="blocks" for it'
+            'use core="blocks" (or "auto", the default, which picks it) for it'
         )
 
 

@@ -27,8 +27,8 @@ pub struct CoreRunCache(pub(crate) RunPrefixCache);
 /// Refuses a call the run core does not serve yet, by name.
 fn unserved(call: &str) -> PyErr {
     unsupported(format!(
-        "{call} is not served by the run core yet (PrefixCache(core=\"runs\")); use the \
-         default core=\"blocks\" for it"
+        "{call} is not served by the run core yet (PrefixCache(core=\"runs\")); use \
+         core=\"blocks\" for it"
     ))
 }
 
