@@ -822,3 +822,44 @@ fn get_mut<'a>(
         .map(|live| &mut live.request)
         .ok_or_else(|| CacheError::UnknownRequest(id.clone()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RunPrefixCache;
+    use crate::cache::{FullHit, MAX_BLOCK_SIZE};
+    use crate::error::CacheError;
+    use crate::key::context_fingerprint;
+
+    fn build(num_blocks: u32, block_size: usize) -> Result<RunPrefixCache, CacheError> {
+        let context = context_fingerprint(b"run-cache-sizes");
+        RunPrefixCache::new(
+            num_blocks,
+            block_size,
+            context,
+            None,
+            FullHit::RecomputeLastBlock,
+        )
+    }
+
+    /// A size the run cache cannot serve is refused by the figure, in the block core's words,
+    /// before anything is reserved; the largest block size it can is served.
+    #[test]
+    fn absurd_sizes_are_refused_by_name() {
+        let refusal = |result: Result<RunPrefixCache, CacheError>| match result {
+            Err(CacheError::InvalidInput(message)) => message,
+            Err(other) => panic!("refused as {other:?}"),
+            Ok(_) => panic!("served"),
+        };
+        let message = refusal(build(16, MAX_BLOCK_SIZE + 1));
+        assert!(
+            message.contains("is above the largest supported"),
+            "{message}"
+        );
+        let message = refusal(build(u32::MAX, 4));
+        assert!(message.contains("bytes up front"), "{message}");
+        assert_eq!(
+            build(4, MAX_BLOCK_SIZE).unwrap().block_size(),
+            MAX_BLOCK_SIZE
+        );
+    }
+}
