@@ -464,6 +464,20 @@ def test_a_bad_huge_pages_setting_is_refused_by_name(monkeypatch, value: str) ->
         PrefixCache(8, block_size=BS)
 
 
+def test_the_huge_pages_setting_is_read_when_a_cache_is_built_not_at_a_reset(monkeypatch) -> None:
+    """A reset builds no cache anew: a bad value set since does not make `clear` or
+    `set_context` fail (the run core once read it again at every reset)."""
+    cache = PrefixCache(8, block_size=BS)
+    request = cache.begin(list(range(12)))
+    cache.commit(request, 12)
+    cache.finish(request)
+    monkeypatch.setenv("PREFIXKV_HUGE_PAGES", "yes")
+    cache.clear()
+    cache.set_context(CacheContext(block_size=BS, model_id="after"))
+    assert cache.lookup(list(range(12))).num_cached_tokens == 0
+    cache.check_invariants()
+
+
 def test_huge_pages_on_or_off_give_the_same_answers(monkeypatch) -> None:
     """70,000 blocks: the table's slots and token rows pass the 4 MiB from which the core
     advises huge pages. The setting may change where the arrays sit, never what they hold."""

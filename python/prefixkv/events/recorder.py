@@ -48,8 +48,9 @@ class EventRecorder:
         cache._event_settings = (capacity, token_ids)
 
     @property
-    def _core(self) -> _core.CoreCache | _core.CoreRunCache:
-        # Read at every call: an "auto" cache may have moved to its block core since.
+    def _recorded(self) -> _core.CoreCache | _core.CoreRunCache:
+        """The recorded cache's core, read at every call: an "auto" cache may have moved to
+        its block core since."""
         return self._cache._core
 
     @property
@@ -60,25 +61,25 @@ class EventRecorder:
     @property
     def block_size(self) -> int:
         """Tokens per block of the recorded cache."""
-        return self._core.block_size
+        return self._recorded.block_size
 
     def drain(self) -> EventDrain:
         """The events since the last drain, with the recorder's counters."""
-        return _core.drain_events(self._core)
+        return _core.drain_events(self._recorded)
 
     def counters(self) -> EventCounters:
         """Blocks recorded, blocks dropped by overflows, and overflows, since the cache began."""
-        return _core.event_counters(self._core)
+        return _core.event_counters(self._recorded)
 
     def cached_keys(self) -> list[bytes]:
         """The SHA-256 block key of every block the cache holds now."""
-        return _core.cached_keys(self._core)
+        return _core.cached_keys(self._recorded)
 
     @property
     def enabled(self) -> bool:
         """Whether the cache still records events."""
-        return _core.events_enabled(self._core)
+        return _core.events_enabled(self._recorded)
 
     def close(self) -> None:
         """Stops recording (queued events are discarded; counters are kept)."""
-        _core.disable_events(self._core)
+        _core.disable_events(self._recorded)

@@ -86,6 +86,10 @@ impl RunPrefixCache {
         vocab_size: Option<u32>,
         full_hit: FullHit,
     ) -> Result<Self> {
+        // Refused by name before anything is reserved, as the block core refuses them; once,
+        // here: a reset builds its fresh structure without reading the environment again.
+        crate::cache::check_block_size(block_size)?;
+        crate::hugepages::from_env().map_err(CacheError::InvalidInput)?;
         let cache = fresh(num_blocks, block_size, full_hit)?;
         Ok(Self {
             reader: RwLock::new((cache.shared_table(), Context::new(context))),
@@ -782,9 +786,6 @@ fn poisoned() -> CacheError {
 }
 
 fn fresh(num_blocks: u32, block_size: usize, full_hit: FullHit) -> Result<RunCache> {
-    // Refused by name before anything is reserved, as the block core refuses them.
-    crate::cache::check_block_size(block_size)?;
-    crate::hugepages::from_env().map_err(CacheError::InvalidInput)?;
     RunCache::new(num_blocks, block_size, SEED)
         .map(|cache| cache.with_full_hit(full_hit))
         .ok_or_else(|| {
